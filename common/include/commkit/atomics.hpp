@@ -1,0 +1,29 @@
+// commkit/atomics.hpp -- acquire/release loads and stores and system-scope atomics,
+// one spelling for host and device code.
+//
+// Contract (T is a 32- or 64-bit integer type):
+//   ld_acquire(p)        load with acquire order, system scope (visible across GPUs and the CPU).
+//   ld_relaxed(p)        relaxed (volatile) load; no ordering.
+//   st_release(p, v)     store with release order, system scope.
+//   st_relaxed(p, v)     relaxed store.
+//   fetch_add(p, v)      atomic add, acq_rel, system scope; returns the old value.
+//   cas(p, expected, v)  atomic compare-and-swap, acq_rel, system scope; returns the old value
+//                        (succeeded iff the result == expected).
+//   exchange(p, v)       atomic exchange, acq_rel, system scope; returns the old value.
+//   fence_system()       full fence at system scope.
+// The *_gpu variants (device only) use GPU scope, for data that never leaves one GPU.
+// On the host these map to the GCC __atomic builtins, which are lock-free on x86-64 for 4 and
+// 8 bytes and so work on process-shared and cudaHostRegister'ed memory. On the device they are
+// PTX ld.acquire.sys / st.release.sys / atom.*.acq_rel.sys.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "commkit/platform.hpp"
+
+namespace commkit {
+
+#include "commkit/impl/atomics__funcs.hpp"
+
+}  // namespace commkit

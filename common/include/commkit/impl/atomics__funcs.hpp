@@ -1,0 +1,128 @@
+// Implementation of commkit/atomics.hpp; included inside namespace commkit.
+// NOLINTBEGIN
+namespace atomics_detail {
+template <typename T>
+struct Bits {
+  static_assert(std::is_integral<T>::value && (sizeof(T) == 4 || sizeof(T) == 8),
+                "commkit atomics support 32- and 64-bit integers");
+  using U = typename std::conditional<sizeof(T) == 4, uint32_t, unsigned long long>::type;
+};
+}  // namespace atomics_detail
+
+#if CK_IS_DEVICE_PASS
+
+template <typename T>
+CK_HD CK_INLINE T ld_acquire(const T* p) {
+  using U = typename atomics_detail::Bits<T>::U;
+  U v;
+  if constexpr (sizeof(T) == 4)
+    asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  else
+    asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return static_cast<T>(v);
+}
+template <typename T>
+CK_HD CK_INLINE T ld_relaxed(const T* p) {
+  return *reinterpret_cast<const volatile T*>(p);
+}
+template <typename T>
+CK_HD CK_INLINE void st_release(T* p, T value) {
+  using U = typename atomics_detail::Bits<T>::U;
+  U v = static_cast<U>(value);
+  if constexpr (sizeof(T) == 4)
+    asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  else
+    asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+template <typename T>
+CK_HD CK_INLINE void st_relaxed(T* p, T value) {
+  *reinterpret_cast<volatile T*>(p) = value;
+}
+template <typename T>
+CK_HD CK_INLINE T fetch_add(T* p, T value) {
+  using U = typename atomics_detail::Bits<T>::U;
+  U old, v = static_cast<U>(value);
+  if constexpr (sizeof(T) == 4)
+    asm volatile("atom.add.acq_rel.sys.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  else
+    asm volatile("atom.add.acq_rel.sys.global.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+  return static_cast<T>(old);
+}
+template <typename T>
+CK_HD CK_INLINE T cas(T* p, T expected, T value) {
+  using U = typename atomics_detail::Bits<T>::U;
+  U old, e = static_cast<U>(expected), v = static_cast<U>(value);
+  if constexpr (sizeof(T) == 4)
+    asm volatile("atom.cas.acq_rel.sys.global.b32 %0, [%1], %2, %3;" : "=r"(old) : "l"(p), "r"(e), "r"(v) : "memory");
+  else
+    asm volatile("atom.cas.acq_rel.sys.global.b64 %0, [%1], %2, %3;" : "=l"(old) : "l"(p), "l"(e), "l"(v) : "memory");
+  return static_cast<T>(old);
+}
+template <typename T>
+CK_HD CK_INLINE T exchange(T* p, T value) {
+  using U = typename atomics_detail::Bits<T>::U;
+  U old, v = static_cast<U>(value);
+  if constexpr (sizeof(T) == 4)
+    asm volatile("atom.exch.acq_rel.sys.global.b32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  else
+    asm volatile("atom.exch.acq_rel.sys.global.b64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+  return static_cast<T>(old);
+}
+CK_HD CK_INLINE void fence_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+template <typename T>
+CK_DEVICE CK_INLINE T ld_acquire_gpu(const T* p) {
+  using U = typename atomics_detail::Bits<T>::U;
+  U v;
+  if constexpr (sizeof(T) == 4)
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  else
+    asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return static_cast<T>(v);
+}
+template <typename T>
+CK_DEVICE CK_INLINE void st_release_gpu(T* p, T value) {
+  using U = typename atomics_detail::Bits<T>::U;
+  U v = static_cast<U>(value);
+  if constexpr (sizeof(T) == 4)
+    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  else
+    asm volatile("st.release.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+#else  // host
+
+template <typename T>
+CK_HD CK_INLINE T ld_acquire(const T* p) {
+  (void)sizeof(typename atomics_detail::Bits<T>::U);
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+template <typename T>
+CK_HD CK_INLINE T ld_relaxed(const T* p) {
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
+template <typename T>
+CK_HD CK_INLINE void st_release(T* p, T value) {
+  __atomic_store_n(p, value, __ATOMIC_RELEASE);
+}
+template <typename T>
+CK_HD CK_INLINE void st_relaxed(T* p, T value) {
+  __atomic_store_n(p, value, __ATOMIC_RELAXED);
+}
+template <typename T>
+CK_HD CK_INLINE T fetch_add(T* p, T value) {
+  return __atomic_fetch_add(p, value, __ATOMIC_ACQ_REL);
+}
+template <typename T>
+CK_HD CK_INLINE T cas(T* p, T expected, T value) {
+  __atomic_compare_exchange_n(p, &expected, value, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+  return expected;  // holds the old value on failure, the expected one on success
+}
+template <typename T>
+CK_HD CK_INLINE T exchange(T* p, T value) {
+  return __atomic_exchange_n(p, value, __ATOMIC_ACQ_REL);
+}
+CK_HD CK_INLINE void fence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
+#endif
+// NOLINTEND

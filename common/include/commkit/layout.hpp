@@ -1,0 +1,63 @@
+// commkit/layout.hpp -- aligned-region layout math, constexpr and usable on host and device.
+//
+// Contract:
+//   align_up(x, a) / align_down(x, a) / is_aligned(x, a) / ceil_div(x, y)   (a: power of two for
+//       align_*; any positive for ceil_div). All constexpr, CK_HD.
+//   Region { offset, bytes }           one sub-buffer of a larger allocation; end() = offset + bytes.
+//   Layout                             a builder: each add(bytes, align) places a region after the
+//                                      previous one at the next multiple of `align` and returns it;
+//                                      total(align) is the size of the whole layout rounded up.
+//   Every buffer layout in the project is a constexpr function returning Regions built with
+//   Layout, so the CPU test suite checks offsets, alignment and non-overlap of every layout.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "commkit/platform.hpp"
+
+namespace commkit {
+
+CK_HD constexpr bool is_pow2(uint64_t a) { return a != 0 && (a & (a - 1)) == 0; }
+CK_HD constexpr uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+CK_HD constexpr uint64_t align_down(uint64_t x, uint64_t a) { return x / a * a; }
+CK_HD constexpr bool is_aligned(uint64_t x, uint64_t a) { return x % a == 0; }
+CK_HD constexpr uint64_t ceil_div(uint64_t x, uint64_t y) { return (x + y - 1) / y; }
+
+struct Region {
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  CK_HD constexpr uint64_t end() const { return offset + bytes; }
+  CK_HD constexpr bool overlaps(const Region& o) const {
+    return bytes != 0 && o.bytes != 0 && offset < o.end() && o.offset < end();
+  }
+  template <typename T>
+  CK_HD T* at(void* base) const {
+    return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
+  }
+  template <typename T>
+  CK_HD const T* at(const void* base) const {
+    return reinterpret_cast<const T*>(static_cast<const char*>(base) + offset);
+  }
+};
+
+class Layout {
+ public:
+  CK_HD constexpr explicit Layout(uint64_t start = 0) : cursor_(start) {}
+  CK_HD constexpr Region add(uint64_t bytes, uint64_t align = 16) {
+    Region r{align_up(cursor_, align), bytes};
+    cursor_ = r.end();
+    return r;
+  }
+  template <typename T>
+  CK_HD constexpr Region add_array(uint64_t count, uint64_t align = alignof(T) < 16 ? 16 : alignof(T)) {
+    return add(count * sizeof(T), align);
+  }
+  CK_HD constexpr uint64_t cursor() const { return cursor_; }
+  CK_HD constexpr uint64_t total(uint64_t align = 1) const { return align_up(cursor_, align); }
+
+ private:
+  uint64_t cursor_;
+};
+
+}  // namespace commkit

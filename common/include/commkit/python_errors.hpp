@@ -1,0 +1,52 @@
+// commkit/python_errors.hpp -- maps commkit exceptions to Python exceptions (pybind11 TUs only).
+//
+// Contract:
+//   commkit::register_python_errors(m) adds to module `m`:
+//     CommError(RuntimeError)        for commkit::Error; attributes rank, peer
+//     CommTimeoutError(TimeoutError) for commkit::TimeoutError; attributes operation, rank, peer,
+//                                    expected, observed
+//   and translates commkit::ValueError to the builtin ValueError. Packages may subclass these
+//   Python types in their own Python code; the C++ side always raises these.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include "commkit/check.hpp"
+
+namespace commkit {
+
+inline void register_python_errors(pybind11::module_& m) {
+  namespace py = pybind11;
+  static py::handle comm_error;
+  static py::handle timeout_error;
+  comm_error = py::exception<Error>(m, "CommError", PyExc_RuntimeError).release();
+  timeout_error = py::exception<TimeoutError>(m, "CommTimeoutError", PyExc_TimeoutError).release();
+  py::register_exception_translator([](std::exception_ptr p) {
+    if (!p) return;
+    auto raise_with = [](py::handle type, const Error& e, py::dict attrs) {
+      py::object exc = type(py::str(e.what()));
+      attrs["rank"] = e.rank();
+      attrs["peer"] = e.peer();
+      attrs["where"] = py::str(std::string(e.file()) + ":" + std::to_string(e.line()));
+      for (auto item : attrs) py::setattr(exc, item.first, item.second);
+      PyErr_SetObject(type.ptr(), exc.ptr());
+    };
+    try {
+      std::rethrow_exception(p);
+    } catch (const TimeoutError& e) {
+      py::gil_scoped_acquire gil;
+      py::dict attrs;
+      attrs["operation"] = e.operation();
+      attrs["expected"] = e.expected();
+      attrs["observed"] = e.observed();
+      raise_with(timeout_error, e, attrs);
+    } catch (const ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const Error& e) {
+      py::gil_scoped_acquire gil;
+      raise_with(comm_error, e, py::dict());
+    }
+  });
+}
+
+}  // namespace commkit

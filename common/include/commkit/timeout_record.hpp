@@ -1,0 +1,63 @@
+// commkit/timeout_record.hpp -- the record a device-side deadline leaves for the host.
+//
+// Contract:
+//   TimeoutRecord lives in host-visible memory (cudaHostAlloc(..., cudaHostAllocMapped) or any
+//   memory both sides can reach). A device wait that expires claims it with a CAS on `flag`
+//   (first writer wins), fills operation / rank / peer / expected / observed, and leaves the
+//   kernel; every other waiter sees `flag != 0` and leaves too (see device_deadline.cuh).
+//   After the stream is synchronised the host calls raise_if_timed_out(record, op_name), which
+//   throws commkit::TimeoutError naming the operation, rank and peer, then clears the record.
+//   No trap(): the CUDA context stays usable.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "commkit/atomics.hpp"
+#include "commkit/platform.hpp"
+
+namespace commkit {
+
+struct alignas(64) TimeoutRecord {
+  uint32_t flag;      // 0: clear; 1: a deadline expired (claimed by CAS)
+  uint32_t op;        // package-defined operation code
+  int32_t rank;       // rank that waited
+  int32_t peer;       // peer it waited for (-1 when not a single peer)
+  int64_t expected;   // value it waited for
+  int64_t observed;   // value it last saw
+  uint64_t waited_ns; // how long it waited without progress
+  uint32_t channel;   // block / channel index that expired
+  uint32_t reserved[5];
+};
+static_assert(sizeof(TimeoutRecord) == 64, "TimeoutRecord must stay one cache line");
+
+}  // namespace commkit
+
+#if !CK_IS_DEVICE_PASS
+#include "commkit/check.hpp"
+
+namespace commkit {
+
+inline void clear_timeout_record(TimeoutRecord* rec) {
+  TimeoutRecord zero{};
+  zero.peer = -1;
+  *rec = zero;
+  fence_system();
+}
+
+// Throws commkit::TimeoutError if a device deadline expired. op_name maps op codes to names.
+template <typename OpName>
+inline void raise_if_timed_out(TimeoutRecord* rec, OpName&& op_name, const char* file, int line) {
+  if (ld_acquire(&rec->flag) == 0) return;
+  TimeoutRecord copy = *rec;
+  clear_timeout_record(rec);
+  std::string op = op_name(copy.op);
+  detail::raise_timeout(file, line, op, copy.rank, copy.peer, copy.expected, copy.observed,
+                        " after ", copy.waited_ns / 1000000ull, " ms without progress (GPU channel ",
+                        copy.channel, "); the CUDA context is still usable");
+}
+
+}  // namespace commkit
+
+#define CK_RAISE_IF_TIMED_OUT(rec, op_name) ::commkit::raise_if_timed_out((rec), (op_name), __FILE__, __LINE__)
+#endif

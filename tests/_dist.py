@@ -1,0 +1,150 @@
+"""Multi-process test launcher shared by every package's test suite.
+
+``run_workers(fn, world_size, *args, tmp_path=..., timeout=...)`` starts ``world_size`` processes
+with the ``spawn`` start method, each running ``fn(rank, world_size, rdzv, *args)`` where ``rdzv``
+is a ``file://`` URL under the test's temporary folder (use it as ``init_method`` of
+``torch.distributed.init_process_group``; never a fixed port). It joins every process with one
+overall deadline, kills the stragglers, and raises ``WorkerFailure`` carrying each failed rank's
+traceback, so a hang fails the test instead of the CI run.
+
+``fn`` must be importable by the child (a module-level function of an importable test module).
+Return values travel back through a queue and are returned as a list indexed by rank.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pathlib
+import queue as queue_mod
+import time
+import traceback
+from typing import Any, Callable, List, Optional
+
+# Keep NVLink multicast off in every child as well (see the GPU machine's rules).
+_SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+class WorkerFailure(AssertionError):
+    """One or more worker processes failed, hung or died."""
+
+
+def _child(fn, rank, world_size, rdzv, args, q, env):
+    os.environ.update(env)
+    try:
+        result = fn(rank, world_size, rdzv, *args)
+        q.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - forwarded to the parent verbatim
+        q.put((rank, False, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    tmp_path: pathlib.Path,
+    timeout: float = 120.0,
+    env: Optional[dict] = None,
+    expect_dead: Optional[set] = None,
+) -> List[Any]:
+    """Run ``fn`` on ``world_size`` spawned processes; see the module docstring.
+
+    Arguments:
+        fn: module-level function ``fn(rank, world_size, rdzv_url, *args)``.
+        world_size: number of processes.
+        tmp_path: a per-test temporary folder (pytest's ``tmp_path``); the rendezvous file lives there.
+        timeout: seconds for the whole group; stragglers are killed and the test fails.
+        env: extra environment variables for the children.
+        expect_dead: ranks that are expected to die (e.g. killed by the test); their exit is not an error.
+
+    Returns:
+        The list of return values, indexed by rank (None for ranks in ``expect_dead``).
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    rdzv_file = pathlib.Path(tmp_path) / f"rdzv_{os.getpid()}_{time.monotonic_ns()}"
+    rdzv = f"file://{rdzv_file}"
+    child_env = dict(_SAFE_ENV)
+    child_env.update(env or {})
+    expect_dead = set(expect_dead or ())
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world_size, rdzv, args, q, child_env), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict = {}
+    failures: dict = {}
+    deadline = time.monotonic() + timeout
+    pending = set(range(world_size)) - expect_dead
+    try:
+        while pending and time.monotonic() < deadline:
+            try:
+                rank, ok, payload = q.get(timeout=0.2)
+            except queue_mod.Empty:
+                for r in list(pending):
+                    p = procs[r]
+                    if not p.is_alive() and p.exitcode not in (0, None) and r not in results:
+                        # Give the queue a moment: the child may have posted before exiting.
+                        try:
+                            rank, ok, payload = q.get(timeout=1.0)
+                        except queue_mod.Empty:
+                            failures[r] = f"rank {r} died with exit code {p.exitcode}"
+                            pending.discard(r)
+                            continue
+                        else:
+                            break
+                else:
+                    continue
+            if ok:
+                results[rank] = payload
+            else:
+                failures[rank] = payload
+            pending.discard(rank)
+        hung = sorted(pending)
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if hung:
+        failures.update({r: f"rank {r} did not finish within {timeout:.0f} s (killed)" for r in hung})
+    if failures:
+        msg = "\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures))
+        raise WorkerFailure(f"{len(failures)} of {world_size} workers failed:\n{msg}")
+    return [results.get(r) for r in range(world_size)]
+
+
+def init_gloo(rank: int, world_size: int, rdzv: str, timeout_s: float = 60.0):
+    """Initialise a gloo process group through the file rendezvous (CPU tests)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=rdzv, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return dist.group.WORLD
+
+
+def init_nccl(rank: int, world_size: int, rdzv: str, timeout_s: float = 120.0, device: Optional[int] = None):
+    """Initialise an NCCL process group (one GPU per rank unless ``device`` says otherwise)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    dev = rank % torch.cuda.device_count() if device is None else device
+    torch.cuda.set_device(dev)
+    dist.init_process_group(
+        "nccl", init_method=rdzv, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s), device_id=torch.device("cuda", dev),
+    )
+    return dist.group.WORLD
