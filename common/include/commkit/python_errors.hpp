@@ -11,6 +11,9 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstring>
+#include <string>
+
 #include "commkit/check.hpp"
 
 namespace commkit {
@@ -27,7 +30,8 @@ inline void register_python_errors(pybind11::module_& m) {
       py::object exc = type(py::str(e.what()));
       attrs["rank"] = e.rank();
       attrs["peer"] = e.peer();
-      attrs["where"] = py::str(std::string(e.file()) + ":" + std::to_string(e.line()));
+      const char* base = std::strrchr(e.file(), '/');
+      attrs["where"] = py::str(std::string(base ? base + 1 : e.file()) + ":" + std::to_string(e.line()));
       for (auto item : attrs) py::setattr(exc, item.first, item.second);
       PyErr_SetObject(type.ptr(), exc.ptr());
     };

@@ -70,26 +70,6 @@ CK_HD CK_INLINE T exchange(T* p, T value) {
 }
 CK_HD CK_INLINE void fence_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
-template <typename T>
-CK_DEVICE CK_INLINE T ld_acquire_gpu(const T* p) {
-  using U = typename atomics_detail::Bits<T>::U;
-  U v;
-  if constexpr (sizeof(T) == 4)
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  else
-    asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return static_cast<T>(v);
-}
-template <typename T>
-CK_DEVICE CK_INLINE void st_release_gpu(T* p, T value) {
-  using U = typename atomics_detail::Bits<T>::U;
-  U v = static_cast<U>(value);
-  if constexpr (sizeof(T) == 4)
-    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-  else
-    asm volatile("st.release.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
 #else  // host
 
 template <typename T>
@@ -123,6 +103,29 @@ CK_HD CK_INLINE T exchange(T* p, T value) {
   return __atomic_exchange_n(p, value, __ATOMIC_ACQ_REL);
 }
 CK_HD CK_INLINE void fence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
+#endif
+#if defined(__CUDACC__)
+// Device-only GPU-scope variants (declared in both nvcc passes so kernels parse in the host pass).
+template <typename T>
+CK_DEVICE CK_INLINE T ld_acquire_gpu(const T* p) {
+  using U = typename atomics_detail::Bits<T>::U;
+  U v;
+  if constexpr (sizeof(T) == 4)
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  else
+    asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return static_cast<T>(v);
+}
+template <typename T>
+CK_DEVICE CK_INLINE void st_release_gpu(T* p, T value) {
+  using U = typename atomics_detail::Bits<T>::U;
+  U v = static_cast<U>(value);
+  if constexpr (sizeof(T) == 4)
+    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  else
+    asm volatile("st.release.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 
 #endif
 // NOLINTEND

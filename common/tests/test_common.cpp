@@ -1,0 +1,223 @@
+// CPU test suite of the common/ header library (no GPU, no torch). Built by the superbuild as
+// `commkit_common_tests` and by tests/common/test_common_headers.py with g++ directly.
+// Exits 0 when every check passed, 1 otherwise; prints one line per test.
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "commkit/atomics.hpp"
+#include "commkit/check.hpp"
+#include "commkit/deadline.hpp"
+#include "commkit/layout.hpp"
+#include "commkit/timeout_record.hpp"
+
+namespace {
+
+int g_failed = 0;
+int g_passed = 0;
+
+#define EXPECT(...)                                                         \
+  do {                                                                      \
+    if (!(__VA_ARGS__)) {                                                        \
+      std::printf("    expectation failed: %s (%s:%d)\n", #__VA_ARGS__, __FILE__, __LINE__); \
+      throw std::runtime_error("expectation failed");                       \
+    }                                                                       \
+  } while (0)
+
+void run(const char* name, const std::function<void()>& fn) {
+  try {
+    fn();
+    ++g_passed;
+    std::printf("PASS %s\n", name);
+  } catch (const std::exception& e) {
+    ++g_failed;
+    std::printf("FAIL %s: %s\n", name, e.what());
+  }
+}
+
+template <typename E, typename F>
+E expect_throw(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e;
+  }
+  throw std::runtime_error("expected exception was not thrown");
+}
+
+// ---- layout: checked at compile time and at run time ------------------------------------------
+constexpr commkit::Region kA = commkit::Layout(0).add(10, 16);
+static_assert(commkit::align_up(10, 16) == 16, "align_up");
+static_assert(commkit::align_up(32, 16) == 32, "align_up exact");
+static_assert(commkit::align_down(33, 16) == 32, "align_down");
+static_assert(commkit::ceil_div(33, 16) == 3, "ceil_div");
+static_assert(commkit::is_pow2(64) && !commkit::is_pow2(48) && !commkit::is_pow2(0), "is_pow2");
+static_assert(kA.offset == 0 && kA.bytes == 10 && kA.end() == 10, "first region");
+
+constexpr uint64_t three_region_total() {
+  commkit::Layout l;
+  l.add(10, 16);
+  l.add(100, 128);
+  l.add(1, 4096);
+  return l.total(2 << 20);
+}
+static_assert(three_region_total() == (2u << 20), "total rounds to the requested alignment");
+
+}  // namespace
+
+int main() {
+  run("check: CK_CHECK_ARG throws ValueError with file:line", [] {
+    auto e = expect_throw<commkit::ValueError>([] { CK_CHECK_ARG(1 + 1 == 3, "bad value ", 42); });
+    std::string what = e.what();
+    EXPECT(what.find("bad value 42") != std::string::npos);
+    EXPECT(what.find("test_common.cpp:") != std::string::npos);
+    EXPECT(e.line() > 0);
+  });
+  run("check: CK_CHECK throws Error, not ValueError", [] {
+    bool value_error = false;
+    try {
+      CK_CHECK(false, "runtime");
+    } catch (const commkit::ValueError&) {
+      value_error = true;
+    } catch (const commkit::Error& e) {
+      EXPECT(std::string(e.what()).find("runtime") != std::string::npos);
+    }
+    EXPECT(!value_error);
+  });
+  run("check: CK_CHECK_RANK carries rank and peer", [] {
+    auto e = expect_throw<commkit::Error>([] { CK_CHECK_RANK(false, 3, 5, "peer lost"); });
+    EXPECT(e.rank() == 3 && e.peer() == 5);
+    EXPECT(std::string(e.what()).find("[rank 3, peer 5]") != std::string::npos);
+  });
+  run("check: CK_THROW_TIMEOUT carries op, expected, observed", [] {
+    auto e = expect_throw<commkit::TimeoutError>([] { CK_THROW_TIMEOUT("dispatch notify", 1, 0, 7, 3); });
+    EXPECT(e.operation() == "dispatch notify" && e.expected() == 7 && e.observed() == 3);
+    EXPECT(e.rank() == 1 && e.peer() == 0);
+    EXPECT(std::string(e.what()).find("dispatch notify timed out") != std::string::npos);
+  });
+  run("check: CK_SYS_CHECK reports errno", [] {
+    auto e = expect_throw<commkit::Error>([] { CK_SYS_CHECK(::close(-1)); });
+    EXPECT(std::string(e.what()).find("Bad file descriptor") != std::string::npos);
+  });
+  run("deadline: expires without progress", [] {
+    commkit::ProgressDeadline d(20);
+    EXPECT(!d.expired(uint64_t(1)));
+    usleep(40 * 1000);
+    EXPECT(d.expired(uint64_t(1)));
+  });
+  run("deadline: progress resets the window", [] {
+    commkit::ProgressDeadline d(30);
+    for (uint64_t i = 0; i < 6; ++i) {  // 6 x 15 ms = 90 ms > 30 ms, but progress every 15 ms
+      EXPECT(!d.expired(i));
+      usleep(15 * 1000);
+    }
+    EXPECT(!d.expired(uint64_t(100)));
+  });
+  run("deadline: wait_until raises via on_timeout, returns on success", [] {
+    commkit::ProgressDeadline d(10);
+    bool timed_out = false;
+    try {
+      commkit::wait_until([] { return false; }, d, [] { return 0; },
+                          [] { CK_THROW_TIMEOUT("test wait", 0, 1, 1, 0); });
+    } catch (const commkit::TimeoutError&) {
+      timed_out = true;
+    }
+    EXPECT(timed_out);
+    std::atomic<int> flag{0};
+    std::thread t([&] {
+      usleep(5000);
+      flag = 1;
+    });
+    commkit::ProgressDeadline d2(2000);
+    commkit::wait_until([&] { return flag.load() == 1; }, d2, [] { return 0; },
+                        [] { CK_THROW("unexpected timeout"); });
+    t.join();
+  });
+  run("atomics: cas returns old value, exactly one winner among threads", [] {
+    uint32_t word = 0;
+    std::atomic<int> winners{0};
+    std::vector<std::thread> ts;
+    for (int i = 0; i < 8; ++i)
+      ts.emplace_back([&, i] {
+        if (commkit::cas(&word, 0u, uint32_t(i + 1)) == 0u) ++winners;
+      });
+    for (auto& t : ts) t.join();
+    EXPECT(winners.load() == 1);
+    EXPECT(word != 0u);
+    EXPECT(commkit::cas(&word, 12345u, 7u) == word);  // failure returns the current value
+  });
+  run("atomics: fetch_add across processes on shared memory (system scope)", [] {
+    void* mem = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    EXPECT(mem != MAP_FAILED);
+    auto* counter = static_cast<uint64_t*>(mem);
+    *counter = 0;
+    constexpr int kProcs = 4, kIters = 20000;
+    std::vector<pid_t> pids;
+    for (int p = 0; p < kProcs; ++p) {
+      pid_t pid = fork();
+      if (pid == 0) {
+        for (int i = 0; i < kIters; ++i) commkit::fetch_add(counter, uint64_t(1));
+        _exit(0);
+      }
+      pids.push_back(pid);
+    }
+    for (pid_t pid : pids) waitpid(pid, nullptr, 0);
+    EXPECT(commkit::ld_acquire(counter) == uint64_t(kProcs) * kIters);
+    munmap(mem, 4096);
+  });
+  run("atomics: release/acquire message passing", [] {
+    struct Msg {
+      uint64_t payload[64];
+      uint32_t ready;
+    } msg{};
+    std::thread producer([&] {
+      for (int i = 0; i < 64; ++i) msg.payload[i] = uint64_t(i) * 3 + 1;
+      commkit::st_release(&msg.ready, 1u);
+    });
+    while (commkit::ld_acquire(&msg.ready) == 0u) {
+    }
+    for (int i = 0; i < 64; ++i) EXPECT(msg.payload[i] == uint64_t(i) * 3 + 1);
+    producer.join();
+    EXPECT(commkit::exchange(&msg.ready, 5u) == 1u && msg.ready == 5u);
+  });
+  run("layout: regions are aligned, ordered and disjoint", [] {
+    commkit::Layout l(0);
+    commkit::Region a = l.add(1000, 16), b = l.add(24, 128), c = l.add_array<double>(3), d = l.add(0, 64);
+    EXPECT(a.offset == 0 && b.offset == 1024 && c.offset == 1056 && c.bytes == 24);
+    EXPECT(commkit::is_aligned(d.offset, 64) && d.offset >= c.end());
+    EXPECT(!a.overlaps(b) && !b.overlaps(c) && !a.overlaps(c));
+    EXPECT(commkit::Region{0, 10}.overlaps(commkit::Region{9, 1}));
+    EXPECT(!commkit::Region{0, 10}.overlaps(commkit::Region{10, 1}));
+    EXPECT(l.total(4096) == 4096);
+    char buf[2048];
+    EXPECT(reinterpret_cast<char*>(b.at<int>(buf)) == buf + 1024);
+  });
+  run("timeout record: host raises TimeoutError naming op, rank, peer; then clears", [] {
+    commkit::TimeoutRecord rec{};
+    commkit::clear_timeout_record(&rec);
+    auto name = [](uint32_t op) { return op == 2 ? std::string("combine recv") : std::string("?"); };
+    CK_RAISE_IF_TIMED_OUT(&rec, name);  // clear: no throw
+    rec.op = 2;
+    rec.rank = 1;
+    rec.peer = 0;
+    rec.expected = 9;
+    rec.observed = 4;
+    rec.waited_ns = 3000000000ull;
+    commkit::st_release(&rec.flag, 1u);
+    auto e = expect_throw<commkit::TimeoutError>([&] { CK_RAISE_IF_TIMED_OUT(&rec, name); });
+    EXPECT(e.operation() == "combine recv" && e.rank() == 1 && e.peer() == 0);
+    EXPECT(e.expected() == 9 && e.observed() == 4);
+    EXPECT(std::string(e.what()).find("3000 ms") != std::string::npos);
+    EXPECT(rec.flag == 0u);
+  });
+  std::printf("%d passed, %d failed\n", g_passed, g_failed);
+  return g_failed == 0 ? 0 : 1;
+}

@@ -1,0 +1,110 @@
+"""CPU suite of the header-only ``common/`` library.
+
+* the C++ suite ``common/tests/test_common.cpp`` (errors, deadlines, atomics across threads and
+  processes, layouts, timeout records) is compiled with the host compiler and run;
+* ``common/tests/test_device_headers.cu`` is compiled for sm_90a when nvcc exists (nothing runs);
+* a throwaway pybind11 module checks that commkit exceptions reach Python as the documented types
+  with their attributes (rank, peer, operation, expected, observed).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+INC = os.path.join(ROOT, "common", "include")
+CXX = os.environ.get("CXX", "g++")
+
+
+def _nvcc():
+    for cand in (os.environ.get("CUDACXX"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if cand and os.path.exists(cand):
+            return cand
+    return None
+
+
+def test_cpp_suite(tmp_path):
+    exe = tmp_path / "test_common"
+    subprocess.run([CXX, "-std=c++17", "-O1", "-Wall", "-Werror", "-I", INC,
+                    os.path.join(ROOT, "common", "tests", "test_common.cpp"), "-o", str(exe), "-pthread"],
+                   check=True)
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    print(res.stdout)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "0 failed" in res.stdout and "FAIL" not in res.stdout
+
+
+def test_headers_compile_standalone(tmp_path):
+    # Each public header must compile on its own (no hidden include-order dependency).
+    headers = ["check.hpp", "deadline.hpp", "atomics.hpp", "layout.hpp", "timeout_record.hpp", "platform.hpp"]
+    for h in headers:
+        src = tmp_path / f"inc_{h}.cpp"
+        src.write_text(f'#include "commkit/{h}"\nint main() {{ return 0; }}\n')
+        subprocess.run([CXX, "-std=c++17", "-Wall", "-Werror", "-fsyntax-only", "-I", INC, str(src)], check=True)
+
+
+def test_device_headers_compile_for_sm90a(tmp_path):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-I", INC, "-c",
+                    os.path.join(ROOT, "common", "tests", "test_device_headers.cu"),
+                    "-o", str(tmp_path / "dev.o")], check=True)
+    assert (tmp_path / "dev.o").stat().st_size > 0
+
+
+_ERR_MODULE = r"""
+#include <pybind11/pybind11.h>
+#include "commkit/python_errors.hpp"
+PYBIND11_MODULE(ck_err_probe, m) {
+  commkit::register_python_errors(m);
+  m.def("raise_value", [] { CK_CHECK_ARG(false, "argument x must be positive, got -1"); });
+  m.def("raise_error", [] { CK_CHECK_RANK(false, 2, 3, "peer vanished"); });
+  m.def("raise_timeout", [] { CK_THROW_TIMEOUT("dispatch notify", 1, 0, 8, 5); });
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def err_probe(tmp_path_factory):
+    pybind11 = pytest.importorskip("pybind11")
+    d = tmp_path_factory.mktemp("probe")
+    src = d / "probe.cpp"
+    src.write_text(_ERR_MODULE)
+    ext = sysconfig.get_config_var("EXT_SUFFIX")
+    out = d / f"ck_err_probe{ext}"
+    subprocess.run([CXX, "-std=c++17", "-O0", "-shared", "-fPIC", "-I", INC, "-I", pybind11.get_include(),
+                    "-I", sysconfig.get_paths()["include"], str(src), "-o", str(out)], check=True)
+    spec = importlib.util.spec_from_file_location("ck_err_probe", out)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_value_error_maps_to_builtin(err_probe):
+    with pytest.raises(ValueError, match="argument x must be positive") as ei:
+        err_probe.raise_value()
+    assert "probe.cpp:" in str(ei.value)
+
+
+def test_error_carries_rank_and_peer(err_probe):
+    with pytest.raises(RuntimeError, match="peer vanished") as ei:
+        err_probe.raise_error()
+    assert isinstance(ei.value, err_probe.CommError)
+    assert ei.value.rank == 2 and ei.value.peer == 3
+    assert ei.value.where.startswith("probe.cpp:")
+
+
+def test_timeout_carries_operation(err_probe):
+    with pytest.raises(TimeoutError) as ei:
+        err_probe.raise_timeout()
+    e = ei.value
+    assert isinstance(e, err_probe.CommTimeoutError)
+    assert (e.operation, e.rank, e.peer, e.expected, e.observed) == ("dispatch notify", 1, 0, 8, 5)
+    assert "dispatch notify timed out" in str(e)
