@@ -1,0 +1,114 @@
+"""Buffer sizing in Python: the seed's ``get_dispatch_buffer_size`` / ``get_combine_buffer_size`` /
+``calculate_buffer_size`` for the torch backend and for CPU-only callers.
+
+The native backend computes the same numbers in constexpr C++ (its layouts are the source of truth);
+``tests/elastic_ep/test_sizing.py`` checks that both agree whenever the native module is built.
+
+Token record (every part 16-byte aligned), as in DeepEP V2:
+    dispatch: ``[hidden * elem | sf packs * 4 | topk idx int32 * K | topk weights f32 * K | src meta 2 x int32]``
+    combine:  ``[hidden * 2 (bf16) | topk weights f32 * K]``
+A buffer region for ``n`` ranks of ``m`` tokens each holds ``n * m`` records.
+Direct mode (one scale-out rank):
+    dispatch = send (0 ranks over NVLink, else 1) + receive (R ranks) regions of ``max_tokens`` records;
+    combine  = send (0 over NVLink, else R regions of ``max_tokens * (1 if multi-red else K)``)
+               + receive (``min(R, K)`` slots with multiple reduction, else ``K``) of ``max_tokens`` records.
+``calculate_buffer_size`` = max(dispatch, combine) rounded up to 2 MiB, with ``num_topk=0`` meaning 32
+and FP8 scale packs estimated as ``ceil(hidden / 32)``.
+"""
+from __future__ import annotations
+
+ALIGNMENT_BYTES = 2 * 1024 * 1024  # the symmetric window's granularity (the seed's kNumAlignmentBytes)
+NUM_MAX_CHANNELS = 8 * 160         # the seed's kNumMaxChannels (hybrid mode)
+
+
+def align_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def ceil_div(x: int, y: int) -> int:
+    return (x + y - 1) // y
+
+
+def dispatch_token_bytes(hidden: int, elem_size: int, num_sf_packs: int, num_topk: int) -> int:
+    """Bytes of one dispatch record (see the module docstring)."""
+    return (align_up(hidden * elem_size, 16) + align_up(num_sf_packs * 4, 16) + align_up(num_topk * 4, 16)
+            + align_up(num_topk * 4, 16) + 16)
+
+
+def combine_token_bytes(hidden: int, elem_size: int, num_topk: int) -> int:
+    """Bytes of one combine record (see the module docstring)."""
+    return align_up(hidden * elem_size, 16) + align_up(num_topk * 4, 16)
+
+
+def _region(token_bytes: int, num_ranks: int, num_tokens: int) -> int:
+    return token_bytes * num_ranks * num_tokens
+
+
+def get_dispatch_buffer_size(num_max_tokens_per_rank: int, hidden: int, num_sf_packs: int, num_topk: int,
+                             elem_size: int, num_scaleout_ranks: int, num_scaleup_ranks: int,
+                             is_scaleup_nvlink: bool) -> int:
+    """The seed's ``get_dispatch_buffer_size`` (same arguments, bytes)."""
+    tok = dispatch_token_bytes(hidden, elem_size, num_sf_packs, num_topk)
+    num_ranks = num_scaleout_ranks * num_scaleup_ranks
+    if num_scaleout_ranks == 1:
+        return (_region(tok, 0 if is_scaleup_nvlink else 1, num_max_tokens_per_rank)
+                + _region(tok, num_ranks, num_max_tokens_per_rank))
+    return (_region(tok, num_scaleup_ranks, num_scaleout_ranks * num_max_tokens_per_rank)
+            + _region(tok, 1, num_max_tokens_per_rank)
+            + _region(tok, num_scaleout_ranks, num_max_tokens_per_rank + NUM_MAX_CHANNELS))
+
+
+def get_combine_buffer_size(num_max_tokens_per_rank: int, hidden: int, num_topk: int,
+                            num_scaleout_ranks: int, num_scaleup_ranks: int,
+                            is_scaleup_nvlink: bool, allow_multiple_reduction: bool) -> int:
+    """The seed's ``get_combine_buffer_size`` (same arguments, bytes)."""
+    tok = combine_token_bytes(hidden, 2, num_topk)
+    num_ranks = num_scaleout_ranks * num_scaleup_ranks
+    if num_scaleout_ranks == 1:
+        slots = min(num_ranks, num_topk) if allow_multiple_reduction else num_topk
+        send = _region(tok, 0 if is_scaleup_nvlink else num_ranks,
+                       num_max_tokens_per_rank * (1 if allow_multiple_reduction else num_topk))
+        return send + _region(tok, slots, num_max_tokens_per_rank)
+    up_slots = min(num_scaleup_ranks, num_topk) if allow_multiple_reduction else num_topk
+    out_slots = min(num_scaleout_ranks, num_topk) if allow_multiple_reduction else num_topk
+    return (_region(tok, up_slots, num_scaleout_ranks * num_max_tokens_per_rank)
+            + _region(tok, out_slots, num_max_tokens_per_rank)
+            + _region(tok, 1 if allow_multiple_reduction else num_topk,
+                      num_scaleout_ranks * (num_max_tokens_per_rank + NUM_MAX_CHANNELS)))
+
+
+def calculate_buffer_size(num_max_tokens_per_rank: int, hidden: int, num_topk: int, use_fp8_dispatch: bool,
+                          *, num_ranks: int, num_nvl_ranks: int, allow_hybrid_mode: bool = True,
+                          allow_multiple_reduction: bool = True) -> int:
+    """The seed's ``calculate_buffer_size`` with the topology given explicitly.
+
+    Arguments:
+        num_max_tokens_per_rank: tokens per rank the buffer must hold (> 0).
+        hidden: hidden size (> 0).
+        num_topk: experts per token; 0 sizes for the worst case, 32.
+        use_fp8_dispatch: size dispatch records for FP8 rows plus scale packs.
+        num_ranks: ranks of the group.
+        num_nvl_ranks: ranks reachable over NVLink (the scale-up domain).
+        allow_hybrid_mode: allow a scale-out dimension when ``num_nvl_ranks < num_ranks``.
+        allow_multiple_reduction: combine reduces per rank.
+
+    Returns:
+        Bytes, a multiple of 2 MiB.
+    """
+    if num_max_tokens_per_rank <= 0 or hidden <= 0:
+        raise ValueError(f"num_max_tokens_per_rank and hidden must be positive, got "
+                         f"{num_max_tokens_per_rank} and {hidden}")
+    if ceil_div(hidden, 32) * 4 > hidden:
+        raise ValueError(f"hidden={hidden} is too small: its FP8 scale bytes would exceed the row")
+    num_topk = 32 if num_topk == 0 else num_topk
+    if allow_hybrid_mode and num_nvl_ranks < num_ranks:
+        scaleout, scaleup = num_ranks // num_nvl_ranks, num_nvl_ranks
+    else:
+        scaleout, scaleup = 1, num_ranks
+    is_nvlink = scaleup == num_nvl_ranks
+    elem = 1 if use_fp8_dispatch else 2
+    packs = ceil_div(hidden, 32) if use_fp8_dispatch else 0
+    d = get_dispatch_buffer_size(num_max_tokens_per_rank, hidden, packs, num_topk, elem, scaleout, scaleup, is_nvlink)
+    c = get_combine_buffer_size(num_max_tokens_per_rank, hidden, num_topk, scaleout, scaleup, is_nvlink,
+                                allow_multiple_reduction)
+    return align_up(max(d, c), ALIGNMENT_BYTES)

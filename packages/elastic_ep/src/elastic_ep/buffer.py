@@ -1,0 +1,754 @@
+"""DeepEP V2-compatible ``ElasticBuffer``: MoE dispatch/combine inside one NVLink domain.
+
+A DeepEP user changes only the import: ``ElasticBuffer(group, num_max_tokens_per_rank=..., hidden=...,
+num_topk=...)``, then per MoE layer::
+
+    recv_x, recv_topk_idx, recv_topk_weights, handle, event = buf.dispatch(
+        x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=E)
+    y = experts(recv_x, recv_topk_idx)             # rows of this rank's experts
+    combined_x, combined_w, event = buf.combine(y, handle)
+
+Data layout
+-----------
+* ``x``: ``[T, H]`` bf16, or ``(x_fp8 [T, H] float8_e4m3fn, sf [T, P])`` with FP32 scales or int32
+  packs of four UE8M0 exponents; ``topk_idx``: ``[T, K]`` int64 global expert ids (-1 = masked);
+  ``topk_weights``: ``[T, K]`` float32. Expert ``e`` lives on rank ``e // (E / R)``.
+* Non-expand output: one row per received token, grouped by source rank (rank order);
+  ``recv_topk_idx`` holds local expert ids, -1 where the expert lives elsewhere.
+* Expand output (``do_expand=True``): one row per (token, local expert), each expert's rows in a
+  segment starting at a multiple of ``expert_alignment``; ``recv_topk_idx`` is None and
+  ``recv_topk_weights`` is ``[N_exp]``; ``handle.num_recv_tokens_per_expert_list`` has the aligned
+  segment sizes. ``do_zero_padding`` zeroes the alignment gaps.
+* Without CPU sync (``do_cpu_sync=False``, e.g. inside a CUDA graph) outputs have the worst-case row
+  count and the real counts stay on the GPU (``handle.psum_num_recv_tokens_per_scaleup_rank[-1]``).
+* ``combine`` sums, in fp32 and in a fixed order, the rows each token's expert ranks send back, adds
+  up to two biases and rounds to bf16 once. It does not apply top-k weights; it routes them back.
+* ``deterministic=True`` sorts received rows by source token (inside each expert segment in expand
+  mode), so the output order never depends on timing; ``combine`` undoes the permutation.
+
+Streams and events follow DeepEP: work runs on the communication stream after it waits for the
+current stream (or ``previous_event``); with ``async_with_compute_stream=True`` an ``EventOverlap``
+is returned and the caller waits on it, otherwise the current stream waits before returning.
+
+Backends: ``"native"`` (the C++/CUDA kernels of ``elastic_ep._low_level``), ``"torch"``
+(``torch.distributed`` collectives; works with gloo on the CPU) or ``"auto"`` (native for NCCL
+groups when the kernels are built, torch otherwise). Launch one process per GPU (``torchrun`` or
+``torch.multiprocessing``), create an NCCL process group with ``device_id`` set, then the buffer.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _sizing
+
+__all__ = ["ElasticBuffer", "EPHandle", "EventOverlap", "native_available", "calculate_elastic_buffer_size"]
+
+_FP8 = torch.float8_e4m3fn
+_MAX_TOPK = 32
+
+
+# ---------------------------------------------------------------------------------------------- native
+_native_cache: Optional[Tuple[Any, Optional[str]]] = None
+
+
+def _load_native():
+    """Import ``elastic_ep._low_level`` once; returns ``(module or None, reason it is unusable)``."""
+    global _native_cache
+    if _native_cache is None:
+        try:
+            from . import _low_level as ll  # noqa: WPS433 (lazy: the extension may be absent)
+            built = getattr(ll, "built_with_cuda", None)
+            if built is not None and not built():
+                _native_cache = (None, "elastic_ep._C was built without CUDA (no nvcc at build time)")
+            elif not hasattr(ll, "ElasticBuffer"):
+                _native_cache = (None, "elastic_ep._low_level has no ElasticBuffer yet")
+            else:
+                _native_cache = (ll, None)
+        except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+            _native_cache = (None, f"elastic_ep native backend unavailable: {type(e).__name__}: {e}")
+    return _native_cache
+
+
+def native_available() -> bool:
+    """True when the native kernels can be used (extension built with CUDA and a GPU present)."""
+    ll, _ = _load_native()
+    return ll is not None and torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------------------------------------- events
+class EventOverlap:
+    """A handle on communication work for overlapping it with computation (DeepEP's ``EventOverlap``).
+
+    Arguments:
+        event: the low-level ``EventHandle`` (None: nothing to wait for).
+        extra_tensors: tensors kept alive until the event is waited on.
+
+    ``with event: ...`` runs the body, then makes the current stream wait for the event.
+    """
+
+    def __init__(self, event: Any = None, extra_tensors: Optional[Tuple[torch.Tensor, ...]] = None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        """Make the current stream wait until the communication work behind this event is done."""
+        if self.event is not None:
+            self.event.current_stream_wait()
+
+    def __enter__(self) -> "EventOverlap":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.current_stream_wait()
+
+
+# ---------------------------------------------------------------------------------------------- handle
+@dataclass
+class EPHandle:
+    """Everything ``combine`` (and a cached ``dispatch``) needs from an earlier ``dispatch``.
+
+    Fields mirror DeepEP's ``EPHandle``: the routing (``topk_idx``), the received counts (host and
+    device), the source metadata ``recv_src_metadata [N, K+2]`` (``[src_rank*max_tokens+token,
+    src_rank*K+master_lane, expanded row per lane or -1]``) and the per-token slots in the
+    destination buffers. ``perm`` is set in deterministic mode: received row ``j`` the user sees is
+    row ``perm[j]`` of the backend's output.
+    """
+
+    num_experts: int
+    num_max_tokens_per_rank: int
+    expert_alignment: int
+    do_expand: bool
+    num_tokens: int
+    num_topk: int
+    topk_idx: torch.Tensor
+    num_recv_tokens: int
+    num_expanded_tokens: int
+    num_recv_tokens_per_expert_list: List[int]
+    psum_num_recv_tokens_per_scaleup_rank: torch.Tensor
+    psum_num_recv_tokens_per_expert: torch.Tensor
+    num_unaligned_recv_tokens_per_expert: torch.Tensor
+    recv_src_metadata: torch.Tensor
+    dst_buffer_slot_idx: torch.Tensor
+    token_metadata_at_forward: Optional[torch.Tensor] = None
+    channel_linked_list: Optional[torch.Tensor] = None
+    perm: Optional[torch.Tensor] = None
+    buffer_id: int = 0
+
+    @property
+    def num_allocated_tokens(self) -> int:
+        """Rows of ``recv_x`` (and of ``combine``'s input): expanded or per-token count."""
+        return self.num_expanded_tokens if self.do_expand else self.num_recv_tokens
+
+    def copy(self) -> "EPHandle":
+        """A copy whose tensors are clones (safe against later in-place changes by the caller)."""
+        def c(v):
+            return v.clone() if isinstance(v, torch.Tensor) else (list(v) if isinstance(v, list) else v)
+        return replace(self, **{f: c(getattr(self, f)) for f in self.__dataclass_fields__})
+
+    def num_valid_recv_tokens(self) -> torch.Tensor:
+        """The real received token count, as a device scalar (no CPU sync)."""
+        return self.psum_num_recv_tokens_per_scaleup_rank[-1]
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _err(name: str, expected: str, got: Any) -> ValueError:
+    return ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def _describe(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"tensor(shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}, contiguous={t.is_contiguous()})"
+    return repr(type(t).__name__) if t is not None else "None"
+
+
+def _check_tensor(name: str, t: Any, *, dtype=None, ndim=None, shape=None, device=None, contiguous=True) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise _err(name, "a torch.Tensor", _describe(t))
+    if dtype is not None:
+        allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+        if t.dtype not in allowed:
+            raise _err(name, f"dtype in {[str(d) for d in allowed]}", t.dtype)
+    if ndim is not None and t.dim() != ndim:
+        raise _err(name, f"a {ndim}-D tensor", f"shape {tuple(t.shape)}")
+    if shape is not None:
+        for i, s in enumerate(shape):
+            if s is not None and t.shape[i] != s:
+                raise _err(name, f"shape {tuple('*' if v is None else v for v in shape)}", f"shape {tuple(t.shape)}")
+    if device is not None and t.device.type != device.type:
+        raise _err(name, f"a tensor on {device.type}", t.device)
+    if contiguous and not t.is_contiguous():
+        raise _err(name, "a contiguous tensor", f"strides {t.stride()}")
+
+
+def calculate_elastic_buffer_size(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
+                                  use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
+                                  allow_multiple_reduction: bool = True, num_nvl_ranks: Optional[int] = None) -> int:
+    """Bytes of the symmetric buffer for a configuration (the seed's ``calculate_buffer_size``).
+
+    Arguments:
+        num_ranks: ranks in the group.
+        num_max_tokens_per_rank: most tokens any rank dispatches at once.
+        hidden: hidden size.
+        num_topk: experts per token; 0 sizes for the worst case (32).
+        use_fp8_dispatch: FP8 rows plus scale packs.
+        allow_hybrid_mode, allow_multiple_reduction: as the buffer's options.
+        num_nvl_ranks: ranks inside the NVLink domain (default: all of them).
+
+    Returns:
+        The 2 MiB-aligned maximum of the dispatch and combine layouts.
+    """
+    return _sizing.calculate_buffer_size(num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
+                                         num_ranks=num_ranks, num_nvl_ranks=num_nvl_ranks or num_ranks,
+                                         allow_hybrid_mode=allow_hybrid_mode,
+                                         allow_multiple_reduction=allow_multiple_reduction)
+
+
+def _get_nccl_comm(group: dist.ProcessGroup, ll) -> Tuple[int, bool]:
+    """The ncclComm_t (as int) for ``group``: torch's own when reachable, else a new one.
+
+    Returns:
+        ``(comm, owned)``; ``owned`` means this module created it and must destroy it.
+    """
+    if os.environ.get("EP_REUSE_NCCL_COMM", "1") != "0":
+        try:
+            backend = group._get_backend(torch.device("cuda"))
+            ptr = int(backend._comm_ptr())
+            if ptr:
+                return ptr, False
+        except Exception:  # noqa: BLE001 - fall back to a unique-id exchange
+            pass
+    rank = dist.get_rank(group)
+    uid = ll.get_local_nccl_unique_id() if rank == 0 else None
+    ids: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ids, uid, group=group)
+    return int(ll.create_nccl_comm(ids[0], dist.get_world_size(group), rank)), True
+
+
+# ---------------------------------------------------------------------------------------------- buffer
+class ElasticBuffer:
+    """Expert-parallel dispatch/combine buffer, API-compatible with DeepEP V2's ``ElasticBuffer``.
+
+    Arguments:
+        group: the process group of the expert-parallel ranks (NCCL for GPUs; gloo works with the torch backend).
+        num_bytes: buffer bytes; None sizes it from ``num_max_tokens_per_rank``/``hidden``/``num_topk``.
+        num_cpu_bytes: CPU (Engram) segment bytes; must be 0 (not supported).
+        num_max_tokens_per_rank: most tokens a rank dispatches at once (required when ``num_bytes`` is None).
+        hidden: hidden size used for sizing.
+        num_topk: experts per token used for sizing (0: size for 32).
+        use_fp8_dispatch: size for FP8 dispatch.
+        deterministic: sort received rows by source token (see the module docstring).
+        allow_hybrid_mode: accepted; only direct mode (one NVLink domain) exists.
+        allow_multiple_reduction: combine reduces per rank before sending (fewer bytes, rounding once more).
+        prefer_overlap_with_compute: passed to the kernels (fewer SMs/channels).
+        sl_idx, num_allocated_qps: RDMA settings, accepted for compatibility (no RDMA here).
+        num_cpu_timeout_secs: how long the CPU waits for counts before raising ``TimeoutError``.
+        num_gpu_timeout_secs: how long a kernel waits for a peer before recording a timeout.
+        explicitly_destroy: require an explicit ``destroy()`` (else the buffer is freed with the object).
+        backend: ``"auto"``, ``"native"`` or ``"torch"`` (keyword only; not in DeepEP).
+
+    Raises:
+        ValueError: bad arguments; RuntimeError: the native backend was requested but is unavailable.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, num_bytes: Optional[int] = None, num_cpu_bytes: int = 0,
+                 num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0,
+                 use_fp8_dispatch: bool = False, deterministic: bool = False, allow_hybrid_mode: bool = True,
+                 allow_multiple_reduction: bool = True, prefer_overlap_with_compute: bool = True,
+                 sl_idx: int = 3, num_allocated_qps: int = 0, num_cpu_timeout_secs: int = 300,
+                 num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False, *,
+                 backend: str = "auto") -> None:
+        if group is None:
+            raise ValueError("group: expected a torch.distributed ProcessGroup, got None")
+        if num_cpu_bytes != 0:
+            raise ValueError(f"num_cpu_bytes: expected 0 (the CPU/Engram segment is not supported), got {num_cpu_bytes}")
+        if backend not in ("auto", "native", "torch"):
+            raise ValueError(f"backend: expected 'auto', 'native' or 'torch', got {backend!r}")
+        if num_topk < 0 or num_topk > _MAX_TOPK:
+            raise ValueError(f"num_topk: expected 0..{_MAX_TOPK}, got {num_topk}")
+        if num_cpu_timeout_secs <= 0 or num_gpu_timeout_secs <= 0:
+            raise ValueError(f"timeouts must be positive, got cpu={num_cpu_timeout_secs} gpu={num_gpu_timeout_secs}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        pg_backend = dist.get_backend(group)
+        if backend == "auto":
+            backend = "native" if (pg_backend == "nccl" and native_available()) else "torch"
+        if backend == "native":
+            ll, why = _load_native()
+            if ll is None:
+                raise RuntimeError(why)
+            if not torch.cuda.is_available():
+                raise RuntimeError("the native elastic_ep backend needs a CUDA GPU; none is visible")
+            if pg_backend != "nccl":
+                raise ValueError(f"group: the native backend needs an NCCL process group, got {pg_backend!r}")
+        self.backend = backend
+        self.device = torch.device("cuda", torch.cuda.current_device()) if pg_backend == "nccl" else torch.device("cpu")
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.hidden = hidden
+        self.num_topk = num_topk
+        self.use_fp8_dispatch = use_fp8_dispatch
+        self.deterministic = deterministic
+        self.allow_hybrid_mode = allow_hybrid_mode
+        self.allow_multiple_reduction = allow_multiple_reduction
+        self.prefer_overlap_with_compute = prefer_overlap_with_compute
+        self.num_cpu_timeout_secs = num_cpu_timeout_secs
+        self.num_gpu_timeout_secs = num_gpu_timeout_secs
+        self.explicitly_destroy = explicitly_destroy
+        self.destroyed = False
+        self._owned_comm = None
+        self.nccl_comm = 0
+
+        if backend == "native":
+            # torch creates its communicator lazily; one collective makes sure it exists.
+            dist.barrier(group=group)
+            self.nccl_comm, owned = _get_nccl_comm(group, ll)
+            if owned:
+                self._owned_comm = self.nccl_comm
+        if num_bytes is None:
+            if num_max_tokens_per_rank <= 0 or hidden <= 0:
+                raise ValueError("num_bytes=None needs num_max_tokens_per_rank > 0 and hidden > 0 to size the "
+                                 f"buffer, got num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}")
+            num_bytes = self.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk,
+                                                  use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
+        if num_bytes <= 0 or num_bytes % _sizing.ALIGNMENT_BYTES:
+            raise ValueError(f"num_bytes: expected a positive multiple of {_sizing.ALIGNMENT_BYTES} "
+                             f"(see get_buffer_size_hint), got {num_bytes}")
+        self.num_bytes = int(num_bytes)
+        if num_allocated_qps == 0:
+            num_allocated_qps = 17  # DeepEP's direct-mode default; unused without RDMA
+        args = (self.rank, self.num_ranks, self.nccl_comm, None, self.num_bytes, 0, allow_hybrid_mode,
+                allow_multiple_reduction, prefer_overlap_with_compute, sl_idx, num_allocated_qps,
+                num_cpu_timeout_secs, num_gpu_timeout_secs, True)
+        if backend == "native":
+            self.runtime = ll.ElasticBuffer(*args)
+        else:
+            from ._torch_backend import ElasticBuffer as _TorchBuffer
+            self.runtime = _TorchBuffer(*args, group=group)
+        dist.barrier(group=group)
+
+    # ------------------------------------------------------------------ sizing
+    @staticmethod
+    def get_buffer_size_hint(group: dist.ProcessGroup, num_max_tokens_per_rank: int, hidden: int,
+                             num_topk: int = 0, use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
+                             allow_multiple_reduction: bool = True) -> int:
+        """Bytes a buffer needs for this configuration on ``group`` (2 MiB aligned).
+
+        Arguments:
+            group: the expert-parallel process group (its size is the rank count).
+            num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_hybrid_mode,
+            allow_multiple_reduction: as the constructor.
+
+        Returns:
+            The seed's ``calculate_buffer_size`` for one NVLink domain holding every rank.
+        """
+        return calculate_elastic_buffer_size(dist.get_world_size(group), num_max_tokens_per_rank, hidden, num_topk,
+                                             use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
+
+    @staticmethod
+    def get_theoretical_num_sms(num_experts: int = 0, num_topk: int = 0) -> int:
+        """SMs the kernels should use by default (a bandwidth model, as DeepEP's).
+
+        NVLink on H100/H200 moves ~450 GB/s per direction; one SM writes ~50 GB/s to a peer, so about
+        8 SMs saturate the link; DeepEP adds 25 % headroom and rounds to an even count, minimum 4.
+        ``EP_NUM_SMS`` overrides it.
+        """
+        env = os.environ.get("EP_NUM_SMS")
+        if env:
+            return int(env)
+        need = 450.0 * 0.9 / 50.0 * 1.25
+        n = max(4, int(need + 1) // 2 * 2)
+        if torch.cuda.is_available():
+            n = min(n, torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
+        return n
+
+    @staticmethod
+    def get_theoretical_num_qps(num_sms: int) -> int:
+        """Queue pairs for direct mode (``min(sms, 9)``; unused without RDMA)."""
+        return min(num_sms, 9)
+
+    # ------------------------------------------------------------------ info / lifecycle
+    def _check_alive(self) -> None:
+        if self.destroyed:
+            raise RuntimeError("this ElasticBuffer was destroyed; create a new one")
+
+    def get_comm_stream(self):
+        """The communication stream (``torch.cuda.Stream``; None for the torch backend on the CPU)."""
+        self._check_alive()
+        s = self.runtime.get_comm_stream()
+        if isinstance(s, int):
+            return torch.cuda.ExternalStream(s)
+        return s
+
+    def get_physical_domain_size(self) -> Tuple[int, int]:
+        """``(num_rdma_ranks, num_nvl_ranks)``."""
+        return tuple(self.runtime.get_physical_domain_size())
+
+    def get_logical_domain_size(self) -> Tuple[int, int]:
+        """``(num_scaleout_ranks, num_scaleup_ranks)``."""
+        return tuple(self.runtime.get_logical_domain_size())
+
+    def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
+        """A barrier of all ranks on the GPU (on the comm stream by default).
+
+        Arguments:
+            use_comm_stream: run on the communication stream (the current stream waits for it).
+            with_cpu_sync: synchronise the device before and after (a full CPU barrier).
+            sequential: the seed's flag (barrier ordered with earlier work on the stream).
+        """
+        self._check_alive()
+        self.runtime.barrier(use_comm_stream, with_cpu_sync, sequential)
+
+    def destroy(self) -> None:
+        """Finish all work on every rank and release the buffer (collective). Idempotent errors: a
+        second call raises RuntimeError."""
+        self._check_alive()
+        self.runtime.destroy()
+        self.destroyed = True
+        if self._owned_comm is not None:
+            ll, _ = _load_native()
+            ll.destroy_nccl_comm(self._owned_comm)
+            self._owned_comm = None
+
+    def __enter__(self) -> "ElasticBuffer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.destroyed:
+            self.destroy()
+
+    # ------------------------------------------------------------------ validation helpers
+    def _resolve_sms(self, num_sms: int) -> int:
+        if num_sms < 0:
+            raise ValueError(f"num_sms: expected >= 0 (0 = automatic), got {num_sms}")
+        return num_sms or self.get_theoretical_num_sms()
+
+    @staticmethod
+    def _capturing() -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+    def _check_event_args(self, previous_event, allocate_on_comm_stream: bool) -> None:
+        if previous_event is not None and not allocate_on_comm_stream:
+            raise ValueError("previous_event: requires allocate_on_comm_stream=True (outputs must be allocated "
+                             "on the communication stream when waiting for overlapped compute)")
+
+    @staticmethod
+    def _raw_event(e):
+        if e is None:
+            return None
+        return e.event if isinstance(e, EventOverlap) else e
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                 num_experts: Optional[int] = None, num_max_tokens_per_rank: Optional[int] = None,
+                 expert_alignment: Optional[int] = None, num_sms: int = 0, num_qps: int = 0,
+                 previous_event: Optional[EventOverlap] = None,
+                 previous_event_before_epilogue: Optional[EventOverlap] = None,
+                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
+                 handle: Optional[EPHandle] = None, do_handle_copy: bool = True,
+                 do_cpu_sync: Optional[bool] = None, do_expand: bool = False, do_zero_padding: bool = False,
+                 use_tma_aligned_col_major_sf: bool = False):
+        """Send every token to the ranks that own its top-k experts.
+
+        Arguments:
+            x: ``[T, H]`` bf16, or ``(x [T, H] float8_e4m3fn, sf [T, P] float32 | int32)``.
+            topk_idx: ``[T, K]`` int64 global expert ids, -1 masked. None in cached mode (``handle``).
+            topk_weights: ``[T, K]`` float32, or None.
+            cumulative_local_expert_recv_stats: ``[E / R]`` int32, incremented by the received counts.
+            num_experts: total experts E (divisible by the rank count); from ``handle`` in cached mode.
+            num_max_tokens_per_rank: default: the buffer's; at most the buffer's.
+            expert_alignment: per-expert row alignment (default 1; from ``handle`` in cached mode).
+            num_sms: SMs for the kernels (0: ``get_theoretical_num_sms()``).
+            num_qps: RDMA queue pairs (unused here).
+            previous_event: start only after this event (needs ``allocate_on_comm_stream=True``).
+            previous_event_before_epilogue: the copy epilogue waits for this event.
+            async_with_compute_stream: return an event instead of making the current stream wait.
+            allocate_on_comm_stream: allocate outputs on the communication stream.
+            handle: an earlier dispatch's handle: cached mode (same routing, no counting).
+            do_handle_copy: keep a copy of ``topk_idx`` in the handle.
+            do_cpu_sync: exact-size outputs after the CPU waits for the counts; default: True unless
+                cached or capturing a CUDA graph.
+            do_expand: one row per (token, local expert), segments aligned to ``expert_alignment``.
+            do_zero_padding: zero the alignment gaps (expand mode only).
+            use_tma_aligned_col_major_sf: return ``recv_sf`` column-major with rows padded to 4.
+
+        Returns:
+            ``(recv_x | (recv_x, recv_sf), recv_topk_idx, recv_topk_weights, handle, event)``.
+
+        Raises:
+            ValueError: any bad input, before anything is launched.
+        """
+        self._check_alive()
+        R = self.num_ranks
+        # ---- data
+        sf = None
+        if isinstance(x, (tuple, list)):
+            if len(x) != 2:
+                raise ValueError(f"x: expected a tensor or a (x, sf) pair, got a sequence of {len(x)}")
+            x, sf = x
+        _check_tensor("x", x, dtype=(torch.bfloat16, _FP8), ndim=2, device=self.device)
+        T, H = x.shape
+        if x.dtype == _FP8 and sf is None:
+            raise ValueError("x: FP8 rows need scales: pass x=(x_fp8, sf)")
+        if sf is not None:
+            if x.dtype != _FP8:
+                raise ValueError(f"sf: scales are only meaningful with float8_e4m3fn x, got x of {x.dtype}")
+            _check_tensor("sf", sf, dtype=(torch.float32, torch.int32), ndim=2, shape=(T, None),
+                          device=self.device, contiguous=False)
+            if sf.shape[1] == 0:
+                raise ValueError("sf: expected at least one scale pack per token, got shape "
+                                 f"{tuple(sf.shape)}")
+        if (H * x.element_size()) % 16:
+            raise ValueError(f"x: a row must be a multiple of 16 bytes, got hidden={H} x {x.element_size()} B")
+        # ---- cached mode
+        cached = handle is not None
+        if cached:
+            if not isinstance(handle, EPHandle):
+                raise ValueError(f"handle: expected an EPHandle from dispatch, got {type(handle).__name__}")
+            if handle.buffer_id != id(self):
+                raise ValueError("handle: it was produced by another ElasticBuffer")
+            if topk_idx is not None and topk_idx is not handle.topk_idx:
+                raise ValueError("topk_idx: must be None in cached mode (the handle's routing is reused)")
+            if num_experts is not None and num_experts != handle.num_experts:
+                raise ValueError(f"num_experts: the cached handle has {handle.num_experts}, got {num_experts}")
+            if expert_alignment is not None and expert_alignment != handle.expert_alignment:
+                raise ValueError(f"expert_alignment: the cached handle has {handle.expert_alignment}, "
+                                 f"got {expert_alignment}")
+            if do_expand != handle.do_expand:
+                raise ValueError(f"do_expand: the cached handle was made with do_expand={handle.do_expand}")
+            if num_max_tokens_per_rank is not None and num_max_tokens_per_rank != handle.num_max_tokens_per_rank:
+                raise ValueError("num_max_tokens_per_rank: differs from the cached handle's "
+                                 f"{handle.num_max_tokens_per_rank}")
+            if T != handle.num_tokens:
+                raise ValueError(f"x: the cached handle routed {handle.num_tokens} tokens, x has {T}")
+            if do_cpu_sync:
+                raise ValueError("do_cpu_sync: cannot be True in cached mode (counts come from the handle)")
+            do_cpu_sync = False
+            topk_idx = handle.topk_idx
+            num_experts = handle.num_experts
+            expert_alignment = handle.expert_alignment
+            num_max_tokens_per_rank = handle.num_max_tokens_per_rank
+        else:
+            if topk_idx is None:
+                raise ValueError("topk_idx: required unless a cached handle is given")
+            if num_experts is None:
+                raise ValueError("num_experts: required unless a cached handle is given")
+            if expert_alignment is None:
+                expert_alignment = 1
+            if num_max_tokens_per_rank is None:
+                num_max_tokens_per_rank = self.num_max_tokens_per_rank
+            if do_cpu_sync is None:
+                do_cpu_sync = not self._capturing()
+        _check_tensor("topk_idx", topk_idx, dtype=torch.int64, ndim=2, shape=(T, None), device=self.device)
+        K = topk_idx.shape[1]
+        if not 0 < K <= _MAX_TOPK:
+            raise ValueError(f"topk_idx: expected 1..{_MAX_TOPK} experts per token, got {K}")
+        if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % R:
+            raise ValueError(f"num_experts: expected a positive multiple of the rank count {R}, got {num_experts}")
+        L = num_experts // R
+        if not isinstance(expert_alignment, int) or expert_alignment <= 0:
+            raise ValueError(f"expert_alignment: expected a positive int, got {expert_alignment}")
+        if num_max_tokens_per_rank is None or num_max_tokens_per_rank <= 0:
+            raise ValueError("num_max_tokens_per_rank: expected a positive int (the buffer was created without "
+                             f"one), got {num_max_tokens_per_rank}")
+        if self.num_max_tokens_per_rank and num_max_tokens_per_rank > self.num_max_tokens_per_rank:
+            raise ValueError(f"num_max_tokens_per_rank: {num_max_tokens_per_rank} exceeds the buffer's "
+                             f"{self.num_max_tokens_per_rank}")
+        if T > num_max_tokens_per_rank:
+            raise ValueError(f"x: {T} tokens exceed num_max_tokens_per_rank={num_max_tokens_per_rank}")
+        if topk_weights is not None:
+            _check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2, shape=(T, K), device=self.device)
+        if cumulative_local_expert_recv_stats is not None:
+            _check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                          dtype=torch.int32, ndim=1, shape=(L,), device=self.device)
+        if do_zero_padding and not do_expand:
+            raise ValueError("do_zero_padding: only valid with do_expand=True")
+        self._check_event_args(previous_event, allocate_on_comm_stream)
+        num_sf_packs = sf.shape[1] if sf is not None else 0
+        need = _sizing.get_dispatch_buffer_size(num_max_tokens_per_rank, H, num_sf_packs, K, x.element_size(), 1, R, True)
+        if need > self.num_bytes:
+            raise ValueError(f"buffer too small: this dispatch needs {need} bytes (max_tokens="
+                             f"{num_max_tokens_per_rank}, hidden={H}, topk={K}, sf packs={num_sf_packs}), the buffer "
+                             f"has {self.num_bytes}; size it with get_buffer_size_hint")
+        if not cached and T and not self._capturing() and os.environ.get("EP_SKIP_INDEX_CHECK", "0") != "1":
+            lo, hi = int(topk_idx.min()), int(topk_idx.max())
+            if lo < -1 or hi >= num_experts:
+                raise ValueError(f"topk_idx: expert ids must be in [-1, {num_experts}), got min {lo} max {hi}")
+        num_sms = self._resolve_sms(num_sms)
+        if num_qps == 0:
+            num_qps = self.get_theoretical_num_qps(num_sms)
+
+        h = handle
+        out = self.runtime.dispatch(
+            x=x, sf=sf, topk_idx=topk_idx, topk_weights=topk_weights,
+            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats if not cached else None,
+            cached_num_recv_tokens=h.num_recv_tokens if cached else None,
+            cached_num_expanded_tokens=h.num_expanded_tokens if cached else None,
+            cached_num_recv_tokens_per_expert_list=h.num_recv_tokens_per_expert_list if cached else None,
+            cached_psum_num_recv_tokens_per_scaleup_rank=h.psum_num_recv_tokens_per_scaleup_rank if cached else None,
+            cached_psum_num_recv_tokens_per_expert=h.psum_num_recv_tokens_per_expert if cached else None,
+            cached_num_unaligned_recv_tokens_per_expert=h.num_unaligned_recv_tokens_per_expert if cached else None,
+            cached_dst_buffer_slot_idx=h.dst_buffer_slot_idx if cached else None,
+            cached_token_metadata_at_forward=h.token_metadata_at_forward if cached else None,
+            cached_recv_src_metadata=h.recv_src_metadata if cached else None,
+            cached_channel_linked_list=h.channel_linked_list if cached else None,
+            num_max_tokens_per_rank=num_max_tokens_per_rank, num_experts=num_experts,
+            expert_alignment=expert_alignment, num_sms=num_sms, num_qps=num_qps,
+            previous_event=self._raw_event(previous_event),
+            previous_event_before_epilogue=self._raw_event(previous_event_before_epilogue),
+            async_with_compute_stream=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream,
+            do_handle_copy=do_handle_copy, do_cpu_sync=bool(do_cpu_sync), do_expand=do_expand,
+            do_zero_padding=do_zero_padding, use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf)
+        (recv_x, recv_sf, recv_topk_idx, recv_topk_weights, copied_topk_idx, num_recv_tokens, num_expanded_tokens,
+         per_expert_list, psum_rank, psum_expert, unaligned, recv_src_metadata, dst_buffer_slot_idx,
+         token_metadata_at_forward, channel_linked_list, event) = out
+
+        if cached:
+            new_handle = handle
+        else:
+            new_handle = EPHandle(
+                num_experts=num_experts, num_max_tokens_per_rank=num_max_tokens_per_rank,
+                expert_alignment=expert_alignment, do_expand=do_expand, num_tokens=T, num_topk=K,
+                topk_idx=copied_topk_idx if copied_topk_idx is not None else topk_idx,
+                num_recv_tokens=int(num_recv_tokens), num_expanded_tokens=int(num_expanded_tokens),
+                num_recv_tokens_per_expert_list=list(per_expert_list),
+                psum_num_recv_tokens_per_scaleup_rank=psum_rank, psum_num_recv_tokens_per_expert=psum_expert,
+                num_unaligned_recv_tokens_per_expert=unaligned, recv_src_metadata=recv_src_metadata,
+                dst_buffer_slot_idx=dst_buffer_slot_idx, token_metadata_at_forward=token_metadata_at_forward,
+                channel_linked_list=channel_linked_list, buffer_id=id(self))
+        if self.deterministic:
+            if event is not None:
+                event.current_stream_wait()  # the sort runs on the current stream
+            if new_handle.perm is None:
+                new_handle.perm = self._deterministic_perm(new_handle)
+            p = new_handle.perm
+            recv_x = recv_x[p]
+            recv_sf = recv_sf[p] if recv_sf is not None and not use_tma_aligned_col_major_sf else (
+                self._permute_col_major(recv_sf, p) if recv_sf is not None else None)
+            recv_topk_idx = recv_topk_idx[p] if recv_topk_idx is not None else None
+            recv_topk_weights = recv_topk_weights[p] if recv_topk_weights is not None else None
+        recv = (recv_x, recv_sf) if sf is not None else recv_x
+        return recv, recv_topk_idx, recv_topk_weights, new_handle, EventOverlap(event)
+
+    @staticmethod
+    def _permute_col_major(sf: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_strided(sf.shape, sf.stride(), dtype=sf.dtype, device=sf.device)
+        out.copy_(sf[p])
+        return out
+
+    @staticmethod
+    def _deterministic_perm(h: EPHandle) -> torch.Tensor:
+        """Row permutation sorting received rows by source token, without a CPU sync.
+
+        Non-expand: rows ordered by ``src_global_idx``; rows past the real count stay at the end.
+        Expand: inside each expert segment, rows ordered by source token; padding rows stay at the
+        segment's end and rows past the last segment stay where they are.
+        """
+        meta = h.recv_src_metadata
+        dev = meta.device
+        n_rows = meta.shape[0]
+        n_valid = h.psum_num_recv_tokens_per_scaleup_rank[-1].to(torch.int64)
+        tok_valid = torch.arange(n_rows, device=dev) < n_valid
+        big = h.num_max_tokens_per_rank * h.psum_num_recv_tokens_per_scaleup_rank.numel() + 1
+        src = meta[:, 0].to(torch.int64)
+        if not h.do_expand:
+            key = torch.where(tok_valid, src, torch.full_like(src, big))
+            return torch.sort(key, stable=True).indices
+        N_exp = h.num_expanded_tokens
+        L = h.num_unaligned_recv_tokens_per_expert.numel()
+        real = h.num_unaligned_recv_tokens_per_expert.to(torch.int64)
+        starts = h.psum_num_recv_tokens_per_expert.to(torch.int64) - real
+        rows = torch.arange(N_exp, device=dev)
+        e_of_row = (torch.searchsorted(starts, rows, right=True) - 1).clamp(min=0)
+        valid_row = rows < starts[e_of_row] + real[e_of_row]
+        src_of_row = torch.zeros(N_exp, dtype=torch.int64, device=dev)
+        lanes = meta[:, 2:].to(torch.int64)
+        sel = (lanes >= 0) & (lanes < N_exp) & tok_valid.view(-1, 1)
+        src_of_row[lanes[sel]] = src.view(-1, 1).expand_as(lanes)[sel]
+        # Padding rows and rows past the last segment share the largest key of their segment, so the
+        # stable sort leaves them after the valid rows, in place.
+        key = e_of_row * (big + 1) + torch.where(valid_row, src_of_row, torch.full_like(src_of_row, big))
+        return torch.sort(key, stable=True).indices
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[None, torch.Tensor, Sequence[Optional[torch.Tensor]]] = None,
+                num_sms: int = 0, num_qps: int = 0,
+                previous_event: Optional[EventOverlap] = None,
+                previous_event_before_epilogue: Optional[EventOverlap] = None,
+                async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False):
+        """Return each received row to its source token and sum them (the reverse of ``dispatch``).
+
+        Arguments:
+            x: ``[N, H]`` bf16 expert outputs in the layout ``dispatch`` returned (``[N_exp, H]`` if expanded).
+            handle: the ``EPHandle`` of that dispatch.
+            topk_weights: ``[N, K]`` (``[N_exp]`` expanded) float32 to route back, or None.
+            bias: None, one ``[T, H]`` bf16 tensor, or a pair (either may be None), added after the sum.
+            num_sms, num_qps, previous_event, previous_event_before_epilogue, async_with_compute_stream,
+            allocate_on_comm_stream: as ``dispatch``.
+
+        Returns:
+            ``(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, EventOverlap)``.
+
+        Raises:
+            ValueError: any bad input, before anything is launched.
+        """
+        self._check_alive()
+        if not isinstance(handle, EPHandle):
+            raise ValueError(f"handle: expected the EPHandle returned by dispatch, got {type(handle).__name__}")
+        if handle.buffer_id != id(self):
+            raise ValueError("handle: it was produced by another ElasticBuffer")
+        n_rows = handle.num_allocated_tokens
+        _check_tensor("x", x, dtype=torch.bfloat16, ndim=2, shape=(n_rows, None), device=self.device)
+        H = x.shape[1]
+        if (H * 2) % 16:
+            raise ValueError(f"x: a row must be a multiple of 16 bytes, got hidden={H}")
+        T, K = handle.num_tokens, handle.num_topk
+        if topk_weights is not None:
+            shape = (n_rows,) if handle.do_expand else (n_rows, K)
+            _check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=len(shape), shape=shape,
+                          device=self.device)
+        if bias is None or isinstance(bias, torch.Tensor):
+            biases = [bias, None]
+        else:
+            biases = list(bias)
+            if len(biases) > 2:
+                raise ValueError(f"bias: expected at most two tensors, got {len(biases)}")
+            biases += [None] * (2 - len(biases))
+        for i, b in enumerate(biases):
+            if b is not None:
+                _check_tensor(f"bias[{i}]", b, dtype=torch.bfloat16, ndim=2, shape=(T, H), device=self.device)
+        self._check_event_args(previous_event, allocate_on_comm_stream)
+        need = _sizing.get_combine_buffer_size(handle.num_max_tokens_per_rank, H, K, 1, self.num_ranks, True,
+                                               self.allow_multiple_reduction)
+        if need > self.num_bytes:
+            raise ValueError(f"buffer too small: this combine needs {need} bytes, the buffer has {self.num_bytes}")
+        num_sms = self._resolve_sms(num_sms)
+        if num_qps == 0:
+            num_qps = self.get_theoretical_num_qps(num_sms)
+        if handle.perm is not None:  # deterministic mode: back to the backend's row order
+            raw = torch.empty_like(x)
+            raw[handle.perm] = x
+            x = raw
+            if topk_weights is not None:
+                raw_w = torch.empty_like(topk_weights)
+                raw_w[handle.perm] = topk_weights
+                topk_weights = raw_w
+        combined_x, combined_w, event = self.runtime.combine(
+            x=x, topk_weights=topk_weights, bias_0=biases[0], bias_1=biases[1],
+            src_metadata=handle.recv_src_metadata, combined_topk_idx=handle.topk_idx,
+            psum_num_recv_tokens_per_scaleup_rank=handle.psum_num_recv_tokens_per_scaleup_rank,
+            token_metadata_at_forward=handle.token_metadata_at_forward,
+            channel_linked_list=handle.channel_linked_list, num_experts=handle.num_experts,
+            num_max_tokens_per_rank=handle.num_max_tokens_per_rank, num_sms=num_sms, num_qps=num_qps,
+            previous_event=self._raw_event(previous_event),
+            previous_event_before_epilogue=self._raw_event(previous_event_before_epilogue),
+            async_with_compute_stream=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream,
+            use_expanded_layout=handle.do_expand)
+        return combined_x, combined_w, EventOverlap(event)
