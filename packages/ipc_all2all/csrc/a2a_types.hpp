@@ -1,0 +1,116 @@
+// a2a_types.hpp -- the shared-buffer layout, the signal block and the kernel arguments of ipc_all2all.
+//
+// Every rank owns ONE device allocation, exported by one CUDA IPC handle:
+//
+//   [ Signals (4 KiB) | slot 0 (capacity bytes) | slot 1 (capacity bytes) ]
+//
+// Peers push (store over NVLink) their contribution straight into the receiver's slot, so the
+// result of a call lives in the receiver's own memory. Calls alternate between the two slots so that
+// the input of call N+1 may be the zero-copy output of call N (the round trip
+// gather_heads(send_recv_heads(x))) while peers already write call N+1's output.
+//
+// Signalling (all counters 64-bit and monotonic, compared with >=, never reset, so nothing can
+// overshoot):
+//   * epoch     : a per-instance call counter kept on the device (so CUDA-graph replays advance it);
+//                 call number e = epoch + 1.
+//   * ready[s]  : written by rank s into my block when s *enters* call e. Before I push into s's slot
+//                 I wait for ready >= e: s's stream has then finished everything before call e,
+//                 including every read of the slot I am about to overwrite (entry handshake: no
+//                 write-after-read race however far ahead one rank runs).
+//   * done[s]   : written by rank s into my block once all of s's blocks finished pushing call e to
+//                 me. My kernel ends only after done[s] >= e for every peer s.
+//   * cnt / fin : local block-completion counters; the last block resets them to 0 before the
+//                 kernel ends, so the next call starts from 0.
+#pragma once
+
+#include <cstdint>
+
+#include "commkit/layout.hpp"
+#include "commkit/timeout_record.hpp"
+
+namespace ipc_all2all {
+
+constexpr int kMaxWorld = 8;
+constexpr int kNumSlots = 2;
+constexpr uint64_t kSignalBytes = 4096;
+constexpr uint64_t kSlotAlign = 256;
+constexpr int kThreads = 512;
+constexpr int kUnroll = 4;
+
+// Operation codes, also the `op` of a TimeoutRecord (op = kind * 4 + phase).
+enum Op : int { kSendRecvHeads = 0, kGatherHeads = 1, kAllGather = 2 };
+enum Phase : int { kPhaseEntry = 0, kPhaseCompletion = 1 };
+
+struct alignas(128) Signals {
+  uint64_t ready[kMaxWorld];  // remote-written: epoch that rank s has entered
+  uint64_t pad0[16 - kMaxWorld];
+  uint64_t done[kMaxWorld];   // remote-written: epoch that rank s finished pushing to me
+  uint64_t pad1[16 - kMaxWorld];
+  uint64_t epoch;             // local: last completed call
+  uint32_t cnt[kMaxWorld];    // local: blocks of the current call finished per target
+  uint32_t fin;               // local: blocks of the current call finished in total
+};
+static_assert(sizeof(Signals) <= kSignalBytes, "Signals must fit its region");
+
+struct BufferLayout {
+  commkit::Region signals;
+  commkit::Region slot[kNumSlots];
+  uint64_t total;
+};
+
+// The layout of one rank's allocation for `capacity` bytes per slot.
+CK_HD constexpr BufferLayout buffer_layout(uint64_t capacity) {
+  commkit::Layout l;
+  BufferLayout b{};
+  b.signals = l.add(kSignalBytes, 4096);
+  for (int s = 0; s < kNumSlots; ++s) b.slot[s] = l.add(commkit::align_up(capacity, kSlotAlign), kSlotAlign);
+  b.total = l.total(4096);
+  return b;
+}
+
+// How the grid's blocks are shared among targets: block ids [0, self) copy to the own rank, the rest
+// go to the peers in equal groups of `per_peer` blocks, peer k (k = 1..W-1) being rank (rank+k) % W.
+// Local copies run at HBM speed and NVLink is the bottleneck, so the own rank gets fewer blocks.
+struct GridPlan {
+  int self_blocks;
+  int per_peer;
+  int total;
+};
+
+CK_HD constexpr GridPlan grid_plan(int num_blocks, int world, int self_blocks_hint) {
+  GridPlan g{1, 1, 1};
+  if (world <= 1) {
+    g.self_blocks = num_blocks < 1 ? 1 : num_blocks;
+    g.per_peer = 0;
+    g.total = g.self_blocks;
+    return g;
+  }
+  int self = self_blocks_hint > 0 ? self_blocks_hint : num_blocks / (2 * world);
+  if (self < 1) self = 1;
+  int per_peer = (num_blocks - self) / (world - 1);
+  if (per_peer < 1) per_peer = 1;
+  g.self_blocks = self;
+  g.per_peer = per_peer;
+  g.total = self + per_peer * (world - 1);
+  return g;
+}
+
+// Everything one launch needs, passed by value (so a CUDA graph captures it whole).
+struct KernelArgs {
+  char* dst[kMaxWorld];         // slot base of the current slot in every rank's buffer (indexed by rank)
+  Signals* sig[kMaxWorld];      // every rank's signal block (indexed by rank)
+  const char* x;                // input, see the per-op geometry in kernels.cu
+  const int32_t* counts_dev;    // [world] token counts on the device, or nullptr: use counts[]
+  int32_t counts[kMaxWorld];    // [world] token counts given on the host
+  commkit::TimeoutRecord* rec;  // host-mapped timeout record
+  uint64_t timeout_ns;          // 0: wait forever
+  int64_t x_rows;               // rows (tokens) per batch of x, i.e. x.shape[1]
+  int64_t out_rows;             // rows per batch of the output; -1: derived from the counts
+  int64_t cap_rows;             // device-count mode: counts are clamped to this; -1: no clamp
+  uint32_t chunk_bytes;         // bytes moved per (batch, token) for one target, multiple of 16
+  uint32_t wide_bytes;          // bytes of a full token row with all heads (H * D * elem)
+  int32_t rank, world, batch, op;
+  int32_t self_blocks, per_peer;
+};
+
+}  // namespace ipc_all2all

@@ -1,0 +1,195 @@
+// kernels.cu -- the one push kernel behind send_recv_heads, gather_heads and allgather.
+//
+// Every operation is "for each target rank p, move a set of rows of `chunk_bytes` from my input to
+// p's slot"; only the row addressing differs (W ranks, me = rank q, counts n[], exclusive prefix P[],
+// total T, E = element size, chunk = hpr*D*E, wide = H*D*E):
+//   send_recv_heads  x[b, x_rows, H, D]      rows t < n[q]:  src x + (b*x_rows + t)*wide + p*chunk
+//                                                            dst slot_p + (b*OUT + P[q] + t)*chunk
+//   gather_heads     x[b, x_rows, hpr, D]    rows t < n[p]:  src x + (b*x_rows + P[p] + t)*chunk
+//                                                            dst slot_p + (b*OUT_p + t)*wide + q*chunk
+//   allgather        x[b, x_rows, h, d]      rows t < n[q]:  src x + (b*x_rows + t)*chunk (chunk = wide)
+//                                                            dst slot_p + (b*OUT + P[q] + t)*chunk
+// OUT is the output's rows per batch: T (or n[p] for gather) when the counts came from the host, a
+// fixed capacity when they live on the device (CUDA graphs: the shape cannot follow the counts).
+//
+// The (row, 16-byte column) space of one target is flattened and shared by that target's blocks
+// with a grid stride, kUnroll 16-byte loads in flight per thread before the stores, so any head or
+// hidden size works (no "one token per thread group" limit) and every store is a full 16 B vector.
+// Stores go straight to the peer over NVLink (push): posted writes need no round trip, where a pull
+// would wait a full NVLink latency per load.
+#include <cuda_runtime.h>
+
+#include "a2a_types.hpp"
+#include "commkit/check.hpp"
+#include "commkit/device_deadline.cuh"
+
+namespace ipc_all2all {
+namespace {
+
+__device__ __forceinline__ int4 ld_stream(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void st_stream(int4* p, const int4& v) {
+  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+struct RowMap {
+  const char* src;
+  char* dst;
+  uint64_t sbs, sts, dbs, dts;  // batch / token strides in bytes of source and destination
+  uint32_t vpr;                 // 16-byte vectors per row
+  uint32_t rpb;                 // rows per batch for this target
+
+  __device__ __forceinline__ void addr(uint32_t v, const int4*& s, int4*& d) const {
+    uint32_t row = v / vpr;
+    uint32_t col = v - row * vpr;
+    uint32_t b = row / rpb;
+    uint32_t t = row - b * rpb;
+    s = reinterpret_cast<const int4*>(src + b * sbs + t * sts) + col;
+    d = reinterpret_cast<int4*>(dst + b * dbs + t * dts) + col;
+  }
+};
+
+__device__ __forceinline__ void copy_rows(const RowMap& m, uint32_t total_vecs, uint32_t first, uint32_t stride) {
+  uint32_t v = first;
+  for (; v + (kUnroll - 1) * stride < total_vecs; v += kUnroll * stride) {
+    int4 r[kUnroll];
+    int4* d[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int4* s;
+      m.addr(v + u * stride, s, d[u]);
+      r[u] = ld_stream(s);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) st_stream(d[u], r[u]);
+  }
+  for (; v < total_vecs; v += stride) {
+    const int4* s;
+    int4* d;
+    m.addr(v, s, d);
+    st_stream(d, ld_stream(s));
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) a2a_kernel(const KernelArgs a) {
+  __shared__ int64_t s_n[kMaxWorld];
+  __shared__ int64_t s_prefix[kMaxWorld + 1];
+  __shared__ uint64_t s_epoch;
+  __shared__ int s_ok;
+
+  Signals* me = a.sig[a.rank];
+  const int W = a.world;
+  const int q = a.rank;
+  if (threadIdx.x == 0) {
+    s_epoch = commkit::ld_relaxed(&me->epoch) + 1;
+    int64_t acc = 0;
+    for (int i = 0; i < W; ++i) {
+      int64_t n = a.counts_dev != nullptr ? static_cast<int64_t>(a.counts_dev[i]) : a.counts[i];
+      if (n < 0) n = 0;
+      if (a.cap_rows >= 0 && n > a.cap_rows) n = a.cap_rows;
+      s_n[i] = n;
+      s_prefix[i] = acc;
+      acc += n;
+    }
+    s_prefix[W] = acc;
+    s_ok = !commkit::aborted(a.rec);
+  }
+  __syncthreads();
+  const uint64_t e = s_epoch;
+
+  // Entry handshake, part 1: tell every peer that my stream has reached call e.
+  if (blockIdx.x == 0 && threadIdx.x < W && static_cast<int>(threadIdx.x) != q)
+    commkit::st_release(&a.sig[threadIdx.x]->ready[q], e);
+
+  int target, blk, nb;
+  if (static_cast<int>(blockIdx.x) < a.self_blocks) {
+    target = q;
+    blk = blockIdx.x;
+    nb = a.self_blocks;
+  } else {
+    int k = (blockIdx.x - a.self_blocks) / a.per_peer;
+    blk = (blockIdx.x - a.self_blocks) - k * a.per_peer;
+    target = (q + 1 + k) % W;
+    nb = a.per_peer;
+  }
+
+  // Entry handshake, part 2: the target has entered call e, so it no longer reads what I overwrite.
+  if (target != q && threadIdx.x == 0 && s_ok)
+    s_ok = commkit::wait_ge(&me->ready[target], e, a.timeout_ns, a.rec, a.op * 4 + kPhaseEntry, q, target);
+  __syncthreads();
+
+  if (s_ok) {
+    const int64_t T = s_prefix[W];
+    const uint64_t chunk = a.chunk_bytes, wide = a.wide_bytes;
+    RowMap m;
+    m.vpr = a.chunk_bytes / 16u;
+    if (a.op == kGatherHeads) {
+      const int64_t out = a.out_rows >= 0 ? a.out_rows : s_n[target];
+      m.rpb = static_cast<uint32_t>(s_n[target]);
+      m.src = a.x + s_prefix[target] * chunk;
+      m.sbs = a.x_rows * chunk;
+      m.sts = chunk;
+      m.dst = a.dst[target] + q * chunk;
+      m.dbs = out * wide;
+      m.dts = wide;
+    } else {
+      const int64_t out = a.out_rows >= 0 ? a.out_rows : T;
+      m.rpb = static_cast<uint32_t>(s_n[q]);
+      if (a.op == kSendRecvHeads) {
+        m.src = a.x + target * chunk;
+        m.sbs = a.x_rows * wide;
+        m.sts = wide;
+      } else {
+        m.src = a.x;
+        m.sbs = a.x_rows * chunk;
+        m.sts = chunk;
+      }
+      m.dst = a.dst[target] + s_prefix[q] * chunk;
+      m.dbs = out * chunk;
+      m.dts = chunk;
+    }
+    const uint32_t total_vecs = static_cast<uint32_t>(a.batch) * m.rpb * m.vpr;
+    copy_rows(m, total_vecs, blk * blockDim.x + threadIdx.x, nb * blockDim.x);
+  }
+
+  // Completion: every thread's stores are made visible system-wide before thread 0 counts the block.
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (target != q) {
+    uint32_t old = atomicAdd(&me->cnt[target], 1u);
+    if (old == static_cast<uint32_t>(nb - 1)) {
+      atomicExch(&me->cnt[target], 0u);
+      __threadfence_system();
+      // A failed call must not look complete to the peer, or its next call would consume garbage.
+      if (!commkit::aborted(a.rec)) commkit::st_release(&a.sig[target]->done[q], e);
+    }
+  }
+  uint32_t old = atomicAdd(&me->fin, 1u);
+  if (old == gridDim.x - 1) {
+    atomicExch(&me->fin, 0u);
+    for (int k = 1; k < W; ++k) {
+      int src = (q + k) % W;
+      if (!commkit::wait_ge(&me->done[src], e, a.timeout_ns, a.rec, a.op * 4 + kPhaseCompletion, q, src)) break;
+    }
+    __threadfence();
+    commkit::st_relaxed(&me->epoch, e);
+  }
+}
+
+}  // namespace
+
+void launch_a2a(const KernelArgs& args, int grid, cudaStream_t stream) {
+  a2a_kernel<<<grid, kThreads, 0, stream>>>(args);
+  CK_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace ipc_all2all

@@ -1,0 +1,2 @@
+import torch  # noqa: F401
+from . import _C

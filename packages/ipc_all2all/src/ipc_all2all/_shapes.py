@@ -1,0 +1,185 @@
+"""Shape, dtype and buffer-size logic of ipc_all2all, in pure Python (testable without a GPU).
+
+Every public operation is planned here before anything launches: the plan names the output shape,
+the bytes it needs and the row geometry the kernel uses, and every violation raises ``ValueError``
+naming the argument and what was expected.
+
+Token counts come in two modes:
+
+* host mode (``set_rank_tokens([n0, n1, ...])``): shapes follow the counts exactly;
+  ``send_recv_heads`` returns ``[b, sum(n), H/W, D]``.
+* device mode (``set_rank_tokens(int32 CUDA tensor [W])``): the counts are read by the kernel, so
+  they can change between CUDA-graph replays without a host sync. Shapes are then fixed by the input:
+  a per-rank capacity ``L = x.shape[1]`` (``send_recv_heads``/``allgather``) and ``W * L`` rows for
+  the all-token side; rank ``r``'s tokens start at row ``sum(n[:r])`` and rows past ``sum(n)`` are
+  left untouched. Counts larger than ``L`` are clamped to ``L`` on the device.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+MAX_WORLD_SIZE = 8
+ALIGN = 16
+SUPPORTED_ITEMSIZES = (1, 2, 4)
+
+OP_SEND_RECV_HEADS = 0
+OP_GATHER_HEADS = 1
+OP_ALLGATHER = 2
+OP_NAMES = {OP_SEND_RECV_HEADS: "send_recv_heads", OP_GATHER_HEADS: "gather_heads", OP_ALLGATHER: "allgather"}
+
+
+class Plan(NamedTuple):
+    """Geometry of one launch (all sizes in elements of the tensor's dtype unless said bytes)."""
+
+    op: int
+    batch: int
+    x_rows: int            # x.shape[1]
+    out_rows: int          # rows per batch of the output, -1 = derived from host counts
+    cap_rows: int          # device mode: per-rank token capacity the counts are clamped to, else -1
+    chunk_bytes: int       # bytes moved per (batch, token) and target
+    wide_bytes: int        # bytes of one full token row (all heads)
+    out_shape: Tuple[int, int, int, int]
+    out_bytes: int
+
+
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``; raises ``ValueError`` unless it is 1, 2 or 4 bytes wide.
+
+    Arguments:
+        dtype: a torch dtype (bf16, fp16, fp32, float8_e4m3fn, float8_e5m2, int8, ...).
+
+    Returns:
+        The element size in bytes.
+    """
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"tensor_dtype must be a torch.dtype, got {dtype!r}")
+    if dtype.is_complex or dtype == torch.bool:
+        raise ValueError(f"tensor_dtype {dtype} is not supported (complex and bool are not)")
+    size = torch.empty((), dtype=dtype).element_size()
+    if size not in SUPPORTED_ITEMSIZES:
+        raise ValueError(f"tensor_dtype {dtype} has {size}-byte elements; supported sizes are 1, 2 and 4 bytes")
+    return size
+
+
+def check_world(rank: int, world_size: int) -> None:
+    """Raises ``ValueError`` unless ``0 <= rank < world_size <= MAX_WORLD_SIZE``."""
+    if not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size must be an int in [1, {MAX_WORLD_SIZE}], got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
+
+
+def capacity_bytes(num_tokens: int, hidden_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one output slot: ``num_tokens * hidden_dim`` elements, as in the original library.
+
+    ``num_tokens`` counts rows of ``hidden_dim`` elements *per batch times batch*: send_recv_heads with
+    ``W`` ranks needs ``batch * total_tokens / W`` of them, allgather ``batch * total_tokens``.
+    """
+    for name, v in (("num_tokens", num_tokens), ("hidden_dim", hidden_dim)):
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return num_tokens * hidden_dim * element_size(dtype)
+
+
+def prefix_sums(counts: Sequence[int]) -> List[int]:
+    """Exclusive prefix sums: ``[0, n0, n0+n1, ...]`` (length ``len(counts)``)."""
+    out, acc = [], 0
+    for n in counts:
+        out.append(acc)
+        acc += n
+    return out
+
+
+def check_counts(counts: Sequence[int], world_size: int) -> List[int]:
+    """Validates host token counts: ``world_size`` non-negative ints below 2**31."""
+    counts = list(counts)
+    if len(counts) != world_size:
+        raise ValueError(f"rank_tokens must have one entry per rank ({world_size}), got {len(counts)}")
+    for i, n in enumerate(counts):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n >= 2**31:
+            raise ValueError(f"rank_tokens[{i}] must be an int in [0, 2**31), got {n!r}")
+    return counts
+
+
+def _check_shape(shape: Sequence[int], what: str) -> Tuple[int, int, int, int]:
+    if len(shape) != 4:
+        raise ValueError(f"{what}: x must have 4 dimensions [batch, tokens, heads, head_dim], got shape {tuple(shape)}")
+    b, t, h, d = (int(s) for s in shape)
+    if h <= 0 or d <= 0:
+        raise ValueError(f"{what}: heads and head_dim must be positive, got shape {tuple(shape)}")
+    return b, t, h, d
+
+
+def _finish(op, b, x_rows, out_rows, cap_rows, chunk, wide, out_shape, itemsize, capacity, what) -> Plan:
+    if chunk % ALIGN:
+        raise ValueError(
+            f"{what}: each token moves {chunk} bytes per target (heads/W * head_dim * element size); "
+            f"it must be a multiple of {ALIGN} bytes for 16-byte vector copies")
+    out_bytes = math.prod(out_shape) * itemsize
+    if out_bytes > capacity:
+        raise ValueError(
+            f"{what}: output {tuple(out_shape)} needs {out_bytes} bytes but the buffer holds {capacity} "
+            f"(num_tokens * hidden_dim * element size); token counts exceed what the instance was built for")
+    vec_rows = out_shape[0] * max(out_shape[1], x_rows) * (chunk // ALIGN)
+    if vec_rows >= 2**32:
+        raise ValueError(f"{what}: one call may move at most 2**32 16-byte vectors per target")
+    return Plan(op, b, x_rows, out_rows, cap_rows, chunk, wide, tuple(out_shape), out_bytes)
+
+
+def plan_send_recv_heads(shape, itemsize: int, world_size: int, rank: int, counts: Optional[Sequence[int]],
+                         capacity: int) -> Plan:
+    """Plans ``x[b, local_tokens, H, D] -> out[b, total_tokens, H/W, D]``; ``counts=None`` is device mode."""
+    what = "send_recv_heads"
+    b, L, H, D = _check_shape(shape, what)
+    if H % world_size:
+        raise ValueError(f"{what}: heads ({H}) must be divisible by world_size ({world_size})")
+    hpr = H // world_size
+    chunk, wide = hpr * D * itemsize, H * D * itemsize
+    if counts is not None:
+        if L != counts[rank]:
+            raise ValueError(f"{what}: x has {L} tokens but set_rank_tokens gave rank {rank} {counts[rank]}")
+        return _finish(OP_SEND_RECV_HEADS, b, L, -1, -1, chunk, wide, (b, sum(counts), hpr, D), itemsize, capacity, what)
+    return _finish(OP_SEND_RECV_HEADS, b, L, world_size * L, L, chunk, wide, (b, world_size * L, hpr, D), itemsize,
+                   capacity, what)
+
+
+def plan_gather_heads(shape, itemsize: int, world_size: int, rank: int, counts: Optional[Sequence[int]],
+                      capacity: int) -> Plan:
+    """Plans ``x[b, total_tokens, H/W, D] -> out[b, local_tokens, H, D]``; ``counts=None`` is device mode."""
+    what = "gather_heads"
+    b, T, hpr, D = _check_shape(shape, what)
+    H = hpr * world_size
+    chunk, wide = hpr * D * itemsize, H * D * itemsize
+    if counts is not None:
+        if T != sum(counts):
+            raise ValueError(f"{what}: x has {T} tokens but set_rank_tokens gives a total of {sum(counts)}")
+        return _finish(OP_GATHER_HEADS, b, T, -1, -1, chunk, wide, (b, counts[rank], H, D), itemsize, capacity, what)
+    if T % world_size:
+        raise ValueError(f"{what}: in device-count mode x.shape[1] ({T}) must be world_size * per-rank capacity")
+    L = T // world_size
+    return _finish(OP_GATHER_HEADS, b, T, L, L, chunk, wide, (b, L, H, D), itemsize, capacity, what)
+
+
+def plan_allgather(shape, itemsize: int, world_size: int, rank: int, counts: Optional[Sequence[int]],
+                   capacity: int) -> Plan:
+    """Plans ``x[b, local_tokens, h, d] -> out[b, total_tokens, h, d]``; ``counts=None`` is device mode."""
+    what = "allgather"
+    b, L, h, d = _check_shape(shape, what)
+    chunk = h * d * itemsize
+    if counts is not None:
+        if L != counts[rank]:
+            raise ValueError(f"{what}: x has {L} tokens but set_rank_tokens gave rank {rank} {counts[rank]}")
+        return _finish(OP_ALLGATHER, b, L, -1, -1, chunk, chunk, (b, sum(counts), h, d), itemsize, capacity, what)
+    return _finish(OP_ALLGATHER, b, L, world_size * L, L, chunk, chunk, (b, world_size * L, h, d), itemsize,
+                   capacity, what)
+
+
+PLANNERS = {OP_SEND_RECV_HEADS: plan_send_recv_heads, OP_GATHER_HEADS: plan_gather_heads, OP_ALLGATHER: plan_allgather}
+
+
+def ranges_overlap(a_start: int, a_bytes: int, b_start: int, b_bytes: int) -> bool:
+    """True when the byte ranges ``[a, a+na)`` and ``[b, b+nb)`` share a byte (empty ranges never do)."""
+    return a_bytes > 0 and b_bytes > 0 and a_start < b_start + b_bytes and b_start < a_start + a_bytes
