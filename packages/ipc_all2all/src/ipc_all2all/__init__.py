@@ -1,2 +1,411 @@
-import torch  # noqa: F401
+"""ipc_all2all -- CUDA-IPC all-to-all for Ulysses sequence parallelism, on one node.
+
+What it does
+------------
+With ``W`` ranks, each holding ``local_tokens`` of a sequence and all ``H`` attention heads,
+
+* ``send_recv_heads(x[b, local_tokens, H, D]) -> [b, total_tokens, H/W, D]`` scatters heads and
+  gathers tokens (rank ``r`` receives heads ``r*H/W : (r+1)*H/W`` of every token, ordered by rank);
+* ``gather_heads(x[b, total_tokens, H/W, D]) -> [b, local_tokens, H, D]`` is its exact inverse;
+* ``allgather(x[b, local_tokens, h, d]) -> [b, total_tokens, h, d]`` concatenates tokens.
+
+The result is bit-identical to ``permute -> all_to_all_single -> permute`` (and
+``all_gather_into_tensor``) for any 1-, 2- or 4-byte dtype; token counts may differ per rank, zero
+included.
+
+How
+---
+Each rank allocates ONE device buffer ``[signals 4 KiB | slot 0 | slot 1]`` and shares it by a CUDA
+IPC handle. One kernel per call *pushes* every rank's rows straight into the receivers' slots over
+NVLink with 16-byte vector stores from many SMs, so the output lands permuted in place and no
+separate permute pass or staging copy exists. Calls alternate between the two slots, so a call may
+consume the previous call's zero-copy output (the round trip ``gather_heads(send_recv_heads(x))``).
+
+Back-to-back safety: each call has an epoch kept on the device (CUDA-graph replays advance it).
+On entry a rank announces ``ready = epoch`` to every peer and writes into a peer only after that
+peer announced the same epoch, i.e. after the peer's stream finished everything before this call
+(no write-after-read race however far one rank runs ahead). Completion is a per-peer ``done = epoch``
+written after the data; all counters are monotonic and compared with ``>=``, so none can overshoot.
+Every wait has a deadline on ``%globaltimer``: on expiry the kernel records (operation, rank, peer)
+in host-mapped memory and exits; the next call, ``check()`` or ``synchronize()`` raises
+``CommTimeoutError`` naming them. There is no ``trap``; the CUDA context stays usable, the instance
+is marked unusable and must be destroyed.
+
+Zero-copy outputs (``copy_output=False``) are views into the instance's buffer: the view returned
+by call N stays valid until this rank enqueues call N+2 on the instance (call N+1 writes the other
+slot), and until ``destroy()``. Read it on the stream that made the call, or pass
+``copy_output=True`` to get a fresh tensor.
+
+How to launch
+-------------
+One process per GPU, with torch.distributed initialised::
+
+    import ipc_all2all
+    with ipc_all2all.All2All.from_group(group, num_tokens=max_local_tokens * batch,
+                                        hidden_dim=H * D, tensor_dtype=torch.bfloat16) as a2a:
+        a2a.set_rank_tokens(tokens_per_rank)            # list of W ints, or an int32 CUDA tensor
+        q = a2a.send_recv_heads(q_local, copy_output=True)
+        ...
+        out = a2a.gather_heads(attn_out)
+
+``ipc_all2all.ops`` holds torch custom ops (with fake implementations) for ``torch.compile``.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import warnings
+import weakref
+from typing import List, Optional, Sequence, Union
+
+import torch  # noqa: F401  (loads the CUDA runtime before _C)
+
 from . import _C
+from ._shapes import (
+    MAX_WORLD_SIZE,
+    OP_ALLGATHER,
+    OP_GATHER_HEADS,
+    OP_NAMES,
+    OP_SEND_RECV_HEADS,
+    PLANNERS,
+    Plan,
+    capacity_bytes,
+    check_counts,
+    check_world,
+    element_size,
+    prefix_sums,
+    ranges_overlap,
+    validate_input,
+)
+
+__all__ = [
+    "All2All",
+    "CommError",
+    "CommTimeoutError",
+    "DEFAULT_TIMEOUT_SECONDS",
+    "MAX_WORLD_SIZE",
+    "built_with_cuda",
+]
+
+CommError = _C.CommError
+CommTimeoutError = _C.CommTimeoutError
+DEFAULT_TIMEOUT_SECONDS = 10.0
+
+
+def built_with_cuda() -> bool:
+    """True when the extension was compiled with its CUDA kernels."""
+    return bool(_C.built_with_cuda())
+
+
+# Weak: the op path looks instances up by id, but only the user's reference keeps one alive.
+_REGISTRY: "weakref.WeakValueDictionary[int, All2All]" = weakref.WeakValueDictionary()
+_REGISTRY_LOCK = threading.Lock()
+_IDS = itertools.count(1)
+
+
+def _lookup(comm_id: int) -> "All2All":
+    try:
+        return _REGISTRY[comm_id]
+    except KeyError:
+        raise ValueError(f"no live ipc_all2all.All2All with comm_id {comm_id} (destroyed?)") from None
+
+
+class _CudaBytes:
+    """Exposes a raw device range to torch through ``__cuda_array_interface__`` (no torch C++)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2, "strides": None,
+        }
+
+
+class All2All:
+    """One CUDA-IPC all-to-all instance (the original library's API, plus a collective constructor).
+
+    Arguments:
+        rank: this process's rank in ``[0, world_size)``; need not equal the CUDA device index (the
+            instance lives on the current CUDA device at construction).
+        world_size: number of ranks, 1 to 8.
+        num_tokens: rows of ``hidden_dim`` elements one output slot holds. ``send_recv_heads`` needs
+            ``batch * total_tokens / W`` of them (for even shards: ``batch * local_tokens``),
+            ``gather_heads`` ``batch * local_tokens``, ``allgather`` ``batch * total_tokens``.
+        hidden_dim: elements per token row (``heads * head_dim``) used for sizing.
+        num_sms: CUDA blocks per launch (the SM count of the GPU is a good value).
+        tensor_dtype: dtype of every tensor passed in; any 1-, 2- or 4-byte dtype.
+        timeout_seconds: device-side deadline of every wait (default 10 s; 0 = wait forever). The
+            deadline restarts whenever the awaited counter moves.
+
+    Low-level use (the caller exchanges handles)::
+
+        a = All2All(rank, W, num_tokens, hidden, num_sms, torch.bfloat16)
+        handles = [None] * W; dist.all_gather_object(handles, a.get_local_ipc_handle())
+        a.sync(handles)
+
+    or use :meth:`from_group`, which does that and makes :meth:`destroy` collective.
+    """
+
+    def __init__(self, rank: int, world_size: int, num_tokens: int, hidden_dim: int, num_sms: int,
+                 tensor_dtype: torch.dtype, timeout_seconds: Optional[float] = None):
+        check_world(rank, world_size)
+        self.itemsize = element_size(tensor_dtype)
+        capacity = capacity_bytes(num_tokens, hidden_dim, tensor_dtype)
+        if not isinstance(num_sms, int) or num_sms < world_size:
+            raise ValueError(f"num_sms must be an int >= world_size ({world_size}), got {num_sms!r}")
+        if timeout_seconds is None:
+            timeout_seconds = DEFAULT_TIMEOUT_SECONDS
+        if not torch.cuda.is_available():
+            raise RuntimeError("ipc_all2all.All2All needs a CUDA device; none is available")
+        if not built_with_cuda():
+            raise RuntimeError("ipc_all2all was built without CUDA kernels (no nvcc at build time); rebuild with CUDA")
+        self.rank = rank
+        self.world_size = world_size
+        self.num_tokens = num_tokens
+        self.hidden_dim = hidden_dim
+        self.num_sms = num_sms
+        self.tensor_dtype = tensor_dtype
+        self._core = _C.Core(rank, world_size, capacity, num_sms, float(timeout_seconds))
+        self.device = torch.device("cuda", self._core.device)
+        self.capacity = capacity
+        self._group = None
+        self._buf: Optional[torch.Tensor] = None
+        self._counts: Optional[List[int]] = None
+        self._counts_dev: Optional[torch.Tensor] = None
+        self.comm_id = next(_IDS)
+        with _REGISTRY_LOCK:
+            _REGISTRY[self.comm_id] = self
+
+    # ----------------------------------------------------------------------------- construction
+    @classmethod
+    def from_group(cls, group=None, *, num_tokens: int, hidden_dim: int, tensor_dtype: torch.dtype,
+                   num_sms: Optional[int] = None, timeout_seconds: Optional[float] = None) -> "All2All":
+        """Builds an instance on every rank of ``group`` (collective) and exchanges the IPC handles.
+
+        Arguments:
+            group: a torch.distributed process group (default: WORLD); one process per GPU.
+            num_tokens, hidden_dim, tensor_dtype, timeout_seconds: as for the constructor.
+            num_sms: blocks per launch; default the current device's SM count.
+
+        Returns:
+            A ready instance whose :meth:`destroy` is collective over ``group``. If any rank fails
+            to build or to open a peer's buffer, every rank raises ``CommError`` naming it.
+        """
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        obj, err = None, None
+        try:
+            obj = cls(rank, world, num_tokens, hidden_dim, num_sms, tensor_dtype, timeout_seconds)
+            payload = ("ok", obj.get_local_ipc_handle())
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            err, payload = e, ("error", f"{type(e).__name__}: {e}")
+        gathered: List = [None] * world
+        dist.all_gather_object(gathered, payload, group=group)
+        bad = [(r, p[1]) for r, p in enumerate(gathered) if p[0] != "ok"]
+        if bad:
+            if obj is not None:
+                obj._core.destroy()
+                obj._unregister()
+            if err is not None and all(r == rank for r, _ in bad):
+                raise err
+            raise CommError("All2All.from_group failed on " + "; ".join(f"rank {r}: {m}" for r, m in bad))
+        try:
+            obj.sync([p[1] for p in gathered])
+            status = ("ok", "")
+        except Exception as e:  # noqa: BLE001
+            err, status = e, ("error", f"{type(e).__name__}: {e}")
+        statuses: List = [None] * world
+        dist.all_gather_object(statuses, status, group=group)
+        bad = [(r, s[1]) for r, s in enumerate(statuses) if s[0] != "ok"]
+        if bad:
+            obj._core.destroy()
+            obj._unregister()
+            raise CommError("All2All.from_group: opening the peers' buffers failed on "
+                            + "; ".join(f"rank {r}: {m}" for r, m in bad))
+        obj._group = group
+        return obj
+
+    def get_local_ipc_handle(self) -> bytes:
+        """Returns this rank's CUDA IPC handle (64 bytes) for the other ranks' :meth:`sync`."""
+        return self._core.ipc_handle()
+
+    def sync(self, all_gathered_handles: Sequence[Union[bytes, bytearray]]) -> None:
+        """Opens every peer's buffer.
+
+        Arguments:
+            all_gathered_handles: every rank's :meth:`get_local_ipc_handle`, indexed by rank.
+        """
+        handles = []
+        for i, h in enumerate(all_gathered_handles):
+            if not isinstance(h, (bytes, bytearray)):
+                raise ValueError(f"sync(): handle {i} must be bytes, got {type(h).__name__}")
+            handles.append(bytes(h))
+        self._core.open_peers(handles)
+        self._buf = torch.as_tensor(_CudaBytes(self._core.buffer_ptr, self._core.buffer_bytes), device=self.device)
+
+    # ----------------------------------------------------------------------------- configuration
+    def set_rank_tokens(self, rank_num_tokens: Union[Sequence[int], torch.Tensor]) -> None:
+        """Sets every rank's token count for the following calls (the same on every rank).
+
+        Arguments:
+            rank_num_tokens: a list of ``world_size`` ints (host mode: output shapes follow them), or
+                an int32 CUDA tensor of shape ``[world_size]`` on this instance's device (device mode:
+                the kernels read it at run time, so it may change between CUDA-graph replays; shapes
+                are then fixed by the inputs, see ``ipc_all2all._shapes``). No host synchronisation.
+        """
+        if isinstance(rank_num_tokens, torch.Tensor):
+            t = rank_num_tokens
+            if t.dtype != torch.int32 or t.device != self.device or tuple(t.shape) != (self.world_size,) \
+                    or not t.is_contiguous():
+                raise ValueError(
+                    f"set_rank_tokens: a tensor must be int32, contiguous, shape ({self.world_size},) on {self.device}; "
+                    f"got {t.dtype}, shape {tuple(t.shape)} on {t.device}")
+            self._counts, self._counts_dev = None, t
+        else:
+            self._counts, self._counts_dev = check_counts(rank_num_tokens, self.world_size), None
+
+    def set_timeout_seconds(self, seconds: float) -> None:
+        """Sets the device-side deadline of every wait (0 = forever); applies to later launches."""
+        self._core.set_timeout_seconds(float(seconds))
+
+    def set_grid(self, num_blocks: int, self_blocks: int = 0) -> None:
+        """Tuning: blocks per launch and how many copy to the own rank (0 = automatic)."""
+        self._core.set_grid(num_blocks, self_blocks)
+
+    @property
+    def rank_tokens(self) -> Optional[List[int]]:
+        """The host token counts, or None in device mode / before :meth:`set_rank_tokens`."""
+        return None if self._counts is None else list(self._counts)
+
+    @property
+    def total_tokens(self) -> Optional[int]:
+        """Sum of the host token counts (None in device mode)."""
+        return None if self._counts is None else sum(self._counts)
+
+    @property
+    def prefix_rank_tokens(self) -> Optional[List[int]]:
+        """Exclusive prefix sums of the host token counts (None in device mode)."""
+        return None if self._counts is None else prefix_sums(self._counts)
+
+    # ----------------------------------------------------------------------------- operations
+    def plan(self, op: int, shape: Sequence[int]) -> Plan:
+        """Validates shapes for ``op`` against the current token counts and returns the launch plan."""
+        if self._counts is None and self._counts_dev is None:
+            raise ValueError(f"{OP_NAMES[op]}: call set_rank_tokens() first")
+        return PLANNERS[op](tuple(shape), self.itemsize, self.world_size, self.rank, self._counts, self.capacity)
+
+    def _check_input(self, x: torch.Tensor, what: str) -> None:
+        validate_input(x, self.tensor_dtype, self.device, what)
+
+    def _run(self, op: int, x: torch.Tensor, copy_output: bool) -> torch.Tensor:
+        what = OP_NAMES[op]
+        if self._core.destroyed:
+            raise CommError(f"{what}: this All2All instance was destroyed")
+        if self._buf is None:
+            raise CommError(f"{what}: call sync() (or use All2All.from_group) before the first operation")
+        self._check_input(x, what)
+        p = self.plan(op, x.shape)
+        slot = self._core.next_slot
+        off = self._core.slot_offset(slot)
+        # Peers write this slot during the call; an input inside it would be overwritten while read.
+        if ranges_overlap(x.data_ptr(), x.numel() * self.itemsize, self._core.buffer_ptr + off, self.capacity):
+            raise ValueError(f"{what}: x lies in the output slot this call writes (a zero-copy output from two "
+                             "calls ago); pass copy_output=True to that call or clone x")
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        counts_ptr = 0 if self._counts_dev is None else self._counts_dev.data_ptr()
+        got = self._core.launch(op, x.data_ptr(), stream, p.batch, p.x_rows, p.out_rows, p.cap_rows,
+                                p.chunk_bytes, p.wide_bytes, self._counts or [], counts_ptr)
+        assert got == slot
+        out = self._buf[off:off + p.out_bytes].view(self.tensor_dtype).view(p.out_shape)
+        return out.clone() if copy_output else out
+
+    def send_recv_heads(self, x: torch.Tensor, copy_output: bool = False) -> torch.Tensor:
+        """Scatters heads, gathers tokens: ``x[b, local_tokens, H, D] -> [b, total_tokens, H/W, D]``.
+
+        Arguments:
+            x: contiguous, 16-byte aligned, ``tensor_dtype``, on this instance's device; ``H`` divisible
+                by ``world_size`` and ``H/W * D * element size`` a multiple of 16 bytes.
+            copy_output: return a fresh tensor instead of a view into the shared buffer.
+
+        Returns:
+            Rank ``r``'s heads ``[r*H/W, (r+1)*H/W)`` of every rank's tokens, in rank order.
+        """
+        return self._run(OP_SEND_RECV_HEADS, x, copy_output)
+
+    def gather_heads(self, x: torch.Tensor, copy_output: bool = False) -> torch.Tensor:
+        """Inverse of :meth:`send_recv_heads`: ``x[b, total_tokens, H/W, D] -> [b, local_tokens, H, D]``.
+
+        Arguments:
+            x: as for :meth:`send_recv_heads`; may be the previous call's zero-copy output.
+            copy_output: return a fresh tensor instead of a view into the shared buffer.
+
+        Returns:
+            This rank's tokens with all heads.
+        """
+        return self._run(OP_GATHER_HEADS, x, copy_output)
+
+    def allgather(self, x: torch.Tensor, copy_output: bool = False) -> torch.Tensor:
+        """Concatenates every rank's tokens: ``x[b, local_tokens, h, d] -> [b, total_tokens, h, d]``.
+
+        Arguments:
+            x: contiguous, 16-byte aligned, ``h * d * element size`` a multiple of 16 bytes.
+            copy_output: return a fresh tensor instead of a view into the shared buffer.
+
+        Returns:
+            The same tensor on every rank.
+        """
+        return self._run(OP_ALLGATHER, x, copy_output)
+
+    # ----------------------------------------------------------------------------- errors, teardown
+    def check(self) -> None:
+        """Raises ``CommTimeoutError`` if a finished launch recorded a timeout (does not wait)."""
+        self._core.check()
+
+    def synchronize(self) -> None:
+        """Waits for this device's current stream, then raises ``CommTimeoutError`` on a timeout."""
+        self._core.synchronize(torch.cuda.current_stream(self.device).cuda_stream)
+
+    @property
+    def broken(self) -> bool:
+        """True after a timeout: the instance refuses further calls and must be destroyed."""
+        return self._core.broken
+
+    @property
+    def destroyed(self) -> bool:
+        return self._core.destroyed
+
+    def _unregister(self) -> None:
+        with _REGISTRY_LOCK:
+            _REGISTRY.pop(self.comm_id, None)
+
+    def destroy(self) -> None:
+        """Releases the buffer and the peers' mappings. Collective for instances from :meth:`from_group`
+        (every rank waits for its GPU, then for the others, so nobody frees memory a peer still
+        writes); with the low-level constructor the caller must ensure that. Idempotent."""
+        if self._core.destroyed:
+            return
+        if self._group is not None:
+            import torch.distributed as dist
+
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=self._group)
+        self._buf = None
+        self._counts_dev = None
+        self._unregister()
+        self._core.destroy()
+
+    def __enter__(self) -> "All2All":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+    def __del__(self):
+        core = getattr(self, "_core", None)
+        if core is not None and not core.destroyed:
+            warnings.warn("ipc_all2all.All2All was not destroyed; call destroy() (collective) or use `with`",
+                          ResourceWarning, stacklevel=1)
+
+
+from . import ops  # noqa: E402  (registers the torch custom ops)

@@ -183,3 +183,19 @@ PLANNERS = {OP_SEND_RECV_HEADS: plan_send_recv_heads, OP_GATHER_HEADS: plan_gath
 def ranges_overlap(a_start: int, a_bytes: int, b_start: int, b_bytes: int) -> bool:
     """True when the byte ranges ``[a, a+na)`` and ``[b, b+nb)`` share a byte (empty ranges never do)."""
     return a_bytes > 0 and b_bytes > 0 and a_start < b_start + b_bytes and b_start < a_start + a_bytes
+
+
+def validate_input(x, dtype: torch.dtype, device: torch.device, what: str) -> None:
+    """Raises ``ValueError`` unless ``x`` is a 4-d, contiguous, 16-byte aligned ``dtype`` tensor on ``device``."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{what}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"{what}: x must have 4 dimensions [batch, tokens, heads, head_dim], got shape {tuple(x.shape)}")
+    if x.dtype != dtype:
+        raise ValueError(f"{what}: x has dtype {x.dtype}, this instance was built for {dtype}")
+    if x.device != device:
+        raise ValueError(f"{what}: x is on {x.device}, this instance lives on {device}")
+    if not x.is_contiguous():
+        raise ValueError(f"{what}: x must be contiguous (call .contiguous())")
+    if x.data_ptr() % ALIGN:
+        raise ValueError(f"{what}: x must be 16-byte aligned (data_ptr % 16 == {x.data_ptr() % ALIGN})")

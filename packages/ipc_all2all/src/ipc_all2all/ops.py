@@ -1,0 +1,106 @@
+"""torch custom ops over :class:`ipc_all2all.All2All`, so models using it compile with
+``torch.compile(fullgraph=True)``.
+
+The ops take the instance's integer ``comm_id`` (a registry key; tensors cannot carry the instance)
+and the output token count as plain ints, which dynamo treats as constants guarded on their values.
+Their fake implementations only compute shapes. The ops always return a fresh tensor
+(``copy_output=True``): a compiled graph may keep an output alive across later calls, which the
+zero-copy view's lifetime would not survive.
+
+Use the wrappers::
+
+    q = ipc_all2all.ops.send_recv_heads(q_local, a2a)
+    o = ipc_all2all.ops.gather_heads(attn_out, a2a)
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _shapes
+
+
+def _lookup(comm_id: int):
+    from . import _lookup as lookup
+
+    return lookup(comm_id)
+
+
+@torch.library.custom_op("ipc_all2all::send_recv_heads", mutates_args=())
+def _send_recv_heads(x: torch.Tensor, comm_id: int, out_tokens: int, world_size: int) -> torch.Tensor:
+    return _lookup(comm_id).send_recv_heads(x, copy_output=True)
+
+
+@_send_recv_heads.register_fake
+def _(x, comm_id, out_tokens, world_size):
+    b, _, h, d = x.shape
+    return x.new_empty((b, out_tokens, h // world_size, d))
+
+
+@torch.library.custom_op("ipc_all2all::gather_heads", mutates_args=())
+def _gather_heads(x: torch.Tensor, comm_id: int, out_tokens: int, world_size: int) -> torch.Tensor:
+    return _lookup(comm_id).gather_heads(x, copy_output=True)
+
+
+@_gather_heads.register_fake
+def _(x, comm_id, out_tokens, world_size):
+    b, _, h, d = x.shape
+    return x.new_empty((b, out_tokens, h * world_size, d))
+
+
+@torch.library.custom_op("ipc_all2all::allgather", mutates_args=())
+def _allgather(x: torch.Tensor, comm_id: int, out_tokens: int, world_size: int) -> torch.Tensor:
+    return _lookup(comm_id).allgather(x, copy_output=True)
+
+
+@_allgather.register_fake
+def _(x, comm_id, out_tokens, world_size):
+    b, _, h, d = x.shape
+    return x.new_empty((b, out_tokens, h, d))
+
+
+def _out_tokens(comm, op: int, x: torch.Tensor) -> int:
+    # Host counts fix the output length; device counts leave it to the input's (static) capacity.
+    counts = comm.rank_tokens
+    W = comm.world_size
+    if counts is None:
+        return x.shape[1] // W if op == _shapes.OP_GATHER_HEADS else x.shape[1] * W
+    return counts[comm.rank] if op == _shapes.OP_GATHER_HEADS else sum(counts)
+
+
+def send_recv_heads(x: torch.Tensor, comm) -> torch.Tensor:
+    """``comm.send_recv_heads(x, copy_output=True)`` as a compilable op.
+
+    Arguments:
+        x: ``[b, local_tokens, H, D]``.
+        comm: a synced :class:`ipc_all2all.All2All`.
+
+    Returns:
+        ``[b, total_tokens, H/W, D]``, a fresh tensor.
+    """
+    return _send_recv_heads(x, comm.comm_id, _out_tokens(comm, _shapes.OP_SEND_RECV_HEADS, x), comm.world_size)
+
+
+def gather_heads(x: torch.Tensor, comm) -> torch.Tensor:
+    """``comm.gather_heads(x, copy_output=True)`` as a compilable op.
+
+    Arguments:
+        x: ``[b, total_tokens, H/W, D]``.
+        comm: a synced :class:`ipc_all2all.All2All`.
+
+    Returns:
+        ``[b, local_tokens, H, D]``, a fresh tensor.
+    """
+    return _gather_heads(x, comm.comm_id, _out_tokens(comm, _shapes.OP_GATHER_HEADS, x), comm.world_size)
+
+
+def allgather(x: torch.Tensor, comm) -> torch.Tensor:
+    """``comm.allgather(x, copy_output=True)`` as a compilable op.
+
+    Arguments:
+        x: ``[b, local_tokens, h, d]``.
+        comm: a synced :class:`ipc_all2all.All2All`.
+
+    Returns:
+        ``[b, total_tokens, h, d]``, a fresh tensor.
+    """
+    return _allgather(x, comm.comm_id, _out_tokens(comm, _shapes.OP_ALLGATHER, x), comm.world_size)

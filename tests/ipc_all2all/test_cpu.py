@@ -1,0 +1,191 @@
+"""CPU tests (run in CI): layout, grid plan, shape planning and input validation of ipc_all2all."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ipc_all2all
+from ipc_all2all import _C, _shapes as S
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def test_import_and_build_flags():
+    assert isinstance(ipc_all2all.built_with_cuda(), bool)
+    assert _C.MAX_WORLD_SIZE == S.MAX_WORLD_SIZE == 8
+    assert (_C.OP_SEND_RECV_HEADS, _C.OP_GATHER_HEADS, _C.OP_ALLGATHER) == (
+        S.OP_SEND_RECV_HEADS, S.OP_GATHER_HEADS, S.OP_ALLGATHER)
+    assert issubclass(ipc_all2all.CommTimeoutError, TimeoutError)
+    assert issubclass(ipc_all2all.CommError, RuntimeError)
+
+
+@pytest.mark.parametrize("capacity", [1, 16, 1000, 4096, 12345, 1 << 30])
+def test_buffer_layout(capacity):
+    lay = _C.buffer_layout(capacity)
+    sig_off, sig_bytes = lay["signals"]
+    (o0, b0), (o1, b1) = lay["slots"]
+    assert sig_off == 0 and sig_bytes == 4096
+    assert b0 == b1 >= capacity and b0 % 256 == 0
+    assert o0 >= sig_off + sig_bytes and o1 >= o0 + b0  # no overlap, in order
+    assert o0 % 256 == 0 and o1 % 256 == 0
+    assert lay["total"] >= o1 + b1 and lay["total"] % 4096 == 0
+
+
+@pytest.mark.parametrize("world", range(1, 9))
+@pytest.mark.parametrize("blocks", [8, 16, 33, 132, 264])
+def test_grid_plan(world, blocks):
+    if blocks < world:
+        pytest.skip("fewer blocks than ranks is rejected by the constructor")
+    total, self_blocks, per_peer = _C.grid_plan(blocks, world, 0)
+    assert self_blocks >= 1
+    assert total == self_blocks + per_peer * (world - 1)
+    assert total <= max(blocks, world)
+    if world > 1:
+        assert per_peer >= 1 and per_peer >= self_blocks // 2  # NVLink targets get most blocks
+    total, self_blocks, per_peer = _C.grid_plan(blocks, world, 3)
+    assert self_blocks == (3 if world > 1 else blocks)  # one rank: every block copies locally
+
+
+def test_element_size_and_capacity():
+    for dt, size in [(torch.bfloat16, 2), (torch.float16, 2), (torch.float32, 4), (torch.float8_e4m3fn, 1),
+                     (torch.float8_e5m2, 1), (torch.int8, 1), (torch.int32, 4)]:
+        assert S.element_size(dt) == size
+    for dt in (torch.float64, torch.int64, torch.complex64, torch.bool):
+        with pytest.raises(ValueError, match="tensor_dtype"):
+            S.element_size(dt)
+    with pytest.raises(ValueError, match="torch.dtype"):
+        S.element_size("bf16")
+    assert S.capacity_bytes(10, 4096, torch.bfloat16) == 10 * 4096 * 2
+    with pytest.raises(ValueError, match="num_tokens"):
+        S.capacity_bytes(0, 4096, torch.bfloat16)
+    with pytest.raises(ValueError, match="hidden_dim"):
+        S.capacity_bytes(4, -1, torch.bfloat16)
+
+
+def test_world_checks():
+    S.check_world(0, 1)
+    S.check_world(7, 8)
+    for rank, world, match in [(0, 9, "world_size"), (0, 0, "world_size"), (2, 2, "rank"), (-1, 2, "rank")]:
+        with pytest.raises(ValueError, match=match):
+            S.check_world(rank, world)
+    with pytest.raises(ValueError, match="world_size"):
+        ipc_all2all.All2All(0, 9, 10, 4096, 132, torch.bfloat16)
+    with pytest.raises(ValueError, match="tensor_dtype"):
+        ipc_all2all.All2All(0, 2, 10, 4096, 132, torch.float64)
+    with pytest.raises(ValueError, match="num_sms"):
+        ipc_all2all.All2All(0, 4, 10, 4096, 2, torch.bfloat16)
+
+
+def test_counts_and_prefix():
+    assert S.prefix_sums([128, 96, 128, 64]) == [0, 128, 224, 352]
+    assert S.check_counts([3, 0], 2) == [3, 0]
+    with pytest.raises(ValueError, match="one entry per rank"):
+        S.check_counts([1, 2, 3], 2)
+    with pytest.raises(ValueError, match=r"rank_tokens\[1\]"):
+        S.check_counts([1, -2], 2)
+    with pytest.raises(ValueError, match=r"rank_tokens\[0\]"):
+        S.check_counts([1.5, 2], 2)
+
+
+def _ref_out_shapes(b, counts, H, D, W, rank):
+    return (b, sum(counts), H // W, D), (b, counts[rank], H, D)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("W", [1, 2, 4, 8])
+@pytest.mark.parametrize("b,D", [(1, 128), (2, 64)])
+def test_plans_host_mode(dtype, W, b, D):
+    it = S.element_size(dtype)
+    H = 32
+    counts = [0] + [7 * r + 3 for r in range(1, W)] if W > 1 else [5]
+    cap = 1 << 30
+    for rank in range(W):
+        send = S.plan_send_recv_heads((b, counts[rank], H, D), it, W, rank, counts, cap)
+        out_send, out_gather = _ref_out_shapes(b, counts, H, D, W, rank)
+        assert send.out_shape == out_send and send.out_bytes == b * sum(counts) * H // W * D * it
+        assert send.chunk_bytes == H // W * D * it and send.wide_bytes == H * D * it
+        assert send.out_rows == -1 and send.cap_rows == -1 and send.x_rows == counts[rank]
+        gather = S.plan_gather_heads(out_send, it, W, rank, counts, cap)
+        assert gather.out_shape == out_gather
+        ag = S.plan_allgather((b, counts[rank], 4, D), it, W, rank, counts, cap)
+        assert ag.out_shape == (b, sum(counts), 4, D) and ag.chunk_bytes == ag.wide_bytes == 4 * D * it
+
+
+def test_plans_device_mode():
+    W, L, H, D, it = 4, 100, 32, 128, 2
+    send = S.plan_send_recv_heads((2, L, H, D), it, W, 1, None, 1 << 30)
+    assert send.out_shape == (2, W * L, H // W, D) and send.out_rows == W * L and send.cap_rows == L
+    gather = S.plan_gather_heads(send.out_shape, it, W, 1, None, 1 << 30)
+    assert gather.out_shape == (2, L, H, D) and gather.out_rows == L and gather.cap_rows == L
+    ag = S.plan_allgather((2, L, 8, D), it, W, 1, None, 1 << 30)
+    assert ag.out_shape == (2, W * L, 8, D)
+    with pytest.raises(ValueError, match="world_size \\* per-rank capacity"):
+        S.plan_gather_heads((2, 401, 8, D), it, W, 1, None, 1 << 30)
+
+
+def test_plan_errors():
+    counts = [10, 12]
+    with pytest.raises(ValueError, match="divisible by world_size"):
+        S.plan_send_recv_heads((1, 10, 3, 128), 2, 2, 0, counts, 1 << 30)
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        S.plan_send_recv_heads((1, 10, 2, 4), 2, 2, 0, counts, 1 << 30)  # 1 head * 4 * 2 B = 8 B
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        S.plan_allgather((1, 10, 1, 3), 4, 2, 0, counts, 1 << 30)
+    with pytest.raises(ValueError, match="x has 11 tokens"):
+        S.plan_send_recv_heads((1, 11, 32, 128), 2, 2, 0, counts, 1 << 30)
+    with pytest.raises(ValueError, match="total of 22"):
+        S.plan_gather_heads((1, 21, 16, 128), 2, 2, 0, counts, 1 << 30)
+    with pytest.raises(ValueError, match="4 dimensions"):
+        S.plan_allgather((10, 4096), 2, 2, 0, counts, 1 << 30)
+    # token counts beyond the buffer: 22 tokens * 16 heads * 128 * 2 B > capacity
+    need = 22 * 16 * 128 * 2
+    S.plan_send_recv_heads((1, 10, 32, 128), 2, 2, 0, counts, need)
+    with pytest.raises(ValueError, match="exceed what the instance was built for"):
+        S.plan_send_recv_heads((1, 10, 32, 128), 2, 2, 0, counts, need - 1)
+
+
+def test_large_hidden_has_no_block_limit():
+    # The original kernel hung when one token row needed more threads than a block has; ours
+    # flattens (row, 16-byte column) so only the 16-byte multiple matters.
+    p = S.plan_allgather((1, 3, 1, 65536), 2, 2, 0, [3, 4], 1 << 30)
+    assert p.chunk_bytes == 65536 * 2 and p.chunk_bytes // 16 > _C.THREADS_PER_BLOCK
+
+
+def test_validate_input():
+    cpu = torch.device("cpu")
+    x = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
+    S.validate_input(x, torch.bfloat16, cpu, "op")
+    with pytest.raises(ValueError, match="must be a torch.Tensor"):
+        S.validate_input([1, 2], torch.bfloat16, cpu, "op")
+    with pytest.raises(ValueError, match="dtype torch.float16"):
+        S.validate_input(x.half(), torch.bfloat16, cpu, "op")
+    with pytest.raises(ValueError, match="lives on cuda:0"):
+        S.validate_input(x, torch.bfloat16, torch.device("cuda", 0), "op")
+    with pytest.raises(ValueError, match="contiguous"):
+        S.validate_input(x.transpose(1, 2), torch.bfloat16, cpu, "op")
+    with pytest.raises(ValueError, match="4 dimensions"):
+        S.validate_input(x.view(4, 8, 64), torch.bfloat16, cpu, "op")
+    flat = torch.zeros(4 * 8 * 64 + 8, dtype=torch.bfloat16)
+    mis = flat[1:1 + 4 * 8 * 64].view(1, 4, 8, 64)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        S.validate_input(mis, torch.bfloat16, cpu, "op")
+
+
+def test_ranges_overlap():
+    assert S.ranges_overlap(0, 10, 9, 10)
+    assert not S.ranges_overlap(0, 10, 10, 10)
+    assert not S.ranges_overlap(0, 0, 0, 10)
+    assert S.ranges_overlap(5, 1, 0, 10)
+
+
+def test_op_names():
+    for op in range(3):
+        assert S.OP_NAMES[op] in _C.op_name(op * 4)
+        assert "entry" in _C.op_name(op * 4) and "completion" in _C.op_name(op * 4 + 1)
+
+
+def test_no_gpu_construction_is_clear():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        ipc_all2all.All2All(0, 2, 10, 4096, 132, torch.bfloat16)
