@@ -1,0 +1,594 @@
+// elastic_ep/csrc/kernels.cu -- direct-mode (one NVLink domain) dispatch, combine and barrier kernels.
+//
+// Every operation (barrier, dispatch, combine) has an epoch E = 1 + the epoch stored in this rank's
+// workspace; the operation's last kernel stores E when it finishes. All ranks run the same sequence of
+// operations, so their epochs agree, and since the epoch lives on the device, CUDA-graph replays
+// advance it too. Signals are monotonic u64 words compared with >=, so the workspace never needs to be
+// cleared again after creation. Each operation begins with an entry barrier: a rank writes into a
+// peer's buffer only after the peer published "entered epoch E", which it does after its previous
+// operation's kernels finished reading the (aliased) buffer.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include "commkit/atomics.hpp"
+#include "commkit/device_deadline.cuh"
+#include "commkit/timeout_record.hpp"
+#include "kernels.hpp"
+#include "sizing.hpp"
+#include "transport.cuh"
+
+namespace elastic_ep {
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr unsigned kFull = 0xffffffffu;
+
+// Slots of the local grid-counter words (WorkspaceLayout::grid_counter, u32[16]).
+enum CounterSlot { kCtrDispatchPush = 0, kCtrDispatchEpilogue = 1, kCtrCombinePush = 2, kCtrCombineReduce = 3,
+                   kCtrEpoch = 8 };
+
+struct Ctx {
+  LsaTransport tr;
+  WorkspaceLayout ws;
+  uint64_t buf;  // offset of the buffer in the window
+  commkit::TimeoutRecord* rec;
+  uint32_t* counters;
+  uint64_t timeout_ns;
+  __device__ Ctx(const CommView& c)
+      : tr{c.peer_bases, c.rank, c.num_ranks},
+        ws(workspace_layout()),
+        buf(c.buffer_offset),
+        rec(host_workspace_layout().timeout.at<commkit::TimeoutRecord>(c.host_workspace)),
+        counters(ws.grid_counter.at<uint32_t>(c.window_base)),
+        timeout_ns(c.timeout_ns) {}
+  __device__ uint64_t* local_u64(const Region& r, int i) const {
+    return reinterpret_cast<uint64_t*>(tr.local(r.offset)) + i;
+  }
+  __device__ uint64_t epoch() const { return uint64_t(commkit::ld_relaxed(&counters[kCtrEpoch])) + 1u; }
+};
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+
+// Entry barrier of an operation. Block 0 publishes the epoch to every peer; every block waits until all
+// peers published theirs. Returns false (in every thread) when a deadline expired.
+__device__ bool entry_barrier(const Ctx& cx, uint64_t E, uint32_t op, bool publish) {
+  const int R = cx.tr.num_ranks;
+  bool ok = true;
+  if (publish && int(threadIdx.x) < R) cx.tr.signal(threadIdx.x, cx.ws.barrier_signal.offset + 8ull * cx.tr.rank, E);
+  if (int(threadIdx.x) < R)
+    ok = commkit::wait_ge(cx.local_u64(cx.ws.barrier_signal, threadIdx.x), E, cx.timeout_ns, cx.rec, op, cx.tr.rank,
+                          int(threadIdx.x));
+  return !__syncthreads_or(!ok);
+}
+
+// Called by every block at its end: the last block to finish runs `last` (thread 0 only).
+template <typename Last>
+__device__ void grid_finish(const Ctx& cx, CounterSlot slot, Last&& last) {
+  __threadfence_system();  // this thread's stores (also remote ones) before the block's arrival
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t old = atomicAdd(&cx.counters[slot], 1u);
+    if (old == gridDim.x - 1) {
+      cx.counters[slot] = 0;  // leave the scratch at zero for the next operation
+      __threadfence_system();
+      last();
+    }
+  }
+}
+
+__device__ __forceinline__ int owner_of(int64_t e, int num_experts, int num_local) {
+  return (e >= 0 && e < num_experts) ? int(e / num_local) : -1;
+}
+
+// True on lane k (< K) when lane k is the first lane of the row with its (non-negative) owner.
+__device__ __forceinline__ bool is_master_lane(int owner, int K) {
+  const int lane = lane_id();
+  bool master = owner >= 0 && lane < K;
+  for (int j = 0; j < K; ++j) {
+    const int oj = __shfl_sync(kFull, owner, j);
+    if (j < lane && oj == owner) master = false;
+  }
+  return master;
+}
+
+// --------------------------------------------------------------------------------------- set-up
+__global__ void resolve_peers_kernel(ncclWindow_t win, int n, void** out, int* info) {
+  const int p = threadIdx.x + blockIdx.x * blockDim.x;
+  if (p < n) out[p] = ncclGetLsaPointer(win, 0, p);
+}
+
+// -------------------------------------------------------------------------------------- barrier
+__global__ void __launch_bounds__(kMaxRanks) barrier_kernel(CommView c) {
+  Ctx cx(c);
+  const uint64_t E = cx.epoch();
+  if (!entry_barrier(cx, E, kOpBarrier, true)) return;
+  if (threadIdx.x == 0) commkit::st_relaxed(&cx.counters[kCtrEpoch], uint32_t(E));
+}
+
+// ------------------------------------------------------------------------------ dispatch: notify
+// One block. Slots: a token bound for rank r gets slot = number of earlier tokens of this rank bound for
+// r (a token counts once per rank, however many of its experts live there).
+__global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c, DispatchParams p) {
+  __shared__ int warp_cnt[kWarps][kMaxRanks];
+  __shared__ int expert_cnt[kMaxExperts];
+  __shared__ int running[kMaxRanks];
+  Ctx cx(c);
+  const uint64_t E = cx.epoch();
+  const int R = c.num_ranks, rank = c.rank, K = p.num_topk, T = p.num_tokens;
+  const int L = p.num_experts / R;
+  const int tid = threadIdx.x, lane = lane_id(), warp = tid / 32;
+
+  // Publish "entered E" first so peers can start while we count.
+  if (tid < R) cx.tr.signal(tid, cx.ws.barrier_signal.offset + 8ull * rank, E);
+
+  if (!p.cached) {
+    for (int i = tid; i < p.num_experts; i += kThreads) expert_cnt[i] = 0;
+    for (int i = tid; i < R; i += kThreads) running[i] = 0;
+    __syncthreads();
+    for (int base = 0; base < T; base += kThreads) {
+      const int t = base + tid;
+      const bool valid = t < T;
+      int owners[kMaxTopk];
+#pragma unroll 4
+      for (int k = 0; k < K; ++k) {
+        int64_t e = valid ? p.topk_idx[int64_t(t) * K + k] : -1;
+        owners[k] = owner_of(e, p.num_experts, L);
+        if (owners[k] >= 0) atomicAdd(&expert_cnt[e], 1);
+        if (valid && p.copied_topk_idx != nullptr) p.copied_topk_idx[int64_t(t) * K + k] = e;
+      }
+      for (int r = 0; r < R; ++r) {
+        bool hit = false;
+        for (int k = 0; k < K; ++k) hit |= owners[k] == r;
+        const unsigned b = __ballot_sync(kFull, hit);
+        if (lane == 0) warp_cnt[warp][r] = __popc(b);
+      }
+      __syncthreads();
+      for (int r = tid; r < R; r += kThreads) {
+        int s = running[r];
+        for (int w = 0; w < kWarps; ++w) {
+          const int n = warp_cnt[w][r];
+          warp_cnt[w][r] = s;
+          s += n;
+        }
+        running[r] = s;
+      }
+      __syncthreads();
+      for (int r = 0; r < R; ++r) {
+        bool hit = false;
+        for (int k = 0; k < K; ++k) hit |= owners[k] == r;
+        const unsigned b = __ballot_sync(kFull, hit);
+        if (hit) {
+          const int slot = warp_cnt[warp][r] + __popc(b & ((1u << lane) - 1u));
+          for (int k = 0; k < K; ++k)
+            if (owners[k] == r) p.slot_idx[int64_t(t) * K + k] = slot;
+        }
+      }
+      if (valid)
+        for (int k = 0; k < K; ++k)
+          if (owners[k] < 0) p.slot_idx[int64_t(t) * K + k] = -1;
+      __syncthreads();
+    }
+    // Counts to the peers: (E << 32) | count, one self-contained word each.
+    for (int r = tid; r < R; r += kThreads)
+      cx.tr.signal(r, cx.ws.rank_count.offset + 8ull * rank, (E << 32) | uint64_t(running[r]));
+    for (int e = tid; e < p.num_experts; e += kThreads) {
+      const int r = e / L, l = e % L;
+      cx.tr.signal(r, cx.ws.expert_count.offset + 8ull * (rank * L + l), (E << 32) | uint64_t(expert_cnt[e]));
+    }
+  }
+
+  // Wait for every peer: entry barrier, then (non-cached) its counts.
+  bool ok = true;
+  if (tid < R)
+    ok = commkit::wait_ge(cx.local_u64(cx.ws.barrier_signal, tid), E, cx.timeout_ns, cx.rec, kOpDispatchNotify,
+                          rank, tid);
+  if (__syncthreads_or(!ok) || p.cached) return;
+  for (int s = tid; s < R && ok; s += kThreads)
+    ok = commkit::wait_ge(cx.local_u64(cx.ws.rank_count, s), E << 32, cx.timeout_ns, cx.rec, kOpDispatchNotify,
+                          rank, s);
+  for (int i = tid; i < R * L && ok; i += kThreads)
+    ok = commkit::wait_ge(cx.local_u64(cx.ws.expert_count, i), E << 32, cx.timeout_ns, cx.rec, kOpDispatchNotify,
+                          rank, i / L);
+  if (__syncthreads_or(!ok)) return;
+
+  // Reuse the shared arrays: running[] = tokens from each source, expert_cnt[] = aligned per local expert.
+  const int A = p.expert_alignment;
+  for (int s = tid; s < R; s += kThreads) running[s] = int(*cx.local_u64(cx.ws.rank_count, s) & 0xffffffffu);
+  for (int l = tid; l < L; l += kThreads) {
+    int u = 0;
+    for (int s = 0; s < R; ++s) u += int(*cx.local_u64(cx.ws.expert_count, s * L + l) & 0xffffffffu);
+    p.unaligned_expert[l] = u;
+    if (p.cumulative_stats != nullptr) p.cumulative_stats[l] += u;
+    expert_cnt[l] = (u + A - 1) / A * A;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    const auto hl = host_workspace_layout();
+    auto* host_rank = hl.rank_count.at<uint64_t>(c.host_workspace);
+    auto* host_expert = hl.expert_count.at<uint64_t>(c.host_workspace);
+    const uint64_t tag = uint64_t(p.host_tag) << 32;
+    int acc = 0;
+    for (int s = 0; s < R; ++s) {
+      acc += running[s];
+      p.psum_rank[s] = acc;
+    }
+    acc = 0;
+    p.psum_expert[0] = 0;
+    for (int l = 0; l < L; ++l) {
+      acc += expert_cnt[l];
+      p.psum_expert[l + 1] = acc;
+    }
+    // Host-visible counts last: the CPU allocates outputs from them.
+    for (int s = 0; s < R; ++s) commkit::st_release(&host_rank[s], tag | uint64_t(running[s]));
+    for (int l = 0; l < L; ++l) commkit::st_release(&host_expert[l], tag | uint64_t(expert_cnt[l]));
+  }
+}
+
+// -------------------------------------------------------------------------------- dispatch: push
+// One warp per token: its record goes to every destination rank's area [src = this rank][slot].
+__global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, DispatchParams p) {
+  Ctx cx(c);
+  const uint64_t E = cx.epoch();
+  const int R = c.num_ranks, rank = c.rank, K = p.num_topk, T = p.num_tokens;
+  const int L = p.num_experts / R;
+  const int lane = lane_id();
+  const auto tl = dispatch_token_layout(p.hidden_bytes, 1, p.num_sf_packs, K);
+  const int n16 = p.hidden_bytes / 16;
+  if (!commkit::aborted(cx.rec)) {
+    const int gw = blockIdx.x * kWarps + threadIdx.x / 32, nw = gridDim.x * kWarps;
+    for (int t = gw; t < T; t += nw) {
+      int64_t e = -1;
+      int slot = -1;
+      float w = 0.f;
+      if (lane < K) {
+        e = p.topk_idx[int64_t(t) * K + lane];
+        slot = p.slot_idx[int64_t(t) * K + lane];
+        if (p.topk_weights != nullptr) w = p.topk_weights[int64_t(t) * K + lane];
+      }
+      const int owner = owner_of(e, p.num_experts, L);
+      const unsigned dests = __ballot_sync(kFull, is_master_lane(owner, K));
+      if (dests == 0) continue;
+      // Record base offset per destination lane (valid on master lanes).
+      const uint64_t my_off = cx.buf + (uint64_t(rank) * p.num_max_tokens_per_rank + uint64_t(slot < 0 ? 0 : slot)) *
+                                           tl.bytes;
+      const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + int64_t(t) * p.hidden_bytes);
+      // Hidden bytes: read once, store to every destination.
+      constexpr int U = 4;
+      for (int i0 = 0; i0 < n16; i0 += 32 * U) {
+        int4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int i = i0 + u * 32 + lane;
+          if (i < n16) v[u] = ld_nc_v4(src + i);
+        }
+        for (unsigned d = dests; d; d &= d - 1) {
+          const int k = __ffs(d) - 1;
+          const int r = __shfl_sync(kFull, owner, k);
+          const uint64_t off = __shfl_sync(kFull, my_off, k);
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int i = i0 + u * 32 + lane;
+            if (i < n16) cx.tr.put_v4(r, off + tl.x.offset + uint64_t(i) * 16, v[u]);
+          }
+        }
+      }
+      for (unsigned d = dests; d; d &= d - 1) {
+        const int k = __ffs(d) - 1;
+        const int r = __shfl_sync(kFull, owner, k);
+        const uint64_t off = __shfl_sync(kFull, my_off, k);
+        for (int j = lane; j < p.num_sf_packs; j += 32) {
+          const uint32_t v =
+              static_cast<const uint32_t*>(p.sf)[int64_t(t) * p.sf_token_stride + int64_t(j) * p.sf_hidden_stride];
+          cx.tr.put_u32(r, off + tl.sf.offset + 4ull * j, v);
+        }
+        if (lane < K) {
+          cx.tr.put_u32(r, off + tl.topk_idx.offset + 4ull * lane, uint32_t(int32_t(owner >= 0 ? e : -1)));
+          cx.tr.put_u32(r, off + tl.topk_weights.offset + 4ull * lane, __float_as_uint(w));
+        }
+        if (lane == 0) cx.tr.put_u32(r, off + tl.src_meta.offset, uint32_t(rank * p.num_max_tokens_per_rank + t));
+      }
+    }
+  }
+  grid_finish(cx, kCtrDispatchPush, [&] {
+    for (int r = 0; r < R; ++r) cx.tr.signal(r, cx.ws.dispatch_done.offset + 8ull * rank, E);
+  });
+}
+
+// ---------------------------------------------------------------------------- dispatch: epilogue
+__global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView c, EpilogueParams p) {
+  __shared__ int psum[kMaxRanks];
+  __shared__ int start[kMaxLocalExperts];
+  __shared__ int unal[kMaxLocalExperts];
+  Ctx cx(c);
+  const uint64_t E = cx.epoch();
+  const int R = c.num_ranks, rank = c.rank, K = p.num_topk;
+  const int L = p.num_experts / R;
+  const int tid = threadIdx.x, lane = lane_id();
+  const int A = p.expert_alignment;
+  bool ok = true;
+  if (tid < R)
+    ok = commkit::wait_ge(cx.local_u64(cx.ws.dispatch_done, tid), E, cx.timeout_ns, cx.rec, kOpDispatchEpilogue,
+                          rank, tid);
+  if (tid < R) psum[tid] = p.psum_rank[tid];
+  if (tid < L) unal[tid] = p.unaligned_expert[tid];
+  if (__syncthreads_or(!ok)) return;
+  if (tid == 0) {
+    int acc = 0;
+    for (int l = 0; l < L; ++l) {
+      start[l] = acc;
+      acc += (unal[l] + A - 1) / A * A;
+    }
+  }
+  __syncthreads();
+
+  const auto tl = dispatch_token_layout(p.hidden_bytes, 1, p.num_sf_packs, K);
+  const int n16 = p.hidden_bytes / 16;
+  const int N = psum[R - 1];
+  const int M = K + 2;
+  int* cursor = cx.ws.expert_cursor.at<int>(c.window_base);
+  const int gw = blockIdx.x * kWarps + tid / 32, nw = gridDim.x * kWarps;
+  for (int i = gw; i < N; i += nw) {
+    int s = 0;
+    while (psum[s] <= i) ++s;
+    const int slot = i - (s > 0 ? psum[s - 1] : 0);
+    const char* rec = cx.tr.local(cx.buf + (uint64_t(s) * p.num_max_tokens_per_rank + slot) * tl.bytes);
+    int local = -1;
+    float w = 0.f;
+    if (lane < K) {
+      const int e = *reinterpret_cast<const volatile int*>(rec + tl.topk_idx.offset + 4 * lane);
+      w = *reinterpret_cast<const volatile float*>(rec + tl.topk_weights.offset + 4 * lane);
+      local = (e >= rank * L && e < (rank + 1) * L) ? e - rank * L : -1;
+    }
+    const unsigned lanes = __ballot_sync(kFull, local >= 0);
+    const int master = lanes ? __ffs(lanes) - 1 : 0;
+    const int src_global = *reinterpret_cast<const volatile int*>(rec + tl.src_meta.offset);
+    const int4* rx = reinterpret_cast<const int4*>(rec + tl.x.offset);
+    const uint32_t* rsf = reinterpret_cast<const uint32_t*>(rec + tl.sf.offset);
+    int my_row = -1;
+    if (!p.do_expand) {
+      warp_copy_v4<4, false>(reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + int64_t(i) * p.hidden_bytes), rx,
+                             n16, lane);
+      for (int j = lane; j < p.num_sf_packs; j += 32)
+        static_cast<uint32_t*>(p.recv_sf)[int64_t(i) * p.recv_sf_token_stride + int64_t(j) * p.recv_sf_hidden_stride] =
+            rsf[j];
+      if (lane < K) {
+        p.recv_topk_idx[int64_t(i) * K + lane] = local;
+        if (p.recv_topk_weights != nullptr) p.recv_topk_weights[int64_t(i) * K + lane] = local >= 0 ? w : 0.f;
+        my_row = local >= 0 ? i : -1;
+      }
+    } else {
+      for (unsigned d = lanes; d; d &= d - 1) {
+        const int k = __ffs(d) - 1;
+        const int l = __shfl_sync(kFull, local, k);
+        int pos = 0;
+        if (lane == 0)
+          pos = p.cached ? p.recv_src_metadata[int64_t(i) * M + 2 + k] : start[l] + atomicAdd(&cursor[l], 1);
+        pos = __shfl_sync(kFull, pos, 0);
+        if (lane == k) my_row = pos;
+        warp_copy_v4<4, false>(reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + int64_t(pos) * p.hidden_bytes),
+                               rx, n16, lane);
+        for (int j = lane; j < p.num_sf_packs; j += 32)
+          static_cast<uint32_t*>(p.recv_sf)[int64_t(pos) * p.recv_sf_token_stride +
+                                            int64_t(j) * p.recv_sf_hidden_stride] = rsf[j];
+        const float wk = __shfl_sync(kFull, w, k);
+        if (lane == 0 && p.recv_topk_weights != nullptr) p.recv_topk_weights[pos] = wk;
+      }
+    }
+    if (!p.cached) {
+      int* meta = p.recv_src_metadata + int64_t(i) * M;
+      if (lane == 0) {
+        meta[0] = src_global;
+        meta[1] = s * K + master;
+      }
+      if (lane < K) meta[2 + lane] = my_row;
+    }
+  }
+
+  if (p.do_expand && p.do_zero_padding) {
+    // Rows between start + count and the aligned end of each expert's segment.
+    int row_base = 0;
+    for (int l = 0; l < L; ++l) {
+      const int pad = (unal[l] + A - 1) / A * A - unal[l];
+      for (int j = gw; j < row_base + pad; j += nw) {
+        if (j < row_base) continue;
+        const int64_t row = start[l] + unal[l] + (j - row_base);
+        int4* dst = reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + row * p.hidden_bytes);
+        for (int q = lane; q < n16; q += 32) dst[q] = make_int4(0, 0, 0, 0);
+        for (int q = lane; q < p.num_sf_packs; q += 32)
+          static_cast<uint32_t*>(p.recv_sf)[row * p.recv_sf_token_stride + int64_t(q) * p.recv_sf_hidden_stride] = 0;
+        if (lane == 0 && p.recv_topk_weights != nullptr) p.recv_topk_weights[row] = 0.f;
+      }
+      row_base += pad;
+    }
+  }
+  if (p.do_expand && !p.cached && blockIdx.x == 0 && p.psum_expert != nullptr)
+    for (int l = tid; l < L; l += kThreads) p.psum_expert[l] = start[l] + unal[l];
+
+  grid_finish(cx, kCtrDispatchEpilogue, [&] {
+    for (int l = 0; l < L; ++l) cursor[l] = 0;
+    commkit::st_relaxed(&cx.counters[kCtrEpoch], uint32_t(E));
+  });
+}
+
+// ---------------------------------------------------------------------------------- combine: push
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(h[q]);
+    acc[2 * q] += f.x;
+    acc[2 * q + 1] += f.y;
+  }
+}
+__device__ __forceinline__ int4 to_bf16x8(const float (&acc)[8]) {
+  int4 v;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+  return v;
+}
+
+__global__ void __launch_bounds__(kThreads, 1) combine_push_kernel(CommView c, CombineParams p) {
+  Ctx cx(c);
+  const uint64_t E = cx.epoch();
+  const int R = c.num_ranks, rank = c.rank, K = p.num_topk;
+  const int lane = lane_id();
+  if (!entry_barrier(cx, E, kOpCombine, blockIdx.x == 0)) return;
+  const auto tl = combine_token_layout(p.hidden, 2, K);
+  const int slots = combine_num_slots(R, K, p.allow_multiple_reduction);
+  const bool per_rank = combine_slot_per_rank(R, K, p.allow_multiple_reduction);
+  const int n16 = p.hidden / 8;
+  const int M = K + 2;
+  const int N = p.psum_rank[R - 1];
+  const int gw = blockIdx.x * kWarps + threadIdx.x / 32, nw = gridDim.x * kWarps;
+  const char* xb = static_cast<const char*>(p.x);
+  const int64_t row_bytes = int64_t(p.hidden) * 2;
+  for (int i = gw; i < N; i += nw) {
+    const int* meta = p.src_metadata + int64_t(i) * M;
+    const int g = meta[0];
+    const int s = g / p.num_max_tokens_per_rank, t = g % p.num_max_tokens_per_rank;
+    const int m = meta[1] % K;
+    const int row_k = lane < K ? meta[2 + lane] : -1;
+    const unsigned lanes = __ballot_sync(kFull, row_k >= 0);
+    const uint64_t base = cx.buf + uint64_t(t) * slots * tl.bytes;
+    if (!p.use_expanded_layout) {
+      const uint64_t dst = base + uint64_t(per_rank ? rank : m) * tl.bytes;
+      cx.tr.put_warp(s, dst + tl.x.offset, xb + int64_t(i) * row_bytes, row_bytes, lane);
+      if (lane < K) {
+        const float w = p.topk_weights != nullptr ? p.topk_weights[int64_t(i) * K + lane] : 0.f;
+        cx.tr.put_u32(s, dst + tl.topk_weights.offset + 4ull * lane, __float_as_uint(w));
+      }
+    } else if (p.allow_multiple_reduction) {
+      const uint64_t dst = base + uint64_t(per_rank ? rank : m) * tl.bytes;
+      if (__popc(lanes) == 1) {
+        const int r0 = __shfl_sync(kFull, row_k, __ffs(lanes) - 1);
+        cx.tr.put_warp(s, dst + tl.x.offset, xb + int64_t(r0) * row_bytes, row_bytes, lane);
+      } else {
+        // Every lane runs every round so the shuffles see the whole warp.
+        for (int q0 = 0; q0 < n16; q0 += 32) {
+          const int q = q0 + lane;
+          float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+          for (unsigned d = lanes; d; d &= d - 1) {
+            const int rk = __shfl_sync(kFull, row_k, __ffs(d) - 1);
+            if (q < n16) add_bf16x8(acc, ld_nc_v4(reinterpret_cast<const int4*>(xb + int64_t(rk) * row_bytes) + q));
+          }
+          if (q < n16) cx.tr.put_v4(s, dst + tl.x.offset + 16ull * q, to_bf16x8(acc));
+        }
+      }
+      if (lane < K) {
+        const float w = (p.topk_weights != nullptr && row_k >= 0) ? p.topk_weights[row_k] : 0.f;
+        cx.tr.put_u32(s, dst + tl.topk_weights.offset + 4ull * lane, __float_as_uint(w));
+      }
+    } else {
+      for (unsigned d = lanes; d; d &= d - 1) {
+        const int k = __ffs(d) - 1;
+        const int rk = __shfl_sync(kFull, row_k, k);
+        const uint64_t dst = base + uint64_t(k) * tl.bytes;
+        cx.tr.put_warp(s, dst + tl.x.offset, xb + int64_t(rk) * row_bytes, row_bytes, lane);
+        if (lane == k) {
+          const float w = p.topk_weights != nullptr ? p.topk_weights[rk] : 0.f;
+          cx.tr.put_u32(s, dst + tl.topk_weights.offset + 4ull * k, __float_as_uint(w));
+        }
+      }
+    }
+  }
+  grid_finish(cx, kCtrCombinePush, [&] {
+    for (int r = 0; r < R; ++r) cx.tr.signal(r, cx.ws.combine_done.offset + 8ull * rank, E);
+  });
+}
+
+// -------------------------------------------------------------------------------- combine: reduce
+__global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c, CombineParams p) {
+  Ctx cx(c);
+  const uint64_t E = cx.epoch();
+  const int R = c.num_ranks, rank = c.rank, K = p.num_topk, T = p.num_combined_tokens;
+  const int L = p.num_experts / R;
+  const int tid = threadIdx.x, lane = lane_id();
+  bool ok = true;
+  if (tid < R)
+    ok = commkit::wait_ge(cx.local_u64(cx.ws.combine_done, tid), E, cx.timeout_ns, cx.rec, kOpCombineReduce, rank,
+                          tid);
+  if (__syncthreads_or(!ok)) return;
+  const auto tl = combine_token_layout(p.hidden, 2, K);
+  const int slots = combine_num_slots(R, K, p.allow_multiple_reduction);
+  const bool per_rank = combine_slot_per_rank(R, K, p.allow_multiple_reduction);
+  const bool per_lane = !p.allow_multiple_reduction && p.use_expanded_layout;
+  const int n16 = p.hidden / 8;
+  const int gw = blockIdx.x * kWarps + tid / 32, nw = gridDim.x * kWarps;
+  for (int t = gw; t < T; t += nw) {
+    const int64_t e = lane < K ? p.combined_topk_idx[int64_t(t) * K + lane] : -1;
+    const int owner = owner_of(e, p.num_experts, L);
+    const bool master = is_master_lane(owner, K);
+    // First lane with the same owner (the slot of a reduced row in the per-lane layouts).
+    int master_of = -1;
+    for (int j = K - 1; j >= 0; --j)
+      if (__shfl_sync(kFull, owner, j) == owner && owner >= 0) master_of = j;
+    unsigned order;  // bits = slot indices, summed in ascending order
+    if (per_rank)
+      order = __reduce_or_sync(kFull, owner >= 0 ? (1u << owner) : 0u);
+    else if (per_lane)
+      order = __ballot_sync(kFull, owner >= 0);
+    else
+      order = __ballot_sync(kFull, master);
+    const char* base = cx.tr.local(cx.buf + uint64_t(t) * slots * tl.bytes);
+    const int4* b0 = p.bias0 ? reinterpret_cast<const int4*>(static_cast<const char*>(p.bias0) + int64_t(t) * p.hidden * 2)
+                             : nullptr;
+    const int4* b1 = p.bias1 ? reinterpret_cast<const int4*>(static_cast<const char*>(p.bias1) + int64_t(t) * p.hidden * 2)
+                             : nullptr;
+    int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.combined_x) + int64_t(t) * p.hidden * 2);
+    for (int q = lane; q < n16; q += 32) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (unsigned d = order; d; d &= d - 1) {
+        const int sl = __ffs(d) - 1;
+        add_bf16x8(acc, ld_v4(reinterpret_cast<const int4*>(base + uint64_t(sl) * tl.bytes + tl.x.offset) + q));
+      }
+      if (b0) add_bf16x8(acc, ld_nc_v4(b0 + q));
+      if (b1) add_bf16x8(acc, ld_nc_v4(b1 + q));
+      out[q] = to_bf16x8(acc);
+    }
+    if (p.combined_topk_weights != nullptr && lane < K) {
+      float w = 0.f;
+      if (owner >= 0) {
+        const int sl = per_rank ? owner : (per_lane ? lane : master_of);
+        w = *reinterpret_cast<const volatile float*>(base + uint64_t(sl) * tl.bytes + tl.topk_weights.offset +
+                                                     4 * lane);
+      }
+      p.combined_topk_weights[int64_t(t) * K + lane] = w;
+    }
+  }
+  grid_finish(cx, kCtrCombineReduce, [&] { commkit::st_relaxed(&cx.counters[kCtrEpoch], uint32_t(E)); });
+}
+
+int grid_of(int num_sms) { return num_sms > 0 ? num_sms : 1; }
+
+}  // namespace
+
+void launch_resolve_peers(void* window, int num_ranks, void** out_peer_bases, int* out_info, void* stream) {
+  resolve_peers_kernel<<<1, kMaxRanks, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<ncclWindow_t>(window),
+                                                                               num_ranks, out_peer_bases, out_info);
+}
+
+void launch_barrier(const CommView& c, void* stream) {
+  barrier_kernel<<<1, kMaxRanks, 0, static_cast<cudaStream_t>(stream)>>>(c);
+}
+
+void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  dispatch_notify_kernel<<<1, kThreads, 0, s>>>(c, p);
+  dispatch_push_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
+}
+
+void launch_dispatch_epilogue(const CommView& c, const EpilogueParams& p, void* stream) {
+  dispatch_epilogue_kernel<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p);
+}
+
+void launch_combine(const CommView& c, const CombineParams& p, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  combine_push_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
+  combine_reduce_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
+}
+
+}  // namespace elastic_ep

@@ -1,0 +1,93 @@
+// elastic_ep/csrc/kernels.hpp -- parameter blocks and launchers of the direct-mode kernels.
+// Torch-free and CUDA-free: pointers are void*/int*, streams are cudaStream_t passed as void*.
+#pragma once
+
+#include <cstdint>
+
+namespace elastic_ep {
+
+// Where the kernels find the window and the per-rank state (built once by Runtime).
+struct CommView {
+  void* const* peer_bases;  // device array [num_ranks]: LSA address of each rank's window base
+  void* window_base;        // this rank's window base (== peer_bases[rank])
+  uint64_t buffer_offset;   // offset of the buffer inside the window (after the workspace)
+  void* host_workspace;     // device alias of the host-mapped workspace (HostWorkspaceLayout)
+  int rank;
+  int num_ranks;
+  uint64_t timeout_ns;      // device deadline without progress; 0 disables
+};
+
+// Operation codes recorded in the TimeoutRecord.
+enum OpCode : uint32_t {
+  kOpBarrier = 1,
+  kOpDispatchNotify = 2,
+  kOpDispatchEpilogue = 3,
+  kOpCombine = 4,
+  kOpCombineReduce = 5,
+};
+const char* op_name(uint32_t op);
+
+struct DispatchParams {
+  // Inputs
+  const void* x;               // [T, hidden] bf16 or fp8 (hidden_bytes per row)
+  const void* sf;              // [T, num_sf_packs] 4 B packs, strides below (may be null)
+  int64_t sf_token_stride, sf_hidden_stride;
+  const int64_t* topk_idx;     // [T, K] global expert ids, -1 masked
+  const float* topk_weights;   // [T, K] (may be null)
+  // Outputs of the notify step (non-cached) / inputs (cached)
+  int64_t* copied_topk_idx;    // [T, K] (may be null)
+  int* cumulative_stats;       // [L] += unaligned counts (may be null)
+  int* psum_rank;              // [R] inclusive prefix of tokens received per source rank
+  int* psum_expert;            // [L + 1] exclusive prefix of aligned per-expert counts
+  int* unaligned_expert;       // [L] tokens received per local expert
+  int* slot_idx;               // [T, K] slot in the destination rank's receive area, -1 masked
+  int num_tokens, num_max_tokens_per_rank;
+  int hidden_bytes, num_sf_packs;
+  int num_experts, num_topk, expert_alignment;
+  int cached;                  // reuse slot_idx / counts of an earlier dispatch
+  uint32_t host_tag;           // tag of the host-mapped counts for the CPU sync
+  int num_sms;
+};
+
+struct EpilogueParams {
+  void* recv_x;                // [N_alloc, hidden]
+  void* recv_sf;               // [N_alloc, num_sf_packs] strided (may be null)
+  int64_t recv_sf_token_stride, recv_sf_hidden_stride;
+  int64_t* recv_topk_idx;      // [N_alloc, K] local expert ids or -1 (null in expand mode)
+  float* recv_topk_weights;    // [N_alloc, K] or [N_exp_alloc] in expand mode (may be null)
+  int* recv_src_metadata;      // [N_alloc, K + 2]
+  const int* psum_rank;        // [R]
+  int* psum_expert;            // [L + 1] exclusive aligned prefix (expand: rewritten to start + count)
+  const int* unaligned_expert; // [L]
+  int num_max_tokens_per_rank;
+  int hidden_bytes, num_sf_packs;
+  int num_experts, num_topk, expert_alignment;
+  int do_expand, cached, do_zero_padding;
+  int num_sms;
+};
+
+struct CombineParams {
+  const void* x;               // [N or N_exp, hidden] bf16
+  const float* topk_weights;   // [N, K] or [N_exp] (may be null)
+  const int* src_metadata;     // [N_alloc, K + 2]
+  const int* psum_rank;        // [R] (its last entry is the received token count N)
+  const int64_t* combined_topk_idx;  // [T, K] the origin's top-k of the dispatch
+  void* combined_x;            // [T, hidden] bf16
+  float* combined_topk_weights;  // [T, K] (may be null)
+  const void* bias0;           // [T, hidden] bf16 (may be null)
+  const void* bias1;           // [T, hidden] bf16 (may be null)
+  int num_combined_tokens, num_max_tokens_per_rank;
+  int hidden, num_experts, num_topk;
+  int use_expanded_layout, allow_multiple_reduction;
+  int num_sms;
+};
+
+#if COMMKIT_WITH_CUDA
+void launch_resolve_peers(void* window, int num_ranks, void** out_peer_bases, int* out_info, void* stream);
+void launch_barrier(const CommView& c, void* stream);
+void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream);
+void launch_dispatch_epilogue(const CommView& c, const EpilogueParams& p, void* stream);
+void launch_combine(const CommView& c, const CombineParams& p, void* stream);
+#endif
+
+}  // namespace elastic_ep

@@ -1,0 +1,302 @@
+// elastic_ep/csrc/runtime.cu -- host side of the elastic buffer: NCCL set-up, window, CPU sync.
+// Compiled only when nvcc is available (COMMKIT_WITH_CUDA=1); see runtime.hpp for the contract.
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include <cstring>
+#include <memory>
+
+#include "commkit/atomics.hpp"
+#include "commkit/check.hpp"
+#include "commkit/deadline.hpp"
+#include "commkit/timeout_record.hpp"
+#include "runtime.hpp"
+#include "sizing.hpp"
+
+#if NCCL_VERSION_CODE < 22809
+#error "elastic_ep needs NCCL >= 2.28.9 (window registration, device communicators, LSA pointers)"
+#endif
+
+namespace elastic_ep {
+
+namespace {
+// commkit::clear_timeout_record is host-pass only; nvcc parses this file in its device pass as well.
+void clear_record(commkit::TimeoutRecord* rec) {
+  std::memset(static_cast<void*>(rec), 0, sizeof(*rec));
+  rec->peer = -1;
+  commkit::fence_system();
+}
+}  // namespace
+
+const char* op_name(uint32_t op) {
+  switch (op) {
+    case kOpBarrier: return "elastic_ep barrier";
+    case kOpDispatchNotify: return "elastic_ep dispatch (notify: waiting for a peer's counts)";
+    case kOpDispatchEpilogue: return "elastic_ep dispatch epilogue (waiting for a peer's token records)";
+    case kOpCombine: return "elastic_ep combine (entry barrier)";
+    case kOpCombineReduce: return "elastic_ep combine reduce (waiting for a peer's combined rows)";
+    default: return "elastic_ep operation";
+  }
+}
+
+int nccl_runtime_version() {
+  int v = 0;
+  CK_NCCL_CHECK(ncclGetVersion(&v));
+  return v;
+}
+
+int nccl_build_version() { return NCCL_VERSION_CODE; }
+
+std::string get_local_nccl_unique_id() {
+  ncclUniqueId id;
+  CK_NCCL_CHECK(ncclGetUniqueId(&id));
+  return std::string(id.internal, sizeof(id.internal));
+}
+
+int64_t create_nccl_comm(const std::string& unique_id, int num_ranks, int rank) {
+  CK_CHECK_ARG(unique_id.size() == sizeof(ncclUniqueId::internal), "unique_id must be ",
+               sizeof(ncclUniqueId::internal), " bytes (from get_local_nccl_unique_id), got ", unique_id.size());
+  CK_CHECK_ARG(num_ranks > 0 && rank >= 0 && rank < num_ranks, "need 0 <= rank < num_ranks, got rank ", rank,
+               " of ", num_ranks);
+  ncclUniqueId id;
+  std::memcpy(id.internal, unique_id.data(), sizeof(id.internal));
+  ncclComm_t comm = nullptr;
+  CK_NCCL_CHECK(ncclCommInitRank(&comm, num_ranks, id, rank));
+  return reinterpret_cast<int64_t>(comm);
+}
+
+void destroy_nccl_comm(int64_t comm) {
+  CK_CHECK_ARG(comm != 0, "destroy_nccl_comm: null communicator");
+  // Abort rather than destroy: it never blocks on peers that are gone.
+  CK_NCCL_CHECK(ncclCommAbort(reinterpret_cast<ncclComm_t>(comm)));
+}
+
+std::tuple<int, int> nccl_comm_rank_size(int64_t comm) {
+  CK_CHECK_ARG(comm != 0, "null NCCL communicator");
+  int rank = -1, size = -1;
+  CK_NCCL_CHECK(ncclCommUserRank(reinterpret_cast<ncclComm_t>(comm), &rank));
+  CK_NCCL_CHECK(ncclCommCount(reinterpret_cast<ncclComm_t>(comm), &size));
+  return {rank, size};
+}
+
+Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_bytes, int num_cpu_timeout_secs,
+                 int num_gpu_timeout_secs)
+    : rank_(rank),
+      num_ranks_(num_ranks),
+      num_buffer_bytes_(num_buffer_bytes),
+      num_cpu_timeout_secs_(num_cpu_timeout_secs),
+      gpu_timeout_ns_(uint64_t(num_gpu_timeout_secs > 0 ? num_gpu_timeout_secs : 0) * 1000000000ull) {
+  CK_CHECK_ARG(nccl_comm != 0, "nccl_comm is null");
+  CK_CHECK_ARG(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks must be in [1, ", kMaxRanks, "], got ",
+               num_ranks);
+  CK_CHECK_ARG(rank >= 0 && rank < num_ranks, "rank_idx must be in [0, num_ranks), got ", rank);
+  CK_CHECK_ARG(num_buffer_bytes > 0 && num_buffer_bytes % kBufferAlignmentBytes == 0,
+               "num_buffer_bytes must be a positive multiple of ", kBufferAlignmentBytes, " (2 MiB), got ",
+               num_buffer_bytes);
+  CK_CHECK_ARG(num_cpu_timeout_secs > 0, "num_cpu_timeout_secs must be positive");
+  auto [comm_rank, comm_size] = nccl_comm_rank_size(nccl_comm);
+  CK_CHECK_ARG(comm_rank == rank && comm_size == num_ranks, "the NCCL communicator is rank ", comm_rank, " of ",
+               comm_size, " but rank_idx=", rank, ", num_ranks=", num_ranks, " were given");
+  comm_ = reinterpret_cast<void*>(nccl_comm);
+  auto comm = static_cast<ncclComm_t>(comm_);
+
+  CK_CUDA_CHECK(cudaGetDevice(&device_));
+  CK_CUDA_CHECK(cudaDeviceGetAttribute(&num_device_sms_, cudaDevAttrMultiProcessorCount, device_));
+
+  // One symmetric allocation: [workspace | buffer]. Every rank passes the same size (collective).
+  workspace_bytes_ = workspace_layout().bytes;
+  const uint64_t total = workspace_bytes_ + uint64_t(num_buffer_bytes);
+  CK_NCCL_CHECK(ncclMemAlloc(&sym_ptr_, total));
+  ncclWindow_t win = nullptr;
+  CK_NCCL_CHECK(ncclCommWindowRegister(comm, sym_ptr_, total, &win, NCCL_WIN_COLL_SYMMETRIC));
+  window_ = win;
+
+  // Device communicator: LSA only (no GIN requested, so it works on machines without a NIC).
+  ncclDevCommRequirements reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
+  auto* dc = new ncclDevComm();
+  ncclResult_t res = ncclDevCommCreate(comm, &reqs, dc);
+  if (res != ncclSuccess) {
+    delete dc;
+    ncclCommWindowDeregister(comm, win);
+    ncclMemFree(sym_ptr_);
+    CK_THROW("ncclDevCommCreate failed: ", ncclGetErrorString(res),
+             " (direct mode needs every rank in one NVLink/LSA domain with CUDA P2P)");
+  }
+  devcomm_ = dc;
+  lsa_size_ = dc->lsaSize;
+  CK_CHECK(dc->lsaSize == num_ranks && dc->lsaRank == rank, "direct mode needs all ", num_ranks,
+           " ranks in one NVLink (LSA) domain, but NCCL reports an LSA team of ", dc->lsaSize,
+           " with this rank at ", dc->lsaRank, "; hybrid scale-out mode is not implemented yet");
+
+  CK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&peer_bases_), sizeof(void*) * num_ranks));
+  int* info = nullptr;
+  CK_CUDA_CHECK(cudaMalloc(&info, sizeof(int) * 4));
+  launch_resolve_peers(window_, num_ranks, peer_bases_, info, nullptr);
+  CK_CUDA_CHECK(cudaGetLastError());
+  CK_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<void*> bases(num_ranks);
+  CK_CUDA_CHECK(cudaMemcpy(bases.data(), peer_bases_, sizeof(void*) * num_ranks, cudaMemcpyDeviceToHost));
+  CK_CUDA_CHECK(cudaFree(info));
+  CK_CHECK(bases[rank] == sym_ptr_, "NCCL's LSA pointer of this rank (", bases[rank],
+           ") is not the allocation it registered (", sym_ptr_, ")");
+
+  // The workspace is zeroed once; kernels keep their local scratch at zero and tag signals by epoch.
+  CK_CUDA_CHECK(cudaMemset(sym_ptr_, 0, workspace_bytes_));
+  CK_CUDA_CHECK(cudaHostAlloc(&host_ws_, host_workspace_layout().bytes, cudaHostAllocMapped));
+  std::memset(host_ws_, 0, host_workspace_layout().bytes);
+  clear_record(host_workspace_layout().timeout.at<commkit::TimeoutRecord>(host_ws_));
+  CK_CUDA_CHECK(cudaHostGetDevicePointer(&host_ws_dev_, host_ws_, 0));
+  CK_CUDA_CHECK(cudaDeviceSynchronize());
+  // The caller runs a process-group barrier next, before any peer writes into this window.
+}
+
+Runtime::~Runtime() {
+  if (!destroyed_) {
+    try {
+      destroy();
+    } catch (...) {  // never throw from a destructor; destroy() reports through Python when called
+    }
+  }
+}
+
+void Runtime::set_device() const { CK_CUDA_CHECK(cudaSetDevice(device_)); }
+
+void Runtime::destroy() {
+  if (destroyed_) return;
+  destroyed_ = true;
+  set_device();
+  cudaDeviceSynchronize();
+  auto comm = static_cast<ncclComm_t>(comm_);
+  if (devcomm_ != nullptr) {
+    auto* dc = static_cast<ncclDevComm*>(devcomm_);
+    ncclDevCommDestroy(comm, dc);
+    delete dc;
+    devcomm_ = nullptr;
+  }
+  if (window_ != nullptr) {
+    ncclCommWindowDeregister(comm, static_cast<ncclWindow_t>(window_));
+    window_ = nullptr;
+  }
+  if (sym_ptr_ != nullptr) {
+    ncclMemFree(sym_ptr_);
+    sym_ptr_ = nullptr;
+  }
+  if (peer_bases_ != nullptr) cudaFree(peer_bases_);
+  peer_bases_ = nullptr;
+  if (host_ws_ != nullptr) cudaFreeHost(host_ws_);
+  host_ws_ = nullptr;
+}
+
+uint64_t Runtime::buffer_ptr() const {
+  return reinterpret_cast<uint64_t>(static_cast<char*>(sym_ptr_) + workspace_bytes_);
+}
+
+CommView Runtime::view() const {
+  CommView c{};
+  c.peer_bases = peer_bases_;
+  c.window_base = sym_ptr_;
+  c.buffer_offset = workspace_bytes_;
+  c.host_workspace = host_ws_dev_;
+  c.rank = rank_;
+  c.num_ranks = num_ranks_;
+  c.timeout_ns = gpu_timeout_ns_;
+  return c;
+}
+
+void Runtime::check_healthy() {
+  CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
+  auto* rec = host_workspace_layout().timeout.at<commkit::TimeoutRecord>(host_ws_);
+  if (commkit::ld_acquire(&rec->flag) == 1u) {
+    commkit::TimeoutRecord copy = *rec;
+    broken_ = true;
+    broken_reason_ = std::string(op_name(copy.op)) + " timed out earlier";
+    clear_record(rec);
+    commkit::detail::raise_timeout(__FILE__, __LINE__, op_name(copy.op), copy.rank, copy.peer, copy.expected,
+                                   copy.observed, " after ", copy.waited_ns / 1000000ull,
+                                   " ms without progress (GPU block ", copy.channel,
+                                   "); the CUDA context is usable but this buffer's signals are out of step: "
+                                   "destroy it and create a new one");
+  }
+  CK_CHECK(!broken_, "this elastic buffer is unusable (", broken_reason_, "); destroy it and create a new one");
+}
+
+void Runtime::barrier(int64_t stream) {
+  check_healthy();
+  set_device();
+  launch_barrier(view(), reinterpret_cast<void*>(stream));
+  CK_CUDA_CHECK(cudaGetLastError());
+}
+
+void Runtime::dispatch(const DispatchParams& p, int64_t stream) {
+  check_healthy();
+  set_device();
+  DispatchParams q = p;
+  // Tag of the host-mapped counts: a stale notify of an earlier, unsynchronised dispatch can still land
+  // after this point, and its tag differs.
+  host_tag_ = (host_tag_ + 1u) & 0x7fffffffu;
+  if (host_tag_ == 0u) host_tag_ = 1u;
+  q.host_tag = host_tag_;
+  launch_dispatch(view(), q, reinterpret_cast<void*>(stream));
+  CK_CUDA_CHECK(cudaGetLastError());
+}
+
+std::tuple<int, int, std::vector<int>> Runtime::wait_dispatch_counts(int num_local_experts) {
+  CK_CHECK_ARG(num_local_experts >= 1 && num_local_experts <= kMaxLocalExperts, "bad num_local_experts ",
+               num_local_experts);
+  const auto hl = host_workspace_layout();
+  auto* rank_words = hl.rank_count.at<uint64_t>(host_ws_);
+  auto* expert_words = hl.expert_count.at<uint64_t>(host_ws_);
+  auto* rec = hl.timeout.at<commkit::TimeoutRecord>(host_ws_);
+  const uint64_t tag = host_tag_;
+  int ready_ranks = 0, ready_experts = 0;
+  int num_recv = 0, num_expanded = 0;
+  std::vector<int> per_expert;
+  per_expert.reserve(num_local_experts);
+  commkit::ProgressDeadline deadline(uint64_t(num_cpu_timeout_secs_) * 1000ull);
+  commkit::Backoff backoff;
+  while (true) {
+    while (ready_ranks < num_ranks_) {
+      uint64_t w = commkit::ld_acquire(&rank_words[ready_ranks]);
+      if ((w >> 32) != tag) break;
+      num_recv += int(w & 0xffffffffu);
+      ++ready_ranks;
+    }
+    while (ready_ranks == num_ranks_ && ready_experts < num_local_experts) {
+      uint64_t w = commkit::ld_acquire(&expert_words[ready_experts]);
+      if ((w >> 32) != tag) break;
+      per_expert.push_back(int(w & 0xffffffffu));
+      num_expanded += int(w & 0xffffffffu);
+      ++ready_experts;
+    }
+    if (ready_ranks == num_ranks_ && ready_experts == num_local_experts) break;
+    if (commkit::ld_acquire(&rec->flag) == 1u) check_healthy();  // throws the device timeout
+    if (deadline.expired(uint64_t(ready_ranks) * 65536u + uint64_t(ready_experts))) {
+      broken_ = true;
+      broken_reason_ = "a dispatch CPU wait timed out";
+      CK_THROW_TIMEOUT("elastic_ep dispatch CPU wait for the token counts", rank_, ready_ranks < num_ranks_ ? ready_ranks : -1,
+                       int64_t(num_ranks_ + num_local_experts), int64_t(ready_ranks + ready_experts),
+                       ": ranks whose counts arrived ", ready_ranks, "/", num_ranks_, ", local experts ",
+                       ready_experts, "/", num_local_experts, " after ", num_cpu_timeout_secs_,
+                       " s; destroy this buffer and create a new one");
+    }
+    backoff.pause();
+  }
+  return {num_recv, num_expanded, per_expert};
+}
+
+void Runtime::dispatch_epilogue(const EpilogueParams& p, int64_t stream) {
+  CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
+  set_device();
+  launch_dispatch_epilogue(view(), p, reinterpret_cast<void*>(stream));
+  CK_CUDA_CHECK(cudaGetLastError());
+}
+
+void Runtime::combine(const CombineParams& p, int64_t stream) {
+  check_healthy();
+  set_device();
+  launch_combine(view(), p, reinterpret_cast<void*>(stream));
+  CK_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace elastic_ep

@@ -1,0 +1,83 @@
+// elastic_ep/csrc/runtime.hpp -- the torch-free host side of the elastic buffer.
+//
+// Runtime owns one NCCL symmetric window [workspace | buffer] (ncclMemAlloc + ncclCommWindowRegister),
+// a device communicator (ncclDevCommCreate, LSA only), the LSA base address of every peer's window
+// (resolved once on the device with ncclGetLsaPointer), and a host-mapped workspace for the CPU sync
+// and the device timeout record. Python (_low_level.py) allocates every tensor and passes raw
+// pointers and stream handles; nothing here includes torch.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels.hpp"
+
+namespace elastic_ep {
+
+// NCCL helpers (module-level _C functions).
+int nccl_runtime_version();          // ncclGetVersion of the loaded libnccl
+int nccl_build_version();            // NCCL_VERSION_CODE of the headers we compiled against
+std::string get_local_nccl_unique_id();
+int64_t create_nccl_comm(const std::string& unique_id, int num_ranks, int rank);
+void destroy_nccl_comm(int64_t comm);
+std::tuple<int, int> nccl_comm_rank_size(int64_t comm);
+
+class Runtime {
+ public:
+  Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_bytes, int num_cpu_timeout_secs,
+          int num_gpu_timeout_secs);
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  void destroy();
+  bool destroyed() const { return destroyed_; }
+  int rank() const { return rank_; }
+  int num_ranks() const { return num_ranks_; }
+  int lsa_size() const { return lsa_size_; }
+  int device() const { return device_; }
+  int num_device_sms() const { return num_device_sms_; }
+  int64_t num_buffer_bytes() const { return num_buffer_bytes_; }
+  uint64_t buffer_ptr() const;  // address of the buffer (after the workspace) on this rank
+
+  // Raises TimeoutError if a device deadline expired in an earlier operation, and Error if the
+  // buffer is unusable since.
+  void check_healthy();
+
+  void barrier(int64_t stream);
+  // Notify (or, cached, the entry barrier) and the push of the token records to the peers.
+  void dispatch(const DispatchParams& p, int64_t stream);
+  // CPU sync: waits (GIL released by the binding) for the counts of the last dispatch.
+  // Returns (num_recv_tokens, num_expanded_tokens, aligned tokens per local expert).
+  std::tuple<int, int, std::vector<int>> wait_dispatch_counts(int num_local_experts);
+  void dispatch_epilogue(const EpilogueParams& p, int64_t stream);
+  void combine(const CombineParams& p, int64_t stream);
+
+ private:
+  CommView view() const;
+  void set_device() const;
+
+  int rank_, num_ranks_;
+  int device_ = -1;
+  int num_device_sms_ = 0;
+  int lsa_size_ = 0;
+  int64_t num_buffer_bytes_;
+  uint64_t workspace_bytes_ = 0;
+  int num_cpu_timeout_secs_;
+  uint64_t gpu_timeout_ns_;
+  void* comm_ = nullptr;          // ncclComm_t (not owned)
+  void* window_ = nullptr;        // ncclWindow_t
+  void* devcomm_ = nullptr;       // heap ncclDevComm
+  void* sym_ptr_ = nullptr;       // ncclMemAlloc'ed window memory
+  void** peer_bases_ = nullptr;   // device [num_ranks]
+  void* host_ws_ = nullptr;       // cudaHostAlloc mapped
+  void* host_ws_dev_ = nullptr;
+  uint32_t host_tag_ = 0;
+  bool destroyed_ = false;
+  bool broken_ = false;
+  std::string broken_reason_;
+};
+
+}  // namespace elastic_ep

@@ -1,0 +1,204 @@
+// elastic_ep/csrc/sizing.hpp -- every byte layout of the elastic buffer, as constexpr functions.
+//
+// The symmetric window registered with NCCL is  [ workspace (2 MiB-aligned) | buffer ].
+//   * workspace: signals and counters (WorkspaceLayout). Remote ranks write into it through LSA
+//     pointers; values are tagged with an operation epoch so nothing has to be re-zeroed between
+//     operations (the window is zeroed once at creation). The local scratch part is returned to zero
+//     by the kernel that used it.
+//   * buffer: dispatch receive area and combine receive area. They alias (the buffer is sized for the
+//     larger of the two), which is safe because every operation starts with an epoch barrier.
+//
+// Dispatch token record (each part 16 B aligned):
+//   [ hidden * elem_size | num_sf_packs * 4 B | topk_idx int32 x K | topk_weights f32 x K | src meta 2 x int32 ]
+// Dispatch receive area (direct mode): [src_rank][num_max_tokens_per_rank][record]; a sender writes its
+// tokens for rank r into r's area [sender][slot], slot = number of earlier tokens of the sender bound for r.
+//
+// Combine token record: [ hidden * 2 B (bf16) | topk_weights f32 x K ].
+// Combine receive area (direct mode): [num_max_tokens_per_rank][num_slots][record], num_slots =
+// min(R, K) with multiple reduction (one slot per rank when R <= K, else one per master top-k lane),
+// K without.
+//
+// Everything here is host+device constexpr so the CPU test suite checks it (test_lowlevel_sizing.py).
+#pragma once
+
+#include <cstdint>
+
+#include "commkit/layout.hpp"
+
+namespace elastic_ep {
+
+using commkit::align_up;
+using commkit::ceil_div;
+using commkit::Layout;
+using commkit::Region;
+
+// Symmetric allocations and the buffer size are multiples of 2 MiB (cuMem granularity on H100/H200).
+constexpr int64_t kBufferAlignmentBytes = int64_t(2) << 20;
+// Direct mode limits (one NVLink domain).
+constexpr int kMaxRanks = 256;
+constexpr int kMaxExperts = 2048;
+constexpr int kMaxLocalExperts = 256;
+constexpr int kMaxTopk = 32;
+// TMA needs the column-major SF token dimension padded to 16 B (4 packs of 4 B).
+constexpr int kNumAlignedSFPacks = 4;
+// Top-k used for sizing when the caller passes num_topk == 0 (many paths allow K <= 32).
+constexpr int kSizingDefaultTopk = 32;
+
+struct DispatchTokenLayout {
+  Region x, sf, topk_idx, topk_weights, src_meta;
+  uint64_t bytes;
+};
+
+CK_HD constexpr DispatchTokenLayout dispatch_token_layout(int64_t hidden, int64_t elem_size,
+                                                          int64_t num_sf_packs, int64_t num_topk) {
+  Layout l;
+  DispatchTokenLayout t{};
+  t.x = l.add(uint64_t(hidden * elem_size), 16);
+  t.sf = l.add(uint64_t(num_sf_packs * 4), 16);
+  t.topk_idx = l.add(uint64_t(num_topk * 4), 16);
+  t.topk_weights = l.add(uint64_t(num_topk * 4), 16);
+  t.src_meta = l.add(8, 16);
+  t.bytes = l.total(16);
+  return t;
+}
+
+struct CombineTokenLayout {
+  Region x, topk_weights;
+  uint64_t bytes;
+};
+
+CK_HD constexpr CombineTokenLayout combine_token_layout(int64_t hidden, int64_t elem_size, int64_t num_topk) {
+  Layout l;
+  CombineTokenLayout t{};
+  t.x = l.add(uint64_t(hidden * elem_size), 16);
+  t.topk_weights = l.add(uint64_t(num_topk * 4), 16);
+  t.bytes = l.total(16);
+  return t;
+}
+
+// A [num_ranks][num_tokens][record] area.
+CK_HD constexpr int64_t buffer_layout_bytes(uint64_t token_bytes, int64_t num_ranks, int64_t num_tokens) {
+  return int64_t(token_bytes) * num_ranks * num_tokens;
+}
+
+CK_HD constexpr int combine_num_slots(int num_ranks, int num_topk, bool allow_multiple_reduction) {
+  return allow_multiple_reduction ? (num_ranks < num_topk ? num_ranks : num_topk) : num_topk;
+}
+// True when the combine receive slots are indexed by the sending rank (else by top-k lane).
+CK_HD constexpr bool combine_slot_per_rank(int num_ranks, int num_topk, bool allow_multiple_reduction) {
+  return allow_multiple_reduction && num_ranks <= num_topk;
+}
+
+// The seed's get_dispatch_buffer_size. Direct mode (one scale-out rank) only; hybrid is planned.
+CK_HD constexpr int64_t dispatch_buffer_size(int64_t num_max_tokens_per_rank, int64_t hidden,
+                                             int64_t num_sf_packs, int64_t num_topk, int64_t elem_size,
+                                             int64_t num_scaleout_ranks, int64_t num_scaleup_ranks,
+                                             bool is_scaleup_nvlink) {
+  const auto tok = dispatch_token_layout(hidden, elem_size, num_sf_packs, num_topk).bytes;
+  const int64_t num_ranks = num_scaleout_ranks * num_scaleup_ranks;
+  // Peers outside NVLink would need a staging send buffer; inside NVLink records go straight to the peer.
+  const int64_t send = buffer_layout_bytes(tok, is_scaleup_nvlink ? 0 : 1, num_max_tokens_per_rank);
+  const int64_t recv = buffer_layout_bytes(tok, num_ranks, num_max_tokens_per_rank);
+  return send + recv;
+}
+
+// The seed's get_combine_buffer_size (direct mode).
+CK_HD constexpr int64_t combine_buffer_size(int64_t num_max_tokens_per_rank, int64_t hidden, int64_t num_topk,
+                                            int64_t num_scaleout_ranks, int64_t num_scaleup_ranks,
+                                            bool is_scaleup_nvlink, bool allow_multiple_reduction) {
+  const int64_t num_ranks = num_scaleout_ranks * num_scaleup_ranks;
+  const auto tok = combine_token_layout(hidden, 2, num_topk).bytes;
+  const int64_t slots = combine_num_slots(int(num_ranks), int(num_topk), allow_multiple_reduction);
+  const int64_t send = buffer_layout_bytes(tok, is_scaleup_nvlink ? 0 : num_ranks,
+                                           num_max_tokens_per_rank * (allow_multiple_reduction ? 1 : num_topk));
+  const int64_t recv = buffer_layout_bytes(tok, slots, num_max_tokens_per_rank);
+  return send + recv;
+}
+
+// Approximate SF pack count used for sizing: one 4 B pack per 32 elements is the worst case
+// (UE8M0 per 32 elements packed 4 per int, or FP32 per 128 elements, both need fewer).
+CK_HD constexpr int64_t sizing_num_sf_packs(int64_t hidden, bool use_fp8_dispatch) {
+  return use_fp8_dispatch ? int64_t(ceil_div(uint64_t(hidden), 32)) : 0;
+}
+
+// The seed's calculate_buffer_size, with the domain sizes given explicitly. Returns -1 when the
+// arguments are invalid (the binding turns that into a ValueError with the reason).
+CK_HD constexpr int64_t calculate_buffer_size(int64_t num_max_tokens_per_rank, int64_t hidden, int64_t num_topk,
+                                              bool use_fp8_dispatch, int64_t num_scaleout_ranks,
+                                              int64_t num_scaleup_ranks, bool is_scaleup_nvlink,
+                                              bool allow_multiple_reduction) {
+  if (num_max_tokens_per_rank <= 0 || hidden <= 0 || num_topk < 0) return -1;
+  if (int64_t(ceil_div(uint64_t(hidden), 32)) * 4 > hidden) return -1;
+  const int64_t k = num_topk == 0 ? kSizingDefaultTopk : num_topk;
+  const int64_t elem = use_fp8_dispatch ? 1 : 2;
+  const int64_t d = dispatch_buffer_size(num_max_tokens_per_rank, hidden, sizing_num_sf_packs(hidden, use_fp8_dispatch),
+                                         k, elem, num_scaleout_ranks, num_scaleup_ranks, is_scaleup_nvlink);
+  const int64_t c = combine_buffer_size(num_max_tokens_per_rank, hidden, k, num_scaleout_ranks, num_scaleup_ranks,
+                                        is_scaleup_nvlink, allow_multiple_reduction);
+  return int64_t(align_up(uint64_t(d > c ? d : c), uint64_t(kBufferAlignmentBytes)));
+}
+
+// Workspace: signal words are u64 "(epoch << 32) | payload" or plain epochs; see kernels.cu.
+struct WorkspaceLayout {
+  Region barrier_signal;   // u64[kMaxRanks]     epoch a peer has entered (written by the peer)
+  Region rank_count;       // u64[kMaxRanks]     (epoch<<32)|tokens the peer sends me
+  Region expert_count;     // u64[kMaxExperts]   [src][local expert] (epoch<<32)|tokens for that expert
+  Region dispatch_done;    // u64[kMaxRanks]     epoch whose dispatch records from the peer are complete
+  Region combine_done;     // u64[kMaxRanks]     epoch whose combine records from the peer are complete
+  Region grid_counter;     // u32[16]            local: blocks finished (reset by the last block)
+  Region expert_cursor;    // i32[kMaxLocalExperts] local: expand-mode row cursors (reset by the last block)
+  uint64_t bytes;          // total, 2 MiB aligned
+};
+
+CK_HD constexpr WorkspaceLayout workspace_layout() {
+  Layout l;
+  WorkspaceLayout w{};
+  w.barrier_signal = l.add(8ull * kMaxRanks, 128);
+  w.rank_count = l.add(8ull * kMaxRanks, 128);
+  w.expert_count = l.add(8ull * kMaxExperts, 128);
+  w.dispatch_done = l.add(8ull * kMaxRanks, 128);
+  w.combine_done = l.add(8ull * kMaxRanks, 128);
+  w.grid_counter = l.add(4ull * 16, 128);
+  w.expert_cursor = l.add(4ull * kMaxLocalExperts, 128);
+  w.bytes = l.total(uint64_t(kBufferAlignmentBytes));
+  return w;
+}
+
+// Host-mapped workspace (cudaHostAllocMapped): the notify step publishes counts here for the CPU sync,
+// and device deadlines leave their TimeoutRecord here.
+struct HostWorkspaceLayout {
+  Region rank_count;    // u64[kMaxRanks]        (epoch<<32)|tokens received from each rank
+  Region expert_count;  // u64[kMaxLocalExperts] (epoch<<32)|aligned tokens per local expert
+  Region timeout;       // commkit::TimeoutRecord (64 B)
+  uint64_t bytes;
+};
+
+CK_HD constexpr HostWorkspaceLayout host_workspace_layout() {
+  Layout l;
+  HostWorkspaceLayout h{};
+  h.rank_count = l.add(8ull * kMaxRanks, 64);
+  h.expert_count = l.add(8ull * kMaxLocalExperts, 64);
+  h.timeout = l.add(64, 64);
+  h.bytes = l.total(4096);
+  return h;
+}
+
+// Worst-case output rows when the CPU does not wait for the counts (seed semantics).
+CK_HD constexpr int64_t worst_case_num_recv_tokens(int64_t num_ranks, int64_t num_max_tokens_per_rank) {
+  return num_ranks * num_max_tokens_per_rank;
+}
+CK_HD constexpr int64_t worst_case_num_expanded_tokens(int64_t num_ranks, int64_t num_max_tokens_per_rank,
+                                                       int64_t num_topk, int64_t num_local_experts,
+                                                       int64_t expert_alignment) {
+  const int64_t k = num_topk < num_local_experts ? num_topk : num_local_experts;
+  const int64_t n = num_ranks * num_max_tokens_per_rank * k + (expert_alignment - 1) * num_local_experts;
+  return int64_t(align_up(uint64_t(n), uint64_t(expert_alignment)));
+}
+
+// Compile-time checks of the invariants the kernels rely on.
+static_assert(dispatch_token_layout(7168, 2, 0, 8).bytes % 16 == 0, "records stay 16 B aligned");
+static_assert(dispatch_token_layout(7168, 1, 56, 8).sf.offset == 7168, "SF follows the hidden bytes");
+static_assert(workspace_layout().bytes == uint64_t(kBufferAlignmentBytes), "workspace fits in 2 MiB");
+static_assert(calculate_buffer_size(4096, 7168, 8, true, 1, 2, true, true) % kBufferAlignmentBytes == 0, "");
+
+}  // namespace elastic_ep

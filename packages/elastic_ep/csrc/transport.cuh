@@ -1,0 +1,91 @@
+// elastic_ep/csrc/transport.cuh -- the put/signal/wait vocabulary the dispatch and combine kernels use.
+//
+// A transport moves bytes into a peer's window and raises signals there. The kernels are templates
+// over it, so a second backend (NCCL GIN over RDMA, or an NVLink-emulated scale-out with staging
+// buffers) slots in by providing the same members:
+//   put_warp(peer, offset, src, bytes, lane)   warp-cooperative copy of `bytes` (multiple of 16) from
+//                                               local memory into the peer's window at `offset`
+//   put_u32(peer, offset, v) / put_u64(...)    one small value (no ordering)
+//   signal(peer, offset, v)                    release-store a u64 signal (orders earlier puts of this
+//                                               thread, and of the block after a fence, before it)
+//   flush()                                    make this thread's puts visible system-wide
+//   local(offset)                              address in this rank's own window
+// LsaTransport is the NVLink one: every peer's window is mapped (NCCL LSA), so puts are plain stores.
+#pragma once
+
+#include <cstdint>
+
+#include "commkit/atomics.hpp"
+
+namespace elastic_ep {
+
+// 16-byte vector load that bypasses L1 (read-once input streams).
+__device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+// Coherent 16-byte load (data written by peers during this operation).
+__device__ __forceinline__ int4 ld_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_na_v4(int4* p, const int4& v) {
+  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+// Warp copy of n16 16-byte words with kUnroll loads in flight per lane.
+template <int kUnroll, bool kNcSrc>
+__device__ __forceinline__ void warp_copy_v4(int4* dst, const int4* src, int n16, int lane) {
+  int i = lane;
+  for (; i + 32 * (kUnroll - 1) < n16; i += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = kNcSrc ? ld_nc_v4(src + i + 32 * u) : ld_v4(src + i + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) st_na_v4(dst + i + 32 * u, v[u]);
+  }
+  for (; i < n16; i += 32) st_na_v4(dst + i, kNcSrc ? ld_nc_v4(src + i) : ld_v4(src + i));
+}
+
+struct LsaTransport {
+  void* const* peer_bases;  // [num_ranks] LSA base of each rank's window
+  int rank;
+  int num_ranks;
+
+  __device__ __forceinline__ char* remote(int peer, uint64_t offset) const {
+    return static_cast<char*>(peer_bases[peer]) + offset;
+  }
+  __device__ __forceinline__ char* local(uint64_t offset) const { return remote(rank, offset); }
+
+  template <bool kNcSrc = true>
+  __device__ __forceinline__ void put_warp(int peer, uint64_t offset, const void* src, uint64_t bytes,
+                                           int lane) const {
+    warp_copy_v4<4, kNcSrc>(reinterpret_cast<int4*>(remote(peer, offset)), static_cast<const int4*>(src),
+                            int(bytes / 16), lane);
+  }
+  // Store of one 16-byte word the caller computed (e.g. a reduced row chunk).
+  __device__ __forceinline__ void put_v4(int peer, uint64_t offset, const int4& v) const {
+    st_na_v4(reinterpret_cast<int4*>(remote(peer, offset)), v);
+  }
+  __device__ __forceinline__ void put_u32(int peer, uint64_t offset, uint32_t v) const {
+    *reinterpret_cast<volatile uint32_t*>(remote(peer, offset)) = v;
+  }
+  __device__ __forceinline__ void put_u64(int peer, uint64_t offset, uint64_t v) const {
+    *reinterpret_cast<volatile uint64_t*>(remote(peer, offset)) = v;
+  }
+  __device__ __forceinline__ void signal(int peer, uint64_t offset, uint64_t v) const {
+    commkit::st_release(reinterpret_cast<uint64_t*>(remote(peer, offset)), v);
+  }
+  __device__ __forceinline__ void flush() const { __threadfence_system(); }
+};
+
+}  // namespace elastic_ep

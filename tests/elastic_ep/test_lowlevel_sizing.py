@@ -1,0 +1,120 @@
+"""CPU tests of the native sizing (constexpr layouts in csrc/sizing.hpp) against hand-derived figures.
+
+The expected numbers are re-derived here from the record definitions (each part rounded up to 16 B):
+dispatch record = hidden*elem | sf packs*4 | K*4 idx | K*4 weights | 8 B source meta;
+combine record  = hidden*2 | K*4 weights.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+_C = pytest.importorskip("elastic_ep._C")
+from elastic_ep import _low_level as ll  # noqa: E402
+
+MIB2 = 2 << 20
+
+
+def a16(x: int) -> int:
+    return (x + 15) // 16 * 16
+
+
+def ref_dispatch_record(hidden, elem, packs, k):
+    return a16(hidden * elem) + a16(packs * 4) + a16(k * 4) + a16(k * 4) + 16
+
+
+def ref_combine_record(hidden, k):
+    return a16(hidden * 2) + a16(k * 4)
+
+
+def ref_buffer_size(max_tokens, hidden, k, fp8, ranks, multi):
+    k = 32 if k == 0 else k
+    packs = (hidden + 31) // 32 if fp8 else 0
+    d = ranks * max_tokens * ref_dispatch_record(hidden, 1 if fp8 else 2, packs, k)
+    slots = min(ranks, k) if multi else k
+    c = slots * max_tokens * ref_combine_record(hidden, k)
+    return (max(d, c) + MIB2 - 1) // MIB2 * MIB2
+
+
+def test_alignment_constant():
+    assert ll.get_elastic_buffer_alignment() == MIB2
+
+
+def test_deepseek_v3_shape_exact_bytes():
+    # 2 ranks, 4096 tokens, hidden 7168, top-8: the dispatch record is 14336 + 0 + 32 + 32 + 16 B.
+    assert _C.dispatch_token_bytes(7168, 2, 0, 8) == 14416
+    assert _C.combine_token_bytes(7168, 8) == 14368
+    assert ll.ElasticBuffer.get_dispatch_buffer_size(4096, 7168, 0, 8, 2, 1, 2, True) == 2 * 4096 * 14416
+    assert ll.ElasticBuffer.get_combine_buffer_size(4096, 7168, 8, 1, 2, True, True) == 2 * 4096 * 14368
+    assert ll.ElasticBuffer.get_combine_buffer_size(4096, 7168, 8, 1, 2, True, False) == 8 * 4096 * 14368
+    # max(118095872, 117702656) rounded up to 2 MiB = 57 * 2 MiB
+    assert ll.ElasticBuffer.calculate_buffer_size(2, 4096, 7168, 8, False, True, True) == 57 * MIB2
+
+
+def test_send_buffer_only_outside_nvlink():
+    inside = ll.ElasticBuffer.get_dispatch_buffer_size(128, 512, 4, 4, 1, 1, 4, True)
+    outside = ll.ElasticBuffer.get_dispatch_buffer_size(128, 512, 4, 4, 1, 1, 4, False)
+    assert outside - inside == 128 * ref_dispatch_record(512, 1, 4, 4)
+
+
+def test_token_layout_regions_are_aligned_and_disjoint():
+    t = _C.dispatch_token_layout(7168, 1, 56, 8)
+    regions = [t[n] for n in ("x", "sf", "topk_idx", "topk_weights", "src_meta")]
+    for off, size in regions:
+        assert off % 16 == 0
+    for (o1, s1), (o2, s2) in zip(regions, regions[1:]):
+        assert o1 + s1 <= o2
+    assert t["bytes"] == ref_dispatch_record(7168, 1, 56, 8)
+    assert t["sf"][0] == 7168
+
+
+def test_random_shapes_match_reference():
+    rng = random.Random(1234)
+    for _ in range(300):
+        hidden = rng.choice([128, 256, 512, 1024, 2048, 4096, 5120, 7168, 8192])
+        max_tokens = rng.randint(1, 8192)
+        k = rng.choice([0, 1, 2, 4, 6, 8, 9, 16, 32])
+        fp8 = rng.random() < 0.5
+        ranks = rng.choice([1, 2, 4, 8, 16, 72])
+        multi = rng.random() < 0.5
+        got = ll.ElasticBuffer.calculate_buffer_size(ranks, max_tokens, hidden, k, fp8, True, multi)
+        assert got == ref_buffer_size(max_tokens, hidden, k, fp8, ranks, multi), (hidden, max_tokens, k, fp8, ranks)
+        assert got % MIB2 == 0 and got > 0
+
+
+def test_topk_zero_sizes_for_32():
+    assert ll.ElasticBuffer.calculate_buffer_size(8, 1024, 4096, 0, False, True, True) == \
+        ll.ElasticBuffer.calculate_buffer_size(8, 1024, 4096, 32, False, True, True)
+
+
+@pytest.mark.parametrize("args, word", [
+    ((2, 0, 7168, 8, False, True, True), "num_max_tokens_per_rank"),
+    ((2, 128, 0, 8, False, True, True), "hidden"),
+    ((2, 128, 2, 8, False, True, True), "SF"),
+    ((2, 128, 7168, 33, False, True, True), "num_topk"),
+])
+def test_bad_sizing_arguments_raise_value_error(args, word):
+    with pytest.raises(ValueError, match=word):
+        ll.ElasticBuffer.calculate_buffer_size(*args)
+
+
+def test_worst_case_sizes():
+    # R * max rows; expand: align(R * max * min(K, L) + (align - 1) * L, align)
+    assert _C.worst_case_num_recv_tokens(2, 4096) == 8192
+    assert _C.worst_case_num_expanded_tokens(2, 4096, 8, 128, 128) == \
+        (2 * 4096 * 8 + 127 * 128 + 127) // 128 * 128
+    assert _C.worst_case_num_expanded_tokens(4, 100, 8, 2, 1) == 4 * 100 * 2
+
+
+def test_workspace_fits_alignment():
+    assert _C.workspace_bytes() == MIB2
+
+
+def test_import_without_gpu_is_clean_and_gpu_use_is_clear():
+    assert isinstance(_C.built_with_cuda(), bool)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        ll.ElasticBuffer(0, 1, 1234, None, MIB2)
