@@ -76,7 +76,10 @@ class EventHandle:
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 2-D contiguous tensor viewed as ``[rows, row_bytes]`` uint8."""
     t = t.contiguous()
-    return t.view(torch.uint8).reshape(t.shape[0], -1)
+    row_bytes = t.element_size()
+    for d in t.shape[1:]:
+        row_bytes *= d
+    return t.view(torch.uint8).reshape(t.shape[0], row_bytes)
 
 
 def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:

@@ -392,6 +392,15 @@ class ElasticBuffer:
         """``(num_scaleout_ranks, num_scaleup_ranks)``."""
         return tuple(self.runtime.get_logical_domain_size())
 
+    def capture(self) -> EventOverlap:
+        """An ``EventOverlap`` marking the current point of the current stream (for ``previous_event``)."""
+        self._check_alive()
+        if self.backend == "native":
+            ll, _ = _load_native()
+            return EventOverlap(ll.EventHandle())
+        from ._torch_backend import EventHandle
+        return EventOverlap(EventHandle())
+
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
         """A barrier of all ranks on the GPU (on the comm stream by default).
 

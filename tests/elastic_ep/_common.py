@@ -1,0 +1,474 @@
+"""Shared helpers of the elastic_ep tests: inputs, an independent oracle, canonical forms, workers.
+
+The oracle gathers every rank's inputs (``all_gather_object``) and computes, with plain per-token
+loops, what this rank must receive and what combine must return. Outputs of any backend are turned
+into a canonical form (rows sorted by source token, per expert in expand mode; only valid rows) and
+compared bitwise (``torch.equal`` on raw bytes).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SRC = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "packages", "elastic_ep", "src")
+
+
+def import_elastic_ep():
+    """Import the installed package; fall back to the source tree (CPU-only checkouts)."""
+    try:
+        import elastic_ep  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, _SRC)
+        import elastic_ep  # noqa: F401
+    return sys.modules["elastic_ep"]
+
+
+FP8 = torch.float8_e4m3fn
+
+
+# ------------------------------------------------------------------------------------------ inputs
+def make_inputs(rank: int, num_tokens: int, hidden: int, num_topk: int, num_experts: int, dtype: str,
+                seed: int, device, mask_prob: float = 0.1) -> Dict[str, torch.Tensor]:
+    """Random inputs of one rank: x (+ sf), distinct top-k experts with some masked lanes, weights.
+
+    dtype: "bf16", "fp8" (FP32 scales per 128 elements) or "fp8_ue8m0" (int32 packs, per 32 elements).
+    """
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    T, H, K, E = num_tokens, hidden, num_topk, num_experts
+    xf = torch.randn((T, H), generator=g)
+    out: Dict[str, torch.Tensor] = {}
+    if dtype == "bf16":
+        out["x"] = xf.to(torch.bfloat16)
+    else:
+        out["x"] = xf.clamp(-400, 400).to(FP8)
+        if dtype == "fp8":
+            out["sf"] = torch.rand((T, (H + 127) // 128), generator=g) + 0.5
+        else:
+            out["sf"] = torch.randint(0, 2 ** 31 - 1, (T, (H + 127) // 128), generator=g, dtype=torch.int32)
+    scores = torch.rand((T, E), generator=g)
+    topk = torch.topk(scores, K, dim=1).indices.to(torch.int64) if T else torch.empty((0, K), dtype=torch.int64)
+    if mask_prob > 0 and T:
+        mask = torch.rand((T, K), generator=g) < mask_prob
+        topk = torch.where(mask, torch.full_like(topk, -1), topk)
+    out["topk_idx"] = topk
+    out["topk_weights"] = torch.rand((T, K), generator=g)
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def gather_inputs(inp: Dict[str, torch.Tensor], group) -> List[Dict[str, torch.Tensor]]:
+    # Tensors travel as raw bytes: pickling float8 tensors is not supported by every torch.
+    packed = {k: (str(v.dtype).replace("torch.", ""), tuple(v.shape), v.cpu().contiguous().view(torch.uint8)
+                  .numpy().tobytes()) for k, v in inp.items()}
+    objs: List = [None] * dist.get_world_size(group)
+    dist.all_gather_object(objs, packed, group=group)
+    out = []
+    for o in objs:
+        d = {}
+        for k, (dt, shape, raw) in o.items():
+            buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            d[k] = buf.view(getattr(torch, dt)).reshape(shape)
+        out.append(d)
+    return out
+
+
+def bytes_of(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    if t.dim() <= 1:
+        return t.view(torch.uint8)
+    row_bytes = t.element_size()
+    for d in t.shape[1:]:
+        row_bytes *= d
+    return t.view(torch.uint8).reshape(t.shape[0], row_bytes)
+
+
+# ------------------------------------------------------------------------------------------ oracle
+def oracle_dispatch(all_inp, me: int, num_experts: int, max_tokens: int, alignment: int):
+    """What rank ``me`` must receive, from plain loops over every rank's tokens (CPU tensors).
+
+    Returns a dict: ``src`` [N] global source ids ascending, ``x``/``sf``/``local_idx``/``weights`` rows
+    in that order, ``counts_rank`` [R], ``real`` [L], ``aligned`` [L], ``experts`` {e: list of (src, k, row)}.
+    """
+    R = len(all_inp)
+    L = num_experts // R
+    src, rows, sfs, lidx, ws = [], [], [], [], []
+    counts_rank = [0] * R
+    real = [0] * L
+    experts: Dict[int, list] = {e: [] for e in range(L)}
+    for s, inp in enumerate(all_inp):
+        topk = inp["topk_idx"].tolist()
+        for t, lanes in enumerate(topk):
+            local = [(k, e - me * L) for k, e in enumerate(lanes) if e >= 0 and e // L == me]
+            if not local:
+                continue
+            counts_rank[s] += 1
+            src.append(s * max_tokens + t)
+            rows.append(inp["x"][t])
+            if "sf" in inp:
+                sfs.append(inp["sf"][t])
+            li = [-1] * len(lanes)
+            w = [0.0] * len(lanes)
+            for k, e in local:
+                li[k] = e
+                w[k] = float(inp["topk_weights"][t, k])
+                real[e] += 1
+                experts[e].append((s * max_tokens + t, k, len(src) - 1))
+            lidx.append(li)
+            ws.append(w)
+    K = all_inp[0]["topk_idx"].shape[1]
+    H = all_inp[0]["x"].shape[1]
+    dtype = all_inp[0]["x"].dtype
+    x = torch.stack(rows) if rows else torch.empty((0, H), dtype=dtype)
+    out = {
+        "src": torch.tensor(src, dtype=torch.int64),
+        "x": x,
+        "local_idx": torch.tensor(lidx, dtype=torch.int64).view(-1, K),
+        "weights": torch.tensor(ws, dtype=torch.float32).view(-1, K),
+        "counts_rank": counts_rank,
+        "real": real,
+        "aligned": [(c + alignment - 1) // alignment * alignment for c in real],
+        "experts": experts,
+    }
+    if sfs or "sf" in all_inp[0]:
+        P = all_inp[0]["sf"].shape[1]
+        out["sf"] = torch.stack(sfs) if sfs else torch.empty((0, P), dtype=all_inp[0]["sf"].dtype)
+    return out
+
+
+def expert_scale(global_expert: int) -> float:
+    """Per-expert factor applied by the fake experts in combine tests (exact in bf16)."""
+    return 1.0 + 0.25 * (global_expert % 4)
+
+
+def rank_scale(rank: int) -> float:
+    return 1.0 + 0.5 * (rank % 3)
+
+
+def oracle_combine(all_inp, me: int, num_experts: int, expanded: bool, multi_red: bool,
+                   biases: List[Optional[torch.Tensor]]) -> torch.Tensor:
+    """Expected ``combined_x`` of rank ``me`` given the fake experts used by ``fake_experts``."""
+    R = len(all_inp)
+    L = num_experts // R
+    inp = all_inp[me]
+    T, H = inp["x"].shape
+    K = inp["topk_idx"].shape[1]
+    xf = inp["x"].to(torch.float32)
+    out = torch.empty((T, H), dtype=torch.bfloat16)
+    for t in range(T):
+        lanes = inp["topk_idx"][t].tolist()
+        owners_in_lane_order = []
+        for e in lanes:
+            if e >= 0 and e // L not in owners_in_lane_order:
+                owners_in_lane_order.append(e // L)
+        contributions = []  # (slot, bf16 row)
+        for r in owners_in_lane_order:
+            master = next(k for k, e in enumerate(lanes) if e >= 0 and e // L == r)
+            if not expanded:
+                row = (xf[t] * rank_scale(r)).to(torch.bfloat16)
+                slot = r if (multi_red and R <= K) else master
+                contributions.append((slot, row))
+            elif multi_red:
+                acc = torch.zeros(H, dtype=torch.float32)
+                for k, e in enumerate(lanes):
+                    if e >= 0 and e // L == r:
+                        acc += (xf[t] * expert_scale(e)).to(torch.bfloat16).to(torch.float32)
+                slot = r if R <= K else master
+                contributions.append((slot, acc.to(torch.bfloat16)))
+            else:
+                for k, e in enumerate(lanes):
+                    if e >= 0 and e // L == r:
+                        contributions.append((k, (xf[t] * expert_scale(e)).to(torch.bfloat16)))
+        acc = torch.zeros(H, dtype=torch.float32)
+        for _, row in sorted(contributions, key=lambda c: c[0]):
+            acc += row.to(torch.float32)
+        for b in biases:
+            if b is not None:
+                acc += b[t].cpu().to(torch.float32)
+        out[t] = acc.to(torch.bfloat16)
+    return out
+
+
+def fake_experts(recv_x: torch.Tensor, handle, me: int, num_experts: int, R: int) -> torch.Tensor:
+    """Expert outputs derived from the received rows: non-expand rows scaled per rank, expanded rows
+    per expert (a segment's expert is known from the handle's per-expert counts)."""
+    xf = recv_x.to(torch.float32)
+    if not handle.do_expand:
+        return (xf * rank_scale(me)).to(torch.bfloat16)
+    L = num_experts // R
+    real = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64).cpu()
+    starts = handle.psum_num_recv_tokens_per_expert.to(torch.int64).cpu() - real
+    scale = torch.ones(recv_x.shape[0], dtype=torch.float32)
+    for e in range(L):
+        scale[int(starts[e]):int(starts[e] + real[e])] = expert_scale(me * L + e)
+    return (xf * scale.to(recv_x.device).view(-1, 1)).to(torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------ canonical
+def canonical_dispatch(recv, recv_topk_idx, recv_topk_weights, handle, deterministic: bool) -> Dict[str, object]:
+    """Valid rows of a dispatch's outputs, keyed by source token, on the CPU."""
+    recv_x, recv_sf = recv if isinstance(recv, tuple) else (recv, None)
+    meta = handle.recv_src_metadata.cpu().to(torch.int64)
+    n = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])
+    src = meta[:n, 0]
+    out: Dict[str, object] = {
+        "psum_rank": handle.psum_num_recv_tokens_per_scaleup_rank.cpu().tolist(),
+        "real": handle.num_unaligned_recv_tokens_per_expert.cpu().tolist(),
+        "psum_expert": handle.psum_num_recv_tokens_per_expert.cpu().tolist(),
+        "master": (meta[:n, 1] % handle.num_topk)[torch.argsort(src)].tolist(),
+    }
+    if not handle.do_expand:
+        if deterministic:  # the user-visible rows are already sorted
+            order = torch.arange(n)
+            src_sorted = torch.sort(src).values
+        else:
+            order = torch.argsort(src)
+            src_sorted = src[order]
+        out["src"] = src_sorted.tolist()
+        out["x"] = bytes_of(recv_x.cpu()[:n][order])
+        if recv_sf is not None:
+            out["sf"] = bytes_of(recv_sf.cpu()[:n][order].contiguous())
+        out["local_idx"] = recv_topk_idx.cpu()[:n][order]
+        if recv_topk_weights is not None:
+            out["weights"] = bytes_of(recv_topk_weights.cpu()[:n][order])
+        return out
+    # expand: per expert segment, rows sorted by source token
+    real = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64).cpu()
+    starts = handle.psum_num_recv_tokens_per_expert.to(torch.int64).cpu() - real
+    lanes = meta[:n, 2:]
+    row_src = {}
+    for i in range(n):
+        for k in range(lanes.shape[1]):
+            r = int(lanes[i, k])
+            if r >= 0:
+                row_src[r] = int(src[i])
+    x = recv_x.cpu()
+    sf = recv_sf.cpu() if recv_sf is not None else None
+    w = recv_topk_weights.cpu() if recv_topk_weights is not None else None
+    segs = []
+    for e in range(real.numel()):
+        a, b = int(starts[e]), int(starts[e] + real[e])
+        rows = list(range(a, b))
+        if deterministic:
+            srcs = [row_src.get(r, -1) for r in rows]
+            assert srcs == sorted(srcs), f"deterministic mode: expert {e} rows not sorted by source"
+        rows.sort(key=lambda r: row_src.get(r, -1))
+        seg = {"src": [row_src.get(r, -1) for r in rows], "x": bytes_of(x[rows]) if rows else None}
+        if sf is not None and rows:
+            seg["sf"] = bytes_of(sf[rows].contiguous())
+        if w is not None and rows:
+            seg["w"] = bytes_of(w[rows])
+        segs.append(seg)
+    out["segments"] = segs
+    out["starts"] = starts.tolist()
+    return out
+
+
+def oracle_canonical(orc, expand: bool, alignment: int, has_weights: bool = True) -> Dict[str, object]:
+    """The oracle in the same canonical form as ``canonical_dispatch``."""
+    import itertools
+
+    out: Dict[str, object] = {
+        "psum_rank": list(itertools.accumulate(orc["counts_rank"])),
+        "real": orc["real"],
+    }
+    n = len(orc["src"])
+    li = orc["local_idx"]
+    out["master"] = [next(k for k in range(li.shape[1]) if li[i, k] >= 0) for i in range(n)]
+    starts = [0]
+    for a in orc["aligned"][:-1]:
+        starts.append(starts[-1] + a)
+    if not expand:
+        out["psum_expert"] = list(itertools.accumulate(orc["aligned"]))
+        out["src"] = orc["src"].tolist()
+        out["x"] = bytes_of(orc["x"])
+        if "sf" in orc:
+            out["sf"] = bytes_of(orc["sf"])
+        out["local_idx"] = orc["local_idx"]
+        if has_weights:
+            out["weights"] = bytes_of(orc["weights"])
+        return out
+    out["psum_expert"] = [s + r for s, r in zip(starts, orc["real"])]
+    segs = []
+    for e, lst in orc["experts"].items():
+        rows = [i for (_, _, i) in lst]
+        seg = {"src": [s for (s, _, _) in lst], "x": bytes_of(orc["x"][rows]) if rows else None}
+        if "sf" in orc and rows:
+            seg["sf"] = bytes_of(orc["sf"][rows])
+        if has_weights and rows:
+            seg["w"] = bytes_of(torch.tensor([float(orc["weights"][i, k]) for (_, k, i) in lst], dtype=torch.float32))
+        segs.append(seg)
+    out["segments"] = segs
+    out["starts"] = starts
+    return out
+
+
+def assert_same(a: Dict[str, object], b: Dict[str, object], what: str) -> None:
+    """Bitwise equality of two canonical forms (keys of ``a`` that ``b`` also has)."""
+    def eq(u, v):
+        if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
+            return isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor) and u.shape == v.shape and torch.equal(u, v)
+        if isinstance(u, list) and isinstance(v, list):
+            return len(u) == len(v) and all(eq(x, y) for x, y in zip(u, v))
+        if isinstance(u, dict) and isinstance(v, dict):
+            return u.keys() == v.keys() and all(eq(u[k], v[k]) for k in u)
+        return u == v
+    for k in a:
+        if k in b and not eq(a[k], b[k]):
+            raise AssertionError(f"{what}: field {k!r} differs")
+
+
+# ------------------------------------------------------------------------------------------ matrix
+def case_matrix(kind: str) -> List[dict]:
+    """Dispatch/combine cases; options that do not multiply are cycled through the product."""
+    import itertools
+
+    dtypes = ["bf16", "fp8", "fp8_ue8m0"]
+    cases = []
+    for i, (dtype, expand, cpu_sync) in enumerate(itertools.product(dtypes, [False, True], [True, False])):
+        cases.append(dict(
+            dtype=dtype, expand=expand, cpu_sync=cpu_sync,
+            alignment=[1, 128, 4][i % 3] if expand else [1, 128][i % 2],
+            zero_padding=expand and i % 2 == 0,
+            num_bias=i % 3,
+            cached=i % 2 == 1,
+            tma_sf=dtype != "bf16" and i % 4 >= 2,
+            sf_strided_input=dtype != "bf16" and i % 3 == 1,
+            stream_opt=["sync", "async", "prev_event", "alloc_comm"][i % 4] if kind == "gpu" else "sync",
+            handle_copy=i % 5 != 4,
+        ))
+    return cases
+
+
+def run_case(buf, ref, group, me: int, R: int, case: dict, shape: dict, seed: int, with_oracle: bool = True) -> None:
+    """One dispatch (+ cached dispatch) + combine on ``buf`` checked against the oracle and, if given,
+    against the same calls on the reference buffer ``ref`` (bitwise, canonical form)."""
+    ep = sys.modules["elastic_ep"]
+    dev = buf.device
+    H, K, E, M = shape["hidden"], shape["topk"], shape["experts"], shape["max_tokens"]
+    tokens = shape["tokens"](me) if callable(shape["tokens"]) else shape["tokens"]
+    inp = make_inputs(me, tokens, H, K, E, case["dtype"], seed, dev)
+    all_inp = gather_inputs(inp, group) if with_oracle else None
+    L = E // R
+
+    def do(b, handle=None):
+        x = inp["x"]
+        if "sf" in inp:
+            sf = inp["sf"]
+            if case["sf_strided_input"]:
+                sf = sf.t().contiguous().t()  # column-major input scales
+            x = (x, sf)
+        stats = torch.zeros(L, dtype=torch.int32, device=dev)
+        kw = dict(num_experts=E, expert_alignment=case["alignment"], do_expand=case["expand"],
+                  do_zero_padding=case["zero_padding"], do_cpu_sync=case["cpu_sync"],
+                  use_tma_aligned_col_major_sf=case["tma_sf"], do_handle_copy=case["handle_copy"],
+                  cumulative_local_expert_recv_stats=stats)
+        if handle is not None:
+            kw = dict(handle=handle, do_expand=case["expand"], do_zero_padding=case["zero_padding"],
+                      use_tma_aligned_col_major_sf=case["tma_sf"])
+        opt = case["stream_opt"]
+        if opt == "async":
+            kw.update(async_with_compute_stream=True)
+        elif opt == "prev_event":
+            kw.update(previous_event=b.capture(), allocate_on_comm_stream=True, async_with_compute_stream=True)
+        elif opt == "alloc_comm":
+            kw.update(allocate_on_comm_stream=True, previous_event_before_epilogue=b.capture())
+        out = b.dispatch(x, topk_idx=None if handle is not None else inp["topk_idx"],
+                         topk_weights=inp["topk_weights"] if handle is None else inp["topk_weights"], **kw)
+        out[4].current_stream_wait()
+        return out, stats
+
+    (recv, ridx, rw, handle, _), stats = do(buf)
+    if case["cpu_sync"]:
+        n_alloc = handle.num_expanded_tokens if case["expand"] else handle.num_recv_tokens
+        assert (recv[0] if isinstance(recv, tuple) else recv).shape[0] == n_alloc
+    else:
+        worst = R * M
+        assert handle.num_recv_tokens == worst, (handle.num_recv_tokens, worst)
+        assert handle.num_recv_tokens_per_expert_list == []
+    if isinstance(recv, tuple) and case["tma_sf"]:
+        n_alloc = recv[1].shape[0]
+        assert recv[1].stride() == (1, (n_alloc + 3) // 4 * 4), recv[1].stride()
+    canon = canonical_dispatch(recv, ridx, rw, handle, buf.deterministic)
+    if with_oracle:
+        orc = oracle_dispatch(all_inp, me, E, M, case["alignment"])
+        assert_same(oracle_canonical(orc, case["expand"], case["alignment"]), canon, f"oracle vs {buf.backend} {case}")
+        assert stats.cpu().tolist() == orc["real"], (stats.cpu().tolist(), orc["real"])
+        if case["cpu_sync"]:
+            assert handle.num_recv_tokens_per_expert_list == orc["aligned"]
+    if case["zero_padding"]:
+        x0 = recv[0] if isinstance(recv, tuple) else recv
+        real = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64).cpu()
+        ends = handle.psum_num_recv_tokens_per_expert.to(torch.int64).cpu()
+        a = case["alignment"]
+        for e in range(L):
+            pad_end = int(ends[e] - real[e]) + (int(real[e]) + a - 1) // a * a
+            assert bool((x0[int(ends[e]):pad_end].to(torch.float32) == 0).all()), f"expert {e} padding not zero"
+    if ref is not None:
+        (r_recv, r_idx, r_w, r_handle, _), _ = do(ref)
+        assert_same(canonical_dispatch(r_recv, r_idx, r_w, r_handle, ref.deterministic), canon,
+                    f"{ref.backend} vs {buf.backend} {case}")
+    if case["cached"]:
+        (c_recv, c_idx, c_w, c_handle, _), c_stats = do(buf, handle)
+        assert c_handle is handle
+        assert_same(canonical_dispatch(c_recv, c_idx, c_w, handle, buf.deterministic), canon, f"cached {case}")
+        assert int(c_stats.abs().sum()) == 0, "cached mode must not touch the stats"
+
+    # combine
+    x0 = recv[0] if isinstance(recv, tuple) else recv
+    y = fake_experts(x0, handle, me, E, R)
+    w2 = rw * 2 if rw is not None else None
+    g = torch.Generator().manual_seed(seed * 7 + me)
+    biases = [torch.randn((tokens, H), generator=g).to(torch.bfloat16).to(dev) for _ in range(case["num_bias"])]
+    bias = None if not biases else (biases[0] if len(biases) == 1 else tuple(biases))
+    kw = {}
+    if case["stream_opt"] == "async":
+        kw = dict(async_with_compute_stream=True)
+    elif case["stream_opt"] == "prev_event":
+        kw = dict(previous_event=buf.capture(), allocate_on_comm_stream=True, async_with_compute_stream=True)
+    cx, cw, ev = buf.combine(y, handle, topk_weights=w2, bias=bias, **kw)
+    ev.current_stream_wait()
+    assert cx.shape == (tokens, H) and cx.dtype == torch.bfloat16
+    if with_oracle:
+        exp = oracle_combine(all_inp, me, E, case["expand"], buf.allow_multiple_reduction, biases + [None])
+        assert torch.equal(bytes_of(cx.cpu()), bytes_of(exp)), f"combine vs oracle {case}"
+        tk = all_inp[me]["topk_idx"]
+        expw = torch.where(tk >= 0, all_inp[me]["topk_weights"] * 2, torch.zeros_like(all_inp[me]["topk_weights"]))
+        assert torch.equal(bytes_of(cw.cpu()), bytes_of(expw)), f"combined weights vs oracle {case}"
+    if ref is not None:
+        ry = fake_experts(r_recv[0] if isinstance(r_recv, tuple) else r_recv, r_handle, me, E, R)
+        rcx, rcw, rev = ref.combine(ry, r_handle, topk_weights=r_w * 2 if r_w is not None else None, bias=bias)
+        rev.current_stream_wait()
+        assert torch.equal(bytes_of(rcx.cpu()), bytes_of(cx.cpu())), f"combine {ref.backend} vs {buf.backend} {case}"
+        if rcw is not None:
+            assert torch.equal(bytes_of(rcw.cpu()), bytes_of(cw.cpu())), f"combined weights {case}"
+
+
+def matrix_worker(rank: int, world: int, rdzv: str, cfg: dict):
+    """Runs ``case_matrix(cfg['kind'])`` for each buffer option set in ``cfg['buffers']``."""
+    from tests._dist import init_gloo, init_nccl
+
+    ep = import_elastic_ep()
+    group = init_nccl(rank, world, rdzv) if cfg["device"] == "cuda" else init_gloo(rank, world, rdzv)
+    shape = dict(cfg["shape"])
+    tok = shape["tokens"]
+    if isinstance(tok, list):
+        shape["tokens"] = tok[rank % len(tok)]
+    done = 0
+    for bopts in cfg["buffers"]:
+        kw = dict(num_max_tokens_per_rank=shape["max_tokens"], hidden=shape["hidden"], num_topk=shape["topk"],
+                  use_fp8_dispatch=True, **bopts)
+        buf = ep.ElasticBuffer(group, backend=cfg["backend"], **kw)
+        ref = ep.ElasticBuffer(group, backend="torch", **kw) if cfg.get("compare_torch") else None
+        for i, case in enumerate(cfg.get("cases") or case_matrix(cfg["kind"])):
+            run_case(buf, ref, group, rank, world, case, shape, seed=cfg.get("seed", 0) * 100 + i,
+                     with_oracle=cfg.get("oracle", True))
+            done += 1
+        buf.destroy()
+        if ref is not None:
+            ref.destroy()
+    dist.destroy_process_group()
+    return done
