@@ -1,10 +1,181 @@
+// bindings.cpp -- the torch-free _C module: the seed-compatible low-level transport, the native
+// shard writer, POSIX shm segments (commkit/shm.hpp) and cudaHostRegister helpers. Python passes
+// integer pointers; fp8_layerwise/ builds the memory-owning API on top.
+#include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "backend.hpp"
 #include "commkit/python_errors.hpp"
+#include "commkit/shm.hpp"
+#include "transport.hpp"
+
 namespace py = pybind11;
-#if COMMKIT_WITH_CUDA
-int launch_probe();
-#endif
+using namespace fp8lw;
+
+namespace {
+
+py::dict stats_dict(const Stats& s) {
+  py::dict d;
+  d["epoch"] = s.epoch;
+  d["layer_id"] = s.layer_id;
+  d["expert_count"] = s.expert_count;
+  d["rank"] = s.rank;
+  d["writer_ms"] = s.writer_ms;
+  d["slot_wait_ms"] = s.slot_wait_ms;
+  d["h2d_ms"] = s.h2d_ms;
+  d["total_ms"] = s.total_ms;
+  d["bytes"] = s.bytes;
+  d["copies"] = s.copies;
+  d["poisoned"] = s.poisoned;
+  d["error_code"] = s.error_code;
+  d["error_rank"] = s.error_rank;
+  d["error_message"] = s.error_message;
+  return d;
+}
+
+Writer wrap_python_writer(py::function fn) {
+  auto holder = std::make_shared<py::function>(std::move(fn));
+  return [holder](int e, const std::vector<uintptr_t>& a, const std::vector<uintptr_t>& b,
+                  const std::vector<uintptr_t>& c, const std::vector<uintptr_t>& d) {
+    py::gil_scoped_acquire gil;
+    try {
+      (*holder)(e, a, b, c, d);
+    } catch (py::error_already_set& err) {
+      // Keep the original cause as "ExcType: message" (without pybind11's traceback dump).
+      std::string msg = py::str(err.type().attr("__name__")).cast<std::string>() + ": " +
+                        py::str(err.value()).cast<std::string>();
+      throw std::runtime_error(msg);
+    }
+  };
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
+  m.doc() = "fp8_layerwise native core (torch-free)";
   commkit::register_python_errors(m);
+  // Registered after the commkit translators, so it is tried first for PoisonedError.
+  py::register_exception_translator([](std::exception_ptr p) {
+    if (!p) return;
+    try {
+      std::rethrow_exception(p);
+    } catch (const PoisonedError& e) {
+      py::gil_scoped_acquire gil;
+      py::object make = py::module_::import("fp8_layerwise.errors").attr("_from_native");
+      py::object exc = make(e.code(), e.poison_rank(), e.message(), std::string(e.what()));
+      PyErr_SetObject(py::type::handle_of(exc).ptr(), exc.ptr());
+    }
+  });
+
+  m.attr("FP8_LAYERWISE_CONTROL_BYTES") = py::int_(control_bytes());
+  m.attr("FP8_LAYERWISE_MAX_TP_SIZE") = py::int_(kMaxTP);
+  m.attr("FP8_LAYERWISE_MAX_SLOTS") = py::int_(kMaxSlots);
+  m.attr("CONTROL_STRUCT_BYTES") = py::int_(control_struct_bytes());
   m.def("built_with_cuda", [] { return bool(COMMKIT_WITH_CUDA); });
+  m.def("cuda_available", &cuda_available);
+  m.def("cuda_host_register", &cuda_host_register, py::arg("ptr"), py::arg("nbytes"));
+  m.def("cuda_host_unregister", &cuda_host_unregister, py::arg("ptr"));
+  m.def("initialize_fp8_layerwise_control", &initialize_control, py::arg("control_ptr"), py::arg("control_size"),
+        py::arg("tp_size"), py::arg("num_slots") = 2,
+        "Zero and stamp a control region (magic, version, struct size, tp_size, num_slots).");
+
+  py::class_<commkit::ShmSegment>(m, "ShmSegment")
+      .def_static("create", &commkit::ShmSegment::create, py::arg("prefix"), py::arg("nbytes"),
+                  "Create an owner-only (0600, O_EXCL) segment with an unguessable name.")
+      .def_static("attach", &commkit::ShmSegment::attach, py::arg("name"), py::arg("nbytes") = 0)
+      .def_property_readonly("name", &commkit::ShmSegment::name)
+      .def_property_readonly("ptr", [](const commkit::ShmSegment& s) { return reinterpret_cast<uintptr_t>(s.data()); })
+      .def_property_readonly("nbytes", &commkit::ShmSegment::size)
+      .def_property_readonly("linked", &commkit::ShmSegment::linked)
+      .def("unlink", &commkit::ShmSegment::unlink)
+      .def("close", &commkit::ShmSegment::close);
+  m.def("shm_free_bytes", &commkit::shm_free_bytes);
+
+  py::class_<ShardSpec>(m, "ShardSpec")
+      .def(py::init([](uintptr_t base, uint64_t expert_stride, uint64_t row_stride, uint64_t rows, uint64_t row_bytes,
+                       uint64_t rank_row_step, uint64_t rank_col_step, uint64_t chunks, uint64_t chunk_row_step) {
+             ShardSpec s;
+             s.base = base;
+             s.expert_stride = expert_stride;
+             s.row_stride = row_stride;
+             s.rows = rows;
+             s.row_bytes = row_bytes;
+             s.rank_row_step = rank_row_step;
+             s.rank_col_step = rank_col_step;
+             s.chunks = chunks;
+             s.chunk_row_step = chunk_row_step;
+             return s;
+           }),
+           py::arg("base"), py::arg("expert_stride"), py::arg("row_stride"), py::arg("rows"), py::arg("row_bytes"),
+           py::arg("rank_row_step") = 0, py::arg("rank_col_step") = 0, py::arg("chunks") = 1,
+           py::arg("chunk_row_step") = 0)
+      .def_property_readonly("shard_bytes", &ShardSpec::shard_bytes);
+
+  py::class_<ShardWriter>(m, "ShardWriter")
+      .def(py::init<std::vector<ShardSpec>, int>(), py::arg("kinds"), py::arg("threads") = 1)
+      .def_property_readonly("threads", &ShardWriter::threads);
+
+  py::class_<Transport>(m, "FP8LayerwiseTransport")
+      .def(py::init([](uintptr_t control_ptr, size_t control_size, int rank, int tp_size, int cuda_device,
+                       const std::vector<uintptr_t>& local_host_ptrs, const std::vector<uintptr_t>& local_gpu_ptrs,
+                       const std::vector<uintptr_t>& all_rank_host_ptrs, const std::vector<size_t>& expert_nbytes,
+                       int num_experts, uint64_t timeout_ms, const std::string& backend, int max_inflight,
+                       bool coalesce, uint64_t liveness_ms) {
+             Options o;
+             o.backend = backend;
+             o.max_inflight = max_inflight;
+             o.coalesce = coalesce;
+             o.liveness_ms = liveness_ms;
+             py::gil_scoped_release nogil;
+             return new Transport(control_ptr, control_size, rank, tp_size, cuda_device, local_host_ptrs,
+                                  local_gpu_ptrs, all_rank_host_ptrs, expert_nbytes, num_experts, timeout_ms, o);
+           }),
+           py::arg("control_ptr"), py::arg("control_size"), py::arg("rank"), py::arg("tp_size"),
+           py::arg("cuda_device"), py::arg("local_host_ptrs"), py::arg("local_gpu_ptrs"),
+           py::arg("all_rank_host_ptrs"), py::arg("expert_nbytes"), py::arg("num_experts"),
+           py::arg("timeout_ms") = 60000, py::arg("backend") = "auto", py::arg("max_inflight") = 0,
+           py::arg("coalesce") = true, py::arg("liveness_ms") = 20)
+      .def("join", &Transport::join, py::arg("epoch"), py::arg("layer_id"), py::arg("expert_count"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "wait",
+          [](Transport& t, uint64_t epoch) {
+            Stats s;
+            {
+              py::gil_scoped_release nogil;
+              s = t.wait(epoch);
+            }
+            return stats_dict(s);
+          },
+          py::arg("epoch"))
+      .def(
+          "run",
+          [](Transport& t, uint64_t epoch, int64_t layer_id, int expert_count, py::object writer) {
+            if (py::isinstance<ShardWriter>(writer)) {
+              const ShardWriter& w = writer.cast<const ShardWriter&>();
+              py::gil_scoped_release nogil;
+              t.run_producer_native(epoch, layer_id, expert_count, w);
+              return;
+            }
+            if (!PyCallable_Check(writer.ptr())) throw py::type_error("writer must be a ShardWriter or a callable");
+            Writer w = wrap_python_writer(py::reinterpret_borrow<py::function>(writer));
+            py::gil_scoped_release nogil;
+            t.run_producer(epoch, layer_id, expert_count, w);
+          },
+          py::arg("epoch"), py::arg("layer_id"), py::arg("expert_count"), py::arg("writer"),
+          "Rank 0: fill every rank's slots expert by expert (writer(expert, w13[r], w13s[r], w2[r], w2s[r]) "
+          "or a native ShardWriter).")
+      .def("close", &Transport::close, py::call_guard<py::gil_scoped_release>())
+      .def("reset", &Transport::reset, py::call_guard<py::gil_scoped_release>())
+      .def("poison", &Transport::poison, py::arg("code"), py::arg("message"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("poisoned", &Transport::poisoned)
+      .def("last_poison", [](const Transport& t) { return stats_dict(t.last_poison()); })
+      .def_property_readonly("rank", &Transport::rank)
+      .def_property_readonly("tp_size", &Transport::tp_size)
+      .def_property_readonly("num_slots", &Transport::num_slots)
+      .def_property_readonly("num_experts", &Transport::num_experts)
+      .def_property_readonly("closed", &Transport::closed)
+      .def_property_readonly("generation", &Transport::generation)
+      .def_property_readonly("backend", &Transport::backend);
 }

@@ -1,0 +1,44 @@
+// backend.hpp -- the copy engine a consumer drives: CPU (memcpy, for CI) or CUDA (async H2D).
+//
+// A consumer submits one batch per group of ready slots: a list of (dst, src, bytes) copies and
+// the slot that carries the batch's completion. poll(slot) reports completion without blocking;
+// busy_ns(slot) then gives the time the copy engine spent on that batch (CUDA: event timing; CPU:
+// the memcpy wall time), which feeds the h2d_ms statistic.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace fp8lw {
+
+struct CopyOp {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
+
+class CopyBackend {
+ public:
+  virtual ~CopyBackend() = default;
+  // Enqueue `ops`; completion is tracked under `slot` (one outstanding batch per slot).
+  virtual void submit(const std::vector<CopyOp>& ops, int slot) = 0;
+  // True once the batch submitted under `slot` has landed. Throws commkit::Error on a copy error.
+  virtual bool poll(int slot) = 0;
+  // Copy-engine time of the completed batch under `slot`, in nanoseconds.
+  virtual uint64_t busy_ns(int slot) = 0;
+  // Block until everything submitted has finished (used before parking after a poison).
+  virtual void drain() noexcept = 0;
+};
+
+std::unique_ptr<CopyBackend> make_cpu_backend(int num_slots);
+// Throws commkit::Error when the extension was built without CUDA or the device is unusable.
+std::unique_ptr<CopyBackend> make_cuda_backend(int device, int num_slots);
+
+// CUDA helpers for the Python layer (no-ops that throw in a host-only build).
+bool cuda_available();
+void cuda_host_register(uintptr_t ptr, size_t bytes);
+void cuda_host_unregister(uintptr_t ptr);
+
+}  // namespace fp8lw

@@ -1,0 +1,42 @@
+// backend_cpu.cpp -- the CPU copy backend (memcpy into host "device" buffers) and the
+// host-only stand-ins for the CUDA entry points, so the whole protocol runs without a GPU.
+#include <cstring>
+#include <vector>
+
+#include "backend.hpp"
+#include "commkit/check.hpp"
+#include "commkit/deadline.hpp"
+
+namespace fp8lw {
+namespace {
+
+class CpuBackend final : public CopyBackend {
+ public:
+  explicit CpuBackend(int num_slots) : busy_(num_slots, 0) {}
+  void submit(const std::vector<CopyOp>& ops, int slot) override {
+    const uint64_t t0 = commkit::monotonic_ns();
+    for (const auto& op : ops) std::memcpy(op.dst, op.src, op.bytes);
+    busy_[slot] = commkit::monotonic_ns() - t0;
+  }
+  bool poll(int) override { return true; }  // memcpy finished inside submit()
+  uint64_t busy_ns(int slot) override { return busy_[slot]; }
+  void drain() noexcept override {}
+
+ private:
+  std::vector<uint64_t> busy_;
+};
+
+}  // namespace
+
+std::unique_ptr<CopyBackend> make_cpu_backend(int num_slots) { return std::make_unique<CpuBackend>(num_slots); }
+
+#if !COMMKIT_WITH_CUDA
+std::unique_ptr<CopyBackend> make_cuda_backend(int, int) {
+  CK_THROW("fp8_layerwise was built without CUDA; use backend='cpu'");
+}
+bool cuda_available() { return false; }
+void cuda_host_register(uintptr_t, size_t) { CK_THROW("fp8_layerwise was built without CUDA"); }
+void cuda_host_unregister(uintptr_t) { CK_THROW("fp8_layerwise was built without CUDA"); }
+#endif
+
+}  // namespace fp8lw

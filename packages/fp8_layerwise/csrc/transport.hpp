@@ -1,0 +1,131 @@
+// transport.hpp -- the layerwise FP8 expert-weight transport (host side, torch-free).
+//
+// One transport object per rank. Rank 0 is the producer: it fills every rank's pinned host slots,
+// expert by expert, through a writer, and publishes each slot. Every rank (rank 0 included) runs
+// a consumer thread that copies published slots into its layer buffers at expert * nbytes[kind]
+// and acknowledges the slot. The protocol state is the POD Control block in shared memory
+// (control.hpp); see the package README for the full state machine.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "commkit/check.hpp"
+#include "control.hpp"
+
+namespace fp8lw {
+
+// Raised on every rank once the region is poisoned; carries the original cause.
+class PoisonedError : public commkit::Error {
+ public:
+  PoisonedError(const std::string& what, int code, int poison_rank, std::string message)
+      : commkit::Error(what, __FILE__, __LINE__, poison_rank), code_(code), poison_rank_(poison_rank),
+        message_(std::move(message)) {}
+  int code() const noexcept { return code_; }
+  int poison_rank() const noexcept { return poison_rank_; }
+  const std::string& message() const noexcept { return message_; }
+
+ private:
+  int code_;
+  int poison_rank_;
+  std::string message_;
+};
+
+struct Stats {
+  uint64_t epoch = 0;
+  int64_t layer_id = 0;
+  int expert_count = 0;
+  int rank = 0;
+  double writer_ms = 0, slot_wait_ms = 0, h2d_ms = 0, total_ms = 0;
+  uint64_t bytes = 0;
+  uint64_t copies = 0;
+  bool poisoned = false;
+  int error_code = 0;
+  int error_rank = -1;
+  std::string error_message;
+};
+
+struct Options {
+  std::string backend = "auto";  // "cuda", "cpu", or "auto" (cuda when cuda_device >= 0)
+  int max_inflight = 0;          // experts in flight per consumer; 0 = num_slots; 1 = seed design
+  bool coalesce = true;          // merge copies of consecutive slots when host memory is contiguous
+  uint64_t liveness_ms = 20;     // how often a waiter checks that the ranks it waits on are alive
+};
+
+// writer(expert, w13[rank], w13_scale[rank], w2[rank], w2_scale[rank]): fill every rank's slot.
+using Writer = std::function<void(int, const std::vector<uintptr_t>&, const std::vector<uintptr_t>&,
+                                  const std::vector<uintptr_t>&, const std::vector<uintptr_t>&)>;
+
+// A native writer: copies rank r's shard of expert e, kind k, out of a whole-layer CPU buffer.
+// Shard bytes, in order: for c in chunks, for i in rows:
+//   base + e*expert_stride + (c*chunk_row_step + r*rank_row_step + i)*row_stride + r*rank_col_step,
+//   row_bytes bytes. (w13 [E, 2I, H]: chunks 2 (gate, up), rows I/tp; w2 [E, H, I]: rows H,
+//   row_bytes I/tp bytes, rank_col_step I/tp bytes.)
+struct ShardSpec {
+  uintptr_t base = 0;
+  uint64_t expert_stride = 0, row_stride = 0, rows = 0, row_bytes = 0;
+  uint64_t rank_row_step = 0, rank_col_step = 0, chunks = 1, chunk_row_step = 0;
+  uint64_t shard_bytes() const { return chunks * rows * row_bytes; }
+};
+
+class ShardWriter {
+ public:
+  ShardWriter(std::vector<ShardSpec> kinds, int threads);
+  // Copies every rank's shard of `expert` into dst[kind][rank].
+  void write(int expert, const std::vector<uintptr_t>* dst[kKinds]) const;
+  const std::vector<ShardSpec>& kinds() const { return kinds_; }
+  int threads() const { return threads_; }
+
+ private:
+  std::vector<ShardSpec> kinds_;
+  int threads_;
+};
+
+size_t control_bytes();
+size_t control_struct_bytes();
+void initialize_control(uintptr_t control_ptr, size_t control_size, int tp_size, int num_slots);
+
+class Transport {
+ public:
+  // local_host_ptrs: [slot][kind] (num_slots*4); local_dst_ptrs: [kind] (GPU for the CUDA
+  // backend, host for the CPU backend); all_rank_host_ptrs: [slot][rank][kind] on rank 0, empty
+  // elsewhere. num_slots comes from the control header.
+  Transport(uintptr_t control_ptr, size_t control_size, int rank, int tp_size, int cuda_device,
+            const std::vector<uintptr_t>& local_host_ptrs, const std::vector<uintptr_t>& local_dst_ptrs,
+            const std::vector<uintptr_t>& all_rank_host_ptrs, const std::vector<size_t>& expert_nbytes,
+            int num_experts, uint64_t timeout_ms, const Options& options = Options());
+  ~Transport();
+  Transport(const Transport&) = delete;
+  Transport& operator=(const Transport&) = delete;
+
+  void join(uint64_t epoch, int64_t layer_id, int expert_count);
+  Stats wait(uint64_t epoch);
+  void run_producer(uint64_t epoch, int64_t layer_id, int expert_count, const Writer& writer);
+  void run_producer_native(uint64_t epoch, int64_t layer_id, int expert_count, const ShardWriter& writer);
+  void close() noexcept;
+  // Collective recovery after a poison: every live rank calls it; returns the new generation.
+  uint64_t reset();
+  // Claims the poison record (exactly one concurrent claim wins); returns whether this call won.
+  bool poison(int code, const std::string& message);
+  bool poisoned() const;
+  Stats last_poison() const;
+
+  int rank() const;
+  int tp_size() const;
+  int num_slots() const;
+  int num_experts() const;
+  bool closed() const;
+  uint64_t generation() const;
+  std::string backend() const;
+
+  class Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace fp8lw

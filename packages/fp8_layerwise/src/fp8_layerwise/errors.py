@@ -1,0 +1,76 @@
+"""Exceptions of fp8_layerwise and the ErrorCode enum.
+
+Once any rank fails (writer exception, copy error, timeout, dead peer, protocol violation, close
+while active) the shared control region is *poisoned*: exactly one claim records (code, rank,
+message), and every rank's next or current call raises the matching exception below with that
+original cause. ``Transport.reset()`` (collective) clears it.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.IntEnum):
+    """Poison codes stored in the control region (``TransportPoisoned.code``)."""
+
+    NONE = 0
+    PROTOCOL = 1  #: an API misuse seen by the protocol (epoch reuse, wait before join, mismatch)
+    TIMEOUT = 2  #: a wait made no progress for ``timeout_ms``
+    CUDA_INIT = 3  #: the consumer could not initialise its device / stream
+    COPY = 4  #: a host-to-device (or CPU backend) copy failed
+    WRITER = 5  #: the producer's writer raised
+    CLOSED_WHILE_ACTIVE = 6  #: a rank closed its transport during an active layer
+    PEER_DEAD = 7  #: a rank's process died (or closed) while others waited on it
+    USER = 8  #: poison() called explicitly, e.g. an exception inside ``with transport.layer()``
+
+
+class TransportError(RuntimeError):
+    """Base class of every fp8_layerwise runtime error."""
+
+
+class TransportPoisoned(TransportError):
+    """The transport's shared region is poisoned.
+
+    Attributes:
+        code: the :class:`ErrorCode` of the original failure.
+        rank: the rank that recorded it (-1 if unknown).
+        message: the original cause, as recorded by that rank.
+    """
+
+    def __init__(self, code: int, rank: int, message: str, text: str = ""):
+        try:
+            code = ErrorCode(code)
+        except ValueError:
+            pass
+        self.code = code
+        self.rank = rank
+        self.message = message
+        super().__init__(text or f"transport poisoned (code {int(code)}, rank {rank}): {message}")
+
+    def __reduce__(self):
+        return (type(self), (int(self.code), self.rank, self.message, str(self)))
+
+
+class ProtocolError(TransportPoisoned):
+    """The protocol was misused (code PROTOCOL)."""
+
+
+class TransportTimeout(TransportPoisoned, TimeoutError):
+    """A wait made no progress within the timeout (code TIMEOUT)."""
+
+
+class PeerDied(TransportPoisoned):
+    """A rank's process died or closed while the others depended on it (code PEER_DEAD)."""
+
+
+_BY_CODE = {
+    ErrorCode.PROTOCOL: ProtocolError,
+    ErrorCode.TIMEOUT: TransportTimeout,
+    ErrorCode.PEER_DEAD: PeerDied,
+}
+
+
+def _from_native(code: int, rank: int, message: str, text: str) -> TransportPoisoned:
+    """Called by the C++ exception translator: build the exception for a poison record."""
+    cls = _BY_CODE.get(code, TransportPoisoned)
+    return cls(code, rank, message, text)

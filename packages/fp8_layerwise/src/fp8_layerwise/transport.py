@@ -1,0 +1,536 @@
+"""High-level, memory-owning API of the layerwise FP8 expert-weight transport.
+
+Algorithm
+---------
+Rank 0 (the producer) streams one MoE layer's expert weights from CPU memory to every
+tensor-parallel rank. For each expert ``e`` it waits until slot ``e % num_slots`` is free (every
+rank acknowledged the slot's previous contents), runs the writer that fills *every rank's* slot
+with that rank's shard of the four buffer kinds, and publishes the slot (sequence, epoch, expert).
+Each rank's consumer thread copies published slots into its layer buffers at
+``expert * expert_nbytes[kind]`` (CUDA: ``cudaMemcpyAsync`` on its own stream from registered
+shared memory; CPU backend: ``memcpy``) with up to ``num_slots`` experts in flight, merging
+consecutive slots into one copy per kind, and acknowledges each slot when its copy finished.
+
+Data layout
+-----------
+* Control region: one 8 KiB POSIX shm segment (owner-only, unguessable name) holding the POD
+  control block (see ``csrc/control.hpp``). Created by rank 0, attached by the others.
+* Host slots: one shm segment per rank, laid out kind-major so that consecutive slots of one kind
+  are contiguous (that is what lets the consumer coalesce them)::
+
+      [kind 0: slot 0 | slot 1 | ... ][pad to 4 KiB][kind 1: slot 0 | ...] ...
+
+  Each rank pins its own segment with ``cudaHostRegister`` (CUDA backend); rank 0 maps every
+  rank's segment so its writer fills them directly. All names are unlinked as soon as every rank
+  has mapped them, so no exit path (exception, SIGKILL) leaves a segment behind.
+* Layer buffers: one flat ``uint8`` tensor per kind of ``num_experts * expert_nbytes[kind]``
+  bytes, on the rank's GPU (CUDA) or in host memory (CPU backend).
+
+How to launch
+-------------
+Every rank constructs a :class:`Transport` collectively (names are exchanged through a
+torch.distributed group -- gloo is enough -- or through an explicit ``exchange`` callable such as
+:class:`FileExchange`), then per layer::
+
+    with transport.layer(epoch, layer_id, n) as layer:   # join on enter, wait on exit
+        if transport.rank == 0:
+            layer.run(writer)                             # ShardWriter (native) or callable
+    stats = layer.stats
+
+Epochs start at 1 and strictly increase. Any failure poisons all ranks (see :mod:`.errors`);
+``transport.reset()`` (collective) recovers without restarting the processes.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import json
+import os
+import pathlib
+import time
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+
+from . import _C
+from .errors import ErrorCode, TransportError
+
+KINDS = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
+CONTROL_BYTES: int = _C.FP8_LAYERWISE_CONTROL_BYTES
+MAX_TP: int = _C.FP8_LAYERWISE_MAX_TP_SIZE
+MAX_SLOTS: int = _C.FP8_LAYERWISE_MAX_SLOTS
+#: Default host slots per rank (chosen from tools/bench_fp8_layerwise.py, see BENCHMARKS.md).
+DEFAULT_SLOTS = 4
+BLOCK = 128
+_KIND_ALIGN = 4096
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def block_fp8_expert_nbytes(hidden: int, intermediate: int, tp_size: int, block: int = BLOCK) -> List[int]:
+    """Per-rank bytes of one expert's four kinds for block-FP8 weights (128x128 fp32 scales).
+
+    Arguments:
+        hidden: model hidden size H (multiple of ``block``).
+        intermediate: MoE intermediate size I; the rank shard I/tp must be a multiple of ``block``.
+        tp_size: tensor-parallel size, 1..8.
+        block: quantisation block edge.
+
+    Returns:
+        ``[w13, w13_scale, w2, w2_scale]`` bytes: ``2*(I/tp)*H``, ``4*2*(I/tp/128)*(H/128)``,
+        ``H*(I/tp)``, ``4*(H/128)*(I/tp/128)``.
+    """
+    _check(1 <= tp_size <= MAX_TP, f"tp_size must be in 1..{MAX_TP}, got {tp_size}")
+    _check(hidden > 0 and hidden % block == 0, f"hidden must be a positive multiple of {block}, got {hidden}")
+    _check(intermediate > 0 and intermediate % tp_size == 0,
+           f"intermediate {intermediate} must be divisible by tp_size {tp_size}")
+    shard = intermediate // tp_size
+    _check(shard % block == 0,
+           f"block-FP8 shard intermediate/tp = {shard} is not a multiple of {block} (tp_size {tp_size})")
+    hb, sb = hidden // block, shard // block
+    return [2 * shard * hidden, 4 * 2 * sb * hb, hidden * shard, 4 * hb * sb]
+
+
+def make_block_fp8_sources(num_experts: int, hidden: int, intermediate: int,
+                           generator: Optional[torch.Generator] = None) -> List[torch.Tensor]:
+    """Random whole-layer source tensors in the upstream layout (CPU).
+
+    Returns:
+        ``[w13 uint8 [E, 2I, H], w13_scale fp32 [E, 2I/128, H/128], w2 uint8 [E, H, I],
+        w2_scale fp32 [E, H/128, I/128]]`` (FP8 carried as raw bytes).
+    """
+    E, H, I = num_experts, hidden, intermediate
+    g = generator
+    w13 = torch.randint(0, 256, (E, 2 * I, H), dtype=torch.uint8, generator=g)
+    w13s = torch.rand((E, 2 * I // BLOCK, H // BLOCK), generator=g)
+    w2 = torch.randint(0, 256, (E, H, I), dtype=torch.uint8, generator=g)
+    w2s = torch.rand((E, H // BLOCK, I // BLOCK), generator=g)
+    return [w13, w13s, w2, w2s]
+
+
+def reference_shard(sources: Sequence[torch.Tensor], tp_size: int, rank: int, expert: int) -> List[torch.Tensor]:
+    """Plain-torch rank shard of one expert, as uint8 (the independent reference for tests).
+
+    w13 keeps rows ``[r*I/tp, (r+1)*I/tp)`` of the gate half and of the up half; w2 keeps columns
+    ``[r*I/tp, (r+1)*I/tp)``; the scales follow the same split in 128-blocks.
+    """
+    w13, w13s, w2, w2s = sources
+    I = w2.shape[2]
+    s, sb = I // tp_size, I // tp_size // BLOCK
+    Ib = I // BLOCK
+    out13 = torch.cat([w13[expert, r0 + rank * s: r0 + (rank + 1) * s] for r0 in (0, I)])
+    out13s = torch.cat([w13s[expert, r0 + rank * sb: r0 + (rank + 1) * sb] for r0 in (0, Ib)])
+    out2 = w2[expert, :, rank * s:(rank + 1) * s]
+    out2s = w2s[expert, :, rank * sb:(rank + 1) * sb]
+    return [t.contiguous().view(-1).view(torch.uint8) for t in (out13, out13s, out2, out2s)]
+
+
+def make_shard_writer(sources: Sequence[torch.Tensor], tp_size: int, threads: int = 1) -> "_C.ShardWriter":
+    """Native writer that cuts each rank's shard out of whole-layer CPU source tensors.
+
+    Arguments:
+        sources: ``[w13 [E, 2I, H] (1-byte dtype), w13_scale fp32 [E, 2I/128, H/128],
+            w2 [E, H, I], w2_scale fp32 [E, H/128, I/128]]``, contiguous CPU tensors. They must
+            stay alive while the writer is used.
+        tp_size: tensor-parallel size.
+        threads: memcpy threads per expert.
+
+    Returns:
+        A ``_C.ShardWriter`` to pass to ``Transport.run`` / ``layer.run``: no Python runs per expert.
+    """
+    _check(len(sources) == 4, f"sources must hold 4 tensors {KINDS}, got {len(sources)}")
+    for i, t in enumerate(sources):
+        _check(t.device.type == "cpu" and t.is_contiguous() and t.dim() == 3,
+               f"sources[{i}] ({KINDS[i]}) must be a contiguous 3-D CPU tensor, got {tuple(t.shape)} on {t.device}")
+    w13, w13s, w2, w2s = sources
+    E, twoI, H = w13.shape
+    I = twoI // 2
+    _check(tuple(w2.shape) == (E, H, I), f"w2 must be [E, H, I] = {(E, H, I)}, got {tuple(w2.shape)}")
+    _check(w13.element_size() == 1 and w2.element_size() == 1, "w13 / w2 must be 1-byte (FP8 or uint8) tensors")
+    _check(w13s.dtype == torch.float32 and w2s.dtype == torch.float32, "scales must be float32")
+    block_fp8_expert_nbytes(H, I, tp_size)  # validates the 128-multiples
+    _check(tuple(w13s.shape) == (E, 2 * I // BLOCK, H // BLOCK), f"w13 scale shape {tuple(w13s.shape)} is wrong")
+    _check(tuple(w2s.shape) == (E, H // BLOCK, I // BLOCK), f"w2 scale shape {tuple(w2s.shape)} is wrong")
+    s = I // tp_size
+    sb, Ib, Hb = s // BLOCK, I // BLOCK, H // BLOCK
+    specs = [
+        # w13: gate rows then up rows of this rank; each row is H bytes.
+        _C.ShardSpec(w13.data_ptr(), 2 * I * H, H, s, H, rank_row_step=s, chunks=2, chunk_row_step=I),
+        _C.ShardSpec(w13s.data_ptr(), 2 * Ib * Hb * 4, Hb * 4, sb, Hb * 4, rank_row_step=sb, chunks=2,
+                     chunk_row_step=Ib),
+        # w2: all H rows, this rank's column range.
+        _C.ShardSpec(w2.data_ptr(), H * I, I, H, s, rank_col_step=s),
+        _C.ShardSpec(w2s.data_ptr(), Hb * Ib * 4, Ib * 4, Hb, sb * 4, rank_col_step=sb * 4),
+    ]
+    return _C.ShardWriter(specs, threads)
+
+
+def _host_view(ptr: int, nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor aliasing ``nbytes`` at ``ptr`` (shared memory we own a mapping of)."""
+    buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+class ControlRegion:
+    """The shared 8 KiB control region (a POSIX shm segment, 0600, unguessable name)."""
+
+    def __init__(self, seg: "_C.ShmSegment"):
+        self._seg = seg
+
+    @classmethod
+    def create(cls, tp_size: int, num_slots: int = DEFAULT_SLOTS) -> "ControlRegion":
+        """Create and initialise a region for ``tp_size`` ranks and ``num_slots`` host slots."""
+        seg = _C.ShmSegment.create("fp8lw_ctl", CONTROL_BYTES)
+        try:
+            _C.initialize_fp8_layerwise_control(seg.ptr, seg.nbytes, tp_size, num_slots)
+        except BaseException:
+            seg.close()
+            raise
+        return cls(seg)
+
+    @classmethod
+    def attach(cls, name: str) -> "ControlRegion":
+        """Map an existing region by name (the magic/version/size/tp checks run in Transport)."""
+        return cls(_C.ShmSegment.attach(name, CONTROL_BYTES))
+
+    name = property(lambda self: self._seg.name)
+    ptr = property(lambda self: self._seg.ptr)
+    nbytes = property(lambda self: self._seg.nbytes)
+
+    def unlink(self) -> None:
+        self._seg.unlink()
+
+    def close(self) -> None:
+        self._seg.close()
+
+
+class HostSlots:
+    """One rank's host slots: ``num_slots`` experts x 4 kinds in one shm segment, kind-major."""
+
+    def __init__(self, seg: "_C.ShmSegment", expert_nbytes: Sequence[int], num_slots: int):
+        self._seg = seg
+        self.expert_nbytes = list(expert_nbytes)
+        self.num_slots = num_slots
+        self.offsets = self.layout(expert_nbytes, num_slots)[0]
+        self.registered = False
+
+    @staticmethod
+    def layout(expert_nbytes: Sequence[int], num_slots: int):
+        """Returns (per-kind offsets, total bytes) of the kind-major slot layout."""
+        offsets, cur = [], 0
+        for nb in expert_nbytes:
+            cur = (cur + _KIND_ALIGN - 1) // _KIND_ALIGN * _KIND_ALIGN
+            offsets.append(cur)
+            cur += num_slots * nb
+        return offsets, (cur + _KIND_ALIGN - 1) // _KIND_ALIGN * _KIND_ALIGN
+
+    @classmethod
+    def create(cls, expert_nbytes: Sequence[int], num_slots: int) -> "HostSlots":
+        _, total = cls.layout(expert_nbytes, num_slots)
+        return cls(_C.ShmSegment.create("fp8lw_slots", total), expert_nbytes, num_slots)
+
+    @classmethod
+    def attach(cls, name: str, expert_nbytes: Sequence[int], num_slots: int) -> "HostSlots":
+        _, total = cls.layout(expert_nbytes, num_slots)
+        return cls(_C.ShmSegment.attach(name, total), expert_nbytes, num_slots)
+
+    name = property(lambda self: self._seg.name)
+    nbytes = property(lambda self: self._seg.nbytes)
+
+    def ptr(self, slot: int, kind: int) -> int:
+        return self._seg.ptr + self.offsets[kind] + slot * self.expert_nbytes[kind]
+
+    def ptrs(self) -> List[int]:
+        """Pointers in the seed's ``[slot][kind]`` order."""
+        return [self.ptr(s, k) for s in range(self.num_slots) for k in range(4)]
+
+    def view(self, slot: int, kind: int) -> torch.Tensor:
+        return _host_view(self.ptr(slot, kind), self.expert_nbytes[kind])
+
+    def register_cuda(self) -> None:
+        _C.cuda_host_register(self._seg.ptr, self._seg.nbytes)
+        self.registered = True
+
+    def unlink(self) -> None:
+        self._seg.unlink()
+
+    def close(self) -> None:
+        if self.registered:
+            self.registered = False
+            with contextlib.suppress(Exception):
+                _C.cuda_host_unregister(self._seg.ptr)
+        self._seg.close()
+
+
+class FileExchange:
+    """Explicit all-gather through a private folder (no torch.distributed needed).
+
+    Each call writes ``<dir>/<round>.<rank>.json`` atomically and waits for every rank's file.
+    """
+
+    def __init__(self, directory: os.PathLike, rank: int, world_size: int, timeout_s: float = 60.0):
+        self.dir = pathlib.Path(directory)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.rank, self.world_size, self.timeout_s, self.round = rank, world_size, timeout_s, 0
+
+    def __call__(self, obj: Any) -> List[Any]:
+        self.round += 1
+        tmp = self.dir / f".{self.round}.{self.rank}.tmp"
+        tmp.write_text(json.dumps(obj))
+        os.replace(tmp, self.dir / f"{self.round}.{self.rank}.json")
+        deadline = time.monotonic() + self.timeout_s
+        out = []
+        for r in range(self.world_size):
+            p = self.dir / f"{self.round}.{r}.json"
+            while not p.exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"FileExchange round {self.round}: rank {r} did not publish {p}")
+                time.sleep(0.002)
+            out.append(json.loads(p.read_text()))
+        return out
+
+
+def group_exchange(group=None) -> Callable[[Any], List[Any]]:
+    """All-gather through a torch.distributed group (gloo is enough)."""
+    import torch.distributed as dist
+
+    def _exchange(obj):
+        out = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    return _exchange
+
+
+@dataclasses.dataclass
+class LayerStats:
+    """What ``wait`` reports for one layer on one rank (times in ms, ``bytes`` this rank copied)."""
+
+    epoch: int
+    layer_id: int
+    expert_count: int
+    rank: int
+    writer_ms: float
+    slot_wait_ms: float
+    h2d_ms: float
+    total_ms: float
+    bytes: int
+    copies: int
+    poisoned: bool
+    error_code: int
+    error_rank: int
+    error_message: str
+
+
+class Layer:
+    """Handle returned by ``Transport.layer``; ``stats`` is filled when the ``with`` block exits."""
+
+    def __init__(self, transport: "Transport", epoch: int, layer_id: int, expert_count: int):
+        self.transport, self.epoch, self.layer_id, self.expert_count = transport, epoch, layer_id, expert_count
+        self.stats: Optional[LayerStats] = None
+
+    def run(self, writer) -> None:
+        """Rank 0 only: produce this layer with ``writer`` (see :meth:`Transport.run`)."""
+        self.transport.run(self.epoch, self.layer_id, self.expert_count, writer)
+
+
+class Transport:
+    """One rank's end of the transport; owns its shm, pinned slots and layer buffers.
+
+    Arguments:
+        rank: this rank, 0..tp_size-1 (rank 0 produces).
+        tp_size: number of ranks, 1..8.
+        num_experts: experts per layer (size of the layer buffers).
+        expert_nbytes: per-rank bytes of one expert for the 4 kinds (see block_fp8_expert_nbytes).
+        num_slots: host slots per rank, 2..16 (experts in flight).
+        backend: "cuda", "cpu" (memcpy into host buffers) or "auto" (cuda when available).
+        device: CUDA device index (default: rank % device_count).
+        timeout_ms: a wait that sees no progress for this long poisons the transport.
+        group: torch.distributed group used to exchange shm names (default WORLD) ...
+        exchange: ... or an explicit all-gather callable (e.g. FileExchange); takes precedence.
+        max_inflight: experts in flight per consumer (0 = num_slots; 1 = the seed's design).
+        coalesce: merge copies of consecutive slots.
+
+    Raises:
+        ValueError: bad arguments, before anything is created.
+    """
+
+    def __init__(self, rank: int, tp_size: int, num_experts: int, expert_nbytes: Sequence[int], *,
+                 num_slots: int = DEFAULT_SLOTS, backend: str = "auto", device: Optional[int] = None,
+                 timeout_ms: int = 60000, group=None, exchange: Optional[Callable[[Any], List[Any]]] = None,
+                 max_inflight: int = 0, coalesce: bool = True, liveness_ms: int = 20):
+        _check(1 <= tp_size <= MAX_TP, f"tp_size must be in 1..{MAX_TP}, got {tp_size}")
+        _check(0 <= rank < tp_size, f"rank must be in 0..{tp_size - 1}, got {rank}")
+        _check(num_experts >= 1, f"num_experts must be positive, got {num_experts}")
+        _check(len(expert_nbytes) == 4 and all(int(n) > 0 for n in expert_nbytes),
+               f"expert_nbytes must be 4 positive sizes {KINDS}, got {list(expert_nbytes)}")
+        _check(2 <= num_slots <= MAX_SLOTS, f"num_slots must be in 2..{MAX_SLOTS}, got {num_slots}")
+        _check(timeout_ms > 0, f"timeout_ms must be positive, got {timeout_ms}")
+        if backend == "auto":
+            backend = "cuda" if (_C.built_with_cuda() and torch.cuda.is_available()) else "cpu"
+        _check(backend in ("cuda", "cpu"), f"backend must be 'cuda', 'cpu' or 'auto', got {backend!r}")
+        if backend == "cuda":
+            if not _C.built_with_cuda():
+                raise TransportError("fp8_layerwise was built without CUDA; use backend='cpu'")
+            if not torch.cuda.is_available():
+                raise TransportError("backend='cuda' needs a CUDA device, none is visible; use backend='cpu'")
+            device = rank % torch.cuda.device_count() if device is None else device
+        self.rank, self.tp_size, self.num_experts = rank, tp_size, num_experts
+        self.expert_nbytes = [int(n) for n in expert_nbytes]
+        self.num_slots, self.backend, self.device = num_slots, backend, device
+        self._exchange = exchange if exchange is not None else group_exchange(group)
+        self._control: Optional[ControlRegion] = None
+        self._slots: Optional[HostSlots] = None
+        self._peer_slots: List[HostSlots] = []
+        self._native = None
+        self._closed = False
+        try:
+            self._setup(timeout_ms, max_inflight, coalesce, liveness_ms)
+        except BaseException:
+            self._release()
+            raise
+
+    def _setup(self, timeout_ms, max_inflight, coalesce, liveness_ms):
+        if self.rank == 0:
+            self._control = ControlRegion.create(self.tp_size, self.num_slots)
+        self._slots = HostSlots.create(self.expert_nbytes, self.num_slots)
+        info = self._exchange({"control": self._control.name if self._control else None,
+                               "slots": self._slots.name, "pid": os.getpid()})
+        self.peer_pids = [i["pid"] for i in info]
+        if self.rank != 0:
+            self._control = ControlRegion.attach(info[0]["control"])
+            all_ptrs: List[int] = []
+        else:
+            self._peer_slots = [self._slots] + [HostSlots.attach(info[r]["slots"], self.expert_nbytes,
+                                                                 self.num_slots) for r in range(1, self.tp_size)]
+            all_ptrs = [self._peer_slots[r].ptr(s, k)
+                        for s in range(self.num_slots) for r in range(self.tp_size) for k in range(4)]
+        if self.backend == "cuda":
+            torch.cuda.set_device(self.device)
+            self._slots.register_cuda()
+            dev = torch.device("cuda", self.device)
+        else:
+            dev = torch.device("cpu")
+        #: The layer buffers: one flat uint8 tensor per kind, expert e at [e*nbytes, (e+1)*nbytes).
+        self.buffers = [torch.empty(self.num_experts * nb, dtype=torch.uint8, device=dev) for nb in self.expert_nbytes]
+        # Everyone has mapped everything: drop the names now so no exit path can leak them.
+        self._exchange("mapped")
+        self._slots.unlink()
+        if self.rank == 0:
+            self._control.unlink()
+        self._native = _C.FP8LayerwiseTransport(
+            self._control.ptr, self._control.nbytes, self.rank, self.tp_size,
+            self.device if self.backend == "cuda" else -1, self._slots.ptrs(),
+            [b.data_ptr() for b in self.buffers], all_ptrs, self.expert_nbytes, self.num_experts,
+            timeout_ms, backend=self.backend, max_inflight=max_inflight, coalesce=coalesce, liveness_ms=liveness_ms)
+        if self.rank == 0:
+            self._views = [[[self._peer_slots[r].view(s, k) for k in range(4)] for r in range(self.tp_size)]
+                           for s in range(self.num_slots)]
+        # A second barrier so no rank starts a layer before every consumer is attached.
+        self._exchange("ready")
+
+    # ---- protocol ------------------------------------------------------------------------------
+    @property
+    def native(self) -> "_C.FP8LayerwiseTransport":
+        if self._native is None or self._closed:
+            raise TransportError(f"transport on rank {self.rank} is closed")
+        return self._native
+
+    def join(self, epoch: int, layer_id: int, expert_count: int) -> None:
+        """Join layer ``layer_id`` under ``epoch`` (strictly increasing, >= 1) with ``expert_count`` experts."""
+        self.native.join(epoch, layer_id, expert_count)
+
+    def run(self, epoch: int, layer_id: int, expert_count: int, writer) -> None:
+        """Rank 0: produce the joined layer.
+
+        Arguments:
+            writer: a ``_C.ShardWriter`` (see :func:`make_shard_writer`; native, no Python per
+                expert) or a callable ``writer(expert, slots)`` where ``slots[rank][kind]`` is a
+                uint8 CPU tensor aliasing that rank's host slot, to be filled completely.
+        """
+        if isinstance(writer, _C.ShardWriter):
+            self.native.run(epoch, layer_id, expert_count, writer)
+            return
+        _check(callable(writer), "writer must be a ShardWriter or a callable(expert, slots)")
+        views = self._views if self.rank == 0 else None
+
+        def _raw(expert, *ptrs):
+            writer(expert, views[expert % self.num_slots])
+
+        self.native.run(epoch, layer_id, expert_count, _raw)
+
+    def wait(self, epoch: int) -> LayerStats:
+        """Block (GIL released) until this rank's copies of ``epoch`` landed; returns the stats."""
+        return LayerStats(**self.native.wait(epoch))
+
+    @contextlib.contextmanager
+    def layer(self, epoch: int, layer_id: int, expert_count: int):
+        """``with t.layer(epoch, layer_id, n) as layer:`` joins on enter and waits on exit.
+
+        An exception inside the block poisons the transport (code USER) so the other ranks fail
+        fast instead of timing out, then propagates.
+        """
+        self.join(epoch, layer_id, expert_count)
+        handle = Layer(self, epoch, layer_id, expert_count)
+        try:
+            yield handle
+        except BaseException as exc:
+            if self._native is not None and not self._closed and not self._native.poisoned:
+                self._native.poison(int(ErrorCode.USER), f"rank {self.rank}: {type(exc).__name__}: {exc}")
+            raise
+        handle.stats = self.wait(epoch)
+
+    def poison(self, code: int, message: str) -> bool:
+        """Claim the poison record; True iff this call won (exactly one concurrent claim wins)."""
+        return self.native.poison(int(code), message)
+
+    @property
+    def poisoned(self) -> bool:
+        return self.native.poisoned
+
+    def reset(self) -> int:
+        """Collective recovery after a poison: every live rank calls it. Returns the new generation."""
+        return self.native.reset()
+
+    def expert_view(self, kind: int, expert: int) -> torch.Tensor:
+        """This rank's delivered bytes of ``expert`` for ``kind`` (a view of the layer buffer)."""
+        nb = self.expert_nbytes[kind]
+        return self.buffers[kind][expert * nb:(expert + 1) * nb]
+
+    # ---- lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the consumer and free everything; idempotent. Poisons if a layer is still active."""
+        if self._closed:
+            return
+        self._closed = True
+        self._release()
+
+    def _release(self) -> None:
+        if self._native is not None:
+            self._native.close()
+        self._views = None
+        for s in self._peer_slots[1:]:
+            s.close()
+        self._peer_slots = []
+        if self._slots is not None:
+            self._slots.close()
+        if self._control is not None:
+            self._control.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "Transport":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
