@@ -434,6 +434,10 @@ class ElasticBuffer:
     def _resolve_sms(self, num_sms: int) -> int:
         if num_sms < 0:
             raise ValueError(f"num_sms: expected >= 0 (0 = automatic), got {num_sms}")
+        if num_sms == 0 and os.environ.get("EP_NUM_SMS"):
+            return int(os.environ["EP_NUM_SMS"])
+        if self.backend == "native":
+            return num_sms  # 0: the native runtime picks (all SMs of the device)
         return num_sms or self.get_theoretical_num_sms()
 
     @staticmethod

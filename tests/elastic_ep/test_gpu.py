@@ -1,0 +1,174 @@
+"""GPU tests of the native backend: bitwise equality with the torch backend and the plain oracle.
+
+* EP=1 on one GPU and EP=2 (or more) on several: the mode matrix (bf16 / FP8 with FP32 and UE8M0
+  scales, expand on/off, alignment 1/4/128, zero padding, cached mode, CPU sync on/off, bias 0/1/2,
+  multiple reduction on/off, deterministic, TMA column-major scales, event/stream options), with
+  different token counts per rank including 0.
+* DeepSeek-V3 shape (hidden 7168, top-8, 256 experts, 4096 tokens), native vs torch backend.
+* A 1000-iteration soak with random routing and token counts, native vs torch backend.
+* CUDA-graph capture of dispatch + combine without CPU sync, replayed on new inputs.
+* A timeout: a peer that never dispatches makes the CPU wait raise TimeoutError naming the stage.
+"""
+import pytest
+import torch
+
+from tests._dist import run_workers
+from tests.elastic_ep._common import matrix_worker
+
+SMALL = dict(hidden=512, topk=8, experts=32, max_tokens=96, tokens=[96, 0, 61, 7])
+BUFFERS = [dict(allow_multiple_reduction=True, deterministic=False),
+           dict(allow_multiple_reduction=False, deterministic=True)]
+
+
+def _world() -> int:
+    return min(torch.cuda.device_count(), 8) if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+def test_native_ep1_matrix(tmp_path):
+    shape = dict(SMALL, tokens=[61])
+    cfg = dict(device="cuda", backend="native", kind="gpu", shape=shape, buffers=BUFFERS, compare_torch=True)
+    assert run_workers(matrix_worker, 1, cfg, tmp_path=tmp_path, timeout=400) == [2 * 12]
+
+
+@pytest.mark.multigpu(2)
+def test_native_matrix(tmp_path):
+    world = _world()
+    cfg = dict(device="cuda", backend="native", kind="gpu", shape=SMALL, buffers=BUFFERS, compare_torch=True)
+    assert run_workers(matrix_worker, world, cfg, tmp_path=tmp_path, timeout=500) == [2 * 12] * world
+
+
+@pytest.mark.multigpu(2)
+def test_native_deepseek_shape(tmp_path):
+    world = _world()
+    shape = dict(hidden=7168, topk=8, experts=256, max_tokens=4096, tokens=[4096, 4095, 4000, 1])
+    cases = []
+    for dtype in ("bf16", "fp8", "fp8_ue8m0"):
+        for expand in (False, True):
+            cases.append(dict(dtype=dtype, expand=expand, cpu_sync=True, alignment=128 if expand else 1,
+                              zero_padding=expand, num_bias=1, cached=expand, tma_sf=dtype == "fp8" and expand,
+                              sf_strided_input=False, stream_opt="async", handle_copy=True))
+    cfg = dict(device="cuda", backend="native", kind="gpu", shape=shape, cases=cases, oracle=False,
+               buffers=[dict(allow_multiple_reduction=True)], compare_torch=True)
+    assert run_workers(matrix_worker, world, cfg, tmp_path=tmp_path, timeout=500) == [len(cases)] * world
+
+
+def soak_worker(rank, world, rdzv, iters):
+    import random
+
+    from tests._dist import init_nccl
+    from tests.elastic_ep._common import import_elastic_ep, run_case
+
+    ep = import_elastic_ep()
+    group = init_nccl(rank, world, rdzv)
+    shape = dict(hidden=256, topk=4, experts=16, max_tokens=64)
+    buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=64, hidden=256, num_topk=4, use_fp8_dispatch=True,
+                           backend="native")
+    ref = ep.ElasticBuffer(group, num_max_tokens_per_rank=64, hidden=256, num_topk=4, use_fp8_dispatch=True,
+                           backend="torch")
+    rng = random.Random(1234)  # same sequence of cases on every rank
+    for it in range(iters):
+        tokens = [rng.randint(0, 64) for _ in range(world)]
+        expand = rng.random() < 0.5
+        case = dict(dtype=rng.choice(["bf16", "fp8"]), expand=expand, cpu_sync=rng.random() < 0.7,
+                    alignment=rng.choice([1, 4, 128]), zero_padding=expand and rng.random() < 0.5,
+                    num_bias=rng.randint(0, 2), cached=rng.random() < 0.2, tma_sf=False, sf_strided_input=False,
+                    stream_opt=rng.choice(["sync", "async"]), handle_copy=True)
+        run_case(buf, ref, group, rank, world, case, dict(shape, tokens=tokens[rank]), seed=10_000 + it,
+                 with_oracle=False)
+    buf.destroy()
+    ref.destroy()
+    return iters
+
+
+@pytest.mark.multigpu(2)
+@pytest.mark.slow
+def test_native_soak_1000(tmp_path):
+    world = _world()
+    assert run_workers(soak_worker, world, 1000, tmp_path=tmp_path, timeout=590) == [1000] * world
+
+
+def graph_worker(rank, world, rdzv):
+    from tests._dist import init_nccl
+    from tests.elastic_ep._common import bytes_of, canonical_dispatch, import_elastic_ep, make_inputs
+
+    ep = import_elastic_ep()
+    group = init_nccl(rank, world, rdzv)
+    H, K, E, M = 512, 4, 16, 64
+    buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, num_topk=K, backend="native")
+    ref = ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, num_topk=K, backend="torch")
+    static = make_inputs(rank, M, H, K, E, "bf16", 0, "cuda")
+
+    def step():
+        recv, ridx, rw, handle, ev = buf.dispatch(static["x"], topk_idx=static["topk_idx"],
+                                                  topk_weights=static["topk_weights"], num_experts=E,
+                                                  do_cpu_sync=False)
+        y = (recv.float() * 2).to(torch.bfloat16)
+        cx, cw, _ = buf.combine(y, handle, topk_weights=rw)
+        return recv, ridx, rw, handle, cx, cw
+
+    step()  # warm-up outside the graph
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = step()
+    for it in range(3):
+        new = make_inputs(rank, M, H, K, E, "bf16", 100 + it, "cuda")
+        for k in static:
+            static[k].copy_(new[k])
+        g.replay()
+        torch.cuda.synchronize()
+        recv, ridx, rw, handle, cx, cw = outs
+        r = ref.dispatch(new["x"], topk_idx=new["topk_idx"], topk_weights=new["topk_weights"], num_experts=E)
+        got = canonical_dispatch(recv, ridx, rw, handle, False)
+        exp = canonical_dispatch(r[0], r[1], r[2], r[3], False)
+        for key in ("psum_rank", "src", "x", "local_idx", "weights"):
+            a, b = got[key], exp[key]
+            assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), f"graph replay {it}: {key}"
+        rcx, rcw, _ = ref.combine((r[0].float() * 2).to(torch.bfloat16), r[3], topk_weights=r[2])
+        assert torch.equal(bytes_of(cx.cpu()), bytes_of(rcx.cpu())), f"graph replay {it}: combine"
+        assert torch.equal(bytes_of(cw.cpu()), bytes_of(rcw.cpu())), f"graph replay {it}: combined weights"
+    del g
+    buf.destroy()
+    ref.destroy()
+    return True
+
+
+@pytest.mark.multigpu(2)
+def test_native_cuda_graph(tmp_path):
+    world = _world()
+    assert run_workers(graph_worker, world, tmp_path=tmp_path, timeout=300) == [True] * world
+
+
+def timeout_worker(rank, world, rdzv):
+    import time
+
+    from tests._dist import init_nccl
+    from tests.elastic_ep._common import import_elastic_ep, make_inputs
+
+    ep = import_elastic_ep()
+    group = init_nccl(rank, world, rdzv)
+    buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=32, hidden=256, num_topk=2, backend="native",
+                           num_cpu_timeout_secs=3, num_gpu_timeout_secs=3, explicitly_destroy=True)
+    if rank != 0:
+        time.sleep(15)  # never joins the dispatch
+        return "idle"
+    inp = make_inputs(rank, 32, 256, 2, 8 * world, "bf16", 0, "cuda")
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], num_experts=8 * world, do_cpu_sync=True)
+        torch.cuda.synchronize()
+        buf.barrier(with_cpu_sync=True)
+    except TimeoutError as e:
+        msg = str(e)
+        assert time.monotonic() - t0 < 14, "the timeout took too long"
+        assert "dispatch" in msg.lower(), msg
+        return "timeout"
+    raise AssertionError("dispatch without a peer did not time out")
+
+
+@pytest.mark.multigpu(2)
+def test_native_timeout(tmp_path):
+    world = _world()
+    res = run_workers(timeout_worker, world, tmp_path=tmp_path, timeout=120)
+    assert res[0] == "timeout"

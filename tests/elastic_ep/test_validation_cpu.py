@@ -1,0 +1,109 @@
+"""Every bad input raises a clear Python exception before anything launches (torch backend, gloo)."""
+import pytest
+
+from tests._dist import run_workers
+
+
+def validation_worker(rank, world, rdzv):
+    import torch
+
+    from tests._dist import init_gloo
+    from tests.elastic_ep._common import import_elastic_ep, make_inputs
+
+    ep = import_elastic_ep()
+    group = init_gloo(rank, world, rdzv)
+    H, K, E, M = 256, 4, 8, 32
+    buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, num_topk=K, backend="torch")
+    inp = make_inputs(rank, 16, H, K, E, "bf16", 0, "cpu")
+    x, idx, w = inp["x"], inp["topk_idx"], inp["topk_weights"]
+    fp8 = make_inputs(rank, 16, H, K, E, "fp8", 0, "cpu")
+    seen = []
+
+    def bad(match, fn):
+        try:
+            fn()
+        except ValueError as e:
+            assert match in str(e), f"expected {match!r} in {e!r}"
+            seen.append(match)
+            return
+        raise AssertionError(f"no ValueError for {match}")
+
+    d = buf.dispatch
+    bad("x: expected dtype", lambda: d(x.float(), topk_idx=idx, num_experts=E))
+    bad("x: expected a 2-D", lambda: d(x.view(-1), topk_idx=idx, num_experts=E))
+    bad("x: expected a contiguous", lambda: d(torch.cat([x, x], 1)[:, ::2], topk_idx=idx, num_experts=E))
+    bad("x: a row must be a multiple of 16 bytes", lambda: d(x[:, :4].contiguous(), topk_idx=idx, num_experts=E))
+    bad("FP8 rows need scales", lambda: d(fp8["x"], topk_idx=idx, num_experts=E))
+    bad("sf: expected shape", lambda: d((fp8["x"], fp8["sf"][:3]), topk_idx=idx, num_experts=E))
+    bad("sf: expected dtype", lambda: d((fp8["x"], fp8["sf"].double()), topk_idx=idx, num_experts=E))
+    bad("topk_idx: expected dtype", lambda: d(x, topk_idx=idx.int(), num_experts=E))
+    bad("topk_idx: expected shape", lambda: d(x, topk_idx=idx[:5], num_experts=E))
+    bad("topk_idx: required", lambda: d(x, num_experts=E))
+    bad("expert ids must be in", lambda: d(x, topk_idx=torch.full_like(idx, E), num_experts=E))
+    bad("expert ids must be in", lambda: d(x, topk_idx=torch.full_like(idx, -2), num_experts=E))
+    bad("num_experts: expected a positive multiple", lambda: d(x, topk_idx=idx, num_experts=E + 1))
+    bad("num_experts: required", lambda: d(x, topk_idx=idx))
+    bad("topk_weights: expected dtype", lambda: d(x, topk_idx=idx, topk_weights=w.double(), num_experts=E))
+    bad("topk_weights: expected shape", lambda: d(x, topk_idx=idx, topk_weights=w[:, :2].contiguous(), num_experts=E))
+    bad("cumulative_local_expert_recv_stats: expected shape",
+        lambda: d(x, topk_idx=idx, num_experts=E, cumulative_local_expert_recv_stats=torch.zeros(3, dtype=torch.int32)))
+    big = make_inputs(rank, M + 1, H, K, E, "bf16", 0, "cpu")
+    bad("exceed num_max_tokens_per_rank", lambda: d(big["x"], topk_idx=big["topk_idx"], num_experts=E))
+    bad("exceeds the buffer's", lambda: d(x, topk_idx=idx, num_experts=E, num_max_tokens_per_rank=M * 2))
+    bad("do_zero_padding: only valid", lambda: d(x, topk_idx=idx, num_experts=E, do_zero_padding=True))
+    bad("expert_alignment: expected a positive", lambda: d(x, topk_idx=idx, num_experts=E, expert_alignment=0))
+    bad("previous_event: requires allocate_on_comm_stream",
+        lambda: d(x, topk_idx=idx, num_experts=E, previous_event=buf.capture()))
+    wide = make_inputs(rank, 16, H * 64, K, E, "bf16", 0, "cpu")
+    bad("buffer too small", lambda: d(wide["x"], topk_idx=wide["topk_idx"], num_experts=E))
+    bad("num_sms: expected >= 0", lambda: d(x, topk_idx=idx, num_experts=E, num_sms=-1))
+
+    recv, ridx, rw, h, _ = d(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    other = make_inputs(rank, 8, H, K, E, "bf16", 1, "cpu")
+    bad("the cached handle routed", lambda: d(other["x"], handle=h))
+    bad("do_expand: the cached handle", lambda: d(x, handle=h, do_expand=True))
+    bad("num_experts: the cached handle", lambda: d(x, handle=h, num_experts=2 * E))
+    bad("do_cpu_sync: cannot be True in cached mode", lambda: d(x, handle=h, do_cpu_sync=True))
+    bad("handle: expected an EPHandle", lambda: d(x, handle=object()))
+    c = buf.combine
+    bad("x: expected dtype", lambda: c(recv.float(), h))
+    bad("x: expected shape", lambda: c(recv[:-1], h))
+    bad("topk_weights: expected shape", lambda: c(recv, h, topk_weights=rw[:, :1].contiguous()))
+    bad("bias[0]: expected shape", lambda: c(recv, h, bias=torch.zeros(3, H, dtype=torch.bfloat16)))
+    bad("bias: expected at most two", lambda: c(recv, h, bias=(None, None, None)))
+    bad("handle: expected the EPHandle", lambda: c(recv, None))
+    buf2 = ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, num_topk=K, backend="torch")
+    bad("produced by another ElasticBuffer", lambda: buf2.combine(recv, h))
+
+    # constructor arguments
+    bad("num_cpu_bytes", lambda: ep.ElasticBuffer(group, num_cpu_bytes=2 << 20, num_max_tokens_per_rank=M, hidden=H))
+    bad("num_bytes=None needs", lambda: ep.ElasticBuffer(group))
+    bad("num_bytes: expected a positive multiple", lambda: ep.ElasticBuffer(group, num_bytes=1000, backend="torch"))
+    bad("backend:", lambda: ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, backend="cuda"))
+    bad("num_topk: expected", lambda: ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, num_topk=33))
+
+    # a valid call still works after all the rejected ones, then the lifecycle
+    d(x, topk_idx=idx, num_experts=E)
+    assert buf.get_logical_domain_size() == (1, world) and buf.get_physical_domain_size() == (1, world)
+    buf2.destroy()
+    with buf:
+        pass
+    try:
+        buf.dispatch(x, topk_idx=idx, num_experts=E)
+    except RuntimeError as e:
+        assert "destroyed" in str(e)
+    else:
+        raise AssertionError("a destroyed buffer accepted a dispatch")
+    if not ep.native_available():
+        try:
+            ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, backend="native")
+        except (RuntimeError, ValueError) as e:
+            seen.append(f"native: {e}")
+        else:
+            raise AssertionError("backend='native' without the native module did not raise")
+    return len(seen)
+
+
+def test_bad_inputs_raise_before_launch(tmp_path):
+    n = run_workers(validation_worker, 2, tmp_path=tmp_path, timeout=120)
+    assert n[0] == n[1] and n[0] >= 40
