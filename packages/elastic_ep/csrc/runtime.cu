@@ -113,7 +113,13 @@ Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_
   window_ = win;
 
   // Device communicator: LSA only (no GIN requested, so it works on machines without a NIC).
+#ifdef NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER
   ncclDevCommRequirements reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
+#else
+  // Older 2.28.x headers have no initializer (and no size/magic/version fields): all-zero = LSA only.
+  ncclDevCommRequirements reqs;
+  std::memset(static_cast<void*>(&reqs), 0, sizeof(reqs));
+#endif
   auto* dc = new ncclDevComm();
   ncclResult_t res = ncclDevCommCreate(comm, &reqs, dc);
   if (res != ncclSuccess) {
