@@ -1,0 +1,299 @@
+#!/usr/bin/env python3
+"""Benchmark of elastic_ep dispatch/combine against the torch reference path, one process per GPU.
+
+    python tools/bench_elastic_ep.py --out DIR [--quick] [--num-sms N[,N..]] [--tokens 4096]
+
+Shape (DeepSeek-V3): 4096 tokens per rank, hidden 7168, top-8 of 256 experts, uniform random
+routing (each token picks 8 distinct experts uniformly). Cases: BF16 dispatch, FP8 dispatch
+(float8_e4m3fn rows + FP32 scales per 128 elements), BF16 combine (of the BF16 dispatch's rows).
+
+Measurements per case, averaged over the iterations (each after a 256 MiB L2 flush and a barrier):
+* kernel time: device time of the elastic_ep kernels of the call, from the CUDA profiler (Kineto),
+  split into the communication kernels (dispatch: notify + push; combine: push) and the epilogue
+  (dispatch copy epilogue; combine reduce);
+* end-to-end time: CUDA events around the Python call on the current stream (includes the CPU sync
+  of dispatch and every allocation), for the native backend and for the torch backend (the reference
+  path: all_to_all_single of counts and of packed rows, plus the index work), measured in the same run.
+
+Bandwidth is counted as DeepEP does: bytes received by this GPU / time, where a dispatched token
+carries ``hidden * elem + scale bytes + top-k ids (int64) + top-k weights (fp32)`` and a combined row
+``hidden * 2 + top-k weights``. "excl. local" counts only tokens that crossed NVLink (from / to other
+ranks); "incl. local" counts every received token. GB/s = 1e9 bytes/s.
+
+Writes ``bench_elastic_ep.json``, ``bench_elastic_ep.md`` (table) and ``bench_elastic_ep.png`` into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SRC = os.path.join(ROOT, "packages", "elastic_ep", "src")
+
+KERNEL_COMM = ("dispatch_notify", "dispatch_push", "combine_push")
+KERNEL_EPI = ("dispatch_epilogue", "combine_reduce")
+
+
+def _import_ep():
+    try:
+        import elastic_ep  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, SRC)
+    import elastic_ep
+
+    return elastic_ep
+
+
+def _inputs(rank: int, T: int, H: int, K: int, E: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = torch.randn((T, H), generator=g)
+    topk = torch.rand((T, E), generator=g).topk(K, dim=1).indices.to(torch.int64)
+    w = torch.rand((T, K), generator=g)
+    xb = x.to(torch.bfloat16)
+    blocks = x.view(T, H // 128, 128)
+    amax = blocks.abs().amax(dim=2).clamp(min=1e-4)
+    sf = (amax / 448.0).to(torch.float32)
+    x8 = (blocks / sf.unsqueeze(2)).view(T, H).to(torch.float8_e4m3fn)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    return {k: v.to(dev) for k, v in dict(xb=xb, x8=x8, sf=sf, topk=topk, w=w).items()}
+
+
+def _kernel_times(prof, iters: int):
+    """Average device time (us) per iteration of the elastic_ep kernels: (comm, epilogue)."""
+    comm = epi = 0.0
+    for e in prof.events():
+        if getattr(e, "device_type", None) is None or "CUDA" not in str(e.device_type):
+            continue
+        name = e.name
+        t = e.device_time if hasattr(e, "device_time") else e.cuda_time
+        if any(k in name for k in KERNEL_COMM):
+            comm += t
+        elif any(k in name for k in KERNEL_EPI):
+            epi += t
+    return comm / iters, epi / iters
+
+
+def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=rdzv, rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    group = dist.group.WORLD
+    ep = _import_ep()
+    T, H, K, E = args.tokens, 7168, 8, 256
+    L = E // world
+    inp = _inputs(rank, T, H, K, E)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    backends = ["native", "torch"] if ep.native_available() else ["torch"]
+    iters = 5 if args.quick else 30
+    out = {"rank": rank, "world": world, "results": []}
+
+    # bytes per received token / row, and how many crossed NVLink
+    owner = torch.where(inp["topk"] >= 0, inp["topk"] // L, torch.full_like(inp["topk"], -1))
+    sent = torch.stack([(owner == d).any(1) for d in range(world)]).sum(1).tolist()  # tokens sent to each rank
+    recv_from = [None] * world
+    dist.all_gather_object(recv_from, sent, group=group)
+    recv_counts = [recv_from[s][rank] for s in range(world)]
+    n_recv_all = sum(recv_counts)
+    n_recv_remote = n_recv_all - recv_counts[rank]
+    n_sent_remote = sum(sent) - sent[rank]  # combine: rows this rank receives back = what it sent out
+    P = H // 128
+
+    def tok_bytes(elem: int, sf: bool) -> int:
+        return H * elem + (P * 4 if sf else 0) + K * 8 + K * 4
+
+    for backend in backends:
+        sms_list = [int(s) for s in args.num_sms.split(",")] if backend == "native" else [0]
+        for num_sms in sms_list:
+            buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, use_fp8_dispatch=True,
+                                   backend=backend, explicitly_destroy=True)
+            cases = {
+                "dispatch_bf16": lambda: buf.dispatch(inp["xb"], topk_idx=inp["topk"], topk_weights=inp["w"],
+                                                      num_experts=E, num_sms=num_sms),
+                "dispatch_fp8": lambda: buf.dispatch((inp["x8"], inp["sf"]), topk_idx=inp["topk"],
+                                                     topk_weights=inp["w"], num_experts=E, num_sms=num_sms),
+            }
+            recv, _, rw, handle, _ = cases["dispatch_bf16"]()
+            cases["combine_bf16"] = lambda: buf.combine(recv, handle, topk_weights=rw, num_sms=num_sms)
+            for name, fn in cases.items():
+                for _ in range(2):
+                    fn()
+                torch.cuda.synchronize()
+                dist.barrier(group=group)
+                # end-to-end, CUDA events on the current stream
+                e2e = []
+                for _ in range(iters):
+                    flush.zero_()
+                    torch.cuda.synchronize()
+                    dist.barrier(group=group)
+                    torch.cuda.synchronize()
+                    s, t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    fn()
+                    t.record()
+                    torch.cuda.synchronize()
+                    e2e.append(s.elapsed_time(t) * 1000.0)
+                comm_us = epi_us = None
+                if backend == "native":
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(iters):
+                            flush.zero_()
+                            torch.cuda.synchronize()
+                            dist.barrier(group=group)
+                            torch.cuda.synchronize()
+                            fn()
+                            torch.cuda.synchronize()
+                    comm_us, epi_us = _kernel_times(prof, iters)
+                is_combine = name.startswith("combine")
+                if is_combine:
+                    b = H * 2 + K * 4
+                    remote, total = n_sent_remote * b, sum(sent) * b
+                else:
+                    b = tok_bytes(1 if "fp8" in name else 2, "fp8" in name)
+                    remote, total = n_recv_remote * b, n_recv_all * b
+                e2e_us = sum(e2e) / len(e2e)
+                kern_us = (comm_us + epi_us) if comm_us is not None else None
+                out["results"].append(dict(
+                    backend=backend, case=name, num_sms=num_sms, e2e_us=e2e_us, e2e_min_us=min(e2e),
+                    comm_kernel_us=comm_us, epilogue_us=epi_us, kernel_us=kern_us,
+                    bytes_remote=remote, bytes_total=total,
+                    e2e_gbps_excl_local=remote / e2e_us / 1e3, e2e_gbps_incl_local=total / e2e_us / 1e3,
+                    kernel_gbps_excl_local=remote / kern_us / 1e3 if kern_us else None,
+                    kernel_gbps_incl_local=total / kern_us / 1e3 if kern_us else None,
+                    comm_gbps_excl_local=remote / comm_us / 1e3 if comm_us else None))
+            buf.destroy()
+    all_out = [None] * world
+    dist.all_gather_object(all_out, out, group=group)
+    if rank == 0:
+        with open(result_file, "w") as f:
+            json.dump(all_out, f)
+    dist.destroy_process_group()
+
+
+def _summarise(per_rank, meta):
+    rows = {}
+    for r in per_rank:
+        for res in r["results"]:
+            rows.setdefault((res["backend"], res["case"], res["num_sms"]), []).append(res)
+
+    def mean(lst, k):
+        vals = [v[k] for v in lst if v.get(k) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    table = []
+    for (backend, case, sms), lst in rows.items():
+        table.append(dict(backend=backend, case=case, num_sms=sms,
+                          **{k: mean(lst, k) for k in ("e2e_us", "kernel_us", "comm_kernel_us", "epilogue_us",
+                                                        "e2e_gbps_excl_local", "e2e_gbps_incl_local",
+                                                        "kernel_gbps_excl_local", "kernel_gbps_incl_local",
+                                                        "comm_gbps_excl_local")}))
+    ref = {t["case"]: t for t in table if t["backend"] == "torch"}
+    for t in table:
+        r = ref.get(t["case"])
+        t["speedup_vs_torch_e2e"] = (r["e2e_us"] / t["e2e_us"]) if r and t["e2e_us"] else None
+    return table
+
+
+def _fmt(v, nd=1):
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def _markdown(table, meta) -> str:
+    lines = [f"elastic_ep benchmark, {meta['date']}, {meta['gpus']} x {meta['gpu_name']}, git {meta['git']}, "
+             f"torch {meta['torch']}, NCCL {meta['nccl']}",
+             f"shape: {meta['tokens']} tokens/rank, hidden 7168, top-8 of 256 experts, uniform routing; "
+             f"per-GPU averages; GB/s = received bytes / time",
+             "",
+             "| backend | case | SMs | kernel us | comm us | epilogue us | e2e us | kernel GB/s excl. local | "
+             "kernel GB/s incl. local | comm-kernel GB/s excl. local | e2e GB/s excl. local | e2e speed-up vs torch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for t in table:
+        lines.append(f"| {t['backend']} | {t['case']} | {t['num_sms'] or 'all'} | {_fmt(t['kernel_us'])} | "
+                     f"{_fmt(t['comm_kernel_us'])} | {_fmt(t['epilogue_us'])} | {_fmt(t['e2e_us'])} | "
+                     f"{_fmt(t['kernel_gbps_excl_local'])} | {_fmt(t['kernel_gbps_incl_local'])} | "
+                     f"{_fmt(t['comm_gbps_excl_local'])} | {_fmt(t['e2e_gbps_excl_local'])} | "
+                     f"{_fmt(t['speedup_vs_torch_e2e'], 2)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(table, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001
+        print(f"no plot: {e}")
+        return
+    labels, vals, colors = [], [], []
+    for t in table:
+        v = t["kernel_gbps_excl_local"] if t["backend"] == "native" else t["e2e_gbps_excl_local"]
+        labels.append(f"{t['backend']}\n{t['case']}\n{t['num_sms'] or 'all'} SMs" if t["backend"] == "native"
+                      else f"torch\n{t['case']}\n(e2e)")
+        vals.append(v or 0.0)
+        colors.append("tab:green" if t["backend"] == "native" else "tab:gray")
+    fig, ax = plt.subplots(figsize=(max(6, len(vals) * 1.2), 4))
+    ax.bar(range(len(vals)), vals, color=colors)
+    ax.axhline(320, color="tab:red", linestyle="--", label="target 320 GB/s")
+    ax.set_xticks(range(len(vals)))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("GB/s per GPU, excl. local traffic")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="5 iterations instead of 30")
+    ap.add_argument("--num-sms", default="0", help="comma-separated SM counts for the native kernels (0: all)")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--world", type=int, default=0, help="GPUs to use (default: all)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if not torch.cuda.is_available():
+        print("bench_elastic_ep: no CUDA device, nothing to measure")
+        return 0
+    world = args.world or torch.cuda.device_count()
+    for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
+        os.environ.setdefault(k, v)
+    tmp = tempfile.mkdtemp(prefix="bench_ep_")
+    result_file = os.path.join(tmp, "result.json")
+    rdzv = f"file://{os.path.join(tmp, 'rdzv')}"
+    t0 = time.time()
+    mp.spawn(_worker, args=(world, rdzv, args, result_file), nprocs=world, join=True)
+    per_rank = json.load(open(result_file))
+    try:
+        git = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001
+        git = "unknown"
+    meta = dict(date=datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC"), gpus=world,
+                gpu_name=torch.cuda.get_device_name(0), git=git, torch=torch.__version__,
+                nccl=".".join(map(str, torch.cuda.nccl.version())), tokens=args.tokens,
+                command=" ".join(sys.argv), seconds=round(time.time() - t0, 1))
+    table = _summarise(per_rank, meta)
+    md = _markdown(table, meta)
+    print(md)
+    with open(os.path.join(args.out, "bench_elastic_ep.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(args.out, "bench_elastic_ep.json"), "w") as f:
+        json.dump(dict(meta=meta, table=table, per_rank=per_rank), f, indent=1)
+    _plot(table, os.path.join(args.out, "bench_elastic_ep.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
