@@ -1,0 +1,228 @@
+"""Worker functions for the multi-process fp8_layerwise tests (spawned by tests._dist.run_workers).
+
+Each worker builds a real Transport in its own process; names travel through a FileExchange in
+the test's tmp folder (or a gloo group), so nothing here depends on a fixed port.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+import fp8_layerwise as F
+
+H, I = 256, 1024  # I/tp = 128 at TP 8: the smallest legal block-FP8 shard
+
+
+def _exchange(tmp, name, rank, ws):
+    return F.FileExchange(os.path.join(tmp, name), rank, ws)
+
+
+def _sources(num_experts, seed):
+    g = torch.Generator().manual_seed(seed)
+    return F.make_block_fp8_sources(num_experts, H, I, generator=g)
+
+
+def _check_delivery(t, sources, tp, rank, n):
+    bad = []
+    for e in range(n):
+        ref = F.reference_shard(sources, tp, rank, e)
+        for k in range(4):
+            got = t.expert_view(k, e).cpu()
+            if not torch.equal(got, ref[k]):
+                bad.append((e, k))
+    return bad
+
+
+def delivery(rank, ws, rdzv, tmp, slot_counts, expert_counts, use_gloo, backend):
+    """Byte-exact delivery of native-writer shards for several slot counts and expert counts."""
+    exchange = None
+    if use_gloo:
+        from tests._dist import init_gloo
+
+        init_gloo(rank, ws, rdzv)
+    E = max(expert_counts)
+    sources = _sources(E, 1234)
+    nb = F.block_fp8_expert_nbytes(H, I, ws)
+    out = []
+    for slots in slot_counts:
+        if not use_gloo:
+            exchange = _exchange(tmp, f"x{slots}", rank, ws)
+        with F.Transport(rank, ws, E, nb, num_slots=slots, backend=backend, timeout_ms=20000,
+                         exchange=exchange) as t:
+            writer = F.make_shard_writer(sources, ws, threads=2) if rank == 0 else None
+            epoch = 0
+            for n in expert_counts:
+                epoch += 1
+                for b in t.buffers:
+                    b.fill_(0)
+                with t.layer(epoch, 3, n) as layer:
+                    if rank == 0:
+                        layer.run(writer)
+                st = layer.stats
+                want = n * sum(nb)
+                out.append(dict(slots=slots, n=n, bad=_check_delivery(t, sources, ws, rank, n),
+                                bytes=st.bytes, want=want, copies=st.copies,
+                                untouched=bool(all(int(b[n * nbk:].count_nonzero()) == 0
+                                                   for b, nbk in zip(t.buffers, nb)))))
+    return out
+
+
+def kill_consumer(rank, ws, rdzv, tmp):
+    """Rank 0 SIGKILLs the last rank while it is streaming; every survivor must see PeerDied fast."""
+    nb = [4096, 512, 2048, 256]
+    ex = _exchange(tmp, "x", rank, ws)
+    t = F.Transport(rank, ws, 64, nb, num_slots=2, backend="cpu", timeout_ms=30000, exchange=ex)
+    victim = ws - 1
+    t.join(1, 0, 64)
+    t0 = None
+    try:
+        if rank == 0:
+            def writer(e, slots):
+                nonlocal t0
+                if e == 5:
+                    t0 = time.monotonic()
+                    os.kill(t.peer_pids[victim], signal.SIGKILL)
+                time.sleep(0.01)
+                for r in slots:
+                    for v in r:
+                        v.fill_(e)
+            t.run(1, 0, 64, writer)
+        elif rank == victim:
+            time.sleep(60)  # killed long before
+        t.wait(1)
+    except F.TransportPoisoned as exc:
+        return dict(type=type(exc).__name__, code=int(exc.code), rank=exc.rank, t_exc=time.monotonic(), t0=t0,
+                    msg=exc.message)
+    return dict(type=None)
+
+
+def kill_producer(rank, ws, rdzv, tmp):
+    """Rank 0 SIGKILLs itself in the middle of the writer; the consumers must see PeerDied fast."""
+    nb = [4096, 512, 2048, 256]
+    ex = _exchange(tmp, "x", rank, ws)
+    t = F.Transport(rank, ws, 64, nb, num_slots=3, backend="cpu", timeout_ms=30000, exchange=ex)
+    t.join(1, 0, 64)
+    if rank == 0:
+        def writer(e, slots):
+            if e == 7:
+                with open(os.path.join(tmp, "killed_at"), "w") as f:
+                    f.write(repr(time.monotonic()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            for r in slots:
+                for v in r:
+                    v.fill_(e)
+        t.run(1, 0, 64, writer)
+        return None
+    try:
+        t.wait(1)
+    except F.TransportPoisoned as exc:
+        t_exc = time.monotonic()
+        with open(os.path.join(tmp, "killed_at")) as f:
+            t0 = float(f.read())
+        return dict(type=type(exc).__name__, code=int(exc.code), rank=exc.rank, dt=t_exc - t0, msg=exc.message)
+    return dict(type=None)
+
+
+def never_joins(rank, ws, rdzv, tmp):
+    """The last rank never joins: rank 0's producer times out, every rank reports TIMEOUT."""
+    nb = [1024, 128, 512, 64]
+    ex = _exchange(tmp, "x", rank, ws)
+    t = F.Transport(rank, ws, 4, nb, num_slots=2, backend="cpu", timeout_ms=800, exchange=ex)
+    t0 = time.monotonic()
+    try:
+        if rank == ws - 1:
+            while not t.poisoned:
+                time.sleep(0.01)
+            t.join(1, 0, 4)  # too late: raises the recorded poison
+        else:
+            t.join(1, 0, 4)
+            if rank == 0:
+                t.run(1, 0, 4, lambda e, s: None)
+            t.wait(1)
+    except F.TransportPoisoned as exc:
+        return dict(type=type(exc).__name__, code=int(exc.code), dt=time.monotonic() - t0,
+                    is_timeout=isinstance(exc, TimeoutError))
+    finally:
+        t.close()
+    return dict(type=None)
+
+
+def protocol_and_recovery(rank, ws, rdzv, tmp):
+    """Cross-rank protocol violations, concurrent poison claims, close-while-active, and reset."""
+    nb = [2048, 256, 1024, 128]
+    log = []
+    ex = _exchange(tmp, "x", rank, ws)
+    t = F.Transport(rank, ws, 8, nb, num_slots=2, backend="cpu", timeout_ms=10000, exchange=ex)
+    sync = _exchange(tmp, "sync", rank, ws)
+
+    def fill(e, slots):
+        for r, views in enumerate(slots):
+            for k, v in enumerate(views):
+                v.fill_((e * 16 + r * 4 + k + epoch) % 251)
+
+    def ok_layer(epoch_, n=8):
+        nonlocal epoch
+        epoch = epoch_
+        with t.layer(epoch_, 1, n) as L:
+            if rank == 0:
+                L.run(fill)
+        for e in range(n):
+            for k in range(4):
+                assert bool((t.expert_view(k, e) == (e * 16 + rank * 4 + k + epoch_) % 251).all()), (epoch_, e, k)
+        return L.stats
+
+    def expect_poison(fn):
+        try:
+            fn()
+        except F.TransportPoisoned as exc:
+            return (type(exc).__name__, int(exc.code), exc.rank)
+        return None
+
+    epoch = 0
+    ok_layer(1)
+    # 1) layer_id mismatch on the last rank.
+    def mismatch():
+        t.join(2, 1 if rank != ws - 1 else 99, 8)
+        if rank == 0:
+            t.run(2, 1, 8, fill)
+        t.wait(2)
+    log.append(("mismatch", expect_poison(mismatch)))
+    t.reset()
+    sync(0)
+    ok_layer(3)
+    # 2) the producer called on rank 1.
+    def producer_on_1():
+        t.join(4, 1, 8)
+        if rank == 1:
+            t.run(4, 1, 8, fill)
+        t.wait(4)
+    log.append(("producer_on_1", expect_poison(producer_on_1)))
+    t.reset()
+    sync(0)
+    # 3) concurrent poison claims: exactly one rank wins.
+    sync(0)
+    won = t.poison(int(F.ErrorCode.USER), f"claim by rank {rank}")
+    info = t.native.last_poison()
+    log.append(("claim", won, info["error_rank"]))
+    sync(0)
+    t.reset()
+    sync(0)
+    ok_layer(5, n=3)
+    # 4) the last rank closes while the layer is active: everyone else gets CLOSED_WHILE_ACTIVE.
+    if rank == ws - 1:
+        t.join(6, 1, 8)
+        t.close()
+        t.close()  # double close is a no-op
+        log.append(("closed", t.closed))
+    else:
+        def active():
+            t.join(6, 1, 8)
+            if rank == 0:
+                t.run(6, 1, 8, fill)
+            t.wait(6)
+        log.append(("closed", expect_poison(active)))
+    t.close()
+    return log
