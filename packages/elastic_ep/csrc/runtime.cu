@@ -4,6 +4,8 @@
 #include <nccl.h>
 #include <nccl_device.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 
@@ -21,6 +23,32 @@
 namespace elastic_ep {
 
 namespace {
+bool debug_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("EP_BUFFER_DEBUG");
+    return v != nullptr && v[0] != '\0' && v[0] != '0';
+  }();
+  return on;
+}
+#define EP_DEBUG(...)                                    \
+  do {                                                   \
+    if (debug_enabled()) {                               \
+      std::fprintf(stderr, "[elastic_ep] " __VA_ARGS__); \
+      std::fflush(stderr);                               \
+    }                                                    \
+  } while (0)
+
+// Direct mode never asks for GIN (no NIC needed): zero the GIN requests where the headers have them.
+template <typename Req>
+auto disable_gin(Req& r, int) -> decltype(r.ginContextCount = 0, r.ginSignalCount = 0, r.ginCounterCount = 0,
+                                          void()) {
+  r.ginContextCount = 0;
+  r.ginSignalCount = 0;
+  r.ginCounterCount = 0;
+}
+template <typename Req>
+void disable_gin(Req&, long) {}
+
 // commkit::clear_timeout_record is host-pass only; nvcc parses this file in its device pass as well.
 void clear_record(commkit::TimeoutRecord* rec) {
   std::memset(static_cast<void*>(rec), 0, sizeof(*rec));
@@ -107,7 +135,9 @@ Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_
   // One symmetric allocation: [workspace | buffer]. Every rank passes the same size (collective).
   workspace_bytes_ = workspace_layout().bytes;
   const uint64_t total = workspace_bytes_ + uint64_t(num_buffer_bytes);
+  EP_DEBUG("rank %d/%d: device %d, ncclMemAlloc %llu bytes\n", rank, num_ranks, device_, (unsigned long long)total);
   CK_NCCL_CHECK(ncclMemAlloc(&sym_ptr_, total));
+  EP_DEBUG("rank %d: ncclCommWindowRegister %p\n", rank, sym_ptr_);
   ncclWindow_t win = nullptr;
   CK_NCCL_CHECK(ncclCommWindowRegister(comm, sym_ptr_, total, &win, NCCL_WIN_COLL_SYMMETRIC));
   window_ = win;
@@ -120,6 +150,8 @@ Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_
   ncclDevCommRequirements reqs;
   std::memset(static_cast<void*>(&reqs), 0, sizeof(reqs));
 #endif
+  disable_gin(reqs, 0);
+  EP_DEBUG("rank %d: ncclDevCommCreate (NCCL headers %d)\n", rank, NCCL_VERSION_CODE);
   auto* dc = new ncclDevComm();
   ncclResult_t res = ncclDevCommCreate(comm, &reqs, dc);
   if (res != ncclSuccess) {
@@ -130,6 +162,7 @@ Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_
              " (direct mode needs every rank in one NVLink/LSA domain with CUDA P2P)");
   }
   devcomm_ = dc;
+  EP_DEBUG("rank %d: devcomm lsaRank %d lsaSize %d\n", rank, dc->lsaRank, dc->lsaSize);
   lsa_size_ = dc->lsaSize;
   CK_CHECK(dc->lsaSize == num_ranks && dc->lsaRank == rank, "direct mode needs all ", num_ranks,
            " ranks in one NVLink (LSA) domain, but NCCL reports an LSA team of ", dc->lsaSize,
@@ -144,6 +177,7 @@ Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_
   std::vector<void*> bases(num_ranks);
   CK_CUDA_CHECK(cudaMemcpy(bases.data(), peer_bases_, sizeof(void*) * num_ranks, cudaMemcpyDeviceToHost));
   CK_CUDA_CHECK(cudaFree(info));
+  for (int p = 0; p < num_ranks; ++p) EP_DEBUG("rank %d: peer %d window at %p\n", rank, p, bases[p]);
   CK_CHECK(bases[rank] == sym_ptr_, "NCCL's LSA pointer of this rank (", bases[rank],
            ") is not the allocation it registered (", sym_ptr_, ")");
 
@@ -154,6 +188,7 @@ Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_
   clear_record(host_workspace_layout().timeout.at<commkit::TimeoutRecord>(host_ws_));
   CK_CUDA_CHECK(cudaHostGetDevicePointer(&host_ws_dev_, host_ws_, 0));
   CK_CUDA_CHECK(cudaDeviceSynchronize());
+  EP_DEBUG("rank %d: buffer ready\n", rank);
   // The caller runs a process-group barrier next, before any peer writes into this window.
 }
 
@@ -171,6 +206,7 @@ void Runtime::set_device() const { CK_CUDA_CHECK(cudaSetDevice(device_)); }
 void Runtime::destroy() {
   if (destroyed_) return;
   destroyed_ = true;
+  EP_DEBUG("rank %d: destroy\n", rank_);
   set_device();
   cudaDeviceSynchronize();
   auto comm = static_cast<ncclComm_t>(comm_);
@@ -243,6 +279,8 @@ void Runtime::dispatch(const DispatchParams& p, int64_t stream) {
   host_tag_ = (host_tag_ + 1u) & 0x7fffffffu;
   if (host_tag_ == 0u) host_tag_ = 1u;
   q.host_tag = host_tag_;
+  EP_DEBUG("rank %d: dispatch T=%d K=%d E=%d cached=%d sms=%d\n", rank_, p.num_tokens, p.num_topk, p.num_experts,
+           p.cached, p.num_sms);
   launch_dispatch(view(), q, reinterpret_cast<void*>(stream));
   CK_CUDA_CHECK(cudaGetLastError());
 }
