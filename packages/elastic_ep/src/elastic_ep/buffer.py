@@ -208,28 +208,31 @@ def calculate_elastic_buffer_size(num_ranks: int, num_max_tokens_per_rank: int, 
                                          allow_multiple_reduction=allow_multiple_reduction)
 
 
-def _get_nccl_comm(group: dist.ProcessGroup, ll) -> Tuple[int, bool]:
-    """The ncclComm_t (as int) for ``group``: torch's own when reachable, else a new one.
+def _torch_nccl_comm(group: dist.ProcessGroup) -> int:
+    """torch's own ncclComm_t of ``group`` as an int, or 0 when it cannot be reached."""
+    if os.environ.get("EP_REUSE_NCCL_COMM", "1") == "0":
+        return 0
+    try:
+        return int(group._get_backend(torch.device("cuda"))._comm_ptr())
+    except Exception:  # noqa: BLE001 - private API: absent or different in this torch
+        return 0
 
-    Returns:
-        ``(comm, owned)``; ``owned`` means this module created it and must destroy it.
-    """
-    if os.environ.get("EP_REUSE_NCCL_COMM", "1") != "0":
-        try:
-            backend = group._get_backend(torch.device("cuda"))
-            ptr = int(backend._comm_ptr())
-            if ptr:
-                return ptr, False
-        except Exception:  # noqa: BLE001 - fall back to a unique-id exchange
-            pass
+
+def _new_nccl_comm(group: dist.ProcessGroup, ll) -> int:
+    """A new communicator over the ranks of ``group`` (unique id from rank 0, exchanged over the group)."""
     rank = dist.get_rank(group)
     uid = ll.get_local_nccl_unique_id() if rank == 0 else None
     ids: List[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(ids, uid, group=group)
-    return int(ll.create_nccl_comm(ids[0], dist.get_world_size(group), rank)), True
+    return int(ll.create_nccl_comm(ids[0], dist.get_world_size(group), rank))
 
 
-# ---------------------------------------------------------------------------------------------- buffer
+def _all_ok(group: dist.ProcessGroup, ok: bool) -> bool:
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device="cuda")
+    dist.all_reduce(flag, group=group)
+    return int(flag.item()) == 0
+
+
 class ElasticBuffer:
     """Expert-parallel dispatch/combine buffer, API-compatible with DeepEP V2's ``ElasticBuffer``.
 
@@ -303,12 +306,6 @@ class ElasticBuffer:
         self._owned_comm = None
         self.nccl_comm = 0
 
-        if backend == "native":
-            # torch creates its communicator lazily; one collective makes sure it exists.
-            dist.barrier(group=group)
-            self.nccl_comm, owned = _get_nccl_comm(group, ll)
-            if owned:
-                self._owned_comm = self.nccl_comm
         if num_bytes is None:
             if num_max_tokens_per_rank <= 0 or hidden <= 0:
                 raise ValueError("num_bytes=None needs num_max_tokens_per_rank > 0 and hidden > 0 to size the "
@@ -324,12 +321,35 @@ class ElasticBuffer:
         args = (self.rank, self.num_ranks, self.nccl_comm, None, self.num_bytes, 0, allow_hybrid_mode,
                 allow_multiple_reduction, prefer_overlap_with_compute, sl_idx, num_allocated_qps,
                 num_cpu_timeout_secs, num_gpu_timeout_secs, True)
+        self.comm_source = None
         if backend == "native":
-            self.runtime = ll.ElasticBuffer(*args)
+            self.runtime = self._create_native(ll, group, args)
         else:
             from ._torch_backend import ElasticBuffer as _TorchBuffer
             self.runtime = _TorchBuffer(*args, group=group)
         dist.barrier(group=group)
+
+    def _create_native(self, ll, group: dist.ProcessGroup, args: tuple):
+        """The native low-level buffer on torch's communicator when that works on every rank, else on a
+        communicator of its own (unique-id exchange). Every rank takes the same path."""
+        dist.barrier(group=group)  # torch creates its communicator lazily; make sure it exists
+        comm = _torch_nccl_comm(group)
+        err = None
+        if _all_ok(group, comm != 0):
+            rt = None
+            try:
+                rt = ll.ElasticBuffer(args[0], args[1], comm, *args[3:])
+            except Exception as e:  # noqa: BLE001 - e.g. a non-blocking or non-symmetric communicator
+                err = e
+            if _all_ok(group, rt is not None):
+                self.nccl_comm, self.comm_source = comm, "torch"
+                return rt
+            if rt is not None:
+                rt.destroy()
+        comm = _new_nccl_comm(group, ll)
+        self.nccl_comm, self._owned_comm = comm, comm
+        self.comm_source = "own" if err is None else f"own (torch's communicator failed: {err})"
+        return ll.ElasticBuffer(args[0], args[1], comm, *args[3:])
 
     # ------------------------------------------------------------------ sizing
     @staticmethod
