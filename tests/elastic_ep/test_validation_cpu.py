@@ -4,19 +4,20 @@ import pytest
 from tests._dist import run_workers
 
 
-def validation_worker(rank, world, rdzv):
+def validation_worker(rank, world, rdzv, backend="torch"):
     import torch
 
-    from tests._dist import init_gloo
+    from tests._dist import init_gloo, init_nccl
     from tests.elastic_ep._common import import_elastic_ep, make_inputs
 
     ep = import_elastic_ep()
-    group = init_gloo(rank, world, rdzv)
+    dev = "cuda" if backend == "native" else "cpu"
+    group = init_nccl(rank, world, rdzv) if dev == "cuda" else init_gloo(rank, world, rdzv)
     H, K, E, M = 256, 4, 8, 32
-    buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, num_topk=K, backend="torch")
-    inp = make_inputs(rank, 16, H, K, E, "bf16", 0, "cpu")
+    buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, num_topk=K, backend=backend)
+    inp = make_inputs(rank, 16, H, K, E, "bf16", 0, dev)
     x, idx, w = inp["x"], inp["topk_idx"], inp["topk_weights"]
-    fp8 = make_inputs(rank, 16, H, K, E, "fp8", 0, "cpu")
+    fp8 = make_inputs(rank, 16, H, K, E, "fp8", 0, dev)
     seen = []
 
     def bad(match, fn):
@@ -47,19 +48,22 @@ def validation_worker(rank, world, rdzv):
     bad("topk_weights: expected shape", lambda: d(x, topk_idx=idx, topk_weights=w[:, :2].contiguous(), num_experts=E))
     bad("cumulative_local_expert_recv_stats: expected shape",
         lambda: d(x, topk_idx=idx, num_experts=E, cumulative_local_expert_recv_stats=torch.zeros(3, dtype=torch.int32)))
-    big = make_inputs(rank, M + 1, H, K, E, "bf16", 0, "cpu")
+    if dev == "cuda":
+        bad("x: expected a tensor on cuda", lambda: d(x.cpu(), topk_idx=idx, num_experts=E))
+        bad("topk_idx: expected a tensor on cuda", lambda: d(x, topk_idx=idx.cpu(), num_experts=E))
+    big = make_inputs(rank, M + 1, H, K, E, "bf16", 0, dev)
     bad("exceed num_max_tokens_per_rank", lambda: d(big["x"], topk_idx=big["topk_idx"], num_experts=E))
     bad("exceeds the buffer's", lambda: d(x, topk_idx=idx, num_experts=E, num_max_tokens_per_rank=M * 2))
     bad("do_zero_padding: only valid", lambda: d(x, topk_idx=idx, num_experts=E, do_zero_padding=True))
     bad("expert_alignment: expected a positive", lambda: d(x, topk_idx=idx, num_experts=E, expert_alignment=0))
     bad("previous_event: requires allocate_on_comm_stream",
         lambda: d(x, topk_idx=idx, num_experts=E, previous_event=buf.capture()))
-    wide = make_inputs(rank, 16, H * 64, K, E, "bf16", 0, "cpu")
+    wide = make_inputs(rank, 16, H * 64, K, E, "bf16", 0, dev)
     bad("buffer too small", lambda: d(wide["x"], topk_idx=wide["topk_idx"], num_experts=E))
     bad("num_sms: expected >= 0", lambda: d(x, topk_idx=idx, num_experts=E, num_sms=-1))
 
     recv, ridx, rw, h, _ = d(x, topk_idx=idx, topk_weights=w, num_experts=E)
-    other = make_inputs(rank, 8, H, K, E, "bf16", 1, "cpu")
+    other = make_inputs(rank, 8, H, K, E, "bf16", 1, dev)
     bad("the cached handle routed", lambda: d(other["x"], handle=h))
     bad("do_expand: the cached handle", lambda: d(x, handle=h, do_expand=True))
     bad("num_experts: the cached handle", lambda: d(x, handle=h, num_experts=2 * E))
@@ -72,7 +76,7 @@ def validation_worker(rank, world, rdzv):
     bad("bias[0]: expected shape", lambda: c(recv, h, bias=torch.zeros(3, H, dtype=torch.bfloat16)))
     bad("bias: expected at most two", lambda: c(recv, h, bias=(None, None, None)))
     bad("handle: expected the EPHandle", lambda: c(recv, None))
-    buf2 = ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, num_topk=K, backend="torch")
+    buf2 = ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, num_topk=K, backend=backend)
     bad("produced by another ElasticBuffer", lambda: buf2.combine(recv, h))
 
     # constructor arguments
@@ -94,7 +98,7 @@ def validation_worker(rank, world, rdzv):
         assert "destroyed" in str(e)
     else:
         raise AssertionError("a destroyed buffer accepted a dispatch")
-    if not ep.native_available():
+    if backend == "torch" and not ep.native_available():
         try:
             ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, backend="native")
         except (RuntimeError, ValueError) as e:
@@ -107,3 +111,10 @@ def validation_worker(rank, world, rdzv):
 def test_bad_inputs_raise_before_launch(tmp_path):
     n = run_workers(validation_worker, 2, tmp_path=tmp_path, timeout=120)
     assert n[0] == n[1] and n[0] >= 40
+
+
+@pytest.mark.gpu
+def test_bad_inputs_native_ep1(tmp_path):
+    """The same checks on the native backend (one GPU, EP=1), then a valid dispatch still works."""
+    n = run_workers(validation_worker, 1, "native", tmp_path=tmp_path, timeout=180)
+    assert n[0] >= 40
