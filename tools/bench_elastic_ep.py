@@ -114,6 +114,7 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
     for backend in backends:
         sms_list = [int(s) for s in args.num_sms.split(",")] if backend == "native" else [0]
         for num_sms in sms_list:
+          try:
             buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, use_fp8_dispatch=True,
                                    backend=backend, explicitly_destroy=True)
             cases = {
@@ -173,6 +174,12 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                     kernel_gbps_incl_local=total / kern_us / 1e3 if kern_us else None,
                     comm_gbps_excl_local=remote / comm_us / 1e3 if comm_us else None))
             buf.destroy()
+          except Exception as e:  # noqa: BLE001 - report and keep measuring the other configurations
+            import traceback
+
+            traceback.print_exc()
+            out.setdefault("errors", []).append(f"{backend} num_sms={num_sms}: {type(e).__name__}: {e}")
+            break
     all_out = [None] * world
     dist.all_gather_object(all_out, out, group=group)
     if rank == 0:
@@ -280,7 +287,10 @@ def main() -> int:
                              text=True).stdout.strip() or "unknown"
     except Exception:  # noqa: BLE001
         git = "unknown"
-    meta = dict(date=datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC"), gpus=world,
+    errors = [e for r in per_rank for e in r.get("errors", [])]
+    if errors:
+        print("errors:\n  " + "\n  ".join(errors))
+    meta = dict(errors=errors, date=datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC"), gpus=world,
                 gpu_name=torch.cuda.get_device_name(0), git=git, torch=torch.__version__,
                 nccl=".".join(map(str, torch.cuda.nccl.version())), tokens=args.tokens,
                 command=" ".join(sys.argv), seconds=round(time.time() - t0, 1))
