@@ -114,7 +114,19 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<ShardWriter>(m, "ShardWriter")
       .def(py::init<std::vector<ShardSpec>, int>(), py::arg("kinds"), py::arg("threads") = 1)
-      .def_property_readonly("threads", &ShardWriter::threads);
+      .def_property_readonly("threads", &ShardWriter::threads)
+      .def(
+          "write",
+          [](const ShardWriter& w, int expert, const std::vector<std::vector<uintptr_t>>& dst) {
+            CK_CHECK_ARG(dst.size() == kKinds, "dst must be [kind][rank] pointers for 4 kinds");
+            for (const auto& v : dst) CK_CHECK_ARG(v.size() == dst[0].size() && !v.empty(), "ragged dst");
+            for (const auto& v : dst)
+              for (auto p : v) CK_CHECK_ARG(p != 0, "dst pointer is null");
+            const std::vector<uintptr_t>* d[kKinds] = {&dst[0], &dst[1], &dst[2], &dst[3]};
+            py::gil_scoped_release nogil;
+            w.write(expert, d);
+          },
+          py::arg("expert"), py::arg("dst"), "Copy every rank's shard of `expert` into dst[kind][rank].");
 
   py::class_<Transport>(m, "FP8LayerwiseTransport")
       .def(py::init([](uintptr_t control_ptr, size_t control_size, int rank, int tp_size, int cuda_device,

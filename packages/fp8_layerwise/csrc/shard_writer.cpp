@@ -60,7 +60,7 @@ void ShardWriter::write(int expert, const std::vector<uintptr_t>* dst[kKinds]) c
       }
     }
   }
-  if (threads_ == 1 || total < (4u << 20)) {
+  if (threads_ == 1 || total < (1u << 20)) {
     for (const auto& p : pieces) run_piece(p);
     return;
   }

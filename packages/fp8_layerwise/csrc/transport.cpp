@@ -716,8 +716,10 @@ class Transport::Impl {
 
   // --- close / reset ------------------------------------------------------------------------
   void close() noexcept {
-    bool expected = false;
-    if (!closed_.compare_exchange_strong(expected, true)) return;
+    // Serialised: a second caller returns only once the first finished, so the owner can unmap
+    // the region as soon as its own close() returned.
+    std::lock_guard<std::mutex> guard(close_mu_);
+    if (closed_.exchange(true)) return;
     auto& me = c_->ranks[rank_];
     const uint64_t active = ld_acquire(&c_->layer.active_epoch);
     if (active != 0 && ld_acquire(&me.join_epoch) == active && ld_acquire(&me.consumer_done_epoch) < active &&
@@ -728,6 +730,8 @@ class Transport::Impl {
     }
     stopping_.store(true, std::memory_order_release);
     if (worker_.joinable()) worker_.join();
+    // The owner may unmap the region right after close(): keep what accessors still report.
+    final_poison_ = last_poison();
     st_release(&me.status, static_cast<uint64_t>(kRankClosed));
   }
 
@@ -787,6 +791,7 @@ class Transport::Impl {
   }
 
   bool poison(int code, const std::string& msg) {
+    ensure_open();
     CK_CHECK_ARG(code > 0, "poison code must be positive");
     return publish_poison(code, rank_, msg);
   }
@@ -809,6 +814,8 @@ class Transport::Impl {
   std::condition_variable init_cv_;
   bool init_done_ = false;
   std::string init_error_;
+  Stats final_poison_;
+  std::mutex close_mu_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -841,8 +848,8 @@ void Transport::run_producer_native(uint64_t epoch, int64_t layer_id, int expert
 void Transport::close() noexcept { impl_->close(); }
 uint64_t Transport::reset() { return impl_->reset(); }
 bool Transport::poison(int code, const std::string& message) { return impl_->poison(code, message); }
-bool Transport::poisoned() const { return impl_->is_poisoned(); }
-Stats Transport::last_poison() const { return impl_->last_poison(); }
+bool Transport::poisoned() const { return closed() ? impl_->final_poison_.poisoned : impl_->is_poisoned(); }
+Stats Transport::last_poison() const { return closed() ? impl_->final_poison_ : impl_->last_poison(); }
 int Transport::rank() const { return impl_->rank_; }
 int Transport::tp_size() const { return impl_->tp_; }
 int Transport::num_slots() const { return impl_->slots_; }

@@ -1,0 +1,229 @@
+"""TP 1 in one process: the full protocol (producer + consumer thread) on the CPU backend."""
+import threading
+import time
+
+import pytest
+import torch
+
+import fp8_layerwise as F
+
+EX = staticmethod(lambda o: [o])
+
+
+def make(num_experts, nb, slots=2, **kw):
+    kw.setdefault("timeout_ms", 5000)
+    return F.Transport(0, 1, num_experts, nb, num_slots=slots, backend="cpu", exchange=lambda o: [o], **kw)
+
+
+def pattern_writer(layer):
+    def w(e, slots):
+        for r, views in enumerate(slots):
+            for k, v in enumerate(views):
+                v.copy_(torch.arange(v.numel(), dtype=torch.int64).add_(layer * 131 + e * 7 + k).remainder_(251)
+                        .to(torch.uint8))
+    return w
+
+
+def expect(layer, e, k, n):
+    return torch.arange(n, dtype=torch.int64).add_(layer * 131 + e * 7 + k).remainder_(251).to(torch.uint8)
+
+
+@pytest.mark.parametrize("slots", [2, 3, 4, 8])
+@pytest.mark.parametrize("nb", [[4096, 512, 2048, 256], [1, 3, 7, 4099]])  # aligned and odd sizes
+def test_delivery_slots_counts_odd_sizes(slots, nb):
+    E = 9
+    with make(E, nb, slots) as t:
+        for epoch, n in enumerate([1, 2, slots, slots + 1, E], start=1):
+            for b in t.buffers:
+                b.fill_(0)
+            with t.layer(epoch, epoch, n) as layer:
+                layer.run(pattern_writer(epoch))
+            for e in range(n):
+                for k in range(4):
+                    assert torch.equal(t.expert_view(k, e), expect(epoch, e, k, nb[k])), (n, e, k)
+            for k in range(4):
+                assert int(t.buffers[k][n * nb[k]:].count_nonzero()) == 0
+            st = layer.stats
+            assert st.bytes == n * sum(nb) and st.expert_count == n and st.layer_id == epoch and st.epoch == epoch
+            assert not st.poisoned and st.total_ms >= st.writer_ms
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_native_shard_writer_matches_torch_reference(threads):
+    E, H, I = 5, 512, 768
+    src = F.make_block_fp8_sources(E, H, I, generator=torch.Generator().manual_seed(7))
+    nb = F.block_fp8_expert_nbytes(H, I, 1)
+    w = F.make_shard_writer(src, 1, threads=threads)
+    with make(E, nb, 3) as t:
+        with t.layer(1, 0, E) as layer:
+            layer.run(w)
+        for e in range(E):
+            ref = F.reference_shard(src, 1, 0, e)
+            for k in range(4):
+                assert torch.equal(t.expert_view(k, e), ref[k])
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_native_writer_splits_ranks_like_reference(threads):
+    # The native writer's per-rank cut (gate/up halves, w2 columns, block scales) against torch.
+    E, H, I = 2, 1024, 768  # 2.4 MB per expert: above the 1 MB threshold of the threaded path
+    src = F.make_block_fp8_sources(E, H, I, generator=torch.Generator().manual_seed(3))
+    for tp in (2, 3, 6):
+        nb = F.block_fp8_expert_nbytes(H, I, tp)
+        w = F.make_shard_writer(src, tp, threads=threads)
+        for e in range(E):
+            out = [[torch.zeros(nb[k], dtype=torch.uint8) for _ in range(tp)] for k in range(4)]
+            w.write(e, [[t.data_ptr() for t in out[k]] for k in range(4)])
+            for r in range(tp):
+                ref = F.reference_shard(src, tp, r, e)
+                for k in range(4):
+                    assert torch.equal(out[k][r], ref[k]), (tp, e, r, k)
+
+
+def test_1000_layers_no_stale_data():
+    nb = [64, 8, 32, 4]
+    E = 4
+    with make(E, nb, 2) as t:
+        for epoch in range(1, 1001):
+            n = 1 + epoch % E
+            with t.layer(epoch, epoch % 61, n) as layer:
+                layer.run(pattern_writer(epoch))
+            for k in range(4):
+                buf = t.buffers[k][: n * nb[k]].view(n, nb[k])
+                want = torch.stack([expect(epoch, e, k, nb[k]) for e in range(n)])
+                assert torch.equal(buf, want), (epoch, k)
+            assert layer.stats.bytes == n * sum(nb)
+
+
+def test_seed_design_mode_uses_four_copies_per_expert():
+    nb = [4096, 512, 2048, 256]
+    with make(8, nb, 2, max_inflight=1, coalesce=False) as t:
+        with t.layer(1, 0, 8) as layer:
+            layer.run(pattern_writer(1))
+        assert layer.stats.copies == 4 * 8
+    with make(8, nb, 4) as t:  # coalescing can only reduce the count
+        with t.layer(1, 0, 8) as layer:
+            layer.run(pattern_writer(1))
+        assert layer.stats.copies <= 4 * 8
+
+
+def _poison_of(fn):
+    with pytest.raises(F.TransportPoisoned) as info:
+        fn()
+    return info.value
+
+
+def test_epoch_zero_and_range_errors():
+    with make(4, [16, 16, 16, 16]) as t:
+        with pytest.raises(ValueError, match="epoch 0 is reserved"):
+            t.join(0, 0, 4)
+        with pytest.raises(ValueError, match="expert_count must be in 1..4"):
+            t.join(1, 0, 5)
+        with pytest.raises(ValueError, match="expert_count must be in 1..4"):
+            t.join(1, 0, 0)
+        with pytest.raises(ValueError, match="layer_id must be non-negative"):
+            t.join(1, -1, 1)
+        assert not t.poisoned  # argument errors are raised before anything is shared
+
+
+@pytest.mark.parametrize("case", ["reuse", "decrease", "wait_before_join", "layer_mismatch", "count_mismatch",
+                                  "double_wait"])
+def test_protocol_violations_poison(case):
+    with make(4, [16, 16, 16, 16]) as t:
+        with t.layer(5, 0, 4) as layer:
+            layer.run(pattern_writer(5))
+        if case == "reuse":
+            exc = _poison_of(lambda: t.join(5, 0, 4))
+        elif case == "decrease":
+            exc = _poison_of(lambda: t.join(4, 0, 4))
+        elif case == "wait_before_join":
+            exc = _poison_of(lambda: t.wait(6))
+        elif case == "double_wait":
+            exc = _poison_of(lambda: t.wait(5))
+        else:
+            t.join(6, 0, 4)
+            args = (6, 1, 4) if case == "layer_mismatch" else (6, 0, 3)
+            exc = _poison_of(lambda: t.run(*args, pattern_writer(6)))
+        assert isinstance(exc, F.ProtocolError) and exc.code == F.ErrorCode.PROTOCOL and exc.rank == 0
+        # sticky: the next call raises the same original cause
+        again = _poison_of(lambda: t.join(99, 0, 4))
+        assert again.message == exc.message
+        t.reset()
+        with t.layer(100, 0, 4) as layer:
+            layer.run(pattern_writer(100))
+        assert torch.equal(t.expert_view(2, 3), expect(100, 3, 2, 16))
+
+
+@pytest.mark.parametrize("k", [0, 3, 7])
+def test_writer_raises_at_expert_k_then_reset(k):
+    nb = [256, 32, 128, 16]
+    with make(8, nb, 3) as t:
+        def bad(e, slots):
+            if e == k:
+                raise KeyError(f"boom at {e}")
+            pattern_writer(1)(e, slots)
+        with pytest.raises(F.TransportPoisoned) as info:
+            with t.layer(1, 0, 8) as layer:
+                layer.run(bad)
+        exc = info.value
+        assert exc.code == F.ErrorCode.WRITER and exc.rank == 0
+        assert f"writer failed at expert {k}: KeyError: 'boom at {k}'" in exc.message
+        assert _poison_of(lambda: t.join(2, 0, 8)).message == exc.message
+        assert t.reset() == 1
+        with t.layer(3, 0, 8) as layer:
+            layer.run(pattern_writer(3))
+        for e in range(8):
+            assert torch.equal(t.expert_view(0, e), expect(3, e, 0, nb[0]))
+
+
+def test_exception_inside_layer_block_poisons():
+    with make(2, [16] * 4) as t:
+        with pytest.raises(ZeroDivisionError):
+            with t.layer(1, 0, 2):
+                1 / 0
+        exc = _poison_of(lambda: t.join(2, 0, 2))
+        assert exc.code == F.ErrorCode.USER and "ZeroDivisionError" in exc.message
+
+
+def test_close_while_active_and_double_close():
+    t = make(4, [16] * 4)
+    t.join(1, 0, 4)
+    info = t.native.last_poison()
+    assert not info["poisoned"]
+    native = t.native
+    t.close()
+    t.close()  # idempotent
+    assert t.closed
+    info = native.last_poison()
+    assert info["poisoned"] and info["error_code"] == F.ErrorCode.CLOSED_WHILE_ACTIVE
+    with pytest.raises(F.TransportError, match="closed"):
+        t.join(2, 0, 4)
+
+
+def test_close_from_another_thread_unblocks_wait():
+    t = make(4, [16] * 4, timeout_ms=60000)
+    t.join(1, 0, 4)
+    threading.Timer(0.3, t.native.close).start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="closed"):
+        t.wait(1)  # the producer never runs; close() must release the waiter
+    assert time.monotonic() - t0 < 5
+    t.close()
+
+
+def test_timeout_resets_on_progress():
+    # A writer slower than timeout_ms in total, but faster than it per expert, must succeed.
+    with make(6, [16] * 4, 2, timeout_ms=300) as t:
+        def slow(e, slots):
+            time.sleep(0.1)
+            pattern_writer(1)(e, slots)
+        with t.layer(1, 0, 6) as layer:
+            layer.run(slow)
+        assert layer.stats.total_ms > 500
+
+
+def test_poison_claim_exactly_once():
+    with make(2, [16] * 4) as t:
+        assert t.poison(F.ErrorCode.USER, "first") is True
+        assert t.poison(F.ErrorCode.USER, "second") is False
+        assert t.native.last_poison()["error_message"] == "first"

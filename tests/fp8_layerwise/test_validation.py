@@ -1,0 +1,160 @@
+"""Argument validation, control-region ABI checks and shared-memory hygiene (in-process, CPU)."""
+import os
+import stat
+
+import pytest
+import torch
+
+import fp8_layerwise as F
+from fp8_layerwise import _C
+
+NB = [1024, 128, 512, 64]
+
+
+@pytest.fixture
+def region():
+    seg = _C.ShmSegment.create("fp8lw_test", F.CONTROL_BYTES)
+    yield seg
+    seg.close()
+
+
+def _ctor(ctl, size, rank=0, tp=1, host=None, dst=None, all_=None, nb=None, n=4, **kw):
+    keep = [torch.zeros(4096, dtype=torch.uint8) for _ in range(4)]
+    host = host if host is not None else [keep[k].data_ptr() for _ in range(2) for k in range(4)]
+    dst = dst if dst is not None else [keep[k].data_ptr() for k in range(4)]
+    all_ = all_ if all_ is not None else (host if rank == 0 else [])
+    return _C.FP8LayerwiseTransport(ctl, size, rank, tp, -1, host, dst, all_, nb or NB, n, 1000, backend="cpu", **kw)
+
+
+def test_constants():
+    assert F.FP8_LAYERWISE_CONTROL_BYTES == 8192 and F.FP8_LAYERWISE_MAX_TP_SIZE == 8
+    assert _C.CONTROL_STRUCT_BYTES <= 8192
+    assert isinstance(F.built_with_cuda(), bool)
+
+
+def test_initialize_validation(region):
+    p = region.ptr
+    with pytest.raises(ValueError, match="null"):
+        _C.initialize_fp8_layerwise_control(0, 8192, 2)
+    with pytest.raises(ValueError, match="64-byte aligned"):
+        _C.initialize_fp8_layerwise_control(p + 8, 8184, 2)
+    with pytest.raises(ValueError, match="at least 8192"):
+        _C.initialize_fp8_layerwise_control(p, 4096, 2)
+    for tp in (0, 9):
+        with pytest.raises(ValueError, match="tp_size must be in 1..8"):
+            _C.initialize_fp8_layerwise_control(p, 8192, tp)
+    for slots in (1, 17):
+        with pytest.raises(ValueError, match="num_slots must be in 2..16"):
+            _C.initialize_fp8_layerwise_control(p, 8192, 2, slots)
+
+
+def test_attach_checks_magic_size_and_tp(region):
+    with pytest.raises(ValueError, match="not initialized"):
+        _ctor(region.ptr, 8192)
+    _C.initialize_fp8_layerwise_control(region.ptr, 8192, 2, 2)
+    with pytest.raises(ValueError, match="initialized for tp_size 2"):
+        _ctor(region.ptr, 8192, tp=1)
+    with pytest.raises(ValueError, match="at least 8192"):
+        _ctor(region.ptr, 100, tp=2)
+    with pytest.raises(ValueError, match="64-byte aligned"):
+        _ctor(region.ptr + 1, 8192, tp=2)
+    with pytest.raises(ValueError, match="null"):
+        _ctor(0, 8192, tp=2)
+
+
+def test_constructor_argument_errors(region):
+    _C.initialize_fp8_layerwise_control(region.ptr, 8192, 1, 2)
+    p = region.ptr
+    with pytest.raises(ValueError, match="rank must be in 0..0"):
+        _ctor(p, 8192, rank=1)
+    with pytest.raises(ValueError, match="num_slots\\*4 = 8"):
+        _ctor(p, 8192, host=[1] * 7)
+    with pytest.raises(ValueError, match="local_host_ptrs\\[3\\] is null"):
+        _ctor(p, 8192, host=[1, 2, 3, 0, 5, 6, 7, 8])
+    with pytest.raises(ValueError, match="local_gpu_ptrs\\[0\\] is null"):
+        _ctor(p, 8192, dst=[0, 1, 2, 3])
+    with pytest.raises(ValueError, match="expert_nbytes\\[2\\] must be positive"):
+        _ctor(p, 8192, nb=[1, 1, 0, 1])
+    with pytest.raises(ValueError, match="num_experts must be positive"):
+        _ctor(p, 8192, n=0)
+    with pytest.raises(ValueError, match="num_slots\\*tp\\*4"):
+        _ctor(p, 8192, all_=[1] * 4)
+    with pytest.raises(ValueError, match="backend must be"):
+        _ctor(p, 8192, backend_="x") if False else _C.FP8LayerwiseTransport(
+            p, 8192, 0, 1, -1, [1] * 8, [1] * 4, [1] * 8, NB, 4, 1000, backend="tpu")
+
+
+def test_high_level_argument_errors():
+    ex = lambda o: [o]  # noqa: E731
+    with pytest.raises(ValueError, match="tp_size must be in 1..8"):
+        F.Transport(0, 9, 4, NB, exchange=ex, backend="cpu")
+    with pytest.raises(ValueError, match="num_slots must be in 2..16"):
+        F.Transport(0, 1, 4, NB, num_slots=1, exchange=ex, backend="cpu")
+    with pytest.raises(ValueError, match="expert_nbytes must be 4 positive"):
+        F.Transport(0, 1, 4, [1, 2, 3], exchange=ex, backend="cpu")
+    with pytest.raises(ValueError, match="backend must be"):
+        F.Transport(0, 1, 4, NB, exchange=ex, backend="gpu")
+
+
+def test_block_fp8_sizes_and_128_multiple():
+    # DeepSeek-V3: 44.05 MB per expert at TP1, 5.5 MB per rank at TP8.
+    tp1 = F.block_fp8_expert_nbytes(7168, 2048, 1)
+    assert tp1 == [2 * 2048 * 7168, 4 * 2 * 16 * 56, 7168 * 2048, 4 * 56 * 16]
+    assert sum(F.block_fp8_expert_nbytes(7168, 2048, 8)) * 8 == sum(tp1)
+    with pytest.raises(ValueError, match="not a multiple of 128"):
+        F.block_fp8_expert_nbytes(4096, 1536, 8)  # Qwen3-235B at TP8: 192
+    with pytest.raises(ValueError, match="multiple of 128"):
+        F.block_fp8_expert_nbytes(1000, 1024, 1)
+    src = F.make_block_fp8_sources(2, 256, 384)
+    with pytest.raises(ValueError, match="not a multiple of 128"):
+        F.make_shard_writer(src, 2)
+
+
+def test_shard_writer_validation():
+    with pytest.raises(ValueError, match="exactly 4"):
+        _C.ShardWriter([], 1)
+    spec = _C.ShardSpec(1, 0, 16, 1, 16)
+    with pytest.raises(ValueError, match="threads must be in 1..64"):
+        _C.ShardWriter([spec] * 4, 0)
+    with pytest.raises(ValueError, match="source pointer is null"):
+        _C.ShardWriter([_C.ShardSpec(0, 0, 16, 1, 16)] * 4, 1)
+
+
+def test_shm_owner_only_unguessable_and_size_checked():
+    a = _C.ShmSegment.create("fp8lw_test", 4096)
+    b = _C.ShmSegment.create("fp8lw_test", 4096)
+    try:
+        path = "/dev/shm" + a.name
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        suffix = a.name.rsplit("_", 1)[1]
+        assert len(suffix) == 32 and int(suffix, 16) >= 0 and a.name != b.name
+        c = _C.ShmSegment.attach(a.name, 4096)
+        with pytest.raises(ValueError, match="expected at least"):
+            _C.ShmSegment.attach(a.name, 8192)
+        c.close()
+        assert os.path.exists(path)  # an attacher's close never unlinks
+    finally:
+        a.close()
+        b.close()
+    assert not os.path.exists(path)  # the creator's close unlinks
+    with pytest.raises(ValueError, match="shared memory too small"):
+        _C.ShmSegment.create("fp8lw_test", 1 << 60)
+
+
+def test_transport_leaves_no_shm_names():
+    before = set(os.listdir("/dev/shm"))
+    with F.Transport(0, 1, 4, NB, num_slots=2, backend="cpu", exchange=lambda o: [o]) as t:
+        assert set(os.listdir("/dev/shm")) == before  # unlinked as soon as everyone mapped
+        assert t.native.backend == "cpu"
+    assert set(os.listdir("/dev/shm")) == before
+
+
+def test_setup_failure_cleans_up():
+    before = set(os.listdir("/dev/shm"))
+
+    def bad_exchange(obj):
+        raise RuntimeError("exchange failed")
+
+    with pytest.raises(RuntimeError, match="exchange failed"):
+        F.Transport(0, 1, 4, NB, num_slots=2, backend="cpu", exchange=bad_exchange)
+    assert set(os.listdir("/dev/shm")) == before
