@@ -70,11 +70,11 @@ def delivery(rank, ws, rdzv, tmp, slot_counts, expert_counts, use_gloo, backend)
     return out
 
 
-def kill_consumer(rank, ws, rdzv, tmp):
+def kill_consumer(rank, ws, rdzv, tmp, backend="cpu"):
     """Rank 0 SIGKILLs the last rank while it is streaming; every survivor must see PeerDied fast."""
     nb = [4096, 512, 2048, 256]
     ex = _exchange(tmp, "x", rank, ws)
-    t = F.Transport(rank, ws, 64, nb, num_slots=2, backend="cpu", timeout_ms=30000, exchange=ex)
+    t = F.Transport(rank, ws, 64, nb, num_slots=2, backend=backend, timeout_ms=30000, exchange=ex)
     victim = ws - 1
     t.join(1, 0, 64)
     t0 = None
@@ -226,3 +226,21 @@ def protocol_and_recovery(rank, ws, rdzv, tmp):
         log.append(("closed", expect_poison(active)))
     t.close()
     return log
+
+
+def legacy_vs_default(rank, ws, rdzv, tmp, backend):
+    """The seed design (2 slots, 1 in flight, 4 copies per expert) and the default, same bytes."""
+    E = 16
+    sources = _sources(E, 99)
+    nb = F.block_fp8_expert_nbytes(H, I, ws)
+    out = []
+    for name, kw in (("seed", dict(num_slots=2, max_inflight=1, coalesce=False)), ("default", {})):
+        ex = _exchange(tmp, name, rank, ws)
+        with F.Transport(rank, ws, E, nb, backend=backend, timeout_ms=20000, exchange=ex, **kw) as t:
+            w = F.make_shard_writer(sources, ws) if rank == 0 else None
+            with t.layer(1, 0, E) as layer:
+                if rank == 0:
+                    layer.run(w)
+            out.append(dict(mode=name, bad=_check_delivery(t, sources, ws, rank, E), copies=layer.stats.copies,
+                            bytes=layer.stats.bytes, want=E * sum(nb)))
+    return out

@@ -58,3 +58,12 @@ def test_protocol_violations_claims_close_and_reset(tmp_path):
     owners = {log_item[2] for log in res for log_item in log if log_item[0] == "claim"}
     assert sum(wins) == 1, res  # exactly one concurrent claim wins
     assert len(owners) == 1 and owners == {wins.index(True)}, res  # and everyone sees the winner
+
+
+def test_seed_mode_and_default_same_bytes(tmp_path):
+    res = run_workers(W.legacy_vs_default, 2, str(tmp_path), "cpu", tmp_path=tmp_path, timeout=120)
+    for rows in res:
+        seed, default = rows
+        assert seed["bad"] == [] and default["bad"] == []
+        assert seed["bytes"] == seed["want"] == default["bytes"]
+        assert seed["copies"] == 4 * 16 and default["copies"] <= seed["copies"]

@@ -1,0 +1,52 @@
+"""The same delivery on real GPUs (CUDA backend: cudaMemcpyAsync from registered shm)."""
+import pytest
+
+import fp8_layerwise as F
+from tests._dist import run_workers
+from tests.fp8_layerwise import _workers as W
+
+pytestmark = pytest.mark.skipif(not F.built_with_cuda(), reason="built without CUDA")
+
+
+def _assert_delivery(res):
+    for rank, rows in enumerate(res):
+        for row in rows:
+            assert row["bad"] == [], (rank, row)
+            assert row["bytes"] == row["want"], (rank, row)
+            assert row["untouched"], (rank, row)
+
+
+@pytest.mark.gpu
+def test_gpu_tp1(tmp_path):
+    _assert_delivery(run_workers(W.delivery, 1, str(tmp_path), (2, 4), (1, 7, 12), False, "cuda",
+                                 tmp_path=tmp_path, timeout=240))
+
+
+@pytest.mark.multigpu(2)
+def test_gpu_tp2_one_rank_per_gpu(tmp_path):
+    _assert_delivery(run_workers(W.delivery, 2, str(tmp_path), (2, 3, 8), (1, 5, 12), True, "cuda",
+                                 tmp_path=tmp_path, timeout=240))
+
+
+@pytest.mark.multigpu(2)
+def test_gpu_tp4_two_ranks_per_gpu(tmp_path):
+    _assert_delivery(run_workers(W.delivery, 4, str(tmp_path), (4,), (1, 12), False, "cuda",
+                                 tmp_path=tmp_path, timeout=240))
+
+
+@pytest.mark.multigpu(2)
+def test_gpu_seed_mode_and_default(tmp_path):
+    res = run_workers(W.legacy_vs_default, 2, str(tmp_path), "cuda", tmp_path=tmp_path, timeout=240)
+    for rows in res:
+        seed, default = rows
+        assert seed["bad"] == [] and default["bad"] == []
+        assert seed["bytes"] == seed["want"] == default["bytes"]
+        assert seed["copies"] == 4 * 16 and default["copies"] <= seed["copies"]
+
+
+@pytest.mark.multigpu(2)
+def test_gpu_sigkill_consumer(tmp_path):
+    res = run_workers(W.kill_consumer, 2, str(tmp_path), "cuda", tmp_path=tmp_path, timeout=240, expect_dead={1})
+    r0 = res[0]
+    assert r0["type"] == "PeerDied" and r0["rank"] == 1, r0
+    assert r0["t_exc"] - r0["t0"] < 2.0, r0
