@@ -155,75 +155,87 @@ def _worker_modes(rank, world_size, rdzv, cases):
 
     comm = _make_comm(rank, world_size)
     R = world_size
-    results = []
+    results, failures = [], []
     buffers = {}
     for case in cases:
-        T_max, H, K, E, fp8, ue8m0, expand, align, zero_pad, cpu_sync, multi, nbias, stream_mode, seed = case
-        L = E // R
-        if multi not in buffers:
-            nbytes = ll.ElasticBuffer.calculate_buffer_size(comm, 512, 7168, 8, False, True, multi)
-            buffers[multi] = _new_buffer(rank, R, comm, nbytes, multi)
-        buf = buffers[multi]
-        T = max(0, T_max - 3 * rank) if rank != 1 else (0 if seed % 3 == 0 else T_max)
-        x, sf, topk, w = _inputs(rank, T, H, K, E, fp8, ue8m0, seed)
-        stats = torch.zeros(L, dtype=torch.int32, device="cuda")
-        xs, topks, ws = _gather_var(x, R), _gather_var(topk, R), _gather_var(w, R)
-        xs = [p.view(torch.uint8) for p in xs]  # the reference moves bytes, whatever the dtype
-        sfs = _gather_var(sf.contiguous(), R) if sf is not None else None
-        ref = _reference(rank, R, None, xs, sfs, topks, ws, E, K, T_max, align)
+      try:
+            T_max, H, K, E, fp8, ue8m0, expand, align, zero_pad, cpu_sync, multi, nbias, stream_mode, seed = case
+            L = E // R
+            if multi not in buffers:
+                nbytes = ll.ElasticBuffer.calculate_buffer_size(comm, 512, 7168, 8, False, True, multi)
+                buffers[multi] = _new_buffer(rank, R, comm, nbytes, multi)
+            buf = buffers[multi]
+            T = max(0, T_max - 3 * rank) if rank != 1 else (0 if seed % 3 == 0 else T_max)
+            x, sf, topk, w = _inputs(rank, T, H, K, E, fp8, ue8m0, seed)
+            stats = torch.zeros(L, dtype=torch.int32, device="cuda")
+            xs, topks, ws = _gather_var(x, R), _gather_var(topk, R), _gather_var(w, R)
+            xs = [p.view(torch.uint8) for p in xs]  # the reference moves bytes, whatever the dtype
+            sfs = _gather_var(sf.contiguous(), R) if sf is not None else None
+            ref = _reference(rank, R, None, xs, sfs, topks, ws, E, K, T_max, align)
 
-        kw = dict(num_sms=0, num_qps=0, previous_event=None, previous_event_before_epilogue=None,
-                  async_with_compute_stream=False, allocate_on_comm_stream=False)
-        if stream_mode == "async":
-            kw.update(async_with_compute_stream=True, allocate_on_comm_stream=True,
-                      previous_event=ll.EventHandle())
-        out = buf.dispatch(x, sf, topk, w, stats, None, None, None, None, None, None, None, None, None, None,
-                           T_max, E, align, do_handle_copy=True, do_cpu_sync=cpu_sync, do_expand=expand,
-                           do_zero_padding=zero_pad, use_tma_aligned_col_major_sf=(seed % 2 == 1), **kw)
-        if out[-1] is not None:
-            out[-1].current_stream_wait()
-        torch.cuda.synchronize()
-        _check_dispatch(ref, out, rank, R, K, L, align, expand, zero_pad, cpu_sync, T_max)
-        assert torch.equal(stats, ref["counts"].int())
-        assert torch.equal(out[4], topk)
+            kw = dict(num_sms=0, num_qps=0, previous_event=None, previous_event_before_epilogue=None,
+                      async_with_compute_stream=False, allocate_on_comm_stream=False)
+            if stream_mode == "async":
+                kw.update(async_with_compute_stream=True, allocate_on_comm_stream=True,
+                          previous_event=ll.EventHandle())
+            out = buf.dispatch(x, sf, topk, w, stats, None, None, None, None, None, None, None, None, None, None,
+                               T_max, E, align, do_handle_copy=True, do_cpu_sync=cpu_sync, do_expand=expand,
+                               do_zero_padding=zero_pad, use_tma_aligned_col_major_sf=(seed % 2 == 1), **kw)
+            if out[-1] is not None:
+                out[-1].current_stream_wait()
+            torch.cuda.synchronize()
+            _check_dispatch(ref, out, rank, R, K, L, align, expand, zero_pad, cpu_sync, T_max)
+            assert torch.equal(stats, ref["counts"].int())
+            assert torch.equal(out[4], topk)
 
-        # Cached dispatch reproduces the same rows.
-        (recv_x, recv_sf, recv_topk, recv_w, copied, n_recv, n_exp, per_exp_list, psum_rank, psum_exp, unal, meta,
-         slot_idx, _, _, _) = out
-        out2 = buf.dispatch(x, sf, topk, w, None, n_recv, n_exp, per_exp_list, psum_rank, psum_exp, unal, slot_idx,
-                            None, meta, None, T_max, E, align, num_sms=0, num_qps=0, previous_event=None,
-                            previous_event_before_epilogue=None, async_with_compute_stream=False,
-                            allocate_on_comm_stream=False, do_handle_copy=False, do_cpu_sync=False,
-                            do_expand=expand, do_zero_padding=zero_pad, use_tma_aligned_col_major_sf=(seed % 2 == 1))
-        torch.cuda.synchronize()
-        N = sum(ref["per_rank"])
-        n_rows = int(psum_exp[-1]) if expand and L else N
-        if expand:
-            valid = meta[:N, 2:].long()
-            valid = valid[valid >= 0]
-            assert torch.equal(out2[0].view(torch.uint8)[valid], recv_x.view(torch.uint8)[valid])
-        else:
-            assert torch.equal(out2[0][:N].view(torch.uint8), recv_x[:N].view(torch.uint8))
+            # Cached dispatch reproduces the same rows.
+            (recv_x, recv_sf, recv_topk, recv_w, copied, n_recv, n_exp, per_exp_list, psum_rank, psum_exp, unal, meta,
+             slot_idx, _, _, _) = out
+            out2 = buf.dispatch(x, sf, topk, w, None, n_recv, n_exp, per_exp_list, psum_rank, psum_exp, unal, slot_idx,
+                                None, meta, None, T_max, E, align, num_sms=0, num_qps=0, previous_event=None,
+                                previous_event_before_epilogue=None, async_with_compute_stream=False,
+                                allocate_on_comm_stream=False, do_handle_copy=False, do_cpu_sync=False,
+                                do_expand=expand, do_zero_padding=zero_pad, use_tma_aligned_col_major_sf=(seed % 2 == 1))
+            torch.cuda.synchronize()
+            N = sum(ref["per_rank"])
+            n_rows = int(psum_exp[-1]) if expand and L else N
+            if expand:
+                valid = meta[:N, 2:].long()
+                valid = valid[valid >= 0]
+                assert torch.equal(out2[0].view(torch.uint8)[valid], recv_x.view(torch.uint8)[valid])
+            else:
+                assert torch.equal(out2[0][:N].view(torch.uint8), recv_x[:N].view(torch.uint8))
 
-        # Combine: each rank sends back y = bf16(recv as float * (rank + 1)) (bf16 input of the combine).
-        src = recv_x.float() if not fp8 else recv_x.float()
-        y = (src * (rank + 1)).to(torch.bfloat16)
-        b = [torch.randn((T, H), device="cuda").to(torch.bfloat16) for _ in range(nbias)]
-        b0 = b[0] if nbias > 0 else None
-        b1 = b[1] if nbias > 1 else None
-        cw = recv_w
-        cx, cwt, _ = buf.combine(y, cw, b0, b1, meta, topk, psum_rank, None, None, E, T_max, 0, 0, None, None,
-                                 False, False, expand)
-        torch.cuda.synchronize()
-        # Reference: every rank's y rows for my tokens, gathered, in slot order.
-        ref_cx, ref_w = _combine_ref(rank, R, K, L, T, T_max, topk, w, x, fp8, b0, b1, multi, expand)
-        assert torch.equal(cx.view(torch.int16), ref_cx.view(torch.int16)), (case, (cx.float() - ref_cx.float()).abs().max())
-        assert torch.equal(cwt, ref_w)
-        results.append(case)
-    for b in buffers.values():
-        b.destroy()
-    ll.destroy_nccl_comm(comm)
+            # Combine: each rank sends back y = bf16(recv as float * (rank + 1)) (bf16 input of the combine).
+            src = recv_x.float() if not fp8 else recv_x.float()
+            y = (src * (rank + 1)).to(torch.bfloat16)
+            b = [torch.randn((T, H), device="cuda").to(torch.bfloat16) for _ in range(nbias)]
+            b0 = b[0] if nbias > 0 else None
+            b1 = b[1] if nbias > 1 else None
+            cw = recv_w
+            cx, cwt, _ = buf.combine(y, cw, b0, b1, meta, topk, psum_rank, None, None, E, T_max, 0, 0, None, None,
+                                     False, False, expand)
+            torch.cuda.synchronize()
+            # Reference: every rank's y rows for my tokens, gathered, in slot order.
+            ref_cx, ref_w = _combine_ref(rank, R, K, L, T, T_max, topk, w, x, fp8, b0, b1, multi, expand)
+            assert torch.equal(cx.view(torch.int16), ref_cx.view(torch.int16)), (case, (cx.float() - ref_cx.float()).abs().max())
+            assert torch.equal(cwt, ref_w)
+            results.append(case)
+      except Exception as exc:  # noqa: BLE001 - keep going, report every failing case
+        import traceback
+
+        failures.append(f"{case}: {type(exc).__name__}: {str(exc)[:300]}\n{traceback.format_exc(limit=3)[-600:]}")
+        if isinstance(exc, (ll.CommError, ll.CommTimeoutError)):
+            break
+
+    if not failures:
+        for b in buffers.values():
+            b.destroy()
+        ll.destroy_nccl_comm(comm)
     dist.destroy_process_group()
+    if failures:
+        raise AssertionError(f"rank {rank}: {len(failures)} of {len(cases)} cases failed "
+                             f"({len(results)} passed):\n" + "\n".join(failures))
     return len(results)
 
 

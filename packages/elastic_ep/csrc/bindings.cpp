@@ -3,7 +3,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <exception>
+#include <optional>
 #include <string>
+#include <type_traits>
 
 #include "commkit/check.hpp"
 #include "commkit/python_errors.hpp"
@@ -103,6 +106,37 @@ CombineParams combine_params(const py::dict& d) {
   return p;
 }
 
+// Runs f with the GIL released and rethrows its exception only after the GIL is back, so no C++
+// exception ever unwinds across the GIL hand-over.
+template <typename F>
+auto without_gil(F&& f) -> decltype(f()) {
+  using Ret = decltype(f());
+  std::exception_ptr err;
+  if constexpr (std::is_void_v<Ret>) {
+    {
+      py::gil_scoped_release nogil;
+      try {
+        f();
+      } catch (...) {
+        err = std::current_exception();
+      }
+    }
+    if (err) std::rethrow_exception(err);
+  } else {
+    std::optional<Ret> out;
+    {
+      py::gil_scoped_release nogil;
+      try {
+        out.emplace(f());
+      } catch (...) {
+        err = std::current_exception();
+      }
+    }
+    if (err) std::rethrow_exception(err);
+    return std::move(*out);
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -184,8 +218,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("get_local_nccl_unique_id", [] { return py::bytes(get_local_nccl_unique_id()); });
   m.def("create_nccl_comm", [](py::bytes id, int num_ranks, int rank) {
     std::string s = id;
-    py::gil_scoped_release nogil;
-    return create_nccl_comm(s, num_ranks, rank);
+    return without_gil([&] { return create_nccl_comm(s, num_ranks, rank); });
   });
   m.def("destroy_nccl_comm", &destroy_nccl_comm);
   m.def("nccl_comm_rank_size", &nccl_comm_rank_size);
@@ -193,12 +226,12 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Runtime>(m, "Runtime")
       .def(py::init([](int rank, int num_ranks, int64_t comm, int64_t num_buffer_bytes, int cpu_timeout,
                        int gpu_timeout) {
-             py::gil_scoped_release nogil;
-             return new Runtime(rank, num_ranks, comm, num_buffer_bytes, cpu_timeout, gpu_timeout);
+             return without_gil(
+                 [&] { return new Runtime(rank, num_ranks, comm, num_buffer_bytes, cpu_timeout, gpu_timeout); });
            }),
            py::arg("rank"), py::arg("num_ranks"), py::arg("nccl_comm"), py::arg("num_buffer_bytes"),
            py::arg("num_cpu_timeout_secs"), py::arg("num_gpu_timeout_secs"))
-      .def("destroy", &Runtime::destroy, py::call_guard<py::gil_scoped_release>())
+      .def("destroy", [](Runtime& r) { without_gil([&] { r.destroy(); }); })
       .def_property_readonly("destroyed", &Runtime::destroyed)
       .def_property_readonly("rank", &Runtime::rank)
       .def_property_readonly("num_ranks", &Runtime::num_ranks)
@@ -210,8 +243,9 @@ PYBIND11_MODULE(_C, m) {
       .def("check_healthy", &Runtime::check_healthy)
       .def("barrier", &Runtime::barrier, py::arg("stream"))
       .def("dispatch", [](Runtime& r, const py::dict& d, int64_t stream) { r.dispatch(dispatch_params(d), stream); })
-      .def("wait_dispatch_counts", &Runtime::wait_dispatch_counts, py::arg("num_local_experts"),
-           py::call_guard<py::gil_scoped_release>())
+      .def("wait_dispatch_counts",
+           [](Runtime& r, int n) { return without_gil([&] { return r.wait_dispatch_counts(n); }); },
+           py::arg("num_local_experts"))
       .def("dispatch_epilogue",
            [](Runtime& r, const py::dict& d, int64_t stream) { r.dispatch_epilogue(epilogue_params(d), stream); })
       .def("combine", [](Runtime& r, const py::dict& d, int64_t stream) { r.combine(combine_params(d), stream); });

@@ -9,6 +9,7 @@
 // operation's kernels finished reading the (aliased) buffer.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <cstring>
 #include <nccl.h>
 #include <nccl_device.h>
 
@@ -564,7 +565,45 @@ __global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c,
 
 int grid_of(int num_sms) { return num_sms > 0 ? num_sms : 1; }
 
+// Zero the GIN requests where the headers have them (compile-time detection across NCCL versions).
+template <typename Req>
+auto disable_gin(Req& r, int) -> decltype(r.ginContextCount = 0, r.ginSignalCount = 0, r.ginCounterCount = 0,
+                                          void()) {
+  r.ginContextCount = 0;
+  r.ginSignalCount = 0;
+  r.ginCounterCount = 0;
+}
+template <typename Req>
+void disable_gin(Req&, long) {}
+
 }  // namespace
+
+int devcomm_create(void* nccl_comm, void** out_devcomm, int* out_lsa_rank, int* out_lsa_size) {
+#ifdef NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER
+  ncclDevCommRequirements reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
+#else
+  // Older 2.28.x headers have no initializer (and no size/magic/version fields): all-zero = LSA only.
+  ncclDevCommRequirements reqs;
+  memset(static_cast<void*>(&reqs), 0, sizeof(reqs));
+#endif
+  disable_gin(reqs, 0);
+  auto* dc = new ncclDevComm();
+  const ncclResult_t res = ncclDevCommCreate(static_cast<ncclComm_t>(nccl_comm), &reqs, dc);
+  if (res != ncclSuccess) {
+    delete dc;
+    return int(res);
+  }
+  *out_lsa_rank = dc->lsaRank;
+  *out_lsa_size = dc->lsaSize;
+  *out_devcomm = dc;
+  return int(ncclSuccess);
+}
+
+void devcomm_destroy(void* nccl_comm, void* devcomm) {
+  auto* dc = static_cast<ncclDevComm*>(devcomm);
+  ncclDevCommDestroy(static_cast<ncclComm_t>(nccl_comm), dc);
+  delete dc;
+}
 
 void launch_resolve_peers(void* window, int num_ranks, void** out_peer_bases, int* out_info, void* stream) {
   resolve_peers_kernel<<<1, kMaxRanks, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<ncclWindow_t>(window),

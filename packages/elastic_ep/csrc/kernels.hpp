@@ -83,6 +83,9 @@ struct CombineParams {
 };
 
 #if COMMKIT_WITH_CUDA
+// NCCL device communicator (LSA only, GIN never requested). Return ncclResult_t codes; never throw.
+int devcomm_create(void* nccl_comm, void** out_devcomm, int* out_lsa_rank, int* out_lsa_size);
+void devcomm_destroy(void* nccl_comm, void* devcomm);
 void launch_resolve_peers(void* window, int num_ranks, void** out_peer_bases, int* out_info, void* stream);
 void launch_barrier(const CommView& c, void* stream);
 void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream);

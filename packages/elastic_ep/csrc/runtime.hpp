@@ -71,6 +71,7 @@ class Runtime {
   void* window_ = nullptr;        // ncclWindow_t
   void* devcomm_ = nullptr;       // heap ncclDevComm
   void* sym_ptr_ = nullptr;       // ncclMemAlloc'ed window memory
+  void* lsa_base_ = nullptr;      // the same memory in NCCL's flat LSA mapping (what kernels use)
   void** peer_bases_ = nullptr;   // device [num_ranks]
   void* host_ws_ = nullptr;       // cudaHostAlloc mapped
   void* host_ws_dev_ = nullptr;

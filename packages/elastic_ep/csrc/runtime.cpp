@@ -1,8 +1,10 @@
 // elastic_ep/csrc/runtime.cu -- host side of the elastic buffer: NCCL set-up, window, CPU sync.
-// Compiled only when nvcc is available (COMMKIT_WITH_CUDA=1); see runtime.hpp for the contract.
+// Host code compiled by the C++ compiler (exceptions never unwind through nvcc-compiled frames); it is
+// empty unless the CUDA build is on (COMMKIT_WITH_CUDA=1). See runtime.hpp for the contract. The NCCL
+// device-API structures live in kernels.cu (devcomm_create / devcomm_destroy).
+#if COMMKIT_WITH_CUDA
 #include <cuda_runtime.h>
 #include <nccl.h>
-#include <nccl_device.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -37,17 +39,6 @@ bool debug_enabled() {
       std::fflush(stderr);                               \
     }                                                    \
   } while (0)
-
-// Direct mode never asks for GIN (no NIC needed): zero the GIN requests where the headers have them.
-template <typename Req>
-auto disable_gin(Req& r, int) -> decltype(r.ginContextCount = 0, r.ginSignalCount = 0, r.ginCounterCount = 0,
-                                          void()) {
-  r.ginContextCount = 0;
-  r.ginSignalCount = 0;
-  r.ginCounterCount = 0;
-}
-template <typename Req>
-void disable_gin(Req&, long) {}
 
 // commkit::clear_timeout_record is host-pass only; nvcc parses this file in its device pass as well.
 void clear_record(commkit::TimeoutRecord* rec) {
@@ -143,30 +134,21 @@ Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_
   window_ = win;
 
   // Device communicator: LSA only (no GIN requested, so it works on machines without a NIC).
-#ifdef NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER
-  ncclDevCommRequirements reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
-#else
-  // Older 2.28.x headers have no initializer (and no size/magic/version fields): all-zero = LSA only.
-  ncclDevCommRequirements reqs;
-  std::memset(static_cast<void*>(&reqs), 0, sizeof(reqs));
-#endif
-  disable_gin(reqs, 0);
   EP_DEBUG("rank %d: ncclDevCommCreate (NCCL headers %d)\n", rank, NCCL_VERSION_CODE);
-  auto* dc = new ncclDevComm();
-  ncclResult_t res = ncclDevCommCreate(comm, &reqs, dc);
-  if (res != ncclSuccess) {
-    delete dc;
+  int lsa_rank = -1;
+  const int res = devcomm_create(comm_, &devcomm_, &lsa_rank, &lsa_size_);
+  if (res != int(ncclSuccess)) {
     ncclCommWindowDeregister(comm, win);
+    window_ = nullptr;
     ncclMemFree(sym_ptr_);
-    CK_THROW("ncclDevCommCreate failed: ", ncclGetErrorString(res),
+    sym_ptr_ = nullptr;
+    CK_THROW("ncclDevCommCreate failed: ", ncclGetErrorString(ncclResult_t(res)),
              " (direct mode needs every rank in one NVLink/LSA domain with CUDA P2P)");
   }
-  devcomm_ = dc;
-  EP_DEBUG("rank %d: devcomm lsaRank %d lsaSize %d\n", rank, dc->lsaRank, dc->lsaSize);
-  lsa_size_ = dc->lsaSize;
-  CK_CHECK(dc->lsaSize == num_ranks && dc->lsaRank == rank, "direct mode needs all ", num_ranks,
-           " ranks in one NVLink (LSA) domain, but NCCL reports an LSA team of ", dc->lsaSize,
-           " with this rank at ", dc->lsaRank, "; hybrid scale-out mode is not implemented yet");
+  EP_DEBUG("rank %d: devcomm lsaRank %d lsaSize %d\n", rank, lsa_rank, lsa_size_);
+  CK_CHECK(lsa_size_ == num_ranks && lsa_rank == rank, "direct mode needs all ", num_ranks,
+           " ranks in one NVLink (LSA) domain, but NCCL reports an LSA team of ", lsa_size_,
+           " with this rank at ", lsa_rank, "; hybrid scale-out mode is not implemented yet");
 
   CK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&peer_bases_), sizeof(void*) * num_ranks));
   int* info = nullptr;
@@ -178,8 +160,10 @@ Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_
   CK_CUDA_CHECK(cudaMemcpy(bases.data(), peer_bases_, sizeof(void*) * num_ranks, cudaMemcpyDeviceToHost));
   CK_CUDA_CHECK(cudaFree(info));
   for (int p = 0; p < num_ranks; ++p) EP_DEBUG("rank %d: peer %d window at %p\n", rank, p, bases[p]);
-  CK_CHECK(bases[rank] == sym_ptr_, "NCCL's LSA pointer of this rank (", bases[rank],
-           ") is not the allocation it registered (", sym_ptr_, ")");
+  // NCCL maps every rank's window, this one included, into one flat LSA range; the kernels address
+  // their own window through that mapping too (lsa_base_), the ncclMemAlloc pointer aliases it.
+  lsa_base_ = bases[rank];
+  CK_CHECK(lsa_base_ != nullptr, "ncclGetLsaPointer returned null for this rank");
 
   // The workspace is zeroed once; kernels keep their local scratch at zero and tag signals by epoch.
   CK_CUDA_CHECK(cudaMemset(sym_ptr_, 0, workspace_bytes_));
@@ -211,9 +195,7 @@ void Runtime::destroy() {
   cudaDeviceSynchronize();
   auto comm = static_cast<ncclComm_t>(comm_);
   if (devcomm_ != nullptr) {
-    auto* dc = static_cast<ncclDevComm*>(devcomm_);
-    ncclDevCommDestroy(comm, dc);
-    delete dc;
+    devcomm_destroy(comm_, devcomm_);
     devcomm_ = nullptr;
   }
   if (window_ != nullptr) {
@@ -231,13 +213,13 @@ void Runtime::destroy() {
 }
 
 uint64_t Runtime::buffer_ptr() const {
-  return reinterpret_cast<uint64_t>(static_cast<char*>(sym_ptr_) + workspace_bytes_);
+  return reinterpret_cast<uint64_t>(static_cast<char*>(lsa_base_) + workspace_bytes_);
 }
 
 CommView Runtime::view() const {
   CommView c{};
   c.peer_bases = peer_bases_;
-  c.window_base = sym_ptr_;
+  c.window_base = lsa_base_;
   c.buffer_offset = workspace_bytes_;
   c.host_workspace = host_ws_dev_;
   c.rank = rank_;
@@ -279,8 +261,6 @@ void Runtime::dispatch(const DispatchParams& p, int64_t stream) {
   host_tag_ = (host_tag_ + 1u) & 0x7fffffffu;
   if (host_tag_ == 0u) host_tag_ = 1u;
   q.host_tag = host_tag_;
-  EP_DEBUG("rank %d: dispatch T=%d K=%d E=%d cached=%d sms=%d\n", rank_, p.num_tokens, p.num_topk, p.num_experts,
-           p.cached, p.num_sms);
   launch_dispatch(view(), q, reinterpret_cast<void*>(stream));
   CK_CUDA_CHECK(cudaGetLastError());
 }
@@ -344,3 +324,4 @@ void Runtime::combine(const CombineParams& p, int64_t stream) {
 }
 
 }  // namespace elastic_ep
+#endif  // COMMKIT_WITH_CUDA
