@@ -38,7 +38,10 @@ std::unique_ptr<CopyBackend> make_cuda_backend(int device, int num_slots);
 
 // CUDA helpers for the Python layer (no-ops that throw in a host-only build).
 bool cuda_available();
-void cuda_host_register(uintptr_t ptr, size_t bytes);
+void cuda_host_register(uintptr_t ptr, size_t bytes, int device);
 void cuda_host_unregister(uintptr_t ptr);
+// Plain pinned-memory H2D reference: `iters` cudaMemcpyAsync of `bytes` from `src` to `dst` on a
+// fresh stream of `device`; returns the seconds between two events around them.
+double cuda_h2d_seconds(int device, uintptr_t dst, uintptr_t src, size_t bytes, int iters);
 
 }  // namespace fp8lw

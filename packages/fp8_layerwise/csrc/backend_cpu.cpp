@@ -35,8 +35,9 @@ std::unique_ptr<CopyBackend> make_cuda_backend(int, int) {
   CK_THROW("fp8_layerwise was built without CUDA; use backend='cpu'");
 }
 bool cuda_available() { return false; }
-void cuda_host_register(uintptr_t, size_t) { CK_THROW("fp8_layerwise was built without CUDA"); }
+void cuda_host_register(uintptr_t, size_t, int) { CK_THROW("fp8_layerwise was built without CUDA"); }
 void cuda_host_unregister(uintptr_t) { CK_THROW("fp8_layerwise was built without CUDA"); }
+double cuda_h2d_seconds(int, uintptr_t, uintptr_t, size_t, int) { CK_THROW("fp8_layerwise was built without CUDA"); }
 #endif
 
 }  // namespace fp8lw

@@ -73,11 +73,35 @@ bool cuda_available() {
   return n > 0;
 }
 
-void cuda_host_register(uintptr_t ptr, size_t bytes) {
+void cuda_host_register(uintptr_t ptr, size_t bytes, int device) {
   CK_CHECK_ARG(ptr != 0 && bytes > 0, "cuda_host_register needs a non-null pointer and a positive size");
-  CK_CUDA_CHECK(cudaHostRegister(reinterpret_cast<void*>(ptr), bytes, cudaHostRegisterDefault));
+  // Select the rank's device first so this thread does not create a context on device 0.
+  CK_CUDA_CHECK(cudaSetDevice(device));
+  CK_CUDA_CHECK(cudaHostRegister(reinterpret_cast<void*>(ptr), bytes, cudaHostRegisterPortable));
 }
 
 void cuda_host_unregister(uintptr_t ptr) { CK_CUDA_CHECK(cudaHostUnregister(reinterpret_cast<void*>(ptr))); }
+
+double cuda_h2d_seconds(int device, uintptr_t dst, uintptr_t src, size_t bytes, int iters) {
+  CK_CHECK_ARG(dst != 0 && src != 0 && bytes > 0 && iters > 0, "cuda_h2d_seconds: bad arguments");
+  CK_CUDA_CHECK(cudaSetDevice(device));
+  cudaStream_t s;
+  cudaEvent_t a, b;
+  CK_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CK_CUDA_CHECK(cudaEventCreate(&a));
+  CK_CUDA_CHECK(cudaEventCreate(&b));
+  CK_CUDA_CHECK(cudaEventRecord(a, s));
+  for (int i = 0; i < iters; ++i)
+    CK_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes,
+                                  cudaMemcpyHostToDevice, s));
+  CK_CUDA_CHECK(cudaEventRecord(b, s));
+  CK_CUDA_CHECK(cudaEventSynchronize(b));
+  float ms = 0.f;
+  CK_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  cudaStreamDestroy(s);
+  return static_cast<double>(ms) / 1e3;
+}
 
 }  // namespace fp8lw

@@ -74,8 +74,11 @@ PYBIND11_MODULE(_C, m) {
   m.attr("CONTROL_STRUCT_BYTES") = py::int_(control_struct_bytes());
   m.def("built_with_cuda", [] { return bool(COMMKIT_WITH_CUDA); });
   m.def("cuda_available", &cuda_available);
-  m.def("cuda_host_register", &cuda_host_register, py::arg("ptr"), py::arg("nbytes"));
+  m.def("cuda_host_register", &cuda_host_register, py::arg("ptr"), py::arg("nbytes"), py::arg("device"));
   m.def("cuda_host_unregister", &cuda_host_unregister, py::arg("ptr"));
+  m.def("cuda_h2d_seconds", &cuda_h2d_seconds, py::arg("device"), py::arg("dst"), py::arg("src"), py::arg("nbytes"),
+        py::arg("iters"), py::call_guard<py::gil_scoped_release>(),
+        "Reference: seconds for `iters` plain cudaMemcpyAsync H2D copies (event timing).");
   m.def("initialize_fp8_layerwise_control", &initialize_control, py::arg("control_ptr"), py::arg("control_size"),
         py::arg("tp_size"), py::arg("num_slots") = 2,
         "Zero and stamp a control region (magic, version, struct size, tp_size, num_slots).");

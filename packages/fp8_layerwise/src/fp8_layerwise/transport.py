@@ -251,8 +251,8 @@ class HostSlots:
     def view(self, slot: int, kind: int) -> torch.Tensor:
         return _host_view(self.ptr(slot, kind), self.expert_nbytes[kind])
 
-    def register_cuda(self) -> None:
-        _C.cuda_host_register(self._seg.ptr, self._seg.nbytes)
+    def register_cuda(self, device: int) -> None:
+        _C.cuda_host_register(self._seg.ptr, self._seg.nbytes, device)
         self.registered = True
 
     def unlink(self) -> None:
@@ -411,7 +411,7 @@ class Transport:
                         for s in range(self.num_slots) for r in range(self.tp_size) for k in range(4)]
         if self.backend == "cuda":
             torch.cuda.set_device(self.device)
-            self._slots.register_cuda()
+            self._slots.register_cuda(self.device)
             dev = torch.device("cuda", self.device)
         else:
             dev = torch.device("cpu")
@@ -468,12 +468,18 @@ class Transport:
         return LayerStats(**self.native.wait(epoch))
 
     @contextlib.contextmanager
-    def layer(self, epoch: int, layer_id: int, expert_count: int):
+    def layer(self, epoch: int, layer_id: int, expert_count: int, sync_stream: bool = True):
         """``with t.layer(epoch, layer_id, n) as layer:`` joins on enter and waits on exit.
 
+        With the CUDA backend and ``sync_stream`` (default) it first synchronises the current torch
+        stream, because the consumer's copies run on their own stream and would otherwise race
+        with kernels still reading the previous layer out of the same buffers. After the block,
+        the delivered bytes are visible to any stream (the consumer waited for its events).
         An exception inside the block poisons the transport (code USER) so the other ranks fail
         fast instead of timing out, then propagates.
         """
+        if sync_stream and self.backend == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         self.join(epoch, layer_id, expert_count)
         handle = Layer(self, epoch, layer_id, expert_count)
         try:
