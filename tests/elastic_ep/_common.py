@@ -254,7 +254,7 @@ def canonical_dispatch(recv, recv_topk_idx, recv_topk_weights, handle, determini
         rows = list(range(a, b))
         if deterministic:
             srcs = [row_src.get(r, -1) for r in rows]
-            assert srcs == sorted(srcs), f"deterministic mode: expert {e} rows not sorted by source"
+            check(srcs == sorted(srcs), f"deterministic mode: expert {e} rows not sorted by source")
         rows.sort(key=lambda r: row_src.get(r, -1))
         seg = {"src": [row_src.get(r, -1) for r in rows], "x": bytes_of(x[rows]) if rows else None}
         if sf is not None and rows:
@@ -306,8 +306,26 @@ def oracle_canonical(orc, expand: bool, alignment: int, has_weights: bool = True
     return out
 
 
+FAILURES: List[str] = []
+
+
+def check(cond, what: str) -> None:
+    """Records a failed check instead of raising, so every rank keeps issuing the same collectives
+    (a rank that stopped early would leave its peers waiting); ``raise_failures`` reports them."""
+    if not cond:
+        FAILURES.append(str(what))
+
+
+def raise_failures(rank: int) -> None:
+    if FAILURES:
+        msg = f"rank {rank}: {len(FAILURES)} failed checks:\n  " + "\n  ".join(FAILURES[:20])
+        FAILURES.clear()
+        raise AssertionError(msg)
+
+
 def assert_same(a: Dict[str, object], b: Dict[str, object], what: str) -> None:
-    """Bitwise equality of two canonical forms (keys of ``a`` that ``b`` also has)."""
+    """Bitwise equality of two canonical forms (keys of ``a`` that ``b`` also has); failures are
+    recorded with ``check``."""
     def eq(u, v):
         if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
             return isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor) and u.shape == v.shape and torch.equal(u, v)
@@ -318,7 +336,7 @@ def assert_same(a: Dict[str, object], b: Dict[str, object], what: str) -> None:
         return u == v
     for k in a:
         if k in b and not eq(a[k], b[k]):
-            raise AssertionError(f"{what}: field {k!r} differs")
+            check(False, f"{what}: field {k!r} differs")
 
 
 # ------------------------------------------------------------------------------------------ matrix
@@ -384,21 +402,21 @@ def run_case(buf, ref, group, me: int, R: int, case: dict, shape: dict, seed: in
     (recv, ridx, rw, handle, _), stats = do(buf)
     if case["cpu_sync"]:
         n_alloc = handle.num_expanded_tokens if case["expand"] else handle.num_recv_tokens
-        assert (recv[0] if isinstance(recv, tuple) else recv).shape[0] == n_alloc
+        check((recv[0] if isinstance(recv, tuple) else recv).shape[0] == n_alloc, f"rows != {n_alloc} {case}")
     else:
         worst = R * M
-        assert handle.num_recv_tokens == worst, (handle.num_recv_tokens, worst)
-        assert handle.num_recv_tokens_per_expert_list == []
+        check(handle.num_recv_tokens == worst, f"worst case {handle.num_recv_tokens} != {worst} {case}")
+        check(handle.num_recv_tokens_per_expert_list == [], f"per-expert list not empty without CPU sync {case}")
     if isinstance(recv, tuple) and case["tma_sf"]:
         n_alloc = recv[1].shape[0]
-        assert recv[1].stride() == (1, (n_alloc + 3) // 4 * 4), recv[1].stride()
+        check(recv[1].stride() == (1, (n_alloc + 3) // 4 * 4), f"sf strides {recv[1].stride()} {case}")
     canon = canonical_dispatch(recv, ridx, rw, handle, buf.deterministic)
     if with_oracle:
         orc = oracle_dispatch(all_inp, me, E, M, case["alignment"])
         assert_same(oracle_canonical(orc, case["expand"], case["alignment"]), canon, f"oracle vs {buf.backend} {case}")
-        assert stats.cpu().tolist() == orc["real"], (stats.cpu().tolist(), orc["real"])
+        check(stats.cpu().tolist() == orc["real"], f"stats {stats.cpu().tolist()} != {orc['real']} {case}")
         if case["cpu_sync"]:
-            assert handle.num_recv_tokens_per_expert_list == orc["aligned"]
+            check(handle.num_recv_tokens_per_expert_list == orc["aligned"], f"per-expert list {case}")
     if case["zero_padding"]:
         x0 = recv[0] if isinstance(recv, tuple) else recv
         real = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64).cpu()
@@ -406,16 +424,16 @@ def run_case(buf, ref, group, me: int, R: int, case: dict, shape: dict, seed: in
         a = case["alignment"]
         for e in range(L):
             pad_end = int(ends[e] - real[e]) + (int(real[e]) + a - 1) // a * a
-            assert bool((x0[int(ends[e]):pad_end].to(torch.float32) == 0).all()), f"expert {e} padding not zero"
+            check(bool((x0[int(ends[e]):pad_end].to(torch.float32) == 0).all()), f"expert {e} padding not zero {case}")
     if ref is not None:
         (r_recv, r_idx, r_w, r_handle, _), _ = do(ref)
         assert_same(canonical_dispatch(r_recv, r_idx, r_w, r_handle, ref.deterministic), canon,
                     f"{ref.backend} vs {buf.backend} {case}")
     if case["cached"]:
         (c_recv, c_idx, c_w, c_handle, _), c_stats = do(buf, handle)
-        assert c_handle is handle
+        check(c_handle is handle, "cached dispatch returned another handle")
         assert_same(canonical_dispatch(c_recv, c_idx, c_w, handle, buf.deterministic), canon, f"cached {case}")
-        assert int(c_stats.abs().sum()) == 0, "cached mode must not touch the stats"
+        check(int(c_stats.abs().sum()) == 0, "cached mode must not touch the stats")
 
     # combine
     x0 = recv[0] if isinstance(recv, tuple) else recv
@@ -431,20 +449,20 @@ def run_case(buf, ref, group, me: int, R: int, case: dict, shape: dict, seed: in
         kw = dict(previous_event=buf.capture(), allocate_on_comm_stream=True, async_with_compute_stream=True)
     cx, cw, ev = buf.combine(y, handle, topk_weights=w2, bias=bias, **kw)
     ev.current_stream_wait()
-    assert cx.shape == (tokens, H) and cx.dtype == torch.bfloat16
+    check(cx.shape == (tokens, H) and cx.dtype == torch.bfloat16, f"combined shape {tuple(cx.shape)} {case}")
     if with_oracle:
         exp = oracle_combine(all_inp, me, E, case["expand"], buf.allow_multiple_reduction, biases + [None])
-        assert torch.equal(bytes_of(cx.cpu()), bytes_of(exp)), f"combine vs oracle {case}"
+        check(torch.equal(bytes_of(cx.cpu()), bytes_of(exp)), f"combine vs oracle {case}")
         tk = all_inp[me]["topk_idx"]
         expw = torch.where(tk >= 0, all_inp[me]["topk_weights"] * 2, torch.zeros_like(all_inp[me]["topk_weights"]))
-        assert torch.equal(bytes_of(cw.cpu()), bytes_of(expw)), f"combined weights vs oracle {case}"
+        check(torch.equal(bytes_of(cw.cpu()), bytes_of(expw)), f"combined weights vs oracle {case}")
     if ref is not None:
         ry = fake_experts(r_recv[0] if isinstance(r_recv, tuple) else r_recv, r_handle, me, E, R)
         rcx, rcw, rev = ref.combine(ry, r_handle, topk_weights=r_w * 2 if r_w is not None else None, bias=bias)
         rev.current_stream_wait()
-        assert torch.equal(bytes_of(rcx.cpu()), bytes_of(cx.cpu())), f"combine {ref.backend} vs {buf.backend} {case}"
+        check(torch.equal(bytes_of(rcx.cpu()), bytes_of(cx.cpu())), f"combine {ref.backend} vs {buf.backend} {case}")
         if rcw is not None:
-            assert torch.equal(bytes_of(rcw.cpu()), bytes_of(cw.cpu())), f"combined weights {case}"
+            check(torch.equal(bytes_of(rcw.cpu()), bytes_of(cw.cpu())), f"combined weights {ref.backend} vs {buf.backend} {case}")
 
 
 def matrix_worker(rank: int, world: int, rdzv: str, cfg: dict):
@@ -471,4 +489,5 @@ def matrix_worker(rank: int, world: int, rdzv: str, cfg: dict):
         if ref is not None:
             ref.destroy()
     dist.destroy_process_group()
+    raise_failures(rank)
     return done

@@ -28,14 +28,14 @@ def _world() -> int:
 def test_native_ep1_matrix(tmp_path):
     shape = dict(SMALL, tokens=[61])
     cfg = dict(device="cuda", backend="native", kind="gpu", shape=shape, buffers=BUFFERS, compare_torch=True)
-    assert run_workers(matrix_worker, 1, cfg, tmp_path=tmp_path, timeout=400) == [2 * 12]
+    assert run_workers(matrix_worker, 1, cfg, tmp_path=tmp_path, timeout=120) == [2 * 12]
 
 
 @pytest.mark.multigpu(2)
 def test_native_matrix(tmp_path):
     world = _world()
     cfg = dict(device="cuda", backend="native", kind="gpu", shape=SMALL, buffers=BUFFERS, compare_torch=True)
-    assert run_workers(matrix_worker, world, cfg, tmp_path=tmp_path, timeout=500) == [2 * 12] * world
+    assert run_workers(matrix_worker, world, cfg, tmp_path=tmp_path, timeout=120) == [2 * 12] * world
 
 
 @pytest.mark.multigpu(2)
@@ -50,47 +50,13 @@ def test_native_deepseek_shape(tmp_path):
                               sf_strided_input=False, stream_opt="async", handle_copy=True))
     cfg = dict(device="cuda", backend="native", kind="gpu", shape=shape, cases=cases, oracle=False,
                buffers=[dict(allow_multiple_reduction=True)], compare_torch=True)
-    assert run_workers(matrix_worker, world, cfg, tmp_path=tmp_path, timeout=500) == [len(cases)] * world
-
-
-def soak_worker(rank, world, rdzv, iters):
-    import random
-
-    from tests._dist import init_nccl
-    from tests.elastic_ep._common import import_elastic_ep, run_case
-
-    ep = import_elastic_ep()
-    group = init_nccl(rank, world, rdzv)
-    shape = dict(hidden=256, topk=4, experts=16, max_tokens=64)
-    buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=64, hidden=256, num_topk=4, use_fp8_dispatch=True,
-                           backend="native")
-    ref = ep.ElasticBuffer(group, num_max_tokens_per_rank=64, hidden=256, num_topk=4, use_fp8_dispatch=True,
-                           backend="torch")
-    rng = random.Random(1234)  # same sequence of cases on every rank
-    for it in range(iters):
-        tokens = [rng.randint(0, 64) for _ in range(world)]
-        expand = rng.random() < 0.5
-        case = dict(dtype=rng.choice(["bf16", "fp8"]), expand=expand, cpu_sync=rng.random() < 0.7,
-                    alignment=rng.choice([1, 4, 128]), zero_padding=expand and rng.random() < 0.5,
-                    num_bias=rng.randint(0, 2), cached=rng.random() < 0.2, tma_sf=False, sf_strided_input=False,
-                    stream_opt=rng.choice(["sync", "async"]), handle_copy=True)
-        run_case(buf, ref, group, rank, world, case, dict(shape, tokens=tokens[rank]), seed=10_000 + it,
-                 with_oracle=False)
-    buf.destroy()
-    ref.destroy()
-    return iters
-
-
-@pytest.mark.multigpu(2)
-@pytest.mark.slow
-def test_native_soak_1000(tmp_path):
-    world = _world()
-    assert run_workers(soak_worker, world, 1000, tmp_path=tmp_path, timeout=590) == [1000] * world
+    assert run_workers(matrix_worker, world, cfg, tmp_path=tmp_path, timeout=150) == [len(cases)] * world
 
 
 def graph_worker(rank, world, rdzv):
     from tests._dist import init_nccl
-    from tests.elastic_ep._common import bytes_of, canonical_dispatch, import_elastic_ep, make_inputs
+    from tests.elastic_ep._common import (bytes_of, canonical_dispatch, check, import_elastic_ep, make_inputs,
+                                          raise_failures)
 
     ep = import_elastic_ep()
     group = init_nccl(rank, world, rdzv)
@@ -124,20 +90,21 @@ def graph_worker(rank, world, rdzv):
         exp = canonical_dispatch(r[0], r[1], r[2], r[3], False)
         for key in ("psum_rank", "src", "x", "local_idx", "weights"):
             a, b = got[key], exp[key]
-            assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), f"graph replay {it}: {key}"
+            check(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f"graph replay {it}: {key}")
         rcx, rcw, _ = ref.combine((r[0].float() * 2).to(torch.bfloat16), r[3], topk_weights=r[2])
-        assert torch.equal(bytes_of(cx.cpu()), bytes_of(rcx.cpu())), f"graph replay {it}: combine"
-        assert torch.equal(bytes_of(cw.cpu()), bytes_of(rcw.cpu())), f"graph replay {it}: combined weights"
+        check(torch.equal(bytes_of(cx.cpu()), bytes_of(rcx.cpu())), f"graph replay {it}: combine")
+        check(torch.equal(bytes_of(cw.cpu()), bytes_of(rcw.cpu())), f"graph replay {it}: combined weights")
     del g
     buf.destroy()
     ref.destroy()
+    raise_failures(rank)
     return True
 
 
 @pytest.mark.multigpu(2)
 def test_native_cuda_graph(tmp_path):
     world = _world()
-    assert run_workers(graph_worker, world, tmp_path=tmp_path, timeout=300) == [True] * world
+    assert run_workers(graph_worker, world, tmp_path=tmp_path, timeout=90) == [True] * world
 
 
 def timeout_worker(rank, world, rdzv):
@@ -170,5 +137,41 @@ def timeout_worker(rank, world, rdzv):
 @pytest.mark.multigpu(2)
 def test_native_timeout(tmp_path):
     world = _world()
-    res = run_workers(timeout_worker, world, tmp_path=tmp_path, timeout=120)
+    res = run_workers(timeout_worker, world, tmp_path=tmp_path, timeout=60)
     assert res[0] == "timeout"
+
+
+def soak_worker(rank, world, rdzv, iters):
+    import random
+
+    from tests._dist import init_nccl
+    from tests.elastic_ep._common import import_elastic_ep, raise_failures, run_case
+
+    ep = import_elastic_ep()
+    group = init_nccl(rank, world, rdzv)
+    shape = dict(hidden=256, topk=4, experts=16, max_tokens=64)
+    buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=64, hidden=256, num_topk=4, use_fp8_dispatch=True,
+                           backend="native")
+    ref = ep.ElasticBuffer(group, num_max_tokens_per_rank=64, hidden=256, num_topk=4, use_fp8_dispatch=True,
+                           backend="torch")
+    rng = random.Random(1234)  # same sequence of cases on every rank
+    for it in range(iters):
+        tokens = [rng.randint(0, 64) for _ in range(world)]
+        expand = rng.random() < 0.5
+        case = dict(dtype=rng.choice(["bf16", "fp8"]), expand=expand, cpu_sync=rng.random() < 0.7,
+                    alignment=rng.choice([1, 4, 128]), zero_padding=expand and rng.random() < 0.5,
+                    num_bias=rng.randint(0, 2), cached=rng.random() < 0.2, tma_sf=False, sf_strided_input=False,
+                    stream_opt=rng.choice(["sync", "async"]), handle_copy=True)
+        run_case(buf, ref, group, rank, world, case, dict(shape, tokens=tokens[rank]), seed=10_000 + it,
+                 with_oracle=False)
+    buf.destroy()
+    ref.destroy()
+    raise_failures(rank)
+    return iters
+
+
+@pytest.mark.multigpu(2)
+@pytest.mark.slow
+def test_native_soak_1000(tmp_path):
+    world = _world()
+    assert run_workers(soak_worker, world, 1000, tmp_path=tmp_path, timeout=240) == [1000] * world
