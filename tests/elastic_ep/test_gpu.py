@@ -141,6 +141,36 @@ def test_native_timeout(tmp_path):
     assert res[0] == "timeout"
 
 
+def reuse_worker(rank, world, rdzv):
+    from tests._dist import init_nccl
+    from tests.elastic_ep._common import import_elastic_ep, raise_failures, run_case
+
+    ep = import_elastic_ep()
+    group = init_nccl(rank, world, rdzv)
+    kw = dict(num_max_tokens_per_rank=64, hidden=256, num_topk=4, use_fp8_dispatch=True)
+    buf = ep.ElasticBuffer(group, backend="native", **kw)
+    ref = ep.ElasticBuffer(group, backend="torch", **kw)
+    case = dict(dtype="bf16", expand=True, cpu_sync=True, alignment=4, zero_padding=True, num_bias=1, cached=True,
+                tma_sf=False, sf_strided_input=False, stream_opt="async", handle_copy=True)
+    run_case(buf, ref, group, rank, world, case, dict(hidden=256, topk=4, experts=16, max_tokens=64, tokens=50),
+             seed=77, with_oracle=False)
+    source = buf.comm_source
+    buf.destroy()
+    ref.destroy()
+    raise_failures(rank)
+    return source
+
+
+@pytest.mark.multigpu(2)
+def test_native_on_torch_communicator(tmp_path):
+    """The default set-up: the native buffer on torch's own NCCL communicator (or, if that fails on
+    any rank, on one of its own); prints which one was used."""
+    world = _world()
+    res = run_workers(reuse_worker, world, tmp_path=tmp_path, timeout=90, env={"EP_REUSE_NCCL_COMM": "1"})
+    print(f"communicator used by the native buffer: {res}")
+    assert len(set(res)) == 1 and res[0] is not None
+
+
 def soak_worker(rank, world, rdzv, iters):
     import random
 
@@ -175,33 +205,3 @@ def soak_worker(rank, world, rdzv, iters):
 def test_native_soak_1000(tmp_path):
     world = _world()
     assert run_workers(soak_worker, world, 1000, tmp_path=tmp_path, timeout=240) == [1000] * world
-
-
-def reuse_worker(rank, world, rdzv):
-    from tests._dist import init_nccl
-    from tests.elastic_ep._common import import_elastic_ep, raise_failures, run_case
-
-    ep = import_elastic_ep()
-    group = init_nccl(rank, world, rdzv)
-    kw = dict(num_max_tokens_per_rank=64, hidden=256, num_topk=4, use_fp8_dispatch=True)
-    buf = ep.ElasticBuffer(group, backend="native", **kw)
-    ref = ep.ElasticBuffer(group, backend="torch", **kw)
-    case = dict(dtype="bf16", expand=True, cpu_sync=True, alignment=4, zero_padding=True, num_bias=1, cached=True,
-                tma_sf=False, sf_strided_input=False, stream_opt="async", handle_copy=True)
-    run_case(buf, ref, group, rank, world, case, dict(hidden=256, topk=4, experts=16, max_tokens=64, tokens=50),
-             seed=77, with_oracle=False)
-    source = buf.comm_source
-    buf.destroy()
-    ref.destroy()
-    raise_failures(rank)
-    return source
-
-
-@pytest.mark.multigpu(2)
-def test_native_on_torch_communicator(tmp_path):
-    """The default set-up: the native buffer on torch's own NCCL communicator (or, if that fails on
-    any rank, on one of its own); prints which one was used."""
-    world = _world()
-    res = run_workers(reuse_worker, world, tmp_path=tmp_path, timeout=90, env={"EP_REUSE_NCCL_COMM": "1"})
-    print(f"communicator used by the native buffer: {res}")
-    assert len(set(res)) == 1 and res[0] is not None
