@@ -15,8 +15,8 @@ if [ $B -gt 20 ]; then
   echo "bench rc=$? after $(( $(date +%s) - T0 )) s"; grep -v "^ *$" "$O/bench.log" | tail -16
 fi
 L=$(( $(left) - 3 ))
-timeout $L python -m pytest "$R/tests/elastic_ep/test_gpu.py" "$R/tests/elastic_ep/test_validation_cpu.py::test_bad_inputs_native_ep1" \
-  "$R/tests/elastic_ep/test_sizing.py" -c "$R/pytest.ini" --rootdir "$R" -v -rfEsP -p no:cacheprovider \
+timeout $L python -m pytest "$R/tests/elastic_ep/test_sizing.py" \
+  "$R/tests/elastic_ep/test_validation_cpu.py::test_bad_inputs_native_ep1" "$R/tests/elastic_ep/test_gpu.py" -c "$R/pytest.ini" --rootdir "$R" -v -rfEsP -p no:cacheprovider \
   --junitxml="$O/junit.xml" > "$O/tests.log" 2>&1
 echo "tests rc=$? after $(( $(date +%s) - T0 )) s"
 grep -E "PASSED|FAILED|ERROR|SKIPPED|communicator used|failed checks|Error|error" "$O/tests.log" | head -60
