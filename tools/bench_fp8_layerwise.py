@@ -167,6 +167,7 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="fewer experts and layers")
     ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "cpu"))
+    ap.add_argument("--writer-threads", type=int, default=0, help="native writer threads (0: min(12, cpus - 2*tp))")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     import torch
@@ -212,10 +213,11 @@ def main(argv=None):
         if not use_modes:
             continue
         cfg = dict(backend=backend, hidden=H, intermediate_eff=I_eff, experts=E, layers=layers, peak_mb=peak_mb,
-                   peak_iters=peak_iters, modes=use_modes, writer_threads=max(1, min(16, cpus - 2 * tp)))
+                   peak_iters=peak_iters, modes=use_modes, writer_threads=args.writer_threads or max(1, min(12, cpus - 2 * tp)))
         t0 = time.monotonic()
         ranks = run_config(cfg, tp)
-        print(f"  ran {name} (tp={tp}, {per_rank / 1e6:.2f} MB per rank and expert) in {time.monotonic() - t0:.0f} s")
+        print(f"  ran {name} (tp={tp}, {per_rank / 1e6:.2f} MB per rank and expert, {E} experts/layer, "
+              f"{cfg['writer_threads']} writer threads) in {time.monotonic() - t0:.0f} s")
         results.append(dict(config=name, tp=tp, shard_tp=shard_tp, expert_mb_per_rank=per_rank / 1e6, ranks=ranks))
 
     # ---- table -----------------------------------------------------------------------------------

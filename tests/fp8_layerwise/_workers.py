@@ -72,6 +72,10 @@ def delivery(rank, ws, rdzv, tmp, slot_counts, expert_counts, use_gloo, backend)
 
 def kill_consumer(rank, ws, rdzv, tmp, backend="cpu"):
     """Rank 0 SIGKILLs the last rank while it is streaming; every survivor must see PeerDied fast."""
+    import faulthandler
+
+    # A crash here is reported with every thread's Python stack in the test's failure message.
+    faulthandler.enable(open(os.path.join(tmp, f"fault.{rank}.txt"), "w"), all_threads=True)
     nb = [4096, 512, 2048, 256]
     ex = _exchange(tmp, "x", rank, ws)
     t = F.Transport(rank, ws, 64, nb, num_slots=2, backend=backend, timeout_ms=30000, exchange=ex)

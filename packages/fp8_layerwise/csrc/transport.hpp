@@ -72,9 +72,14 @@ struct ShardSpec {
   uint64_t shard_bytes() const { return chunks * rows * row_bytes; }
 };
 
+class WriterPool;  // persistent memcpy threads of a ShardWriter (shard_writer.cpp)
+
 class ShardWriter {
  public:
   ShardWriter(std::vector<ShardSpec> kinds, int threads);
+  ~ShardWriter();
+  ShardWriter(const ShardWriter&) = delete;
+  ShardWriter& operator=(const ShardWriter&) = delete;
   // Copies every rank's shard of `expert` into dst[kind][rank].
   void write(int expert, const std::vector<uintptr_t>* dst[kKinds]) const;
   const std::vector<ShardSpec>& kinds() const { return kinds_; }
@@ -83,6 +88,7 @@ class ShardWriter {
  private:
   std::vector<ShardSpec> kinds_;
   int threads_;
+  std::unique_ptr<WriterPool> pool_;  // threads_ - 1 workers; the caller is worker 0
 };
 
 size_t control_bytes();

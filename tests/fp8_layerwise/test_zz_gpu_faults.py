@@ -1,0 +1,21 @@
+"""GPU fault test, in its own file so that it runs after every other test (gpu.sh uses -x)."""
+import pytest
+
+import fp8_layerwise as F
+from tests._dist import run_workers
+from tests.fp8_layerwise import _workers as W
+
+pytestmark = pytest.mark.skipif(not F.built_with_cuda(), reason="built without CUDA")
+
+
+@pytest.mark.multigpu(2)
+def test_gpu_sigkill_consumer(tmp_path):
+    try:
+        res = run_workers(W.kill_consumer, 2, str(tmp_path), "cuda", tmp_path=tmp_path, timeout=240,
+                          expect_dead={1})
+    except Exception as exc:
+        faults = "".join(p.read_text() for p in sorted(tmp_path.glob("fault.*.txt")))
+        raise AssertionError(f"{exc}\nfaulthandler output:\n{faults}") from None
+    r0 = res[0]
+    assert r0["type"] == "PeerDied" and r0["rank"] == 1, r0
+    assert r0["t_exc"] - r0["t0"] < 2.0, r0
