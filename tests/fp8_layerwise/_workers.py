@@ -248,3 +248,36 @@ def legacy_vs_default(rank, ws, rdzv, tmp, backend):
             out.append(dict(mode=name, bad=_check_delivery(t, sources, ws, rank, E), copies=layer.stats.copies,
                             bytes=layer.stats.bytes, want=E * sum(nb)))
     return out
+
+
+def writer_error_reset(rank, ws, rdzv, tmp, backend):
+    """A Python writer raises at expert 3: every rank gets WRITER; after reset() a layer is exact."""
+    nb = [4096, 512, 2048, 256]
+    E = 8
+    ex = _exchange(tmp, "x", rank, ws)
+    out = {}
+    with F.Transport(rank, ws, E, nb, num_slots=2, backend=backend, timeout_ms=20000, exchange=ex) as t:
+        def fill(e, slots):
+            for r, views in enumerate(slots):
+                for k, v in enumerate(views):
+                    v.fill_((e * 8 + r * 4 + k) % 251)
+
+        def bad(e, slots):
+            if e == 3:
+                raise ValueError("synthetic writer failure")
+            fill(e, slots)
+
+        try:
+            with t.layer(1, 0, E) as L:
+                if rank == 0:
+                    L.run(bad)
+        except F.TransportPoisoned as exc:
+            out["first"] = (type(exc).__name__, int(exc.code), exc.rank, exc.message)
+        out["generation"] = t.reset()
+        with t.layer(2, 0, E) as L:
+            if rank == 0:
+                L.run(fill)
+        out["exact"] = all(bool((t.expert_view(k, e).cpu() == (e * 8 + rank * 4 + k) % 251).all())
+                           for e in range(E) for k in range(4))
+        out["bytes"] = L.stats.bytes == E * sum(nb)
+    return out

@@ -42,3 +42,12 @@ def test_gpu_seed_mode_and_default(tmp_path):
         assert seed["bad"] == [] and default["bad"] == []
         assert seed["bytes"] == seed["want"] == default["bytes"]
         assert seed["copies"] == 4 * 16 and default["copies"] <= seed["copies"]
+
+
+@pytest.mark.multigpu(2)
+def test_gpu_python_writer_error_then_reset(tmp_path):
+    res = run_workers(W.writer_error_reset, 2, str(tmp_path), "cuda", tmp_path=tmp_path, timeout=240)
+    for r in res:
+        assert r["first"][:3] == ("TransportPoisoned", F.ErrorCode.WRITER, 0), r
+        assert "ValueError: synthetic writer failure" in r["first"][3], r
+        assert r["generation"] == 1 and r["exact"] and r["bytes"], r
