@@ -209,11 +209,23 @@ def fake_experts(recv_x: torch.Tensor, handle, me: int, num_experts: int, R: int
 
 # ------------------------------------------------------------------------------------------ canonical
 def canonical_dispatch(recv, recv_topk_idx, recv_topk_weights, handle, deterministic: bool) -> Dict[str, object]:
-    """Valid rows of a dispatch's outputs, keyed by source token, on the CPU."""
+    """Valid rows of a dispatch's outputs, keyed by source token, on the CPU.
+
+    ``handle.recv_src_metadata`` describes the backend's rows; with ``handle.perm`` (deterministic
+    mode) the user's row ``j`` is the backend's row ``perm[j]``. In deterministic mode the user's rows
+    must already be sorted by source token (inside each expert segment in expand mode).
+    """
     recv_x, recv_sf = recv if isinstance(recv, tuple) else (recv, None)
     meta = handle.recv_src_metadata.cpu().to(torch.int64)
     n = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])
     src = meta[:n, 0]
+    n_rows = recv_x.shape[0]
+    if handle.perm is not None:
+        perm = handle.perm.cpu().to(torch.int64)
+        user_of_raw = torch.empty_like(perm)
+        user_of_raw[perm] = torch.arange(perm.numel())
+    else:
+        perm = user_of_raw = torch.arange(n_rows)
     out: Dict[str, object] = {
         "psum_rank": handle.psum_num_recv_tokens_per_scaleup_rank.cpu().tolist(),
         "real": handle.num_unaligned_recv_tokens_per_expert.cpu().tolist(),
@@ -221,13 +233,11 @@ def canonical_dispatch(recv, recv_topk_idx, recv_topk_weights, handle, determini
         "master": (meta[:n, 1] % handle.num_topk)[torch.argsort(src)].tolist(),
     }
     if not handle.do_expand:
-        if deterministic:  # the user-visible rows are already sorted
-            order = torch.arange(n)
-            src_sorted = torch.sort(src).values
-        else:
-            order = torch.argsort(src)
-            src_sorted = src[order]
-        out["src"] = src_sorted.tolist()
+        src_user = src[perm[:n]] if handle.perm is not None else src
+        if deterministic:
+            check(src_user.tolist() == sorted(src_user.tolist()), "deterministic mode: rows not sorted by source")
+        order = torch.argsort(src_user)
+        out["src"] = src_user[order].tolist()
         out["x"] = bytes_of(recv_x.cpu()[:n][order])
         if recv_sf is not None:
             out["sf"] = bytes_of(recv_sf.cpu()[:n][order].contiguous())
@@ -239,12 +249,12 @@ def canonical_dispatch(recv, recv_topk_idx, recv_topk_weights, handle, determini
     real = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64).cpu()
     starts = handle.psum_num_recv_tokens_per_expert.to(torch.int64).cpu() - real
     lanes = meta[:n, 2:]
-    row_src = {}
+    row_src = {}  # user row -> source token
     for i in range(n):
         for k in range(lanes.shape[1]):
             r = int(lanes[i, k])
             if r >= 0:
-                row_src[r] = int(src[i])
+                row_src[int(user_of_raw[r])] = int(src[i])
     x = recv_x.cpu()
     sf = recv_sf.cpu() if recv_sf is not None else None
     w = recv_topk_weights.cpu() if recv_topk_weights is not None else None
@@ -480,6 +490,8 @@ def matrix_worker(rank: int, world: int, rdzv: str, cfg: dict):
         kw = dict(num_max_tokens_per_rank=shape["max_tokens"], hidden=shape["hidden"], num_topk=shape["topk"],
                   use_fp8_dispatch=True, **bopts)
         buf = ep.ElasticBuffer(group, backend=cfg["backend"], **kw)
+        if cfg.get("shuffle") and buf.backend == "torch":  # emulate the native kernels' row order
+            buf.runtime.shuffle_generator = torch.Generator().manual_seed(1000 + rank)
         ref = ep.ElasticBuffer(group, backend="torch", **kw) if cfg.get("compare_torch") else None
         for i, case in enumerate(cfg.get("cases") or case_matrix(cfg["kind"])):
             run_case(buf, ref, group, rank, world, case, shape, seed=cfg.get("seed", 0) * 100 + i,

@@ -3,7 +3,9 @@
 Every dispatch/combine mode (bf16 / FP8 with FP32 or UE8M0 scales, expand with alignment and zero
 padding, CPU sync or worst-case outputs, cached mode, 0/1/2 biases, single and multiple reduction,
 deterministic ordering, TMA column-major scales, strided input scales) on 2, 3 and 4 ranks with
-different token counts per rank, including a rank with 0 tokens.
+different token counts per rank, including a rank with 0 tokens. Expanded rows are placed in a
+random order inside each expert segment (as the native kernels' atomics may), so the canonical
+comparison and the deterministic sort are exercised on the CPU too.
 """
 import pytest
 
@@ -20,6 +22,6 @@ def test_matrix_torch_backend_gloo(tmp_path, world):
     shape = dict(SMALL)
     if world == 3:
         shape.update(topk=2, experts=12)  # R > K: combine slots by master lane
-    cfg = dict(device="cpu", backend="torch", kind="cpu", shape=shape, buffers=BUFFERS, seed=world)
+    cfg = dict(device="cpu", backend="torch", kind="cpu", shape=shape, buffers=BUFFERS, seed=world, shuffle=True)
     done = run_workers(matrix_worker, world, cfg, tmp_path=tmp_path, timeout=300)
     assert done == [len(BUFFERS) * 12] * world

@@ -132,6 +132,9 @@ class ElasticBuffer:
         self.num_gpu_timeout_secs = num_gpu_timeout_secs
         self.explicitly_destroy = explicitly_destroy
         self.destroyed = False
+        # Test hook: a torch.Generator here makes expand mode place rows inside each expert segment in
+        # a random order, as the native kernels' atomics may (exercises the deterministic sort).
+        self.shuffle_generator: Optional[torch.Generator] = None
         self._comm_stream = None
         self._device = torch.device("cpu")
         if dist.get_backend(self.group) == "nccl":
@@ -372,8 +375,14 @@ class ElasticBuffer:
 
         # ---- expanded positions: (token, lane) pairs grouped by expert, receive order inside a group
         exp_row = torch.full((N, K), -1, dtype=torch.int64, device=dev)
-        if N:
+        if cached_mode and do_expand and N:
+            # The native kernels take cached expand positions from the handle; so does this backend.
+            exp_row = cached_recv_src_metadata[:N, 2:].to(torch.int64)
+        elif N:
             pi, pk = torch.nonzero(is_local, as_tuple=True)  # row-major: by token, then lane
+            if self.shuffle_generator is not None:
+                shuffle = torch.randperm(pi.numel(), generator=self.shuffle_generator).to(dev)
+                pi, pk = pi[shuffle], pk[shuffle]
             pe = local_idx[pi, pk]
             perm = torch.sort(pe, stable=True).indices
             pi, pk, pe = pi[perm], pk[perm], pe[perm]
