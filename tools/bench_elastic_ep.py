@@ -12,8 +12,10 @@ Measurements per case, averaged over the iterations (each after a 256 MiB L2 flu
   split into the communication kernels (dispatch: notify + push; combine: push) and the epilogue
   (dispatch copy epilogue; combine reduce);
 * end-to-end time: CUDA events around the Python call on the current stream (includes the CPU sync
-  of dispatch and every allocation), for the native backend and for the torch backend (the reference
-  path: all_to_all_single of counts and of packed rows, plus the index work), measured in the same run.
+  of dispatch and every allocation), for the native backend, for the torch backend (the full reference
+  path: all_to_all_single of counts and of packed rows, plus the index work) and for a bare
+  ``all_to_all_single`` of exactly the bytes that must move ("torch_a2a", the issue's reference),
+  all measured in the same run.
 
 Bandwidth is counted as DeepEP does: bytes received by this GPU / time, where a dispatched token
 carries ``hidden * elem + scale bytes + top-k ids (int64) + top-k weights (fp32)`` and a combined row
@@ -180,6 +182,41 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
             traceback.print_exc()
             out.setdefault("errors", []).append(f"{backend} num_sms={num_sms}: {type(e).__name__}: {e}")
             break
+    # The reference: one bare all_to_all_single of exactly the bytes that cross ranks (plus the
+    # local copy), i.e. what a plain torch implementation cannot avoid; no packing or index work.
+    for name, b in (("dispatch_bf16", tok_bytes(2, False)), ("dispatch_fp8", tok_bytes(1, True)),
+                    ("combine_bf16", H * 2 + K * 4)):
+        is_combine = name.startswith("combine")
+        in_splits = recv_counts if is_combine else sent
+        out_splits = sent if is_combine else recv_counts
+        send = torch.empty((sum(in_splits), b), dtype=torch.uint8, device="cuda")
+        recv = torch.empty((sum(out_splits), b), dtype=torch.uint8, device="cuda")
+
+        def a2a():
+            dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
+
+        for _ in range(2):
+            a2a()
+        e2e = []
+        for _ in range(iters):
+            flush.zero_()
+            torch.cuda.synchronize()
+            dist.barrier(group=group)
+            torch.cuda.synchronize()
+            s_ev, t_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s_ev.record()
+            a2a()
+            t_ev.record()
+            torch.cuda.synchronize()
+            e2e.append(s_ev.elapsed_time(t_ev) * 1000.0)
+        remote = (n_sent_remote if is_combine else n_recv_remote) * b
+        total = (sum(sent) if is_combine else n_recv_all) * b
+        e2e_us = sum(e2e) / len(e2e)
+        out["results"].append(dict(
+            backend="torch_a2a", case=name, num_sms=0, e2e_us=e2e_us, e2e_min_us=min(e2e),
+            comm_kernel_us=None, epilogue_us=None, kernel_us=None, bytes_remote=remote, bytes_total=total,
+            e2e_gbps_excl_local=remote / e2e_us / 1e3, e2e_gbps_incl_local=total / e2e_us / 1e3,
+            kernel_gbps_excl_local=None, kernel_gbps_incl_local=None, comm_gbps_excl_local=None))
     all_out = [None] * world
     dist.all_gather_object(all_out, out, group=group)
     if rank == 0:
@@ -206,9 +243,12 @@ def _summarise(per_rank, meta):
                                                         "kernel_gbps_excl_local", "kernel_gbps_incl_local",
                                                         "comm_gbps_excl_local")}))
     ref = {t["case"]: t for t in table if t["backend"] == "torch"}
+    a2a = {t["case"]: t for t in table if t["backend"] == "torch_a2a"}
     for t in table:
         r = ref.get(t["case"])
         t["speedup_vs_torch_e2e"] = (r["e2e_us"] / t["e2e_us"]) if r and t["e2e_us"] else None
+        r = a2a.get(t["case"])
+        t["speedup_vs_a2a_e2e"] = (r["e2e_us"] / t["e2e_us"]) if r and t["e2e_us"] else None
     return table
 
 
@@ -223,14 +263,15 @@ def _markdown(table, meta) -> str:
              f"per-GPU averages; GB/s = received bytes / time",
              "",
              "| backend | case | SMs | kernel us | comm us | epilogue us | e2e us | kernel GB/s excl. local | "
-             "kernel GB/s incl. local | comm-kernel GB/s excl. local | e2e GB/s excl. local | e2e speed-up vs torch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "kernel GB/s incl. local | comm-kernel GB/s excl. local | e2e GB/s excl. local | e2e speed-up vs torch "
+             "backend | e2e speed-up vs bare all_to_all |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in table:
         lines.append(f"| {t['backend']} | {t['case']} | {t['num_sms'] or 'all'} | {_fmt(t['kernel_us'])} | "
                      f"{_fmt(t['comm_kernel_us'])} | {_fmt(t['epilogue_us'])} | {_fmt(t['e2e_us'])} | "
                      f"{_fmt(t['kernel_gbps_excl_local'])} | {_fmt(t['kernel_gbps_incl_local'])} | "
                      f"{_fmt(t['comm_gbps_excl_local'])} | {_fmt(t['e2e_gbps_excl_local'])} | "
-                     f"{_fmt(t['speedup_vs_torch_e2e'], 2)} |")
+                     f"{_fmt(t['speedup_vs_torch_e2e'], 2)} | {_fmt(t['speedup_vs_a2a_e2e'], 2)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -247,7 +288,7 @@ def _plot(table, path):
     for t in table:
         v = t["kernel_gbps_excl_local"] if t["backend"] == "native" else t["e2e_gbps_excl_local"]
         labels.append(f"{t['backend']}\n{t['case']}\n{t['num_sms'] or 'all'} SMs" if t["backend"] == "native"
-                      else f"torch\n{t['case']}\n(e2e)")
+                      else f"{t['backend']}\n{t['case']}\n(e2e)")
         vals.append(v or 0.0)
         colors.append("tab:green" if t["backend"] == "native" else "tab:gray")
     fig, ax = plt.subplots(figsize=(max(6, len(vals) * 1.2), 4))
