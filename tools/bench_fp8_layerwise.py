@@ -246,26 +246,33 @@ def main(argv=None):
                          f"{overlap:.2f} | {cpe:.2f} | {'-' if ok is None else ('yes' if ok else 'NO')} |")
     table = "\n".join(lines)
     print(table)
-    # Default slot count: the prestaged mode with the best worst-case effective throughput.
+    # Default slot count: the best mean end-to-end throughput (native writer included) over the
+    # configurations; within 2 % of it, the better worst-case transport-only (prestaged) figure.
     best = None
+    scores = {}
     for n in (2, 4, 8):
-        vals = [v["eff"] / v["peak"] for (c, m), v in summary.items() if m == f"slots{n}-prestaged"]
-        if vals:
-            score = min(vals)
-            print(f"  slots{n}-prestaged: worst-config effective/peak = {score:.2f}")
-            if best is None or score > best[1] + 0.01:
-                best = (n, score)
-    if best:
-        print(f"  recommended default num_slots = {best[0]} (smallest count within 1% of the best)")
+        e2e = [v["eff"] / v["peak"] for (c, m), v in summary.items() if m == f"slots{n}"]
+        pre = [v["eff"] / v["peak"] for (c, m), v in summary.items() if m == f"slots{n}-prestaged"]
+        if e2e and pre:
+            scores[n] = (sum(e2e) / len(e2e), min(pre))
+            print(f"  slots{n}: mean end-to-end effective/peak {scores[n][0]:.2f}, "
+                  f"worst transport-only (prestaged) {scores[n][1]:.2f}")
+    if scores:
+        top = max(v[0] for v in scores.values())
+        near = [n for n, v in scores.items() if v[0] >= top - 0.02]
+        best = (max(near, key=lambda n: scores[n][1]), scores)
+        print(f"  recommended default num_slots = {best[0]}")
     targets = []
-    for (c, m), v in summary.items():
-        if m.endswith("prestaged") and m.startswith("slots4"):
-            targets.append(f"{c}: transport (prestaged, 4 slots) effective {v['eff_pct']:.0f}% of peak "
-                           f"-> {'MET' if v['eff_pct'] >= 90 else 'MISSED'} (>= 90%)")
-        if m == "slots4":
-            targets.append(f"{c}: native writer, 4 slots: h2d {v['pct']:.0f}% of peak -> "
-                           f"{'MET' if v['pct'] >= 90 else 'MISSED'}; total/max(writer,h2d) = {v['overlap']:.2f} -> "
-                           f"{'MET' if v['overlap'] <= 1.1 else 'MISSED'} (<= 1.1)")
+    for n in sorted({F.DEFAULT_SLOTS, 8}):
+        for (c, m), v in summary.items():
+            if m == f"slots{n}-prestaged":
+                targets.append(f"{c}: transport only (prestaged, {n} slots): effective {v['eff_pct']:.0f}% of peak "
+                               f"-> {'MET' if v['eff_pct'] >= 90 else 'MISSED'} (>= 90%)")
+            if m == f"slots{n}":
+                targets.append(f"{c}: native writer, {n} slots: h2d {v['pct']:.0f}% of peak -> "
+                               f"{'MET' if v['pct'] >= 90 else 'MISSED'}, end-to-end {v['eff_pct']:.0f}%; "
+                               f"total/max(writer,h2d) = {v['overlap']:.2f} -> "
+                               f"{'MET' if v['overlap'] <= 1.1 else 'MISSED'} (<= 1.1)")
     for t in targets:
         print("  " + t)
     try:
@@ -276,7 +283,7 @@ def main(argv=None):
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), host=platform.node(), backend=backend,
                 note=note, gpus=[torch.cuda.get_device_name(i) for i in range(ngpu)], cpus=cpus, git_rev=rev,
                 command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])), torch=torch.__version__,
-                recommended_slots=best[0] if best else None)
+                recommended_slots=best[0] if best else None, default_slots=F.DEFAULT_SLOTS)
     with open(os.path.join(args.out, "bench_fp8_layerwise.json"), "w") as f:
         json.dump(dict(meta=meta, results=results, table=table, targets=targets), f, indent=1)
     with open(os.path.join(args.out, "bench_fp8_layerwise.md"), "w") as f:

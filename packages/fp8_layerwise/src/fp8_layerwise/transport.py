@@ -61,7 +61,7 @@ CONTROL_BYTES: int = _C.FP8_LAYERWISE_CONTROL_BYTES
 MAX_TP: int = _C.FP8_LAYERWISE_MAX_TP_SIZE
 MAX_SLOTS: int = _C.FP8_LAYERWISE_MAX_SLOTS
 #: Default host slots per rank (chosen from tools/bench_fp8_layerwise.py, see BENCHMARKS.md).
-DEFAULT_SLOTS = 4
+DEFAULT_SLOTS = 2
 BLOCK = 128
 _KIND_ALIGN = 4096
 
