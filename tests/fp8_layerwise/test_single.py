@@ -227,3 +227,59 @@ def test_poison_claim_exactly_once():
         assert t.poison(F.ErrorCode.USER, "first") is True
         assert t.poison(F.ErrorCode.USER, "second") is False
         assert t.native.last_poison()["error_message"] == "first"
+
+
+def test_claimer_died_while_claimed_is_reported():
+    # A process that died between claiming the record and publishing it leaves state CLAIMED:
+    # readers must not hang on it, and report the incomplete publication after ~10 ms.
+    import ctypes
+
+    with make(2, [16] * 4) as t:
+        state = ctypes.c_uint64.from_address(t._control.ptr + 64)  # PoisonRecord follows the 64 B header
+        state.value = 2**64 - 1
+        t0 = time.monotonic()
+        exc = _poison_of(lambda: t.join(1, 0, 2))
+        assert "did not complete" in exc.message and time.monotonic() - t0 < 1.0
+        assert t.poison(F.ErrorCode.USER, "late") is False  # the claim is still held
+
+
+def test_exceptions_pickle_and_map_codes():
+    import pickle
+
+    for code, cls in [(1, F.ProtocolError), (2, F.TransportTimeout), (7, F.PeerDied), (5, F.TransportPoisoned)]:
+        exc = F.errors._from_native(code, 3, "why", "text")
+        assert type(exc) is cls and exc.code == code and exc.rank == 3 and exc.message == "why"
+        back = pickle.loads(pickle.dumps(exc))
+        assert type(back) is cls and back.code == code and back.message == "why" and str(back) == "text"
+    assert isinstance(F.errors._from_native(2, 0, "", ""), TimeoutError)
+
+
+@pytest.mark.parametrize("slots", [2, 3, 16])
+def test_host_slot_layout_contiguous_aligned_disjoint(slots):
+    nb = [1, 4099, 7, 8192]
+    offsets, total = F.HostSlots.layout(nb, slots)
+    regions = []
+    for k in range(4):
+        assert offsets[k] % 4096 == 0  # every kind starts page-aligned
+        # slot s+1 of a kind directly follows slot s: what lets the consumer merge copies
+        regions.append((offsets[k], offsets[k] + slots * nb[k]))
+    regions.sort()
+    for (a0, a1), (b0, b1) in zip(regions, regions[1:]):
+        assert a1 <= b0
+    assert regions[-1][1] <= total and total % 4096 == 0
+
+
+def test_every_expert_count_from_1_to_num_experts():
+    nb = [40, 8, 24, 4]
+    E = 11
+    with make(E, nb, 3) as t:
+        for n in range(1, E + 1):
+            for b in t.buffers:
+                b.fill_(0)
+            with t.layer(n, 0, n) as layer:
+                layer.run(pattern_writer(n))
+            for k in range(4):
+                want = torch.stack([expect(n, e, k, nb[k]) for e in range(n)])
+                assert torch.equal(t.buffers[k][: n * nb[k]].view(n, nb[k]), want), (n, k)
+                assert int(t.buffers[k][n * nb[k]:].count_nonzero()) == 0
+            assert layer.stats.bytes == n * sum(nb)
