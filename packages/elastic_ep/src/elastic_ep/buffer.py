@@ -320,7 +320,7 @@ class ElasticBuffer:
             num_allocated_qps = 17  # DeepEP's direct-mode default; unused without RDMA
         args = (self.rank, self.num_ranks, self.nccl_comm, None, self.num_bytes, 0, allow_hybrid_mode,
                 allow_multiple_reduction, prefer_overlap_with_compute, sl_idx, num_allocated_qps,
-                num_cpu_timeout_secs, num_gpu_timeout_secs, True)
+                num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy)
         self.comm_source = None
         if backend == "native":
             self.runtime = self._create_native(ll, group, args)
