@@ -71,18 +71,23 @@ def _inputs(rank: int, T: int, H: int, K: int, E: int, seed: int = 0):
 
 
 def _kernel_times(prof, iters: int):
-    """Average device time (us) per iteration of the elastic_ep kernels: (comm, epilogue)."""
+    """Average device time (us) per iteration of the elastic_ep kernels: (comm, epilogue, per kernel)."""
     comm = epi = 0.0
+    per_kernel = {}
     for e in prof.events():
         if getattr(e, "device_type", None) is None or "CUDA" not in str(e.device_type):
             continue
         name = e.name
         t = e.time_range.elapsed_us()  # a device-side kernel record: its own duration
-        if any(k in name for k in KERNEL_COMM):
+        key = next((k for k in KERNEL_COMM + KERNEL_EPI if k in name), None)
+        if key is None:
+            continue
+        per_kernel[key] = per_kernel.get(key, 0.0) + t / iters
+        if key in KERNEL_COMM:
             comm += t
-        elif any(k in name for k in KERNEL_EPI):
+        else:
             epi += t
-    return comm / iters, epi / iters
+    return comm / iters, epi / iters, per_kernel
 
 
 def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
@@ -146,6 +151,7 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                     torch.cuda.synchronize()
                     e2e.append(s.elapsed_time(t) * 1000.0)
                 comm_us = epi_us = None
+                per_kernel = {}
                 if backend == "native":
                     from torch.profiler import ProfilerActivity, profile
 
@@ -157,7 +163,7 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                             torch.cuda.synchronize()
                             fn()
                             torch.cuda.synchronize()
-                    comm_us, epi_us = _kernel_times(prof, iters)
+                    comm_us, epi_us, per_kernel = _kernel_times(prof, iters)
                 is_combine = name.startswith("combine")
                 if is_combine:
                     b = H * 2 + K * 4
@@ -169,7 +175,7 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                 kern_us = (comm_us + epi_us) if comm_us is not None else None
                 out["results"].append(dict(
                     backend=backend, case=name, num_sms=num_sms, e2e_us=e2e_us, e2e_min_us=min(e2e),
-                    comm_kernel_us=comm_us, epilogue_us=epi_us, kernel_us=kern_us,
+                    comm_kernel_us=comm_us, epilogue_us=epi_us, kernel_us=kern_us, per_kernel_us=per_kernel,
                     bytes_remote=remote, bytes_total=total,
                     e2e_gbps_excl_local=remote / e2e_us / 1e3, e2e_gbps_incl_local=total / e2e_us / 1e3,
                     kernel_gbps_excl_local=remote / kern_us / 1e3 if kern_us else None,
