@@ -119,3 +119,34 @@ def test_bad_inputs_native_ep1(tmp_path):
     """The same checks on the native backend (one GPU, EP=1), then a valid dispatch still works."""
     n = run_workers(validation_worker, 1, "native", tmp_path=tmp_path, timeout=180)
     assert n[0] >= 40
+
+
+def cpu_timeout_worker(rank, world, rdzv):
+    import time
+
+    from tests._dist import init_gloo
+    from tests.elastic_ep._common import import_elastic_ep, make_inputs
+
+    ep = import_elastic_ep()
+    group = init_gloo(rank, world, rdzv)
+    buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=16, hidden=256, num_topk=2, backend="torch",
+                           num_cpu_timeout_secs=2)
+    if rank != 0:
+        time.sleep(8)  # never joins the dispatch
+        return "idle"
+    inp = make_inputs(rank, 16, 256, 2, 8, "bf16", 0, "cpu")
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], num_experts=8)
+    except TimeoutError as e:
+        waited = time.monotonic() - t0
+        assert waited < 7, f"took {waited:.1f} s"
+        return str(e)
+    return "no timeout"
+
+
+def test_cpu_timeout_names_stage_and_rank(tmp_path):
+    """A peer that never joins: the torch backend raises TimeoutError after num_cpu_timeout_secs."""
+    res = run_workers(cpu_timeout_worker, 2, tmp_path=tmp_path, timeout=60)
+    assert "dispatch" in res[0] and "rank 0" in res[0] and "timed out" in res[0], res[0]
+    assert res[1] == "idle"

@@ -44,6 +44,7 @@ Differences from the native backend (documented, by design):
 """
 from __future__ import annotations
 
+import datetime
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -102,7 +103,8 @@ class ElasticBuffer:
         allow_multiple_reduction: combine reduces per rank (see the module docstring).
         prefer_overlap_with_compute: accepted, no effect.
         sl_idx, num_allocated_qps: ignored.
-        num_cpu_timeout_secs: timeout of the process-group collectives is the group's; kept for API parity.
+        num_cpu_timeout_secs: on CPU (gloo) groups, how long a dispatch/combine waits for its peers before
+            raising ``TimeoutError``; on NCCL groups the process group's own timeout applies.
         num_gpu_timeout_secs: kept for API parity.
         explicitly_destroy: when True, ``destroy()`` must be called by the user.
         group: the ``torch.distributed`` process group (keyword only; default: the world group).
@@ -198,16 +200,37 @@ class ElasticBuffer:
     def _epilogue(self, async_with_compute_stream: bool) -> Optional[EventHandle]:
         return EventHandle() if async_with_compute_stream else None
 
-    def _all_to_all(self, send: torch.Tensor, send_counts: List[int]) -> Tuple[torch.Tensor, List[int]]:
-        """Exchange rows of a uint8 ``[n, B]`` tensor; returns the received rows and per-source counts."""
+    def _all_to_all(self, send: torch.Tensor, send_counts: List[int], stage: str) -> Tuple[torch.Tensor, List[int]]:
+        """Exchange rows of a uint8 ``[n, B]`` tensor; returns the received rows and per-source counts.
+
+        On CPU groups every wait is bounded by ``num_cpu_timeout_secs``: a rank that never joins makes
+        this raise ``TimeoutError`` naming the stage and the rank (the group must then be recreated).
+        On NCCL groups the process group's own watchdog bounds the wait.
+        """
         dev = self._device
         counts = torch.tensor(send_counts, dtype=torch.int64, device=dev)
         recv_counts_t = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts_t, counts, group=self.group)
+        self._wait(dist.all_to_all_single(recv_counts_t, counts, group=self.group, async_op=True),
+                   f"{stage} (exchanging the per-rank counts)", send_counts)
         recv_counts = [int(c) for c in recv_counts_t.cpu().tolist()]
         recv = torch.empty((sum(recv_counts), send.shape[1]), dtype=torch.uint8, device=dev)
-        dist.all_to_all_single(recv, send.contiguous(), recv_counts, list(send_counts), group=self.group)
+        self._wait(dist.all_to_all_single(recv, send.contiguous(), recv_counts, list(send_counts), group=self.group,
+                                          async_op=True), f"{stage} (exchanging the rows)", recv_counts)
         return recv, recv_counts
+
+    def _wait(self, work, stage: str, counts: List[int]) -> None:
+        if self._device.type == "cuda":
+            work.wait()
+            return
+        try:
+            ok = work.wait(timeout=datetime.timedelta(seconds=self.num_cpu_timeout_secs))
+        except Exception as e:  # noqa: BLE001 - gloo reports an expired wait as RuntimeError
+            raise TimeoutError(f"elastic_ep {stage} timed out on rank {self.rank_idx} of {self.num_ranks} after "
+                               f"{self.num_cpu_timeout_secs} s (local counts {counts}); a peer did not join. "
+                               f"Destroy the process group and the buffer and create new ones. ({e})") from None
+        if ok is False:
+            raise TimeoutError(f"elastic_ep {stage} timed out on rank {self.rank_idx} of {self.num_ranks} after "
+                               f"{self.num_cpu_timeout_secs} s (local counts {counts}); a peer did not join")
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, sf: Optional[torch.Tensor], topk_idx: torch.Tensor,
@@ -318,7 +341,7 @@ class ElasticBuffer:
                 rows = token_ids.view(-1, 1).expand(T, K)
                 dst_buffer_slot_idx[valid] = slot_of[dst_rank[valid], rows[valid]]
 
-        recv, recv_counts = self._all_to_all(send, send_counts)
+        recv, recv_counts = self._all_to_all(send, send_counts, "dispatch")
         N = recv.shape[0]
 
         # ---- unpack
@@ -543,7 +566,7 @@ class ElasticBuffer:
         if w_vec is not None:
             parts.append(_as_bytes(w_vec))
         send = torch.cat(parts, 1)
-        recv, recv_counts = self._all_to_all(send, rec_counts)
+        recv, recv_counts = self._all_to_all(send, rec_counts, "combine")
         M = recv.shape[0]
         off = 0
         r_rows = _from_bytes(recv[:, :2 * H], torch.bfloat16, H); off = 2 * H
