@@ -55,8 +55,8 @@ Core::Core(int rank, int world, int64_t capacity, int num_blocks, double timeout
   CK_CHECK_ARG(rank >= 0 && rank < world, "rank must be in [0, world_size=", world, "), got ", rank);
   CK_CHECK_ARG(capacity > 0, "buffer capacity (num_tokens * hidden_dim * element size) must be positive, got ",
                capacity);
-  CK_CHECK_ARG(num_blocks >= world, "num_sms must be >= world_size (one block per target at least), got ",
-               num_blocks);
+  CK_CHECK_ARG(num_blocks >= world && num_blocks < 65536,
+               "num_sms must be in [world_size, 65535] (one block per target at least), got ", num_blocks);
   set_timeout_seconds(timeout_seconds);
   layout_ = buffer_layout(static_cast<uint64_t>(capacity));
 #if COMMKIT_WITH_CUDA
@@ -224,7 +224,8 @@ void Core::set_timeout_seconds(double s) {
 }
 
 void Core::set_grid(int num_blocks, int self_blocks) {
-  CK_CHECK_ARG(num_blocks >= world_, "num_blocks must be >= world_size, got ", num_blocks);
+  CK_CHECK_ARG(num_blocks >= world_ && num_blocks < 65536, "num_blocks must be in [world_size, 65535], got ",
+               num_blocks);
   CK_CHECK_ARG(self_blocks >= 0 && self_blocks < num_blocks, "self_blocks must be in [0, num_blocks), got ",
                self_blocks);
   num_blocks_ = num_blocks;

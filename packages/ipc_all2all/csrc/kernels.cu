@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const KernelArgs a) {
       acc += n;
     }
     s_prefix[W] = acc;
-    s_ok = !commkit::aborted(a.rec);
+    s_ok = 1;
   }
   __syncthreads();
   const uint64_t e = s_epoch;
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const KernelArgs a) {
   }
 
   // Entry handshake, part 2: the target has entered call e, so it no longer reads what I overwrite.
-  if (target != q && threadIdx.x == 0 && s_ok)
+  if (target != q && threadIdx.x == 0)
     s_ok = commkit::wait_ge(&me->ready[target], e, a.timeout_ns, a.rec, a.op * 4 + kPhaseEntry, q, target);
   __syncthreads();
 
@@ -165,12 +165,14 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const KernelArgs a) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   if (target != q) {
-    uint32_t old = atomicAdd(&me->cnt[target], 1u);
-    if (old == static_cast<uint32_t>(nb - 1)) {
+    // Low 16 bits count blocks that copied, high 16 bits blocks that gave up on a deadline: a
+    // failed call must not look complete to the peer, or its next call would consume garbage.
+    const uint32_t inc = s_ok ? 1u : 0x10000u;
+    const uint32_t now = atomicAdd(&me->cnt[target], inc) + inc;
+    if ((now & 0xffffu) + (now >> 16) == static_cast<uint32_t>(nb)) {
       atomicExch(&me->cnt[target], 0u);
       __threadfence_system();
-      // A failed call must not look complete to the peer, or its next call would consume garbage.
-      if (!commkit::aborted(a.rec)) commkit::st_release(&a.sig[target]->done[q], e);
+      if ((now >> 16) == 0u) commkit::st_release(&a.sig[target]->done[q], e);
     }
   }
   uint32_t old = atomicAdd(&me->fin, 1u);

@@ -1,0 +1,369 @@
+"""Worker bodies of the GPU tests (module-level so spawned processes can import them).
+
+Every worker returns normally on success; an assertion or exception travels back to the test
+through tests._dist.run_workers. References are independent of ipc_all2all: the plain torch path
+(permute -> all_to_all_single -> permute, all_gather_into_tensor) or the full global tensor rebuilt
+on every rank from per-rank seeds.
+"""
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+from tests._dist import init_nccl
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _setup(rank, world, rdzv, reverse_devices=False):
+    n = torch.cuda.device_count()
+    dev = (world - 1 - rank) % n if reverse_devices else rank % n
+    init_nccl(rank, world, rdzv, device=dev)
+    return torch.device("cuda", dev)
+
+
+def _rand(shape, dtype, device, seed):
+    """Random bytes viewed as dtype (every bit pattern, NaNs included: comparisons are bytewise)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    it = torch.empty((), dtype=dtype).element_size()
+    shape = list(shape)
+    raw = torch.randint(0, 256, shape[:-1] + [shape[-1] * it], dtype=torch.uint8, device=device, generator=g)
+    return raw.view(dtype)
+
+
+def _bytes(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def _assert_same(got, want, what):
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    gb, wb = _bytes(got), _bytes(want)
+    if not torch.equal(gb, wb):
+        bad = (gb != wb).nonzero()
+        raise AssertionError(f"{what}: {bad.shape[0]} bytes differ, first at {bad[0].tolist()}")
+
+
+# ------------------------------------------------------------------ NCCL references (bytes on the wire)
+def ref_send_recv_heads(x, counts, world, rank):
+    b, n, H, D = x.shape
+    hpr = H // world
+    xb = _bytes(x)  # [b, n, H, D*it]
+    De = xb.shape[-1]
+    inp = xb.view(b, n, world, hpr, De).permute(2, 0, 1, 3, 4).contiguous()  # [W, b, n, hpr, D*it]
+    row = hpr * De
+    out = torch.empty(sum(b * c * row for c in counts), dtype=torch.uint8, device=x.device)
+    dist.all_to_all_single(out, inp.view(-1), [b * c * row for c in counts], [b * n * row] * world)
+    parts = torch.split(out, [b * c * row for c in counts])
+    y = torch.cat([p.view(b, c, hpr, De) for p, c in zip(parts, counts)], dim=1)
+    return y.view(x.dtype)
+
+
+def ref_gather_heads(y, counts, world, rank):
+    b, T, hpr, _ = y.shape
+    yb = _bytes(y)
+    De = yb.shape[-1]
+    row = hpr * De
+    n = counts[rank]
+    inp = torch.cat([yb[:, sum(counts[:r]):sum(counts[:r + 1])].reshape(-1) for r in range(world)])
+    out = torch.empty(world * b * n * row, dtype=torch.uint8, device=y.device)
+    dist.all_to_all_single(out, inp, [b * n * row] * world, [b * c * row for c in counts])
+    x = out.view(world, b, n, hpr, De).permute(1, 2, 0, 3, 4).reshape(b, n, world * hpr, De)
+    return x.contiguous().view(y.dtype)
+
+
+def ref_allgather(x, counts, world, rank):
+    b, n, h, _ = x.shape
+    xb = _bytes(x)
+    De = xb.shape[-1]
+    if len(set(counts)) == 1:
+        out = torch.empty((world,) + tuple(xb.shape), dtype=torch.uint8, device=x.device)
+        dist.all_gather_into_tensor(out, xb)
+        return out.permute(1, 0, 2, 3, 4).reshape(b, sum(counts), h, De).contiguous().view(x.dtype)
+    row = h * De
+    out = torch.empty(sum(b * c * row for c in counts), dtype=torch.uint8, device=x.device)
+    dist.all_to_all_single(out, xb.reshape(-1).repeat(world), [b * c * row for c in counts], [b * n * row] * world)
+    parts = torch.split(out, [b * c * row for c in counts])
+    return torch.cat([p.view(b, c, h, De) for p, c in zip(parts, counts)], dim=1).view(x.dtype)
+
+
+def _count_sets(world):
+    even = [48] * world
+    uneven = [0] + [13 + 29 * r for r in range(1, world)]  # rank 0 has no tokens
+    return {"even": even, "uneven": uneven, "uneven_rev": list(reversed(uneven))}
+
+
+# ------------------------------------------------------------------ workers
+def worker_matches_nccl(rank, world, rdzv, reverse_devices, dtype_names):
+    import ipc_all2all
+
+    dev = _setup(rank, world, rdzv, reverse_devices)
+    H = 8 * world
+    max_tokens = 2 * 3 * 13 * 8 * world + 2 * 48 * world  # ample for batch 2 and the largest total
+    checked = 0
+    for dtype in [getattr(torch, n) for n in dtype_names]:
+        with ipc_all2all.All2All.from_group(num_tokens=max_tokens, hidden_dim=H * 128, tensor_dtype=dtype,
+                                            timeout_seconds=10) as a2a:
+            assert a2a.rank == rank and a2a.device == dev
+            for b in (1, 2):
+                for D in (64, 128):
+                    for name, counts in _count_sets(world).items():
+                        for copy_output in (False, True):
+                            seed = hash((str(dtype), b, D, name, copy_output)) % (1 << 30)
+                            a2a.set_rank_tokens(counts)
+                            x = _rand((b, counts[rank], H, D), dtype, dev, seed + rank)
+                            what = f"{dtype} b={b} D={D} {name} copy={copy_output}"
+                            y = a2a.send_recv_heads(x, copy_output=copy_output)
+                            _assert_same(y, ref_send_recv_heads(x, counts, world, rank), "send_recv_heads " + what)
+                            z = a2a.gather_heads(y, copy_output=copy_output)
+                            _assert_same(z, x, "round trip " + what)
+                            y2 = _rand((b, sum(counts), H // world, D), dtype, dev, seed + 1000 + rank)
+                            _assert_same(a2a.gather_heads(y2, copy_output=copy_output),
+                                         ref_gather_heads(y2, counts, world, rank), "gather_heads " + what)
+                            xa = _rand((b, counts[rank], 3, D), dtype, dev, seed + 2000 + rank)
+                            if (3 * D * xa.element_size()) % 16 == 0:
+                                _assert_same(a2a.allgather(xa, copy_output=copy_output),
+                                             ref_allgather(xa, counts, world, rank), "allgather " + what)
+                            checked += 1
+            a2a.synchronize()
+    # Hidden far beyond one block's threads (the original kernel looped forever here).
+    with ipc_all2all.All2All.from_group(num_tokens=3 * world * 2, hidden_dim=65536, tensor_dtype=torch.bfloat16) as a2a:
+        counts = [3] * world
+        a2a.set_rank_tokens(counts)
+        xa = _rand((1, 3, 2, 32768), torch.bfloat16, dev, 77 + rank)
+        _assert_same(a2a.allgather(xa), ref_allgather(xa, counts, world, rank), "allgather hidden 65536")
+    return checked
+
+
+def worker_validation(rank, world, rdzv):
+    import ipc_all2all
+
+    dev = _setup(rank, world, rdzv)
+    H, D = 4 * world, 128
+    with ipc_all2all.All2All.from_group(num_tokens=64 * world, hidden_dim=H * D, tensor_dtype=torch.bfloat16) as a2a:
+        counts = [16] * world
+        a2a.set_rank_tokens(counts)
+        x = torch.zeros(1, 16, H, D, dtype=torch.bfloat16, device=dev)
+        errors = {}
+
+        def expect(fn, match):
+            try:
+                fn()
+            except ValueError as e:
+                assert match in str(e), f"{match!r} not in {e}"
+                errors[match] = str(e)
+            else:
+                raise AssertionError(f"no ValueError for {match}")
+
+        calls_before = a2a._core.calls
+        expect(lambda: a2a.send_recv_heads(x.float()), "dtype")
+        expect(lambda: a2a.send_recv_heads(x.cpu()), "lives on")
+        expect(lambda: a2a.send_recv_heads(x.transpose(1, 2)), "contiguous")
+        flat = torch.zeros(x.numel() + 8, dtype=torch.bfloat16, device=dev)
+        expect(lambda: a2a.send_recv_heads(flat[1:1 + x.numel()].view(x.shape)), "16-byte aligned")
+        expect(lambda: a2a.send_recv_heads(x[:, :15].contiguous()), "x has 15 tokens")
+        expect(lambda: a2a.send_recv_heads(torch.zeros(1, 16, H + 1, D, dtype=torch.bfloat16, device=dev)),
+               "divisible by world_size")
+        expect(lambda: a2a.set_rank_tokens([16] * (world + 1)), "one entry per rank")
+        expect(lambda: a2a.set_rank_tokens(torch.zeros(world, dtype=torch.int64, device=dev)), "int32")
+        a2a.set_rank_tokens([100 * world] * world)
+        expect(lambda: a2a.send_recv_heads(torch.zeros(1, 100 * world, H, D, dtype=torch.bfloat16, device=dev)),
+               "exceed what the instance was built for")
+        a2a.set_rank_tokens(counts)
+        assert a2a._core.calls == calls_before, "a rejected call must not launch"
+        # An input inside the slot this call writes (a zero-copy output from two calls ago) is refused.
+        y = a2a.send_recv_heads(x)                      # slot A
+        a2a.gather_heads(torch.zeros_like(y))           # slot B
+        expect(lambda: a2a.gather_heads(y), "output slot")
+        a2a.synchronize()
+    return sorted(errors)
+
+
+def worker_stress(rank, world, rdzv, iters, copy_output):
+    """Back-to-back round trips on one instance; rank 1 is delayed at random before reading results."""
+    import ipc_all2all
+
+    dev = _setup(rank, world, rdzv)
+    H, D, n = 8 * world, 128, 256
+    counts = [n + 8 * r for r in range(world)]
+    xs = [_rand((1, counts[r], H, D), torch.bfloat16, dev, 4242 + r) for r in range(world)]
+    hpr = H // world
+    want = torch.cat([xs[r][:, :, rank * hpr:(rank + 1) * hpr] for r in range(world)], dim=1)
+    want_b = _bytes(want)
+    x_b = _bytes(xs[rank])
+    errors = torch.zeros((), dtype=torch.int64, device=dev)
+    rng = random.Random(1234 + rank)
+    with ipc_all2all.All2All.from_group(num_tokens=sum(counts), hidden_dim=H * D, tensor_dtype=torch.bfloat16,
+                                        timeout_seconds=10) as a2a:
+        a2a.set_rank_tokens(counts)
+        for i in range(iters):
+            delta = i % 251
+            x = (x_b + delta).view(torch.bfloat16)  # bytes + i, so every call carries different data
+            if rank == 1 and rng.random() < 0.5:
+                torch.cuda._sleep(rng.randint(0, 200_000))
+            y = a2a.send_recv_heads(x, copy_output=copy_output)
+            if rank == 1 and rng.random() < 0.5:
+                torch.cuda._sleep(rng.randint(0, 200_000))  # a slow reader of the zero-copy output
+            errors += (_bytes(y) != want_b + delta).sum()
+            z = a2a.gather_heads(y, copy_output=copy_output)
+            if rank == 1 and rng.random() < 0.3:
+                torch.cuda._sleep(rng.randint(0, 200_000))
+            errors += (_bytes(z) != x_b + delta).sum()
+        a2a.synchronize()
+        assert a2a._core.calls == 2 * iters
+    assert int(errors) == 0, f"{int(errors)} corrupted bytes over {iters} round trips"
+    return iters
+
+
+def worker_cuda_graph(rank, world, rdzv):
+    """One captured send+gather replayed with token counts changed on the device between replays."""
+    import ipc_all2all
+
+    dev = _setup(rank, world, rdzv)
+    H, D, L = 8 * world, 128, 96
+    hpr = H // world
+    with ipc_all2all.All2All.from_group(num_tokens=L * world, hidden_dim=H * D, tensor_dtype=torch.bfloat16,
+                                        timeout_seconds=10) as a2a:
+        counts_dev = torch.full((world,), L, dtype=torch.int32, device=dev)
+        a2a.set_rank_tokens(counts_dev)
+        x = torch.zeros(1, L, H, D, dtype=torch.bfloat16, device=dev)
+        # warm-up in eager mode (same number of calls on every rank)
+        y = a2a.send_recv_heads(x)
+        a2a.gather_heads(y)
+        a2a.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = a2a.send_recv_heads(x, copy_output=False)
+            z = a2a.gather_heads(y, copy_output=True)
+        replays = 0
+        rng = random.Random(99)
+        for step in range(6):
+            counts = [rng.randint(0, L) for _ in range(world)]
+            if step == 0:
+                counts = [L] * world
+            if step == 1:
+                counts[0] = 0
+            xs = [_rand((1, L, H, D), torch.bfloat16, dev, 555 * step + r) for r in range(world)]
+            x.copy_(xs[rank])
+            counts_dev.copy_(torch.tensor(counts, dtype=torch.int32))
+            if rank == 1:
+                torch.cuda._sleep(100_000)
+            g.replay()
+            replays += 1
+            total = sum(counts)
+            want = torch.cat([xs[r][:, :counts[r], rank * hpr:(rank + 1) * hpr] for r in range(world)], dim=1)
+            _assert_same(y[:, :total], want, f"graph replay {step} send_recv_heads counts={counts}")
+            _assert_same(z[:, :counts[rank]], xs[rank][:, :counts[rank]], f"graph replay {step} round trip")
+        a2a.synchronize()
+        # eager calls still work after the replays (epochs advanced on the device)
+        a2a.set_rank_tokens([L] * world)
+        x.copy_(_rand((1, L, H, D), torch.bfloat16, dev, 31337 + rank))
+        _assert_same(a2a.gather_heads(a2a.send_recv_heads(x)), x, "eager after graph")
+        a2a.synchronize()
+    return replays
+
+
+def worker_compile(rank, world, rdzv):
+    import torch.nn.functional as F
+
+    import ipc_all2all
+    from ipc_all2all import ops
+
+    dev = _setup(rank, world, rdzv)
+    H, D, n = 4 * world, 64, 64
+    with ipc_all2all.All2All.from_group(num_tokens=n * world * 2, hidden_dim=H * D, tensor_dtype=torch.bfloat16,
+                                        timeout_seconds=120) as a2a:
+        a2a.set_rank_tokens([n] * world)
+
+        def attention(q, k, v):
+            qh, kh, vh = (ops.send_recv_heads(t, a2a) for t in (q, k, v))  # [1, T, H/W, D]
+            o = F.scaled_dot_product_attention(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2))
+            return ops.gather_heads(o.transpose(1, 2).contiguous(), a2a)
+
+        q, k, v = (torch.randn(1, n, H, D, dtype=torch.bfloat16, device=dev, generator=torch.Generator(device=dev).manual_seed(s + rank))
+                   for s in (1, 2, 3))
+        eager = attention(q, k, v)
+        compiled = torch.compile(attention, fullgraph=True)
+        out = compiled(q, k, v)
+        out2 = compiled(q, k, v)
+        torch.testing.assert_close(out, eager, atol=2e-2, rtol=2e-2)
+        _assert_same(out2, out, "compiled twice")
+        # the communication ops themselves are exact under compile
+        f = torch.compile(lambda t: ops.gather_heads(ops.send_recv_heads(t, a2a) * 1, a2a), fullgraph=True)
+        _assert_same(f(q), q, "compiled round trip")
+        a2a.synchronize()
+    return True
+
+
+def worker_timeout(rank, world, rdzv):
+    import ipc_all2all
+
+    dev = _setup(rank, world, rdzv)
+    H, D = 4 * world, 128
+    skipper = world - 1
+    a2a = ipc_all2all.All2All.from_group(num_tokens=64 * world, hidden_dim=H * D, tensor_dtype=torch.bfloat16,
+                                         timeout_seconds=1.0)
+    a2a.set_rank_tokens([16] * world)
+    x = torch.ones(1, 16, H, D, dtype=torch.bfloat16, device=dev)
+    for _ in range(3):
+        a2a.gather_heads(a2a.send_recv_heads(x))
+    a2a.synchronize()
+    result = {}
+    if rank != skipper:
+        t0 = time.monotonic()
+        a2a.send_recv_heads(x)
+        try:
+            a2a.synchronize()
+        except ipc_all2all.CommTimeoutError as e:
+            result = {"elapsed": time.monotonic() - t0, "op": e.operation, "rank": e.rank, "peer": e.peer,
+                      "msg": str(e)}
+        else:
+            raise AssertionError("a call the peer skipped did not time out")
+        assert a2a.broken
+        try:
+            a2a.send_recv_heads(x)
+        except ipc_all2all.CommError as e:
+            assert "unusable" in str(e)
+        else:
+            raise AssertionError("a broken instance accepted a call")
+        # the CUDA context is still usable
+        assert float(torch.ones(4, device=dev).sum()) == 4.0
+    dist.barrier()
+    a2a.destroy()
+    # and a fresh instance works
+    with ipc_all2all.All2All.from_group(num_tokens=64 * world, hidden_dim=H * D, tensor_dtype=torch.bfloat16) as b2b:
+        b2b.set_rank_tokens([16] * world)
+        xr = _rand((1, 16, H, D), torch.bfloat16, dev, rank)
+        _assert_same(b2b.gather_heads(b2b.send_recv_heads(xr)), xr, "round trip after a timeout")
+        b2b.synchronize()
+    return result
+
+
+def worker_leak(rank, world, rdzv, loops):
+    import ipc_all2all
+
+    dev = _setup(rank, world, rdzv)
+    H, D = 4 * world, 128
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+
+    def once():
+        with ipc_all2all.All2All.from_group(num_tokens=16384, hidden_dim=H * D, tensor_dtype=torch.bfloat16) as a2a:
+            a2a.set_rank_tokens([16] * world)
+            x = torch.ones(1, 16, H, D, dtype=torch.bfloat16, device=dev)
+            _assert_same(a2a.gather_heads(a2a.send_recv_heads(x)), x, "leak loop round trip")
+
+    once()
+    torch.cuda.synchronize()
+    free0, fd0 = torch.cuda.mem_get_info(dev)[0], fds()
+    for _ in range(loops):
+        once()
+    torch.cuda.synchronize()
+    free1, fd1 = torch.cuda.mem_get_info(dev)[0], fds()
+    per_instance = 2 * 16384 * H * D * 2
+    assert free0 - free1 < per_instance, f"device memory shrank by {free0 - free1} bytes over {loops} loops"
+    assert fd1 - fd0 <= 2, f"{fd1 - fd0} file descriptors leaked"
+    return free0 - free1

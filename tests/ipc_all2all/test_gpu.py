@@ -1,0 +1,68 @@
+"""GPU tests of ipc_all2all: one process per visible GPU (any count >= 2, at most 8)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._dist import run_workers
+from tests.ipc_all2all import _workers as w
+
+ALL_DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
+
+
+def _world() -> int:
+    return max(2, min(8, torch.cuda.device_count() if torch.cuda.is_available() else 2))
+
+
+@pytest.mark.multigpu(2)
+@pytest.mark.parametrize("reverse_devices,dtypes", [(False, ALL_DTYPES), (True, ["bfloat16"])],
+                         ids=["rank=device", "rank!=device"])
+def test_matches_torch_nccl_path(tmp_path, reverse_devices, dtypes):
+    """Bitwise equality with permute -> all_to_all_single -> permute and all_gather_into_tensor for
+    bf16/fp16/fp32/e4m3/e5m2, batch 1-2, head_dim 64/128, even and uneven counts (a rank with 0),
+    plus the round trip gather_heads(send_recv_heads(x)) == x, views and copies."""
+    res = run_workers(w.worker_matches_nccl, _world(), reverse_devices, dtypes, tmp_path=tmp_path, timeout=200)
+    assert all(r == len(dtypes) * 2 * 2 * 3 * 2 for r in res)
+
+
+@pytest.mark.multigpu(2)
+@pytest.mark.parametrize("copy_output", [False, True], ids=["view", "copy"])
+def test_back_to_back_with_skew(tmp_path, copy_output):
+    """1000 round trips on one instance, one rank randomly delayed, every output checked on the GPU."""
+    res = run_workers(w.worker_stress, _world(), 1000, copy_output, tmp_path=tmp_path, timeout=150)
+    assert res == [1000] * _world()
+
+
+@pytest.mark.multigpu(2)
+def test_cuda_graph_replay_with_changing_counts(tmp_path):
+    res = run_workers(w.worker_cuda_graph, _world(), tmp_path=tmp_path, timeout=120)
+    assert res == [6] * _world()
+
+
+@pytest.mark.multigpu(2)
+def test_skipped_call_times_out_with_a_clear_error(tmp_path):
+    world = _world()
+    res = run_workers(w.worker_timeout, world, tmp_path=tmp_path, timeout=120)
+    for rank, r in enumerate(res[:-1]):
+        assert r["rank"] == rank and r["peer"] == world - 1, r
+        assert "send_recv_heads" in r["op"], r
+        assert r["elapsed"] < 1.0 + 10.0, r  # 1 s deadline plus launch and teardown slack
+    assert res[-1] == {}
+
+
+@pytest.mark.multigpu(2)
+def test_validation_before_launch(tmp_path):
+    res = run_workers(w.worker_validation, _world(), tmp_path=tmp_path, timeout=120)
+    assert len(res[0]) == 10, res[0]
+
+
+@pytest.mark.multigpu(2)
+def test_create_destroy_loop_leaks_nothing(tmp_path):
+    res = run_workers(w.worker_leak, _world(), 30, tmp_path=tmp_path, timeout=150)
+    print("device bytes lost over 30 loops per rank:", res)
+
+
+@pytest.mark.multigpu(2)
+def test_torch_compile_fullgraph(tmp_path):
+    run_workers(w.worker_compile, _world(), tmp_path=tmp_path, timeout=240,
+                env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})

@@ -1,0 +1,350 @@
+#!/usr/bin/env python3
+"""Benchmark ipc_all2all against the standard Ulysses path (permute -> NCCL all_to_all_single ->
+permute), measured in the same run.
+
+    python tools/bench_ipc_all2all.py --out DIR [--quick] [--worlds 2,4] [--plot-only]
+
+Launches one process per GPU for every world size W in {2, 4, 8, all GPUs} that the machine has,
+bf16, 32 heads x 128, batch 1, total sequence 4k..128k tokens (each rank holds total/W tokens).
+For send_recv_heads, gather_heads and their round trip, eager and CUDA-graphed, it reports the
+latency (max over ranks of the mean per call), the algorithm bandwidth (bytes of one rank's input /
+time) and the bus bandwidth (algbw * (W-1)/W, the share that crosses NVLink). It also checks once
+per size that both paths give bitwise equal results, sweeps the grid size at one large size, and
+writes bench_ipc_all2all.{json,md,png} into DIR. --plot-only redraws the PNG from the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HEADS, HEAD_DIM = 32, 128
+NCCL_RT_REF_US = {4096: 166, 8192: 261, 32768: 851, 131072: 3133}  # measured NCCL path, 2x H200
+BUSBW_TARGET = 330.0  # GB/s, send_recv_heads at >= 64 MiB per rank, 2 GPUs
+
+
+def _time_eager(fn, iters, warmup=3):
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    import torch.distributed as dist
+
+    dist.barrier()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters  # us
+
+
+def _time_graph(fn, iters, per_graph=5):
+    import torch
+    import torch.distributed as dist
+
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        fn()  # warm-up on the side stream (NCCL needs it before capture)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g, stream=s):
+            for _ in range(per_graph):
+                fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda.synchronize()
+    reps = max(1, iters // per_graph)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * per_graph)
+
+
+def _worker(rank, world, rdzv, sizes, sweep, q):
+    import torch
+    import torch.distributed as dist
+
+    import ipc_all2all
+
+    try:
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+        dist.init_process_group("nccl", init_method=rdzv, rank=rank, world_size=world, device_id=dev,
+                                timeout=datetime.timedelta(seconds=120))
+        hpr = HEADS // world
+        max_local = max(sizes) // world
+        a2a = ipc_all2all.All2All.from_group(num_tokens=max_local, hidden_dim=HEADS * HEAD_DIM,
+                                             tensor_dtype=torch.bfloat16, timeout_seconds=10)
+        results, sweep_res = [], []
+
+        def mx(v):
+            t = torch.tensor([v], dtype=torch.float64, device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return float(t)
+
+        for total in sizes:
+            n = total // world
+            a2a.set_rank_tokens([n] * world)
+            x = torch.randn(1, n, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+            y_in = torch.randn(1, total, hpr, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+            send_buf = torch.empty(world, 1, n, hpr, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+            recv_buf = torch.empty_like(send_buf)
+
+            def nccl_send(x=x):
+                send_buf.copy_(x.view(1, n, world, hpr, HEAD_DIM).permute(2, 0, 1, 3, 4))
+                dist.all_to_all_single(recv_buf, send_buf)
+                return recv_buf.permute(1, 0, 2, 3, 4).reshape(1, total, hpr, HEAD_DIM).contiguous()
+
+            def nccl_gather(y=y_in):
+                send_buf.copy_(y.view(1, world, n, hpr, HEAD_DIM).permute(1, 0, 2, 3, 4))
+                dist.all_to_all_single(recv_buf, send_buf)
+                return recv_buf.permute(1, 2, 0, 3, 4).reshape(1, n, HEADS, HEAD_DIM).contiguous()
+
+            def ours_send():
+                return a2a.send_recv_heads(x)
+
+            def ours_gather():
+                return a2a.gather_heads(y_in)
+
+            def ours_rt():
+                return a2a.gather_heads(a2a.send_recv_heads(x))
+
+            def nccl_rt():
+                return nccl_gather(nccl_send())
+
+            equal = bool(torch.equal(ours_send(), nccl_send()))
+            equal &= bool(torch.equal(ours_gather(), nccl_gather()))
+            equal &= bool(torch.equal(ours_rt(), x))
+            bytes_rank = n * HEADS * HEAD_DIM * 2
+            iters = int(max(10, min(200, 4e9 / max(bytes_rank, 1))))
+            row = {"world": world, "total_tokens": total, "bytes_per_rank": bytes_rank, "bitwise_equal": equal}
+            for name, fn in (("ours_send", ours_send), ("ours_gather", ours_gather), ("ours_rt", ours_rt),
+                             ("nccl_send", nccl_send), ("nccl_gather", nccl_gather), ("nccl_rt", nccl_rt)):
+                row[f"{name}_eager_us"] = mx(_time_eager(fn, iters))
+                try:
+                    row[f"{name}_graph_us"] = mx(_time_graph(fn, iters))
+                except Exception as e:  # noqa: BLE001 - recorded, not fatal
+                    row[f"{name}_graph_us"] = None
+                    row.setdefault("errors", []).append(f"{name} graph: {type(e).__name__}: {e}")
+                    torch.cuda.synchronize()
+            results.append(row)
+            if rank == 0:
+                print(f"W={world} T={total}: ours send {row['ours_send_eager_us']:.1f} us rt {row['ours_rt_eager_us']:.1f}"
+                      f" | nccl send {row['nccl_send_eager_us']:.1f} rt {row['nccl_rt_eager_us']:.1f} equal={equal}",
+                      flush=True)
+            del x, y_in, send_buf, recv_buf
+            if total == sweep:
+                x = torch.randn(1, n, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+                sm = torch.cuda.get_device_properties(dev).multi_processor_count
+                for nb in (32, 64, 96, sm, 2 * sm):
+                    for self_b in (0, 4, 8, 16):
+                        if self_b >= nb:
+                            continue
+                        a2a.set_grid(nb, self_b)
+                        us = mx(_time_eager(lambda: a2a.send_recv_heads(x), 20))
+                        sweep_res.append({"num_blocks": nb, "self_blocks": self_b, "grid": list(a2a._core.grid),
+                                          "send_us": us, "total_tokens": total, "world": world})
+                a2a.set_grid(sm, 0)
+                del x
+            torch.cuda.empty_cache()
+        a2a.destroy()
+        dist.destroy_process_group()
+        q.put((rank, "ok", {"rows": results, "sweep": sweep_res}))
+    except BaseException as e:  # noqa: BLE001
+        import traceback
+
+        q.put((rank, "error", traceback.format_exc()))
+        raise SystemExit(1) from e
+
+
+def _run_world(world, sizes, sweep, timeout):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        rdzv = f"file://{d}/rdzv"
+        procs = [ctx.Process(target=_worker, args=(r, world, rdzv, sizes, sweep, q)) for r in range(world)]
+        for p in procs:
+            p.start()
+        out, deadline = {}, time.time() + timeout
+        while len(out) < world and time.time() < deadline:
+            try:
+                r, status, payload = q.get(timeout=5)
+                out[r] = (status, payload)
+            except Exception:  # noqa: BLE001
+                if all(not p.is_alive() for p in procs) and q.empty():
+                    break
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    errors = {r: v[1] for r, v in out.items() if v[0] != "ok"}
+    if errors or 0 not in out:
+        return None, errors or {"-": "no result (timeout?)"}
+    return out[0][1], {}
+
+
+def _derive(row):
+    W = row["world"]
+    for k in list(row):
+        if k.endswith("_us") and row[k]:
+            base = k[:-3]
+            b = row["bytes_per_rank"] * (2 if "_rt_" in k else 1)
+            row[base + "_algbw"] = b / (row[k] * 1e-6) / 1e9
+            row[base + "_busbw"] = row[base + "_algbw"] * (W - 1) / W
+    return row
+
+
+def _table(rows):
+    lines = ["| W | tokens | MiB/rank | mode | ours send us | ours gather us | ours RT us | NCCL send us | NCCL gather us "
+             "| NCCL RT us | RT ratio | ours send busbw GB/s | NCCL send busbw GB/s | equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for mode in ("eager", "graph"):
+            g = lambda k: r.get(f"{k}_{mode}_us")  # noqa: E731
+            f = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
+            ratio = (g("ours_rt") / g("nccl_rt")) if g("ours_rt") and g("nccl_rt") else None
+            lines.append(
+                f"| {r['world']} | {r['total_tokens']} | {r['bytes_per_rank'] / 2**20:.0f} | {mode} | {f(g('ours_send'))} | "
+                f"{f(g('ours_gather'))} | {f(g('ours_rt'))} | {f(g('nccl_send'))} | {f(g('nccl_gather'))} | "
+                f"{f(g('nccl_rt'))} | {'n/a' if ratio is None else f'{ratio:.2f}'} | "
+                f"{f(r.get(f'ours_send_{mode}_busbw'))} | {f(r.get(f'nccl_send_{mode}_busbw'))} | {r['bitwise_equal']} |")
+    return "\n".join(lines)
+
+
+def _targets(rows):
+    out = []
+    for r in rows:
+        if r["world"] != 2:
+            continue
+        for mode in ("eager", "graph"):
+            o, n = r.get(f"ours_rt_{mode}_us"), r.get(f"nccl_rt_{mode}_us")
+            if o and n:
+                out.append(f"W=2 {r['total_tokens']} tokens {mode}: RT {o:.1f} us vs NCCL {n:.1f} us "
+                           f"(ratio {o / n:.2f}, target <= 0.5: {'MET' if o <= 0.5 * n else 'MISSED'})"
+                           + (f"; reference NCCL RT {NCCL_RT_REF_US[r['total_tokens']]} us -> ours/ref "
+                              f"{o / NCCL_RT_REF_US[r['total_tokens']]:.2f}" if r['total_tokens'] in NCCL_RT_REF_US else ""))
+            bw = r.get(f"ours_send_{mode}_busbw")
+            if bw and r["bytes_per_rank"] >= 64 * 2**20:
+                out.append(f"W=2 {r['total_tokens']} tokens {mode}: send busbw {bw:.0f} GB/s "
+                           f"(target >= {BUSBW_TARGET:.0f}: {'MET' if bw >= BUSBW_TARGET else 'MISSED'})")
+    return out
+
+
+def _plot(data, out_dir):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001
+        print(f"no plot: matplotlib unavailable ({e}); rerun with --plot-only where it is")
+        return None
+    rows = data["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for W in sorted({r["world"] for r in rows}):
+        rs = [r for r in rows if r["world"] == W]
+        xs = [r["total_tokens"] for r in rs]
+        for key, style in (("ours_rt_eager", "-o"), ("nccl_rt_eager", "--o"), ("ours_rt_graph", "-s"),
+                           ("nccl_rt_graph", "--s")):
+            ys = [r.get(key + "_us") for r in rs]
+            if any(y is not None for y in ys):
+                axes[0].plot(xs, ys, style, label=f"W={W} {key.replace('_', ' ')}")
+        for key, style in (("ours_send_eager", "-o"), ("nccl_send_eager", "--o"), ("ours_gather_eager", "-^")):
+            ys = [r.get(key + "_busbw") for r in rs]
+            axes[1].plot(xs, ys, style, label=f"W={W} {key.replace('_', ' ')}")
+    axes[0].set(xscale="log", yscale="log", xlabel="total tokens (32 heads x 128, bf16, batch 1)",
+                ylabel="round trip latency (us)", title="send_recv_heads + gather_heads")
+    axes[1].axhline(BUSBW_TARGET, color="gray", lw=0.8, ls=":", label="target 330 GB/s")
+    axes[1].set(xscale="log", xlabel="total tokens", ylabel="bus bandwidth (GB/s)", title="bus bandwidth")
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"ipc_all2all vs permute+NCCL all_to_all_single+permute ({data['meta'].get('gpu', '')})")
+    fig.tight_layout()
+    path = pathlib.Path(out_dir) / "bench_ipc_all2all.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="4k and 32k tokens only")
+    ap.add_argument("--worlds", default="", help="comma-separated world sizes (default: 2,4,8,all available)")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from DIR/bench_ipc_all2all.json")
+    args = ap.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.plot_only:
+        data = json.loads((out / "bench_ipc_all2all.json").read_text())
+        print(_plot(data, out))
+        return 0
+    for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
+        os.environ[k] = v
+    import torch
+
+    n = torch.cuda.device_count()
+    if n < 2:
+        print(f"bench_ipc_all2all: needs at least 2 GPUs, found {n}")
+        return 1
+    worlds = [int(w) for w in args.worlds.split(",") if w] or sorted({w for w in (2, 4, 8, n) if w <= n})
+    sizes = [4096, 32768] if args.quick else [4096, 8192, 16384, 32768, 65536, 131072]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=pathlib.Path(__file__).resolve().parent).stdout.strip()
+    except Exception:  # noqa: BLE001
+        rev = ""
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": socket.gethostname(), "gpu": torch.cuda.get_device_name(0), "gpus": n,
+            "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())), "git_rev": rev,
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "heads": HEADS, "head_dim": HEAD_DIM,
+            "dtype": "bfloat16", "batch": 1}
+    rows, sweeps, errors = [], [], {}
+    for W in worlds:
+        res, err = _run_world(W, sizes, 32768 if 32768 in sizes else sizes[-1], timeout=240)
+        if err:
+            errors[W] = err
+            print(f"W={W} failed: {err}")
+            continue
+        rows += [_derive(r) for r in res["rows"]]
+        sweeps += res["sweep"]
+    data = {"meta": meta, "rows": rows, "grid_sweep": sweeps, "errors": {str(k): v for k, v in errors.items()},
+            "targets": _targets(rows)}
+    (out / "bench_ipc_all2all.json").write_text(json.dumps(data, indent=1))
+    md = [f"# ipc_all2all benchmark, {meta['date']}", "",
+          f"{meta['gpus']}x {meta['gpu']}, torch {meta['torch']}, NCCL {meta['nccl']}, git {rev}", "",
+          f"`{meta['command']}`", "", _table(rows), "", "## Targets", ""] + [f"- {t}" for t in data["targets"]]
+    if sweeps:
+        md += ["", "## Grid sweep (send_recv_heads, eager)", "", "| W | tokens | blocks | self blocks | grid (total, self, per peer) | us |",
+               "|---|---|---|---|---|---|"]
+        md += [f"| {s['world']} | {s['total_tokens']} | {s['num_blocks']} | {s['self_blocks']} | {s['grid']} | {s['send_us']:.1f} |"
+               for s in sweeps]
+    (out / "bench_ipc_all2all.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    _plot(data, out)
+    return 0 if not errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
