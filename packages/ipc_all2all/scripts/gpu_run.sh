@@ -9,7 +9,7 @@ OUT=${1:?OUT_DIR}; BB=${2:-140}; TS=${3:-140}; shift 3 2>/dev/null || shift $#
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-timeout "$BB" bash "$ROOT/tools/gpu.sh" "$OUT" --only ipc_all2all --no-tests; echo "build+bench rc=$?"
+timeout "$BB" bash "$ROOT/tools/gpu.sh" "$OUT" --only ipc_all2all --no-tests ${QUICK:+--quick}; echo "build+bench rc=$?"
 cd /tmp
 timeout "$TS" python3 -m pytest "$ROOT/tests/ipc_all2all" -c "$ROOT/pytest.ini" --rootdir "$ROOT" -q -rA \
   --junitxml="$OUT/junit_ipc_all2all.xml" "$@" 2>&1 | tee "$OUT/tests_ipc_all2all.log" | tail -60
