@@ -2,7 +2,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
+
+#include "a2a_geometry.hpp"
 #include "a2a_types.hpp"
+#include "commkit/check.hpp"
 #include "commkit/python_errors.hpp"
 #include "core.hpp"
 
@@ -40,6 +44,54 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("num_blocks"), py::arg("world_size"), py::arg("self_blocks") = 0,
       "(grid, blocks for the own rank, blocks per peer) of one launch.");
+  // Runs the kernel's addressing on the host for every (sender, target) pair: the same row_map and
+  // offsets code as the GPU, bytes copied with memcpy. Every offset is bounds-checked, so a layout
+  // bug surfaces as an exception instead of silent corruption. For CPU tests only.
+  m.def(
+      "simulate",
+      [](int op, int world, int batch, int64_t x_rows, int64_t out_rows, int64_t cap_rows, int64_t chunk,
+         int64_t wide, std::vector<int32_t> counts, std::vector<std::string> inputs, int64_t slot_bytes, int only_sender) {
+        CK_CHECK_ARG(world >= 1 && world <= ipc_all2all::kMaxWorld, "bad world");
+        CK_CHECK_ARG(static_cast<int>(counts.size()) == world && static_cast<int>(inputs.size()) == world,
+                     "need one count and one input per rank");
+        CK_CHECK_ARG(chunk > 0 && chunk % 16 == 0 && wide % 16 == 0, "chunk and wide must be multiples of 16");
+        std::vector<std::string> slots(world, std::string(static_cast<size_t>(slot_bytes), '\0'));
+        for (int q = 0; q < world; ++q) {
+          if (only_sender >= 0 && q != only_sender) continue;
+          ipc_all2all::KernelArgs a{};
+          a.op = op;
+          a.rank = q;
+          a.world = world;
+          a.batch = batch;
+          a.x_rows = x_rows;
+          a.out_rows = out_rows;
+          a.cap_rows = cap_rows;
+          a.chunk_bytes = static_cast<uint32_t>(chunk);
+          a.wide_bytes = static_cast<uint32_t>(wide);
+          int64_t n[ipc_all2all::kMaxWorld], prefix[ipc_all2all::kMaxWorld + 1];
+          ipc_all2all::resolve_counts(a, counts.data(), n, prefix);
+          const std::string& x = inputs[q];
+          for (int p = 0; p < world; ++p) {
+            const ipc_all2all::RowMap m = ipc_all2all::row_map(a, n, prefix, p);
+            const uint32_t total = m.total_vecs(batch);
+            for (uint32_t v = 0; v < total; ++v) {
+              uint64_t so, dof;
+              m.offsets(v, so, dof);
+              CK_CHECK(so + 16 <= x.size(), "source offset ", so, " beyond input of ", x.size(), " bytes (rank ", q,
+                       " -> ", p, ")");
+              CK_CHECK(dof + 16 <= slots[p].size(), "destination offset ", dof, " beyond slot of ", slots[p].size(),
+                       " bytes (rank ", q, " -> ", p, ")");
+              std::memcpy(&slots[p][dof], x.data() + so, 16);
+            }
+          }
+        }
+        py::list out;
+        for (auto& s : slots) out.append(py::bytes(s));
+        return out;
+      },
+      py::arg("op"), py::arg("world_size"), py::arg("batch"), py::arg("x_rows"), py::arg("out_rows"),
+      py::arg("cap_rows"), py::arg("chunk_bytes"), py::arg("wide_bytes"), py::arg("counts"), py::arg("inputs"),
+      py::arg("slot_bytes"), py::arg("only_sender") = -1);
   m.def("op_name", [](uint32_t op) { return std::string(ipc_all2all::op_name(op)); });
 
   py::class_<Core>(m, "Core")

@@ -172,8 +172,8 @@ int Core::launch(int op, uint64_t x_ptr, uint64_t stream, int batch, int64_t x_r
   }
   // The kernel indexes one target's 16-byte vectors with 32-bit integers.
   const int64_t max_rows = counts_ptr ? (cap_rows >= 0 ? cap_rows * world_ : x_rows) : total;
-  CK_CHECK_ARG(int64_t(batch) * max_rows * (chunk_bytes / 16) < (int64_t(1) << 32),
-               "one operation may move at most 2^32 16-byte vectors per target");
+  CK_CHECK_ARG(int64_t(batch) * max_rows * (chunk_bytes / 16) < (int64_t(1) << 31),
+               "one operation may move at most 2^31 16-byte vectors (32 GiB) per target");
   a.x = reinterpret_cast<const char*>(x_ptr);
   a.counts_dev = reinterpret_cast<const int32_t*>(counts_ptr);
   a.rec = rec_dev_;

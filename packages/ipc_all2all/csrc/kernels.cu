@@ -19,6 +19,7 @@
 // would wait a full NVLink latency per load.
 #include <cuda_runtime.h>
 
+#include "a2a_geometry.hpp"
 #include "a2a_types.hpp"
 #include "commkit/check.hpp"
 #include "commkit/device_deadline.cuh"
@@ -40,42 +41,26 @@ __device__ __forceinline__ void st_stream(int4* p, const int4& v) {
                : "memory");
 }
 
-struct RowMap {
-  const char* src;
-  char* dst;
-  uint64_t sbs, sts, dbs, dts;  // batch / token strides in bytes of source and destination
-  uint32_t vpr;                 // 16-byte vectors per row
-  uint32_t rpb;                 // rows per batch for this target
-
-  __device__ __forceinline__ void addr(uint32_t v, const int4*& s, int4*& d) const {
-    uint32_t row = v / vpr;
-    uint32_t col = v - row * vpr;
-    uint32_t b = row / rpb;
-    uint32_t t = row - b * rpb;
-    s = reinterpret_cast<const int4*>(src + b * sbs + t * sts) + col;
-    d = reinterpret_cast<int4*>(dst + b * dbs + t * dts) + col;
-  }
-};
-
-__device__ __forceinline__ void copy_rows(const RowMap& m, uint32_t total_vecs, uint32_t first, uint32_t stride) {
+__device__ __forceinline__ void copy_rows(const RowMap& m, const char* x, char* slot, uint32_t total_vecs, uint32_t first,
+                                          uint32_t stride) {
   uint32_t v = first;
   for (; v + (kUnroll - 1) * stride < total_vecs; v += kUnroll * stride) {
     int4 r[kUnroll];
     int4* d[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int4* s;
-      m.addr(v + u * stride, s, d[u]);
-      r[u] = ld_stream(s);
+      uint64_t so, dof;
+      m.offsets(v + u * stride, so, dof);
+      d[u] = reinterpret_cast<int4*>(slot + dof);
+      r[u] = ld_stream(reinterpret_cast<const int4*>(x + so));
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) st_stream(d[u], r[u]);
   }
   for (; v < total_vecs; v += stride) {
-    const int4* s;
-    int4* d;
-    m.addr(v, s, d);
-    st_stream(d, ld_stream(s));
+    uint64_t so, dof;
+    m.offsets(v, so, dof);
+    st_stream(reinterpret_cast<int4*>(slot + dof), ld_stream(reinterpret_cast<const int4*>(x + so)));
   }
 }
 
@@ -90,16 +75,7 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const KernelArgs a) {
   const int q = a.rank;
   if (threadIdx.x == 0) {
     s_epoch = commkit::ld_relaxed(&me->epoch) + 1;
-    int64_t acc = 0;
-    for (int i = 0; i < W; ++i) {
-      int64_t n = a.counts_dev != nullptr ? static_cast<int64_t>(a.counts_dev[i]) : a.counts[i];
-      if (n < 0) n = 0;
-      if (a.cap_rows >= 0 && n > a.cap_rows) n = a.cap_rows;
-      s_n[i] = n;
-      s_prefix[i] = acc;
-      acc += n;
-    }
-    s_prefix[W] = acc;
+    resolve_counts(a, a.counts_dev != nullptr ? a.counts_dev : a.counts, s_n, s_prefix);
     s_ok = 1;
   }
   __syncthreads();
@@ -127,37 +103,8 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const KernelArgs a) {
   __syncthreads();
 
   if (s_ok) {
-    const int64_t T = s_prefix[W];
-    const uint64_t chunk = a.chunk_bytes, wide = a.wide_bytes;
-    RowMap m;
-    m.vpr = a.chunk_bytes / 16u;
-    if (a.op == kGatherHeads) {
-      const int64_t out = a.out_rows >= 0 ? a.out_rows : s_n[target];
-      m.rpb = static_cast<uint32_t>(s_n[target]);
-      m.src = a.x + s_prefix[target] * chunk;
-      m.sbs = a.x_rows * chunk;
-      m.sts = chunk;
-      m.dst = a.dst[target] + q * chunk;
-      m.dbs = out * wide;
-      m.dts = wide;
-    } else {
-      const int64_t out = a.out_rows >= 0 ? a.out_rows : T;
-      m.rpb = static_cast<uint32_t>(s_n[q]);
-      if (a.op == kSendRecvHeads) {
-        m.src = a.x + target * chunk;
-        m.sbs = a.x_rows * wide;
-        m.sts = wide;
-      } else {
-        m.src = a.x;
-        m.sbs = a.x_rows * chunk;
-        m.sts = chunk;
-      }
-      m.dst = a.dst[target] + s_prefix[q] * chunk;
-      m.dbs = out * chunk;
-      m.dts = chunk;
-    }
-    const uint32_t total_vecs = static_cast<uint32_t>(a.batch) * m.rpb * m.vpr;
-    copy_rows(m, total_vecs, blk * blockDim.x + threadIdx.x, nb * blockDim.x);
+    const RowMap m = row_map(a, s_n, s_prefix, target);
+    copy_rows(m, a.x, a.dst[target], m.total_vecs(a.batch), blk * blockDim.x + threadIdx.x, nb * blockDim.x);
   }
 
   // Completion: every thread's stores are made visible system-wide before thread 0 counts the block.

@@ -124,8 +124,8 @@ def _finish(op, b, x_rows, out_rows, cap_rows, chunk, wide, out_shape, itemsize,
             f"{what}: output {tuple(out_shape)} needs {out_bytes} bytes but the buffer holds {capacity} "
             f"(num_tokens * hidden_dim * element size); token counts exceed what the instance was built for")
     vec_rows = out_shape[0] * max(out_shape[1], x_rows) * (chunk // ALIGN)
-    if vec_rows >= 2**32:
-        raise ValueError(f"{what}: one call may move at most 2**32 16-byte vectors per target")
+    if vec_rows >= 2**31:
+        raise ValueError(f"{what}: one call may move at most 2**31 16-byte vectors (32 GiB) per target")
     return Plan(op, b, x_rows, out_rows, cap_rows, chunk, wide, tuple(out_shape), out_bytes)
 
 
