@@ -81,9 +81,10 @@ def ref_allgather(x, counts, world, rank):
     xb = _bytes(x)
     De = xb.shape[-1]
     if len(set(counts)) == 1:
-        out = torch.empty((world,) + tuple(xb.shape), dtype=torch.uint8, device=x.device)
+        # output concatenated along dim 0 (the form every backend accepts), then viewed per rank
+        out = torch.empty((world * b,) + tuple(xb.shape[1:]), dtype=torch.uint8, device=x.device)
         dist.all_gather_into_tensor(out, xb)
-        return out.permute(1, 0, 2, 3, 4).reshape(b, sum(counts), h, De).contiguous().view(x.dtype)
+        return out.view((world,) + tuple(xb.shape)).permute(1, 0, 2, 3, 4).reshape(b, sum(counts), h, De).contiguous().view(x.dtype)
     row = h * De
     out = torch.empty(sum(b * c * row for c in counts), dtype=torch.uint8, device=x.device)
     dist.all_to_all_single(out, xb.reshape(-1).repeat(world), [b * c * row for c in counts], [b * n * row] * world)
@@ -280,12 +281,14 @@ def worker_compile(rank, world, rdzv):
         a2a.set_rank_tokens([n] * world)
 
         def attention(q, k, v):
-            qh, kh, vh = (ops.send_recv_heads(t, a2a) for t in (q, k, v))  # [1, T, H/W, D]
+            qh = ops.send_recv_heads(q, a2a)  # [1, T, H/W, D]
+            kh = ops.send_recv_heads(k, a2a)
+            vh = ops.send_recv_heads(v, a2a)
             o = F.scaled_dot_product_attention(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2))
             return ops.gather_heads(o.transpose(1, 2).contiguous(), a2a)
 
-        q, k, v = (torch.randn(1, n, H, D, dtype=torch.bfloat16, device=dev, generator=torch.Generator(device=dev).manual_seed(s + rank))
-                   for s in (1, 2, 3))
+        q, k, v = [torch.randn(1, n, H, D, dtype=torch.bfloat16, device=dev,
+                               generator=torch.Generator(device=dev).manual_seed(s + rank)) for s in (1, 2, 3)]
         eager = attention(q, k, v)
         compiled = torch.compile(attention, fullgraph=True)
         out = compiled(q, k, v)
