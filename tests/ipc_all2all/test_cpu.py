@@ -238,3 +238,67 @@ def test_custom_ops_trace_under_fullgraph_compile(backend):
     got = torch.compile(block, fullgraph=True, backend=backend)(q, k, v, a)
     torch.testing.assert_close(got[0], want[0])
     assert torch.equal(got[1], want[1])
+
+
+class _RecordingCore:
+    """The native core's interface without a GPU: records launches, alternates slots like the real one."""
+
+    def __init__(self, cap, buf):
+        self.calls, self.destroyed, self.broken, self.cap = 0, False, False, cap
+        self.buffer_ptr = buf.data_ptr()
+        self.launches = []
+
+    @property
+    def next_slot(self):
+        return self.calls % 2
+
+    def slot_offset(self, i):
+        return _C.buffer_layout(self.cap)["slots"][i][0]
+
+    def launch(self, *args):
+        self.launches.append(args)
+        slot = self.calls % 2
+        self.calls += 1
+        return slot
+
+    def destroy(self):
+        self.destroyed = True
+
+
+def test_python_layer_slots_views_and_aliasing(monkeypatch):
+    """_run hands the core the planned geometry, returns views into alternating slots, and refuses an
+    input that lies in the slot being written -- checked with a recording stand-in for the core."""
+    import types
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=7))
+    cap = 1000 * 256 * 2
+    lay = _C.buffer_layout(cap)
+    buf = torch.zeros(lay["total"], dtype=torch.uint8)
+    a = ipc_all2all.All2All.__new__(ipc_all2all.All2All)
+    core = _RecordingCore(cap, buf)
+    a.__dict__.update(_plans={}, rank=1, world_size=2, tensor_dtype=torch.bfloat16, itemsize=2,
+                      device=torch.device("cpu"), capacity=cap, _core=core, _counts=None, _counts_dev=None,
+                      _group=None, comm_id=-1, _buf=buf)
+    with pytest.raises(ValueError, match="set_rank_tokens"):
+        a.send_recv_heads(torch.zeros(1, 5, 8, 32, dtype=torch.bfloat16))
+    a.set_rank_tokens([3, 5])
+    assert (a.total_tokens, a.prefix_rank_tokens) == (8, [0, 3])
+    x = torch.zeros(1, 5, 8, 32, dtype=torch.bfloat16)
+    y = a.send_recv_heads(x)
+    assert y.shape == (1, 8, 4, 32) and y.data_ptr() - buf.data_ptr() == lay["slots"][0][0]
+    op, x_ptr, stream, batch, x_rows, out_rows, cap_rows, chunk, wide, counts, counts_ptr = core.launches[-1]
+    assert (op, x_ptr, stream, batch, x_rows, out_rows, cap_rows) == (0, x.data_ptr(), 7, 1, 5, -1, -1)
+    assert (chunk, wide, counts, counts_ptr) == (4 * 32 * 2, 8 * 32 * 2, [3, 5], 0)
+    z = a.gather_heads(y)  # the previous view as input: allowed, it lies in the other slot
+    assert z.shape == (1, 5, 8, 32) and z.data_ptr() - buf.data_ptr() == lay["slots"][1][0]
+    with pytest.raises(ValueError, match="output slot"):
+        a.gather_heads(y)  # y's slot is the one this call would write
+    assert core.calls == 2, "a refused call must not launch"
+    c = a.allgather(torch.zeros(1, 5, 1, 8, dtype=torch.bfloat16), copy_output=True)
+    assert c.shape == (1, 8, 1, 8) and not (buf.data_ptr() <= c.data_ptr() < buf.data_ptr() + buf.numel())
+    counts_dev = torch.tensor([4, 4], dtype=torch.int32)
+    a.device = counts_dev.device
+    a.set_rank_tokens(counts_dev)
+    y = a.send_recv_heads(torch.zeros(1, 6, 8, 32, dtype=torch.bfloat16))
+    assert y.shape == (1, 12, 4, 32)
+    assert core.launches[-1][5:7] == (12, 6) and core.launches[-1][10] == counts_dev.data_ptr()

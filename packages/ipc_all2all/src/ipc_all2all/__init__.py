@@ -170,6 +170,7 @@ class All2All:
         self._buf: Optional[torch.Tensor] = None
         self._counts: Optional[List[int]] = None
         self._counts_dev: Optional[torch.Tensor] = None
+        self._plans: dict = {}
         self.comm_id = next(_IDS)
         with _REGISTRY_LOCK:
             _REGISTRY[self.comm_id] = self
@@ -264,6 +265,7 @@ class All2All:
             self._counts, self._counts_dev = None, t
         else:
             self._counts, self._counts_dev = check_counts(rank_num_tokens, self.world_size), None
+        self._plans = {}
 
     def set_timeout_seconds(self, seconds: float) -> None:
         """Sets the device-side deadline of every wait (0 = forever); applies to later launches."""
@@ -293,7 +295,12 @@ class All2All:
         """Validates shapes for ``op`` against the current token counts and returns the launch plan."""
         if self._counts is None and self._counts_dev is None:
             raise ValueError(f"{OP_NAMES[op]}: call set_rank_tokens() first")
-        return PLANNERS[op](tuple(shape), self.itemsize, self.world_size, self.rank, self._counts, self.capacity)
+        key = (op, tuple(shape))
+        plan = self._plans.get(key)
+        if plan is None:  # planning is pure, so a step's repeated shapes skip it (host overhead per call)
+            plan = PLANNERS[op](key[1], self.itemsize, self.world_size, self.rank, self._counts, self.capacity)
+            self._plans[key] = plan
+        return plan
 
     def _check_input(self, x: torch.Tensor, what: str) -> None:
         validate_input(x, self.tensor_dtype, self.device, what)
