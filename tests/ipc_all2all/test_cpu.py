@@ -302,3 +302,14 @@ def test_python_layer_slots_views_and_aliasing(monkeypatch):
     y = a.send_recv_heads(torch.zeros(1, 6, 8, 32, dtype=torch.bfloat16))
     assert y.shape == (1, 12, 4, 32)
     assert core.launches[-1][5:7] == (12, 6) and core.launches[-1][10] == counts_dev.data_ptr()
+
+
+def test_from_group_failure_reaches_every_rank(tmp_path):
+    """A failure on one rank during the collective construction raises on every rank (no hang), and
+    each message names the failing rank(s)."""
+    from tests._dist import run_workers
+    from tests.ipc_all2all import _cpu_workers
+
+    res = run_workers(_cpu_workers.worker_from_group_reports_every_rank, 2, 1, tmp_path=tmp_path, timeout=120)
+    for name, msg in res:  # rank 0 fails too, naming rank 1's error (with or without a GPU)
+        assert name == "CommError" and "rank 1: ValueError: tensor_dtype torch.float64" in msg, (name, msg)

@@ -193,12 +193,16 @@ class All2All:
         import torch.distributed as dist
 
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        if num_sms is None:
-            num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         obj, err = None, None
-        try:
+        try:  # everything that can fail locally happens before the exchange, so no rank is left waiting
+            check_world(rank, world)
+            capacity_bytes(num_tokens, hidden_dim, tensor_dtype)  # argument errors first, then the device
+            if num_sms is None:
+                if not torch.cuda.is_available():
+                    raise RuntimeError("ipc_all2all.All2All needs a CUDA device; none is available")
+                num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
             obj = cls(rank, world, num_tokens, hidden_dim, num_sms, tensor_dtype, timeout_seconds)
-            payload = ("ok", obj.get_local_ipc_handle())
+            payload = ("ok", obj.get_local_ipc_handle(), obj.capacity, str(tensor_dtype))
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             err, payload = e, ("error", f"{type(e).__name__}: {e}")
         gathered: List = [None] * world
@@ -211,6 +215,13 @@ class All2All:
             if err is not None and all(r == rank for r, _ in bad):
                 raise err
             raise CommError("All2All.from_group failed on " + "; ".join(f"rank {r}: {m}" for r, m in bad))
+        # Peers address each other's slots by this rank's layout: every rank must size alike.
+        shapes = {(p[2], p[3]) for p in gathered}
+        if len(shapes) != 1:
+            obj._core.destroy()
+            obj._unregister()
+            raise ValueError("All2All.from_group: every rank must pass the same num_tokens * hidden_dim and "
+                             "tensor_dtype; got " + "; ".join(f"rank {r}: {p[2]} bytes {p[3]}" for r, p in enumerate(gathered)))
         try:
             obj.sync([p[1] for p in gathered])
             status = ("ok", "")
@@ -232,7 +243,8 @@ class All2All:
         return self._core.ipc_handle()
 
     def sync(self, all_gathered_handles: Sequence[Union[bytes, bytearray]]) -> None:
-        """Opens every peer's buffer.
+        """Opens every peer's buffer. Every rank must have been built with the same ``num_tokens *
+        hidden_dim`` and dtype (the buffers share one layout); :meth:`from_group` checks that.
 
         Arguments:
             all_gathered_handles: every rank's :meth:`get_local_ipc_handle`, indexed by rank.
