@@ -241,6 +241,22 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("num_buffer_bytes", &Runtime::num_buffer_bytes)
       .def_property_readonly("buffer_ptr", &Runtime::buffer_ptr)
       .def("check_healthy", &Runtime::check_healthy)
+      .def("take_timeout",
+           [](Runtime& r) -> py::object {
+             auto t = r.take_timeout();
+             if (!t.expired) return py::none();
+             py::dict d;
+             d["operation"] = t.operation;
+             d["rank"] = t.rank;
+             d["peer"] = t.peer;
+             d["expected"] = t.expected;
+             d["observed"] = t.observed;
+             d["waited_ms"] = t.waited_ms;
+             d["channel"] = t.channel;
+             return std::move(d);
+           })
+      .def_property_readonly("broken", &Runtime::broken)
+      .def_property_readonly("broken_reason", &Runtime::broken_reason)
       .def("barrier", &Runtime::barrier, py::arg("stream"))
       .def("dispatch", [](Runtime& r, const py::dict& d, int64_t stream) { r.dispatch(dispatch_params(d), stream); })
       .def("wait_dispatch_counts",

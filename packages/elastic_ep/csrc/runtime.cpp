@@ -246,14 +246,14 @@ void Runtime::check_healthy() {
 }
 
 void Runtime::barrier(int64_t stream) {
-  check_healthy();
+  // Health (timeouts, destroyed) is checked by the Python layer before the call (take_timeout).
   set_device();
   launch_barrier(view(), reinterpret_cast<void*>(stream));
   CK_CUDA_CHECK(cudaGetLastError());
 }
 
 void Runtime::dispatch(const DispatchParams& p, int64_t stream) {
-  check_healthy();
+  // Health (timeouts, destroyed) is checked by the Python layer before the call (take_timeout).
   set_device();
   DispatchParams q = p;
   // Tag of the host-mapped counts: a stale notify of an earlier, unsynchronised dispatch can still land
@@ -265,7 +265,27 @@ void Runtime::dispatch(const DispatchParams& p, int64_t stream) {
   CK_CUDA_CHECK(cudaGetLastError());
 }
 
-std::tuple<int, int, std::vector<int>> Runtime::wait_dispatch_counts(int num_local_experts) {
+Runtime::TimeoutInfo Runtime::take_timeout() {
+  TimeoutInfo info;
+  if (destroyed_ || host_ws_ == nullptr) return info;
+  auto* rec = host_workspace_layout().timeout.at<commkit::TimeoutRecord>(host_ws_);
+  if (commkit::ld_acquire(&rec->flag) != 1u) return info;
+  commkit::TimeoutRecord copy = *rec;
+  clear_record(rec);
+  info.expired = true;
+  info.operation = op_name(copy.op);
+  info.rank = copy.rank;
+  info.peer = copy.peer;
+  info.expected = copy.expected;
+  info.observed = copy.observed;
+  info.waited_ms = copy.waited_ns / 1000000ull;
+  info.channel = copy.channel;
+  broken_ = true;
+  broken_reason_ = info.operation + " timed out earlier";
+  return info;
+}
+
+std::tuple<int, int, int, std::vector<int>, int, int> Runtime::wait_dispatch_counts(int num_local_experts) {
   CK_CHECK_ARG(num_local_experts >= 1 && num_local_experts <= kMaxLocalExperts, "bad num_local_experts ",
                num_local_experts);
   const auto hl = host_workspace_layout();
@@ -294,19 +314,15 @@ std::tuple<int, int, std::vector<int>> Runtime::wait_dispatch_counts(int num_loc
       ++ready_experts;
     }
     if (ready_ranks == num_ranks_ && ready_experts == num_local_experts) break;
-    if (commkit::ld_acquire(&rec->flag) == 1u) check_healthy();  // throws the device timeout
+    if (commkit::ld_acquire(&rec->flag) == 1u) return {1, num_recv, num_expanded, per_expert, ready_ranks, ready_experts};
     if (deadline.expired(uint64_t(ready_ranks) * 65536u + uint64_t(ready_experts))) {
       broken_ = true;
       broken_reason_ = "a dispatch CPU wait timed out";
-      CK_THROW_TIMEOUT("elastic_ep dispatch CPU wait for the token counts", rank_, ready_ranks < num_ranks_ ? ready_ranks : -1,
-                       int64_t(num_ranks_ + num_local_experts), int64_t(ready_ranks + ready_experts),
-                       ": ranks whose counts arrived ", ready_ranks, "/", num_ranks_, ", local experts ",
-                       ready_experts, "/", num_local_experts, " after ", num_cpu_timeout_secs_,
-                       " s; destroy this buffer and create a new one");
+      return {2, num_recv, num_expanded, per_expert, ready_ranks, ready_experts};
     }
     backoff.pause();
   }
-  return {num_recv, num_expanded, per_expert};
+  return {0, num_recv, num_expanded, per_expert, ready_ranks, ready_experts};
 }
 
 void Runtime::dispatch_epilogue(const EpilogueParams& p, int64_t stream) {
@@ -317,7 +333,7 @@ void Runtime::dispatch_epilogue(const EpilogueParams& p, int64_t stream) {
 }
 
 void Runtime::combine(const CombineParams& p, int64_t stream) {
-  check_healthy();
+  // Health (timeouts, destroyed) is checked by the Python layer before the call (take_timeout).
   set_device();
   launch_combine(view(), p, reinterpret_cast<void*>(stream));
   CK_CUDA_CHECK(cudaGetLastError());

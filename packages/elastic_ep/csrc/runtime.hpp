@@ -45,13 +45,28 @@ class Runtime {
   // Raises TimeoutError if a device deadline expired in an earlier operation, and Error if the
   // buffer is unusable since.
   void check_healthy();
+  // The same without C++ exceptions (on the GPU machine a C++ exception crossing into Python crashed the
+  // process, see NOTES_A.md): returns the expired device wait, if any, and marks the buffer unusable.
+  struct TimeoutInfo {
+    bool expired = false;
+    std::string operation;
+    int rank = -1, peer = -1;
+    int64_t expected = 0, observed = 0;
+    uint64_t waited_ms = 0;
+    uint32_t channel = 0;
+  };
+  TimeoutInfo take_timeout();
+  bool broken() const { return broken_; }
+  const std::string& broken_reason() const { return broken_reason_; }
 
   void barrier(int64_t stream);
   // Notify (or, cached, the entry barrier) and the push of the token records to the peers.
   void dispatch(const DispatchParams& p, int64_t stream);
-  // CPU sync: waits (GIL released by the binding) for the counts of the last dispatch.
-  // Returns (num_recv_tokens, num_expanded_tokens, aligned tokens per local expert).
-  std::tuple<int, int, std::vector<int>> wait_dispatch_counts(int num_local_experts);
+  // CPU sync: waits (GIL released by the binding) for the counts of the last dispatch. Never throws on
+  // a timeout: returns (status, num_recv_tokens, num_expanded_tokens, aligned tokens per local expert,
+  // ranks ready, experts ready); status 0 = ready, 1 = a device wait expired (see take_timeout),
+  // 2 = the CPU wait expired (the buffer is then marked unusable).
+  std::tuple<int, int, int, std::vector<int>, int, int> wait_dispatch_counts(int num_local_experts);
   void dispatch_epilogue(const EpilogueParams& p, int64_t stream);
   void combine(const CombineParams& p, int64_t stream);
 

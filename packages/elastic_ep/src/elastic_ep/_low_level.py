@@ -187,6 +187,18 @@ class EventHandle:
         torch.cuda.current_stream().wait_event(self.event)
 
 
+def _timeout_error(info: dict, what: str) -> Exception:
+    """A CommTimeoutError built in Python from a device timeout record (no C++ exception involved)."""
+    msg = (f"{info['operation']} timed out: expected {info['expected']}, observed {info['observed']} "
+           f"[rank {info['rank']}, peer {info['peer']}] after {info['waited_ms']} ms without progress "
+           f"(GPU block {info['channel']}); {what}")
+    err = CommTimeoutError(msg)
+    for k in ("operation", "rank", "peer", "expected", "observed"):
+        setattr(err, k, info[k])
+    err.where = "elastic_ep"
+    return err
+
+
 def _stream_wait(dst: torch.cuda.Stream, src) -> None:
     if isinstance(src, EventHandle):
         dst.wait_event(src.event)
@@ -306,6 +318,15 @@ class ElasticBuffer:
     def _alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this ElasticBuffer was destroyed")
+        # Device timeouts are raised here, from Python: a C++ exception crossing into Python crashed the
+        # process on the GPU machine (NOTES_A.md), so the runtime reports them as data.
+        info = self._rt.take_timeout()
+        if info is not None:
+            raise _timeout_error(info, "the CUDA context is usable but this buffer's signals are out of step: "
+                                       "destroy it and create a new one")
+        if self._rt.broken:
+            raise CommError(f"this elastic buffer is unusable ({self._rt.broken_reason}); destroy it and create "
+                            "a new one")
 
     # ---------------------------------------------------------------------------------- properties
     def get_comm_stream(self) -> torch.cuda.Stream:
@@ -324,7 +345,6 @@ class ElasticBuffer:
         """Raises CommTimeoutError if a device wait of an earlier operation expired (then the buffer
         must be recreated), or CommError if the buffer is unusable."""
         self._alive()
-        self._rt.check_healthy()
 
     # --------------------------------------------------------------------------------------- sizing
     @staticmethod
@@ -436,7 +456,7 @@ class ElasticBuffer:
         self._rt.barrier(int(stream.cuda_stream))
         if with_cpu_sync:
             torch.cuda.synchronize(self.device)
-            self._rt.check_healthy()
+            self._alive()
         if use_comm_stream:
             compute_stream.wait_stream(self.comm_stream)
 
@@ -621,7 +641,18 @@ class ElasticBuffer:
             num_expanded_tokens = int(cached_num_expanded_tokens)
             num_recv_tokens_per_expert_list = list(cached_num_recv_tokens_per_expert_list)
         elif do_cpu_sync:
-            num_recv_tokens, num_expanded_tokens, num_recv_tokens_per_expert_list = self._rt.wait_dispatch_counts(L)
+            status, num_recv_tokens, num_expanded_tokens, num_recv_tokens_per_expert_list, nr, ne = \
+                self._rt.wait_dispatch_counts(L)
+            if status == 1:
+                self._alive()  # raises the device timeout
+            elif status == 2:
+                err = CommTimeoutError(
+                    f"elastic_ep dispatch CPU wait for the token counts timed out after {self.num_cpu_timeout_secs} s "
+                    f"[rank {self.rank_idx}]: ranks whose counts arrived {nr}/{R}, local experts {ne}/{L}; destroy "
+                    "this buffer and create a new one")
+                err.operation, err.rank, err.peer = "elastic_ep dispatch CPU wait", self.rank_idx, -1
+                err.expected, err.observed = R + L, nr + ne
+                raise err
         else:
             num_recv_tokens = int(_C.worst_case_num_recv_tokens(R, num_max_tokens_per_rank))
             num_expanded_tokens = int(_C.worst_case_num_expanded_tokens(R, num_max_tokens_per_rank, K, L,
