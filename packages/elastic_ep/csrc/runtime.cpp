@@ -190,7 +190,13 @@ void Runtime::set_device() const { CK_CUDA_CHECK(cudaSetDevice(device_)); }
 void Runtime::destroy() {
   if (destroyed_) return;
   destroyed_ = true;
-  EP_DEBUG("rank %d: destroy\n", rank_);
+  EP_DEBUG("rank %d: destroy (broken=%d)\n", rank_, int(broken_));
+  if (broken_) {
+    // After a timeout the peers are out of step (or gone): NCCL's window/devcomm teardown is collective
+    // and kernels may still be spinning towards their device deadline, so nothing is freed here. The
+    // window is leaked until the communicator is aborted (destroy_nccl_comm) or the process exits.
+    return;
+  }
   set_device();
   cudaDeviceSynchronize();
   auto comm = static_cast<ncclComm_t>(comm_);
