@@ -7,6 +7,11 @@
 //                                    expected, observed
 //   and translates commkit::ValueError to the builtin ValueError. Packages may subclass these
 //   Python types in their own Python code; the C++ side always raises these.
+//
+//   The translator is module-local (pybind11::register_local_exception_translator): pybind11's
+//   global translator list is shared by every extension in the process, so a global translator
+//   from one package (or a test probe) would catch and re-type another package's exceptions.
+//   Each extension therefore raises only its own CommError / CommTimeoutError classes.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -24,7 +29,7 @@ inline void register_python_errors(pybind11::module_& m) {
   static py::handle timeout_error;
   comm_error = py::exception<Error>(m, "CommError", PyExc_RuntimeError).release();
   timeout_error = py::exception<TimeoutError>(m, "CommTimeoutError", PyExc_TimeoutError).release();
-  py::register_exception_translator([](std::exception_ptr p) {
+  py::register_local_exception_translator([](std::exception_ptr p) {
     if (!p) return;
     auto raise_with = [](py::handle type, const Error& e, py::dict attrs) {
       py::object exc = type(py::str(e.what()));

@@ -55,8 +55,9 @@ Writer wrap_python_writer(py::function fn) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fp8_layerwise native core (torch-free)";
   commkit::register_python_errors(m);
-  // Registered after the commkit translators, so it is tried first for PoisonedError.
-  py::register_exception_translator([](std::exception_ptr p) {
+  // Module-local like the commkit translators and registered after them, so it is tried first
+  // for PoisonedError (a commkit::Error).
+  py::register_local_exception_translator([](std::exception_ptr p) {
     if (!p) return;
     try {
       std::rethrow_exception(p);
