@@ -9,6 +9,8 @@
 # * runs `pytest tests/<pkg>` for each (GPU tests included; PYTEST_ARGS are passed on);
 # * runs `python tools/bench_<pkg>.py --out OUT_DIR [--quick]` for each, unless --no-bench;
 # * exits non-zero if a build or a test suite failed (benchmarks still run).
+# Each suite runs under `timeout $TEST_TIMEOUT_S` (default 300) and each benchmark under
+# `timeout $BENCH_TIMEOUT_S` (default 240), so one hang cannot eat the whole device session.
 # Wheels carried in .whl/ (e.g. a newer scikit-build-core) are installed to a private path first.
 set -u
 OUT=${1:?usage: bash tools/gpu.sh OUT_DIR [--only pkgs] [--no-tests] [--no-bench] [--quick] [-- pytest args]}
@@ -59,14 +61,14 @@ cd /tmp  # import the installed packages, not the source folders
 for p in $PKGS; do
   if [ "$TESTS" = 1 ] && [ -d "$ROOT/tests/$p" ]; then
     echo "=== tests: $p ==="
-    $PY -m pytest "$ROOT/tests/$p" -c "$ROOT/pytest.ini" --rootdir "$ROOT" -q -x --junitxml="$OUT/junit_$p.xml" "${PYTEST_ARGS[@]}" 2>&1 | tee "$OUT/tests_$p.log"
+    timeout "${TEST_TIMEOUT_S:-300}" $PY -m pytest "$ROOT/tests/$p" -c "$ROOT/pytest.ini" --rootdir "$ROOT" -q -rfE --junitxml="$OUT/junit_$p.xml" "${PYTEST_ARGS[@]}" 2>&1 | tee "$OUT/tests_$p.log"
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   fi
 done
 for p in $PKGS; do
   if [ "$BENCH" = 1 ] && [ -f "$ROOT/tools/bench_$p.py" ]; then
     echo "=== benchmark: $p ==="
-    $PY "$ROOT/tools/bench_$p.py" --out "$OUT" $QUICK 2>&1 | tee "$OUT/bench_$p.log"
+    timeout "${BENCH_TIMEOUT_S:-240}" $PY "$ROOT/tools/bench_$p.py" --out "$OUT" $QUICK 2>&1 | tee "$OUT/bench_$p.log"
   fi
 done
 echo "gpu.sh done rc=$rc"
