@@ -59,7 +59,14 @@ def validation_worker(rank, world, rdzv, backend="torch"):
     bad("expert_alignment: expected a positive", lambda: d(x, topk_idx=idx, num_experts=E, expert_alignment=0))
     bad("previous_event: requires allocate_on_comm_stream",
         lambda: d(x, topk_idx=idx, num_experts=E, previous_event=buf.capture()))
-    wide = make_inputs(rank, 16, H * 64, K, E, "bf16", 0, dev)
+    # Widest row the buffer cannot hold: the native buffer rounds its size up (2 MiB at EP1), so a
+    # fixed multiple of H may still fit there.
+    from elastic_ep import _sizing
+
+    wide_h = H
+    while _sizing.get_dispatch_buffer_size(M, wide_h, 0, K, 2, 1, world, True) <= buf.num_bytes:
+        wide_h *= 2
+    wide = make_inputs(rank, 16, wide_h, K, E, "bf16", 0, dev)
     bad("buffer too small", lambda: d(wide["x"], topk_idx=wide["topk_idx"], num_experts=E))
     bad("num_sms: expected >= 0", lambda: d(x, topk_idx=idx, num_experts=E, num_sms=-1))
 
@@ -99,6 +106,31 @@ def validation_worker(rank, world, rdzv, backend="torch"):
         assert "destroyed" in str(e)
     else:
         raise AssertionError("a destroyed buffer accepted a dispatch")
+    if dev == "cuda":
+        # C++ exceptions crossing into Python in a process with a live CUDA context and NCCL
+        # communicator: each must arrive as this package's Python exception, the process survives,
+        # and the device stays usable afterwards.
+        from elastic_ep import _C
+
+        for _ in range(3):
+            try:
+                _C.destroy_nccl_comm(0)
+            except ValueError as e:
+                assert "null" in str(e), e
+            else:
+                raise AssertionError("destroy_nccl_comm(0) did not raise")
+        small = ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, num_topk=K, backend="native")
+        native_rt = small.runtime._rt
+        small.destroy()
+        for _ in range(3):
+            try:
+                native_rt.check_healthy()
+            except _C.CommError as e:
+                assert "destroyed" in str(e) and getattr(e, "where", "").startswith("runtime.cpp:"), (e, e.where)
+            else:
+                raise AssertionError("check_healthy() after destroy did not raise")
+        assert torch.cuda.is_available() and (torch.ones(4, device="cuda") * 2).sum().item() == 8.0
+        seen.append("C++ exceptions")
     if backend == "torch" and not ep.native_available():
         try:
             ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, backend="native")
