@@ -1,3 +1,5 @@
+#include <string_view>
+#include <cstdint>
 // CPU test suite of the common/ header library (no GPU, no torch). Built by the superbuild as
 // `commkit_common_tests` and by tests/common/test_common_headers.py with g++ directly.
 // Exits 0 when every check passed, 1 otherwise; prints one line per test.
@@ -106,6 +108,17 @@ int main() {
   run("check: CK_SYS_CHECK reports errno", [] {
     auto e = expect_throw<commkit::Error>([] { CK_SYS_CHECK(::close(-1)); });
     EXPECT(std::string(e.what()).find("Bad file descriptor") != std::string::npos);
+  });
+  run("check: str() formats every supported type without iostreams", [] {
+    enum class Code : int { kFive = 5 };
+    const std::string s = std::string("s");
+    const char* null_str = nullptr;
+    const std::string got = commkit::str("a", 'b', s, std::string_view("v"), -3, uint64_t(18446744073709551615ull),
+                                         int8_t(-7), true, 0.5, 2.5f, Code::kFive, commkit::hex(0xbeefu), null_str);
+    EXPECT(got == "abs" "v" "-318446744073709551615-7true0.52.55beef(null)");
+    const void* p = reinterpret_cast<const void*>(uintptr_t(0x1000));
+    EXPECT(commkit::str(p) == "0x1000");
+    EXPECT(commkit::str() == "");
   });
   run("deadline: expires without progress", [] {
     commkit::ProgressDeadline d(20);

@@ -16,7 +16,10 @@
 //       CK_SYS_CHECK(expr)              -> Error with strerror(errno) when expr < 0
 //       CK_CUDA_CHECK(expr)             -> Error with cudaGetErrorString (only when cuda_runtime is included)
 //       CK_NCCL_CHECK(expr)             -> Error with ncclGetErrorString (only when nccl.h is included)
-//     `msg...` is streamed: CK_CHECK(n > 0, "n must be positive, got ", n).
+//     `msg...` is concatenated by commkit::str(): CK_CHECK(n > 0, "n must be positive, got ", n).
+//     It takes strings, characters, integers, floats, pointers, enums and commkit::hex(v); no
+//     iostreams are used (see impl/check__funcs.hpp for why).
+//   * commkit::str(args...) builds a message the same way for code that formats its own.
 //   * This header is host-only and free of torch and CUDA headers.
 #pragma once
 

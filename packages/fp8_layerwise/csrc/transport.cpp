@@ -28,7 +28,6 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
-#include <sstream>
 #include <thread>
 
 #include "backend.hpp"
@@ -124,7 +123,7 @@ const char* code_name(int code) {
 
 Control* checked_control(uintptr_t ptr, size_t size, int tp) {
   CK_CHECK_ARG(ptr != 0, "control_ptr is null");
-  CK_CHECK_ARG(ptr % 64 == 0, "control_ptr must be 64-byte aligned, got 0x", std::hex, ptr);
+  CK_CHECK_ARG(ptr % 64 == 0, "control_ptr must be 64-byte aligned, got 0x", commkit::hex(ptr));
   CK_CHECK_ARG(size >= kControlBytes, "control region must be at least ", kControlBytes, " bytes, got ", size);
   auto* c = reinterpret_cast<Control*>(ptr);
   CK_CHECK_ARG(ld_acquire(&c->header.magic) == kMagic,
@@ -268,10 +267,9 @@ class Transport::Impl {
     int code, rank;
     std::string msg;
     read_poison(code, rank, msg);
-    std::ostringstream os;
-    os << "fp8_layerwise transport poisoned (code " << code << " " << code_name(code) << ", rank " << rank
-       << "): " << msg << " [raised on rank " << rank_ << "]";
-    throw PoisonedError(os.str(), code, rank, msg);
+    throw PoisonedError(commkit::str("fp8_layerwise transport poisoned (code ", code, " ", code_name(code), ", rank ",
+                                     rank, "): ", msg, " [raised on rank ", rank_, "]"),
+                        code, rank, msg);
   }
 
   void check_poison() const {
@@ -290,10 +288,9 @@ class Transport::Impl {
       if (r == rank_ || !(mask & (1u << r))) continue;
       const auto& rs = c_->ranks[r];
       const uint64_t status = ld_acquire(&rs.status);
-      std::ostringstream os;
       if (status == kRankClosed) {
-        os << "rank " << r << " closed its transport while rank " << rank_ << " was waiting for " << what;
-        publish_poison(kErrPeerDead, r, os.str());
+        publish_poison(kErrPeerDead, r,
+                       commkit::str("rank ", r, " closed its transport while rank ", rank_, " was waiting for ", what));
         raise_poison();
       }
       if (status != kRankAttached) continue;  // not attached yet: only the deadline applies
@@ -325,10 +322,9 @@ class Transport::Impl {
         backoff.reset();
       }
       if (deadline.expired(now_progress)) {
-        std::ostringstream os;
-        os << "timed out after " << timeout_ms_ << " ms without progress waiting for " << what;
         if (!honor_poison) CK_THROW_TIMEOUT(what, rank_, -1, 1, 0, " after ", timeout_ms_, " ms without progress");
-        poison_and_throw(kErrTimeout, os.str());
+        poison_and_throw(kErrTimeout,
+                         commkit::str("timed out after ", timeout_ms_, " ms without progress waiting for ", what));
       }
       if (mask != 0 && monotonic_ns() >= next_live) {
         check_peers(mask, what);
@@ -417,10 +413,10 @@ class Transport::Impl {
         const int64_t lid = ld_relaxed(&c_->layer.layer_id);
         const uint64_t cnt = ld_relaxed(&c_->layer.expert_count);
         if (lid != layer_id || cnt != static_cast<uint64_t>(expert_count)) {
-          std::ostringstream os;
-          os << "rank " << rank_ << " joined epoch " << epoch << " with layer_id " << layer_id << ", expert_count "
-             << expert_count << " but rank 0 opened it with layer_id " << lid << ", expert_count " << cnt;
-          poison_and_throw(kErrProtocol, os.str());
+          poison_and_throw(kErrProtocol, commkit::str("rank ", rank_, " joined epoch ", epoch, " with layer_id ",
+                                                      layer_id, ", expert_count ", expert_count,
+                                                      " but rank 0 opened it with layer_id ", lid,
+                                                      ", expert_count ", cnt));
         }
       }
       st_release(&me.join_epoch, epoch);
@@ -509,11 +505,11 @@ class Transport::Impl {
     if (ld_acquire(&c_->layer.active_epoch) != epoch || ld_relaxed(&c_->layer.layer_id) != layer_id ||
         ld_relaxed(&c_->layer.expert_count) != static_cast<uint64_t>(expert_count) ||
         ld_acquire(&c_->ranks[0].join_epoch) != epoch || ld_acquire(&c_->layer.producer_done_epoch) >= epoch) {
-      std::ostringstream os;
-      os << "run_producer(epoch " << epoch << ", layer " << layer_id << ", count " << expert_count
-         << ") does not match the joined layer (epoch " << ld_relaxed(&c_->layer.active_epoch) << ", layer "
-         << ld_relaxed(&c_->layer.layer_id) << ", count " << ld_relaxed(&c_->layer.expert_count) << ")";
-      poison_and_throw(kErrProtocol, os.str());
+      poison_and_throw(kErrProtocol, commkit::str("run_producer(epoch ", epoch, ", layer ", layer_id, ", count ",
+                                                  expert_count, ") does not match the joined layer (epoch ",
+                                                  ld_relaxed(&c_->layer.active_epoch), ", layer ",
+                                                  ld_relaxed(&c_->layer.layer_id), ", count ",
+                                                  ld_relaxed(&c_->layer.expert_count), ")"));
     }
     api([&] {
       const uint64_t t0 = monotonic_ns();

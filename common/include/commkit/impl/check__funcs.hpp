@@ -2,33 +2,83 @@
 #pragma once
 
 #include <cerrno>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
-#include <sstream>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 
 #include "commkit/impl/check__types.hpp"
 
 namespace commkit {
+
+// Hexadecimal rendering for str() / the check macros (no "0x" prefix).
+struct Hex {
+  uint64_t value;
+};
+inline Hex hex(uint64_t v) { return Hex{v}; }
+
 namespace detail {
 
-inline void stream_all(std::ostringstream&) {}
-template <typename T, typename... Rest>
-inline void stream_all(std::ostringstream& os, T&& first, Rest&&... rest) {
-  os << std::forward<T>(first);
-  stream_all(os, std::forward<Rest>(rest)...);
+// Messages are built without iostreams: in a process where torch was imported first, our
+// extension's std::ostream calls crashed (SIGSEGV in the num_put facet) on the GPU machine
+// (torch 2.11 exports its own copies of libstdc++ internals). std::to_string / snprintf do
+// not touch locales.
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, std::string_view v) { s.append(v.data(), v.size()); }
+inline void append(std::string& s, const char* v) { s += v != nullptr ? v : "(null)"; }
+inline void append(std::string& s, char v) { s += v; }
+inline void append(std::string& s, bool v) { s += v ? "true" : "false"; }
+inline void append(std::string& s, Hex v) {
+  char b[24];
+  std::snprintf(b, sizeof b, "%llx", static_cast<unsigned long long>(v.value));
+  s += b;
 }
+template <typename T>
+inline void append(std::string& s, const T& v) {
+  using U = std::decay_t<T>;
+  if constexpr (std::is_same_v<U, char*> || std::is_same_v<U, const char*>) {
+    append(s, static_cast<const char*>(v));
+  } else if constexpr (std::is_enum_v<U>) {
+    s += std::to_string(static_cast<long long>(v));
+  } else if constexpr (std::is_integral_v<U>) {
+    s += std::to_string(v);
+  } else if constexpr (std::is_floating_point_v<U>) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%g", static_cast<double>(v));
+    s += b;
+  } else if constexpr (std::is_pointer_v<U>) {
+    char b[24];
+    std::snprintf(b, sizeof b, "%p", static_cast<const void*>(v));
+    s += b;
+  } else {
+    static_assert(sizeof(U) == 0, "commkit::str: unsupported argument type");
+  }
+}
+
+}  // namespace detail
+
+// Concatenates the arguments (strings, characters, integers, floats, pointers, enums, hex()).
+template <typename... Args>
+inline std::string str(Args&&... args) {
+  std::string s;
+  (detail::append(s, args), ...);
+  return s;
+}
+
+namespace detail {
 
 template <typename... Args>
 inline std::string format(const char* file, int line, int rank, int peer, Args&&... args) {
-  std::ostringstream os;
-  stream_all(os, std::forward<Args>(args)...);
-  if (rank != kUnknownRank) os << " [rank " << rank;
-  if (peer != kUnknownRank) os << (rank != kUnknownRank ? ", peer " : " [peer ") << peer;
-  if (rank != kUnknownRank || peer != kUnknownRank) os << "]";
+  std::string s = str(std::forward<Args>(args)...);
+  if (rank != kUnknownRank) s += str(" [rank ", rank);
+  if (peer != kUnknownRank) s += str(rank != kUnknownRank ? ", peer " : " [peer ", peer);
+  if (rank != kUnknownRank || peer != kUnknownRank) s += "]";
   const char* base = std::strrchr(file, '/');
-  os << " (" << (base ? base + 1 : file) << ":" << line << ")";
-  return os.str();
+  s += str(" (", base ? base + 1 : file, ":", line, ")");
+  return s;
 }
 
 template <typename E, typename... Args>
