@@ -297,8 +297,8 @@ class Transport::Impl {
       const uint64_t pid = ld_relaxed(&rs.pid);
       const uint64_t start = live_start_time(pid);
       if (start == 0 || (ld_relaxed(&rs.pid_start) != 0 && start != ld_relaxed(&rs.pid_start))) {
-        os << "rank " << r << " (pid " << pid << ") died while rank " << rank_ << " was waiting for " << what;
-        publish_poison(kErrPeerDead, r, os.str());
+        publish_poison(kErrPeerDead, r,
+                       commkit::str("rank ", r, " (pid ", pid, ") died while rank ", rank_, " was waiting for ", what));
         raise_poison();
       }
     }
