@@ -45,7 +45,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _C
+from . import _C, _checks
 
 __all__ = [
     "ElasticBuffer",
@@ -529,20 +529,14 @@ class ElasticBuffer:
         R = self.num_ranks
         cached = cached_num_recv_tokens is not None
         # ---- validation (everything before any launch) ----
-        if do_zero_padding and not do_expand:
-            raise ValueError("do_zero_padding requires do_expand=True")
-        if cached:
-            missing = [n for n, v in (("cached_num_expanded_tokens", cached_num_expanded_tokens),
-                                      ("cached_num_recv_tokens_per_expert_list", cached_num_recv_tokens_per_expert_list),
-                                      ("cached_psum_num_recv_tokens_per_scaleup_rank", cached_psum_num_recv_tokens_per_scaleup_rank),
-                                      ("cached_psum_num_recv_tokens_per_expert", cached_psum_num_recv_tokens_per_expert),
-                                      ("cached_num_unaligned_recv_tokens_per_expert", cached_num_unaligned_recv_tokens_per_expert),
-                                      ("cached_dst_buffer_slot_idx", cached_dst_buffer_slot_idx),
-                                      ("cached_recv_src_metadata", cached_recv_src_metadata)) if v is None]
-            if missing:
-                raise ValueError(f"cached dispatch needs the whole handle; missing {missing}")
-            if do_cpu_sync:
-                raise ValueError("cached dispatch cannot do a CPU sync (do_cpu_sync must be False)")
+        _checks.check_dispatch_modes(do_expand, do_zero_padding, do_cpu_sync, dict(
+            cached_num_expanded_tokens=cached_num_expanded_tokens,
+            cached_num_recv_tokens_per_expert_list=cached_num_recv_tokens_per_expert_list,
+            cached_psum_num_recv_tokens_per_scaleup_rank=cached_psum_num_recv_tokens_per_scaleup_rank,
+            cached_psum_num_recv_tokens_per_expert=cached_psum_num_recv_tokens_per_expert,
+            cached_num_unaligned_recv_tokens_per_expert=cached_num_unaligned_recv_tokens_per_expert,
+            cached_dst_buffer_slot_idx=cached_dst_buffer_slot_idx,
+            cached_recv_src_metadata=cached_recv_src_metadata) if cached else None)
         _check_cuda_tensor("x", x, (torch.bfloat16,) + _FP8_DTYPES, 2)
         T, hidden = x.shape
         hidden_bytes = hidden * x.element_size()

@@ -50,7 +50,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _sizing
+from . import _checks, _sizing
 
 __all__ = ["ElasticBuffer", "EventHandle"]
 
@@ -279,24 +279,18 @@ class ElasticBuffer:
         R, me = self.num_ranks, self.rank_idx
         if num_sms <= 0:
             raise ValueError(f"num_sms must be positive, got {num_sms}")
-        if do_zero_padding and not do_expand:
-            raise ValueError("do_zero_padding requires do_expand=True")
         if num_experts % R:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks ({R})")
         if expert_alignment <= 0:
             raise ValueError(f"expert_alignment must be positive, got {expert_alignment}")
         cached_mode = cached_num_recv_tokens is not None
-        if cached_mode:
-            missing = [n for n, v in (("cached_num_expanded_tokens", cached_num_expanded_tokens),
-                                      ("cached_num_recv_tokens_per_expert_list", cached_num_recv_tokens_per_expert_list),
-                                      ("cached_psum_num_recv_tokens_per_scaleup_rank", cached_psum_num_recv_tokens_per_scaleup_rank),
-                                      ("cached_psum_num_recv_tokens_per_expert", cached_psum_num_recv_tokens_per_expert),
-                                      ("cached_dst_buffer_slot_idx", cached_dst_buffer_slot_idx),
-                                      ("cached_recv_src_metadata", cached_recv_src_metadata)) if v is None]
-            if missing:
-                raise ValueError(f"cached mode needs {', '.join(missing)}")
-            if do_cpu_sync:
-                raise ValueError("cannot do CPU sync in cached mode")
+        _checks.check_dispatch_modes(do_expand, do_zero_padding, do_cpu_sync, dict(
+            cached_num_expanded_tokens=cached_num_expanded_tokens,
+            cached_num_recv_tokens_per_expert_list=cached_num_recv_tokens_per_expert_list,
+            cached_psum_num_recv_tokens_per_scaleup_rank=cached_psum_num_recv_tokens_per_scaleup_rank,
+            cached_psum_num_recv_tokens_per_expert=cached_psum_num_recv_tokens_per_expert,
+            cached_dst_buffer_slot_idx=cached_dst_buffer_slot_idx,
+            cached_recv_src_metadata=cached_recv_src_metadata) if cached_mode else None)
         T, H = x.shape
         K = topk_idx.shape[1]
         L = num_experts // R

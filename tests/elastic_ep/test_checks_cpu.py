@@ -1,0 +1,26 @@
+"""The dispatch-mode checks both low-level backends share (elastic_ep._checks)."""
+import pytest
+
+from tests.elastic_ep._common import import_elastic_ep
+
+
+def _checks():
+    import_elastic_ep()
+    from elastic_ep import _checks
+
+    return _checks
+
+
+def test_zero_padding_needs_expand():
+    with pytest.raises(ValueError, match="do_zero_padding requires do_expand=True"):
+        _checks().check_dispatch_modes(False, True, False, None)
+    _checks().check_dispatch_modes(True, True, True, None)
+
+
+def test_cached_mode_names_every_missing_field_and_forbids_cpu_sync():
+    full = {"cached_a": 1, "cached_b": [0]}
+    _checks().check_dispatch_modes(False, False, False, full)
+    with pytest.raises(ValueError, match="missing cached_b, cached_c"):
+        _checks().check_dispatch_modes(False, False, False, {"cached_a": 1, "cached_b": None, "cached_c": None})
+    with pytest.raises(ValueError, match="cannot do a CPU sync"):
+        _checks().check_dispatch_modes(False, False, True, full)
