@@ -30,7 +30,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +37,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _benchutil import git_revision  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "packages", "elastic_ep", "src")
@@ -68,6 +70,24 @@ def _inputs(rank: int, T: int, H: int, K: int, E: int, seed: int = 0):
     x8 = (blocks / sf.unsqueeze(2)).view(T, H).to(torch.float8_e4m3fn)
     dev = torch.device("cuda", torch.cuda.current_device())
     return {k: v.to(dev) for k, v in dict(xb=xb, x8=x8, sf=sf, topk=topk, w=w).items()}
+
+
+def _timed_us(fn, iters, flush, group):
+    """Microseconds of ``fn`` per iteration (CUDA events on the current stream), each run after an L2
+    flush and a barrier so every rank starts together from a cold cache."""
+    out = []
+    for _ in range(iters):
+        flush.zero_()
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        out.append(start.elapsed_time(stop) * 1000.0)
+    return out
 
 
 def _kernel_times(prof, iters: int):
@@ -138,18 +158,7 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                 torch.cuda.synchronize()
                 dist.barrier(group=group)
                 # end-to-end, CUDA events on the current stream
-                e2e = []
-                for _ in range(iters):
-                    flush.zero_()
-                    torch.cuda.synchronize()
-                    dist.barrier(group=group)
-                    torch.cuda.synchronize()
-                    s, t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    s.record()
-                    fn()
-                    t.record()
-                    torch.cuda.synchronize()
-                    e2e.append(s.elapsed_time(t) * 1000.0)
+                e2e = _timed_us(fn, iters, flush, group)
                 comm_us = epi_us = None
                 per_kernel = {}
                 if backend == "native":
@@ -203,18 +212,7 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
 
         for _ in range(2):
             a2a()
-        e2e = []
-        for _ in range(iters):
-            flush.zero_()
-            torch.cuda.synchronize()
-            dist.barrier(group=group)
-            torch.cuda.synchronize()
-            s_ev, t_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s_ev.record()
-            a2a()
-            t_ev.record()
-            torch.cuda.synchronize()
-            e2e.append(s_ev.elapsed_time(t_ev) * 1000.0)
+        e2e = _timed_us(a2a, iters, flush, group)
         remote = (n_sent_remote if is_combine else n_recv_remote) * b
         total = (sum(sent) if is_combine else n_recv_all) * b
         e2e_us = sum(e2e) / len(e2e)
@@ -329,11 +327,7 @@ def main() -> int:
     t0 = time.time()
     mp.spawn(_worker, args=(world, rdzv, args, result_file), nprocs=world, join=True)
     per_rank = json.load(open(result_file))
-    try:
-        git = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001
-        git = "unknown"
+    git = git_revision()
     errors = [e for r in per_rank for e in r.get("errors", [])]
     if errors:
         print("errors:\n  " + "\n  ".join(errors))

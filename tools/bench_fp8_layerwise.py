@@ -28,10 +28,12 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _benchutil import git_revision  # noqa: E402
 
 
 def _worker(rank, tp, cfg, tmp, q):
@@ -275,11 +277,7 @@ def main(argv=None):
                                f"{'MET' if v['overlap'] <= 1.1 else 'MISSED'} (<= 1.1)")
     for t in targets:
         print("  " + t)
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except Exception:  # noqa: BLE001
-        rev = ""
+    rev = git_revision()
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), host=platform.node(), backend=backend,
                 note=note, gpus=[torch.cuda.get_device_name(i) for i in range(ngpu)], cpus=cpus, git_rev=rev,
                 command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])), torch=torch.__version__,

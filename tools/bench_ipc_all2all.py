@@ -20,10 +20,12 @@ import json
 import os
 import pathlib
 import socket
-import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _benchutil import git_revision  # noqa: E402
 
 HEADS, HEAD_DIM = 32, 128
 NCCL_RT_REF_US = {4096: 166, 8192: 261, 32768: 851, 131072: 3133}  # measured NCCL path, 2x H200
@@ -310,11 +312,7 @@ def main():
         return 1
     worlds = [int(w) for w in args.worlds.split(",") if w] or sorted({w for w in (2, 4, 8, n) if w <= n})
     sizes = [4096, 32768] if args.quick else [4096, 8192, 16384, 32768, 65536, 131072]
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=pathlib.Path(__file__).resolve().parent).stdout.strip()
-    except Exception:  # noqa: BLE001
-        rev = ""
+    rev = git_revision()
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "host": socket.gethostname(), "gpu": torch.cuda.get_device_name(0), "gpus": n,
             "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())), "git_rev": rev,

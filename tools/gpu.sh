@@ -11,6 +11,8 @@
 # * exits non-zero if a build or a test suite failed (benchmarks still run).
 # Each suite runs under `timeout $TEST_TIMEOUT_S` (default 300) and each benchmark under
 # `timeout $BENCH_TIMEOUT_S` (default 240), so one hang cannot eat the whole device session.
+# The device's copy of the tree has no .git: pass COMMKIT_GIT_REV=<short hash> so the results record
+# the revision they were measured at.
 # Wheels carried in .whl/ (e.g. a newer scikit-build-core) are installed to a private path first.
 set -u
 OUT=${1:?usage: bash tools/gpu.sh OUT_DIR [--only pkgs] [--no-tests] [--no-bench] [--quick] [-- pytest args]}
@@ -32,6 +34,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export COMMKIT_GIT_REV=${COMMKIT_GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1 COMMKIT_BUILD_CUDA=${COMMKIT_BUILD_CUDA:-ON} CUDAARCHS=90a
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 PY=${PYTHON:-python3}
@@ -40,7 +43,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/commkit-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 {
-  date -u; hostname; git rev-parse --short HEAD 2>/dev/null || true
+  date -u; hostname; echo "git $COMMKIT_GIT_REV"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
   $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
   $PY -c "import scikit_build_core, pybind11; print('scikit-build-core', scikit_build_core.__version__, 'pybind11', pybind11.__version__)"
