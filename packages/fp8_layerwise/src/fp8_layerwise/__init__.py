@@ -19,6 +19,7 @@ from .transport import (CONTROL_BYTES, DEFAULT_SLOTS, KINDS, MAX_SLOTS, MAX_TP, 
                         HostSlots, Layer, LayerStats, Transport, block_fp8_expert_nbytes, group_exchange,
                         make_block_fp8_sources, make_shard_writer, reference_shard)
 
+__version__ = "0.1.0"
 FP8LayerwiseTransport = _C.FP8LayerwiseTransport
 initialize_fp8_layerwise_control = _C.initialize_fp8_layerwise_control
 FP8_LAYERWISE_CONTROL_BYTES = _C.FP8_LAYERWISE_CONTROL_BYTES

@@ -87,6 +87,7 @@ __all__ = [
     "built_with_cuda",
 ]
 
+__version__ = "0.1.0"
 CommError = _C.CommError
 CommTimeoutError = _C.CommTimeoutError
 DEFAULT_TIMEOUT_SECONDS = 10.0
