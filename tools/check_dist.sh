@@ -1,36 +1,58 @@
 #!/usr/bin/env bash
 # Release check of the three distributions, each on its own:
 #   sdist from packages/<pkg> (must carry common/) -> wheel built FROM that sdist -> installed ALONE
-#   into a fresh virtual environment (torch only besides it) -> imported, and its _C loaded.
-#   bash tools/check_dist.sh [OUT_DIR] [pkg ...]
+#   into a fresh virtual environment -> imported from outside the checkout: _C loads and __version__
+#   equals pyproject.toml's version.
+#   bash tools/check_dist.sh [all | pkg ...]        (default all; OUT_DIR, default build/dist-check)
+# Works offline: $PYTHON (default python3) builds with --no-build-isolation, so it needs torch,
+# pybind11, scikit-build-core and build. The venv sees the system's packages when $PYTHON has torch
+# (TORCH_SPEC installs one into a bare venv instead); the checked package must import from the venv.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${1:-$ROOT/build/dist-check}; shift || true
-PKGS=${*:-fp8_layerwise ipc_all2all elastic_ep}
+OUT=${OUT_DIR:-$ROOT/build/dist-check}
+PKGS=${*:-all}
+[ "$PKGS" = all ] && PKGS="fp8_layerwise ipc_all2all elastic_ep"
+for pkg in $PKGS; do
+  [ -f "$ROOT/packages/$pkg/pyproject.toml" ] \
+    || { echo "unknown package '$pkg' (all, fp8_layerwise, ipc_all2all or elastic_ep)" >&2; exit 2; }
+done
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-$PY -m pip install -q build
+$PY -c "import build" 2>/dev/null || $PY -m pip install -q build
 VENV="$OUT/venv"
 rm -rf "$VENV"
-$PY -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q "${TORCH_SPEC:-torch==2.14.1}"
+if [ -z "${TORCH_SPEC:-}" ] && $PY -c "import torch" 2>/dev/null; then
+  $PY -m venv --system-site-packages "$VENV"
+else
+  $PY -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q "${TORCH_SPEC:-torch==2.14.1}"
+fi
 for pkg in $PKGS; do
   echo "== $pkg =="
-  rm -rf "$OUT/$pkg"; mkdir -p "$OUT/$pkg"
+  rm -rf "${OUT:?}/$pkg"; mkdir -p "$OUT/$pkg"
   $PY -m build --sdist --no-isolation --outdir "$OUT/$pkg" "$ROOT/packages/$pkg" >"$OUT/$pkg/sdist.log" 2>&1 \
     || { tail -30 "$OUT/$pkg/sdist.log"; exit 1; }
   sdist=$(ls "$OUT/$pkg"/*.tar.gz)
-  tar tzf "$sdist" | grep -q "/common/include/commkit/check.hpp" || { echo "sdist lacks common/"; exit 1; }
-  echo "sdist: $(basename "$sdist") ($(tar tzf "$sdist" | wc -l) files, common/ included)"
-  # Build the wheel from the unpacked sdist, far from the checkout, so ../../common cannot be used.
-  mkdir -p "$OUT/$pkg/unpacked"; tar xzf "$sdist" -C "$OUT/$pkg/unpacked"
-  src=$(ls -d "$OUT/$pkg/unpacked"/*/)
-  $PY -m pip wheel -q --no-build-isolation --no-deps -w "$OUT/$pkg" "$src" >"$OUT/$pkg/wheel.log" 2>&1 \
+  files=$(tar tzf "$sdist")  # (not piped into grep -q: pipefail would see tar's SIGPIPE)
+  for f in common/include/commkit/check.hpp common/cmake/CommkitDeps.cmake common/CMakeLists.txt; do
+    grep -q "/$f\$" <<<"$files" || { echo "sdist lacks $f"; exit 1; }
+  done
+  echo "sdist: $(basename "$sdist") ($(wc -l <<<"$files") files, common/ included)"
+  # pip builds the wheel in a temporary unpacked copy, far from the checkout (no ../../common there).
+  $PY -m pip wheel -q --no-build-isolation --no-deps -w "$OUT/$pkg" "$sdist" >"$OUT/$pkg/wheel.log" 2>&1 \
     || { tail -30 "$OUT/$pkg/wheel.log"; exit 1; }
   whl=$(ls "$OUT/$pkg"/*.whl)
   echo "wheel: $(basename "$whl")"
-  "$VENV/bin/python" -m pip install -q --no-deps "$whl"
-  (cd "$OUT" && "$VENV/bin/python" -c "import $pkg, $pkg._C as c; print('imported', $pkg.__name__, getattr($pkg, '__version__', '?'), 'built_with_cuda', c.built_with_cuda())")
-  "$VENV/bin/python" -m pip uninstall -q -y "$(echo $pkg | tr _ -)"
+  "$VENV/bin/python" -m pip install -q --no-deps --force-reinstall "$whl"  # even if $PY has this version
+  ver=$(sed -n 's/^version = "\(.*\)"$/\1/p' "$ROOT/packages/$pkg/pyproject.toml")
+  (cd "$OUT" && "$VENV/bin/python" - "$pkg" "$ver" "$VENV" <<'PY')
+import importlib, os, sys
+pkg, ver, venv = sys.argv[1:]
+m, c = importlib.import_module(pkg), importlib.import_module(pkg + "._C")
+assert os.path.realpath(m.__file__).startswith(os.path.realpath(venv) + "/"), f"{pkg} came from {m.__file__}"
+assert m.__version__ == ver, f"{pkg}.__version__ is {m.__version__!r}, pyproject.toml says {ver!r}"
+print("imported", pkg, m.__version__, "built_with_cuda", c.built_with_cuda())
+PY
+  "$VENV/bin/python" -m pip uninstall -q -y "$(echo "$pkg" | tr _ -)"
 done
 echo "dist check passed for: $PKGS"
