@@ -38,6 +38,7 @@ groups when the kernels are built, torch otherwise). Launch one process per GPU 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
@@ -281,6 +282,12 @@ class ElasticBuffer:
         pg_backend = dist.get_backend(group)
         if backend == "auto":
             backend = "native" if (pg_backend == "nccl" and native_available()) else "torch"
+            if backend == "torch" and pg_backend == "nccl" and torch.cuda.is_available():
+                # An NCCL group on a GPU would have used the native kernels: say why it cannot, once,
+                # rather than run the (much slower) reference backend silently.
+                _, why = _load_native()
+                warnings.warn(f"elastic_ep: backend='auto' falls back to the torch backend: {why}", RuntimeWarning,
+                              stacklevel=2)
         if backend == "native":
             ll, why = _load_native()
             if ll is None:
