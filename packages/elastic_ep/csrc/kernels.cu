@@ -28,8 +28,10 @@ constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
 
 // Slots of the local grid-counter words (WorkspaceLayout::grid_counter, u32[16]).
+// kCtrDispatchAborted: set by dispatch notify (one block) when this dispatch must not push (a wait of
+// notify failed, or a timeout record is pending); the push kernel's blocks read it from device memory.
 enum CounterSlot { kCtrDispatchPush = 0, kCtrDispatchEpilogue = 1, kCtrCombinePush = 2, kCtrCombineReduce = 3,
-                   kCtrEpoch = 8 };
+                   kCtrDispatchAborted = 4, kCtrEpoch = 8 };
 
 struct Ctx {
   LsaTransport tr;
@@ -181,19 +183,26 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
     }
   }
 
-  // Wait for every peer: entry barrier, then (non-cached) its counts.
-  bool ok = true;
-  if (tid < R)
+  // Wait for every peer: entry barrier, then (non-cached) its counts. The push kernel learns the
+  // outcome from kCtrDispatchAborted (one host-flag read here instead of one per push block).
+  bool ok = tid != 0 || !commkit::aborted(cx.rec);
+  if (tid < R && ok)
     ok = commkit::wait_ge(cx.local_u64(cx.ws.barrier_signal, tid), E, cx.timeout_ns, cx.rec, kOpDispatchNotify,
                           rank, tid);
-  if (__syncthreads_or(!ok) || p.cached) return;
+  bool failed = __syncthreads_or(!ok);
+  if (tid == 0) commkit::st_relaxed(&cx.counters[kCtrDispatchAborted], failed ? 1u : 0u);
+  if (failed || p.cached) return;
   for (int s = tid; s < R && ok; s += kThreads)
     ok = commkit::wait_ge(cx.local_u64(cx.ws.rank_count, s), E << 32, cx.timeout_ns, cx.rec, kOpDispatchNotify,
                           rank, s);
   for (int i = tid; i < R * L && ok; i += kThreads)
     ok = commkit::wait_ge(cx.local_u64(cx.ws.expert_count, i), E << 32, cx.timeout_ns, cx.rec, kOpDispatchNotify,
                           rank, i / L);
-  if (__syncthreads_or(!ok)) return;
+  failed = __syncthreads_or(!ok);
+  if (failed) {
+    if (tid == 0) commkit::st_relaxed(&cx.counters[kCtrDispatchAborted], 1u);
+    return;
+  }
 
   // Reuse the shared arrays: running[] = tokens from each source, expert_cnt[] = aligned per local expert.
   const int A = p.expert_alignment;
@@ -241,10 +250,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
   const int lane = lane_id();
   const auto tl = dispatch_token_layout(p.hidden_bytes, 1, p.num_sf_packs, K);
   const int n16 = p.hidden_bytes / 16;
-  // One thread reads the host-mapped timeout flag for the block: a read of host memory by every
-  // thread serialised on PCIe and cost ~4.5 ms per dispatch at 132 SMs.
+  // Whether notify failed comes from device memory. Reading the host-mapped timeout flag instead
+  // cost ~4.5 ms per dispatch at 132 SMs when every thread read it, and still grew with the SM count
+  // (~1 us per block) when one thread per block did.
   __shared__ int block_aborted;
-  if (threadIdx.x == 0) block_aborted = commkit::aborted(cx.rec) ? 1 : 0;
+  if (threadIdx.x == 0) block_aborted = commkit::ld_relaxed(&cx.counters[kCtrDispatchAborted]) != 0u ? 1 : 0;
   __syncthreads();
   if (!block_aborted) {
     const int gw = blockIdx.x * kWarps + threadIdx.x / 32, nw = gridDim.x * kWarps;
