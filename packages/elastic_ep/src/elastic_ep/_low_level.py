@@ -319,7 +319,7 @@ class ElasticBuffer:
         if self._destroyed:
             raise RuntimeError("this ElasticBuffer was destroyed")
         # Device timeouts are raised here, from Python: a C++ exception crossing into Python crashed the
-        # process on the GPU machine (NOTES_A.md), so the runtime reports them as data.
+        # process on the GPU machine (see STATUS.md: it was the iostream formatting), so the runtime reports them as data.
         info = self._rt.take_timeout()
         if info is not None:
             raise _timeout_error(info, "the CUDA context is usable but this buffer's signals are out of step: "
