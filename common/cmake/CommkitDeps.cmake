@@ -35,12 +35,17 @@ macro(commkit_setup)
     find_package(pybind11 CONFIG REQUIRED)
   endif()
 
-  # torch: located through torch.utils.cmake_prefix_path (linked only by commkit_use_torch).
-  execute_process(
-    COMMAND "${Python_EXECUTABLE}" -c
-            "import torch, torch.utils; print(torch.utils.cmake_prefix_path); print(torch.__version__); print(torch.version.cuda or '')"
-    OUTPUT_VARIABLE _ck_torch_out OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _ck_rc ERROR_QUIET)
-  if(_ck_rc EQUAL 0)
+  # torch: located through torch.utils.cmake_prefix_path (linked only by commkit_use_torch). In the
+  # superbuild the packages inherit the top level's answer (importing torch costs seconds each time).
+  if(NOT DEFINED COMMKIT_TORCH_CMAKE_PREFIX)
+    execute_process(
+      COMMAND "${Python_EXECUTABLE}" -c
+              "import torch, torch.utils; print(torch.utils.cmake_prefix_path); print(torch.__version__); print(torch.version.cuda or '')"
+      OUTPUT_VARIABLE _ck_torch_out OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _ck_rc ERROR_QUIET)
+    if(NOT _ck_rc EQUAL 0)
+      message(FATAL_ERROR "commkit: torch is not importable by ${Python_EXECUTABLE}; install torch first "
+                          "and build with --no-build-isolation")
+    endif()
     string(REPLACE "\n" ";" _ck_torch_out "${_ck_torch_out}")
     list(GET _ck_torch_out 0 COMMKIT_TORCH_CMAKE_PREFIX)
     list(GET _ck_torch_out 1 COMMKIT_TORCH_VERSION)
@@ -51,9 +56,6 @@ macro(commkit_setup)
     endif()
     list(APPEND CMAKE_PREFIX_PATH "${COMMKIT_TORCH_CMAKE_PREFIX}")
     message(STATUS "commkit: torch ${COMMKIT_TORCH_VERSION} (CUDA '${COMMKIT_TORCH_CUDA}') at ${COMMKIT_TORCH_CMAKE_PREFIX}")
-  else()
-    message(FATAL_ERROR "commkit: torch is not importable by ${Python_EXECUTABLE}; install torch first "
-                        "and build with --no-build-isolation")
   endif()
 
   set(COMMKIT_WITH_CUDA OFF)
