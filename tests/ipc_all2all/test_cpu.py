@@ -144,6 +144,26 @@ def test_plan_errors():
         S.plan_send_recv_heads((1, 10, 32, 128), 2, 2, 0, counts, need - 1)
 
 
+def test_gather_heads_checks_every_targets_output_against_the_buffer():
+    # gather_heads writes n[p] rows into target p's slot: the rank with few tokens must refuse when a
+    # peer's output would not fit, or it would push past that peer's buffer (the peer refuses its own
+    # call, and the small rank's kernel writes out of bounds once the epochs line up again).
+    counts, H, D, it = [2, 10], 16, 128, 2
+    need = 10 * H * D * it
+    for rank in range(2):
+        S.plan_gather_heads((1, 12, H // 2, D), it, 2, rank, counts, need)
+        with pytest.raises(ValueError, match="exceed what the instance was built for"):
+            S.plan_gather_heads((1, 12, H // 2, D), it, 2, rank, counts, need - 1)
+    # Rank 0's own output (2 tokens) fits a 5-token buffer, which the old check accepted; the kernel's
+    # addressing then writes rank 1's 10 rows past rank 1's slot.
+    xs = [torch.zeros(1, 12, H // 2, D, dtype=torch.bfloat16) for _ in range(2)]
+    p = S.plan_gather_heads((1, 12, H // 2, D), it, 2, 0, counts, need)
+    assert p.out_bytes == 2 * H * D * it <= 5 * H * D * it
+    with pytest.raises(RuntimeError, match=r"beyond slot .*rank 0 -> 1"):
+        _C.simulate(p.op, 2, 1, 12, -1, -1, p.chunk_bytes, p.wide_bytes, counts,
+                    [bytes(x.view(torch.uint8).reshape(-1).numpy()) for x in xs], 5 * H * D * it, only_sender=0)
+
+
 def test_large_hidden_has_no_block_limit():
     # The original kernel hung when one token row needed more threads than a block has; ours
     # flattens (row, 16-byte column) so only the 16-byte multiple matters.

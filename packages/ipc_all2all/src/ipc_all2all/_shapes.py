@@ -156,6 +156,14 @@ def plan_gather_heads(shape, itemsize: int, world_size: int, rank: int, counts: 
     if counts is not None:
         if T != sum(counts):
             raise ValueError(f"{what}: x has {T} tokens but set_rank_tokens gives a total of {sum(counts)}")
+        # This rank writes n[p] rows into every target p's slot, not only its own n[rank]: the largest
+        # count must fit every slot, or a rank with few tokens would write past a peer's buffer.
+        biggest = b * max(counts) * H * D * itemsize
+        if biggest > capacity:
+            raise ValueError(
+                f"{what}: the rank with {max(counts)} tokens needs an output of {biggest} bytes in every "
+                f"rank's buffer, which holds {capacity} (num_tokens * hidden_dim * element size); token "
+                f"counts exceed what the instance was built for")
         return _finish(OP_GATHER_HEADS, b, T, -1, -1, chunk, wide, (b, counts[rank], H, D), itemsize, capacity, what)
     if T % world_size:
         raise ValueError(f"{what}: in device-count mode x.shape[1] ({T}) must be world_size * per-rank capacity")
