@@ -142,3 +142,55 @@ def test_simulation_catches_out_of_bounds():
     with pytest.raises(RuntimeError, match="beyond slot"):
         _C.simulate(S.OP_SEND_RECV_HEADS, W, b, 4, -1, -1, 4 * D * 2, H * D * 2, counts,
                     [bytes(_b(x).reshape(-1).numpy()) for x in xs], 1024)
+
+
+def _highest_written(plan, W, q, counts, xs, slot_bytes):
+    outs = _C.simulate(plan.op, W, plan.batch, plan.x_rows, plan.out_rows, plan.cap_rows, plan.chunk_bytes,
+                       plan.wide_bytes, counts, [bytes(_b(x).reshape(-1).numpy()) for x in xs], slot_bytes,
+                       only_sender=q)
+    top = 0
+    for o in outs:
+        nz = _fb(o).nonzero()
+        if nz.numel():
+            top = max(top, int(nz.max()) + 1)
+    return top
+
+
+@pytest.mark.parametrize("W,b", [(1, 2), (2, 1), (3, 2), (8, 1)])
+def test_slot_bound_matches_the_kernels_writes_and_admits_every_plan(W, b):
+    """Core.launch refuses any call whose writes would leave a peer's slot (_C.slot_bytes_needed).
+    That bound must equal the highest byte the kernel's addressing writes, and every plan the Python
+    layer accepts must pass it (the C++ check is a second line, never a stricter one)."""
+    H, D, it = 8 * W if W != 3 else 24, 64, 2
+    hpr = H // W
+    cap = 1 << 18
+
+    def ones(b_, t, h):  # every byte 0xFF, so the highest written byte shows in the slot
+        return torch.full((b_, t, h, D * it), 0xFF, dtype=torch.uint8).view(torch.bfloat16)
+
+    def need_of(p, q, counts):
+        return _C.slot_bytes_needed(p.op, W, q, p.batch, p.x_rows, p.out_rows, p.cap_rows, p.chunk_bytes,
+                                    p.wide_bytes, counts)
+
+    for counts in ([5] * W, [0] + [3 * r + 1 for r in range(1, W)], [9] + [0] * (W - 1)):
+        T = sum(counts)
+        send = [S.plan_send_recv_heads((b, counts[r], H, D), it, W, r, counts, cap) for r in range(W)]
+        gather = [S.plan_gather_heads((b, T, hpr, D), it, W, r, counts, cap) for r in range(W)]
+        ag = [S.plan_allgather((b, counts[r], 2, D), it, W, r, counts, cap) for r in range(W)]
+        inputs = ([ones(b, counts[r], H) for r in range(W)], [ones(b, T, hpr) for _ in range(W)],
+                  [ones(b, counts[r], 2) for r in range(W)])
+        for plans, xs in zip((send, gather, ag), inputs):
+            biggest = max(p.out_bytes for p in plans)  # what the Python layer checks (gather: every target)
+            for q, p in enumerate(plans):
+                need = need_of(p, q, counts)
+                assert need == _highest_written(p, W, q, counts, xs, cap), (p, q, counts)
+                assert need <= biggest, (p, q, counts)
+    # device counts: the bound is the worst case (every rank at cap_rows), again within the plan
+    L = 6
+    for q in range(W):
+        sp = S.plan_send_recv_heads((b, L, H, D), it, W, q, None, cap)
+        gp = S.plan_gather_heads((b, W * L, hpr, D), it, W, q, None, cap)
+        for p, h in ((sp, H), (gp, hpr)):
+            need = need_of(p, q, [L] * W)  # what Core.launch checks with device counts: all at cap_rows
+            xs = [ones(b, p.x_rows, h) for _ in range(W)]
+            assert need == _highest_written(p, W, q, [L + 5] * W, xs, cap) <= p.out_bytes

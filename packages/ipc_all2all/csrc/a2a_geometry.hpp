@@ -81,4 +81,24 @@ CK_HD CK_INLINE RowMap row_map(const KernelArgs& a, const int64_t* n, const int6
   return m;
 }
 
+// One past the last byte that a sender's rows reach in the target's slot (0 when it sends none).
+CK_HD CK_INLINE uint64_t dst_extent(const RowMap& m, int batch) {
+  if (batch <= 0 || m.rpb == 0 || m.vpr == 0) return 0;
+  return m.dst0 + uint64_t(batch - 1) * m.dbs + uint64_t(m.rpb - 1) * m.dts + uint64_t(m.vpr) * 16u;
+}
+
+// The most bytes of any target's slot that sender a.rank writes with these counts. Every extent grows
+// with the counts, so with device counts (clamped to cap_rows) passing cap_rows for every rank gives
+// the worst case over all values the device may hold.
+CK_HD CK_INLINE uint64_t slot_bytes_needed(const KernelArgs& a, const int32_t* counts) {
+  int64_t n[kMaxWorld], prefix[kMaxWorld + 1];
+  resolve_counts(a, counts, n, prefix);
+  uint64_t most = 0;
+  for (int p = 0; p < a.world; ++p) {
+    const uint64_t e = dst_extent(row_map(a, n, prefix, p), a.batch);
+    if (e > most) most = e;
+  }
+  return most;
+}
+
 }  // namespace ipc_all2all

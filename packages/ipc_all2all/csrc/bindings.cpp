@@ -92,6 +92,29 @@ PYBIND11_MODULE(_C, m) {
       py::arg("op"), py::arg("world_size"), py::arg("batch"), py::arg("x_rows"), py::arg("out_rows"),
       py::arg("cap_rows"), py::arg("chunk_bytes"), py::arg("wide_bytes"), py::arg("counts"), py::arg("inputs"),
       py::arg("slot_bytes"), py::arg("only_sender") = -1);
+  // The bound Core::launch enforces before every launch: the most bytes sender `rank` writes into
+  // any target's slot. With device counts Core.launch passes cap_rows for every rank (the worst case).
+  m.def(
+      "slot_bytes_needed",
+      [](int op, int world, int rank, int batch, int64_t x_rows, int64_t out_rows, int64_t cap_rows, int64_t chunk,
+         int64_t wide, std::vector<int32_t> counts) {
+        CK_CHECK_ARG(world >= 1 && world <= ipc_all2all::kMaxWorld && rank >= 0 && rank < world, "bad world/rank");
+        CK_CHECK_ARG(static_cast<int>(counts.size()) == world, "need one count per rank");
+        CK_CHECK_ARG(chunk > 0 && chunk % 16 == 0 && wide % 16 == 0, "chunk and wide must be multiples of 16");
+        ipc_all2all::KernelArgs a{};
+        a.op = op;
+        a.rank = rank;
+        a.world = world;
+        a.batch = batch;
+        a.x_rows = x_rows;
+        a.out_rows = out_rows;
+        a.cap_rows = cap_rows;
+        a.chunk_bytes = static_cast<uint32_t>(chunk);
+        a.wide_bytes = static_cast<uint32_t>(wide);
+        return ipc_all2all::slot_bytes_needed(a, counts.data());
+      },
+      py::arg("op"), py::arg("world_size"), py::arg("rank"), py::arg("batch"), py::arg("x_rows"),
+      py::arg("out_rows"), py::arg("cap_rows"), py::arg("chunk_bytes"), py::arg("wide_bytes"), py::arg("counts"));
   m.def("op_name", [](uint32_t op) { return std::string(ipc_all2all::op_name(op)); });
 
   py::class_<Core>(m, "Core")

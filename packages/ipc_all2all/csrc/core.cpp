@@ -2,6 +2,8 @@
 // layout helpers and validation are testable on a CPU-only machine; constructing it raises.
 #include "core.hpp"
 
+#include "a2a_geometry.hpp"
+
 #include <cmath>
 #include <cstring>
 
@@ -153,7 +155,10 @@ int Core::launch(int op, uint64_t x_ptr, uint64_t stream, int batch, int64_t x_r
   CK_CHECK_ARG(batch >= 0 && x_rows >= 0, "negative batch or token count");
   CK_CHECK_ARG(chunk_bytes > 0 && chunk_bytes % 16 == 0 && chunk_bytes < (int64_t(1) << 31),
                "bytes per token and target must be a positive multiple of 16, got ", chunk_bytes);
-  CK_CHECK_ARG(wide_bytes >= chunk_bytes && wide_bytes % 16 == 0, "bad row size ", wide_bytes);
+  CK_CHECK_ARG(wide_bytes >= chunk_bytes && wide_bytes % 16 == 0 && wide_bytes < (int64_t(1) << 32),
+               "bad row size ", wide_bytes);
+  CK_CHECK_ARG(counts_ptr == 0 || (cap_rows >= 0 && cap_rows < (int64_t(1) << 31)),
+               "device token counts need a per-rank capacity cap_rows in [0, 2^31), got ", cap_rows);
   CK_CHECK_ARG(x_ptr % 16 == 0, "input must be 16-byte aligned");
   CK_CHECK_ARG(counts_ptr != 0 || static_cast<int>(counts.size()) == world_, "expected ", world_,
                " token counts, got ", counts.size());
@@ -187,6 +192,13 @@ int Core::launch(int op, uint64_t x_ptr, uint64_t stream, int batch, int64_t x_r
   a.world = world_;
   a.batch = batch;
   a.op = op;
+  // No write may leave a peer's slot, whatever the Python layer planned: with device counts the
+  // kernel clamps them to cap_rows, so the worst case is every rank at cap_rows.
+  int32_t worst[kMaxWorld];
+  for (int i = 0; i < kMaxWorld; ++i) worst[i] = static_cast<int32_t>(cap_rows);
+  const uint64_t need = slot_bytes_needed(a, counts_ptr ? worst : a.counts);
+  CK_CHECK_ARG(need <= static_cast<uint64_t>(capacity_), "ipc_all2all: this call would write ", need, " bytes into a slot of ", capacity_,
+               " bytes; token counts exceed what the instance was built for");
   GridPlan g = grid_plan(num_blocks_, world_, self_blocks_hint_);
   a.self_blocks = g.self_blocks;
   a.per_peer = g.per_peer;
