@@ -98,8 +98,18 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const KernelArgs a) {
   }
 
   // Entry handshake, part 2: the target has entered call e, so it no longer reads what I overwrite.
-  if (target != q && threadIdx.x == 0)
-    s_ok = commkit::wait_ge(&me->ready[target], e, a.timeout_ns, a.rec, a.op * 4 + kPhaseEntry, q, target);
+  // Every peer block waits here when the target is late, and a waiter given the timeout record polls
+  // its host-mapped flag every 64 spins: one PCIe round trip each, serialised across the waiters
+  // (~1 us apiece), which delays every waiter's view of `ready`. So only the first block per target
+  // polls it; the others time out on their own deadline (they started waiting at about the same
+  // time) and then claim the record themselves, so a failure is always reported.
+  if (target != q && threadIdx.x == 0) {
+    const uint32_t op = static_cast<uint32_t>(a.op * 4 + kPhaseEntry);
+    s_ok = commkit::wait_ge(&me->ready[target], e, a.timeout_ns, blk == 0 ? a.rec : nullptr, op, q, target);
+    if (!s_ok && blk != 0)
+      commkit::report_timeout(a.rec, op, q, target, static_cast<int64_t>(e),
+                              static_cast<int64_t>(commkit::ld_relaxed(&me->ready[target])), a.timeout_ns);
+  }
   __syncthreads();
 
   if (s_ok) {
