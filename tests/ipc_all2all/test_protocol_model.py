@@ -79,18 +79,18 @@ def run_model(W: int, calls: int, seed: int, handshake: bool = True) -> int:
         if p != r and handshake:
             while ready[r][p] < e:
                 yield
-        if p == r:
-            reading[r][s ^ 1] += 1      # reading my input (previous output) while copying
-            yield
+        # every block (not only the own-rank one) reads my input, the previous output in slot s^1,
+        # while it copies
+        reading[r][s ^ 1] += 1
+        yield
         # the write lands in p's slot s
         for _ in range(rng.randint(1, 3)):
             if reading[p][s]:
                 raise Violation(f"WAR: rank {r} call {e} writes rank {p} slot {s} while {p} still reads it")
             slot_data[p][s][r] = e
             yield
-        if p == r:
-            reading[r][s ^ 1] -= 1
-        else:
+        reading[r][s ^ 1] -= 1
+        if p != r:
             if done[p][r] != e - 1:
                 raise Violation(f"done overshoot: rank {r} posts {e} over {done[p][r]} at {p}")
             done[p][r] = e
