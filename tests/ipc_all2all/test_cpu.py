@@ -298,7 +298,7 @@ def test_python_layer_slots_views_and_aliasing(monkeypatch):
     core = _RecordingCore(cap, buf)
     a.__dict__.update(_plans={}, rank=1, world_size=2, tensor_dtype=torch.bfloat16, itemsize=2,
                       device=torch.device("cpu"), capacity=cap, _core=core, _counts=None, _counts_dev=None,
-                      _group=None, comm_id=-1, _buf=buf)
+                      _group=None, _collective=False, comm_id=-1, _buf=buf)
     with pytest.raises(ValueError, match="set_rank_tokens"):
         a.send_recv_heads(torch.zeros(1, 5, 8, 32, dtype=torch.bfloat16))
     a.set_rank_tokens([3, 5])
@@ -322,6 +322,29 @@ def test_python_layer_slots_views_and_aliasing(monkeypatch):
     y = a.send_recv_heads(torch.zeros(1, 6, 8, 32, dtype=torch.bfloat16))
     assert y.shape == (1, 12, 4, 32)
     assert core.launches[-1][5:7] == (12, 6) and core.launches[-1][10] == counts_dev.data_ptr()
+
+
+@pytest.mark.parametrize("group", [None, "a group"], ids=["default-group", "explicit-group"])
+def test_destroy_of_a_from_group_instance_is_collective(monkeypatch, group):
+    """from_group's instances wait for every rank in destroy(), with the default group (None = WORLD)
+    too; the low-level constructor's do not."""
+    import torch.distributed as dist
+
+    calls = []
+    monkeypatch.setattr(dist, "barrier", lambda group=None: calls.append(("barrier", group)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("sync", device)))
+    for collective in (True, False):
+        calls.clear()
+        cap = 4096
+        a = ipc_all2all.All2All.__new__(ipc_all2all.All2All)
+        a.__dict__.update(_core=_RecordingCore(cap, torch.zeros(16, dtype=torch.uint8)), _group=group,
+                          _collective=collective, device=torch.device("cpu"), comm_id=-2, _buf=None,
+                          _counts_dev=None)
+        a.destroy()
+        assert a._core.destroyed
+        assert calls == ([("sync", torch.device("cpu")), ("barrier", group)] if collective else []), calls
+        a.destroy()  # idempotent
+        assert len(calls) == (2 if collective else 0)
 
 
 def test_from_group_failure_reaches_every_rank(tmp_path):

@@ -168,6 +168,7 @@ class All2All:
         self.device = torch.device("cuda", self._core.device)
         self.capacity = capacity
         self._group = None
+        self._collective = False  # set by from_group: destroy() then waits for every rank of _group
         self._buf: Optional[torch.Tensor] = None
         self._counts: Optional[List[int]] = None
         self._counts_dev: Optional[torch.Tensor] = None
@@ -236,7 +237,8 @@ class All2All:
             obj._unregister()
             raise CommError("All2All.from_group: opening the peers' buffers failed on "
                             + "; ".join(f"rank {r}: {m}" for r, m in bad))
-        obj._group = group
+        obj._group = group  # None is the default group (WORLD): destroy() is collective over it too
+        obj._collective = True
         return obj
 
     def get_local_ipc_handle(self) -> bytes:
@@ -405,7 +407,7 @@ class All2All:
         writes); with the low-level constructor the caller must ensure that. Idempotent."""
         if self._core.destroyed:
             return
-        if self._group is not None:
+        if self._collective:
             import torch.distributed as dist
 
             torch.cuda.synchronize(self.device)
