@@ -113,4 +113,21 @@ struct KernelArgs {
   int32_t self_blocks, per_peer;
 };
 
+// The geometry part of KernelArgs (no pointers, counts or grid split), shared by the launch path and
+// the host-side helpers that replay the kernel's addressing.
+inline KernelArgs geometry_args(int op, int world, int rank, int batch, int64_t x_rows, int64_t out_rows,
+                                int64_t cap_rows, int64_t chunk_bytes, int64_t wide_bytes) {
+  KernelArgs a{};
+  a.op = op;
+  a.rank = rank;
+  a.world = world;
+  a.batch = batch;
+  a.x_rows = x_rows;
+  a.out_rows = out_rows;
+  a.cap_rows = cap_rows;
+  a.chunk_bytes = static_cast<uint32_t>(chunk_bytes);
+  a.wide_bytes = static_cast<uint32_t>(wide_bytes);
+  return a;
+}
+
 }  // namespace ipc_all2all

@@ -12,23 +12,6 @@
 
 namespace py = pybind11;
 
-namespace {
-// Kernel arguments for the host-side helpers (simulate, slot_bytes_needed): geometry only, no pointers.
-ipc_all2all::KernelArgs host_args(int op, int world, int rank, int batch, int64_t x_rows, int64_t out_rows,
-                                  int64_t cap_rows, int64_t chunk, int64_t wide) {
-  ipc_all2all::KernelArgs a{};
-  a.op = op;
-  a.rank = rank;
-  a.world = world;
-  a.batch = batch;
-  a.x_rows = x_rows;
-  a.out_rows = out_rows;
-  a.cap_rows = cap_rows;
-  a.chunk_bytes = static_cast<uint32_t>(chunk);
-  a.wide_bytes = static_cast<uint32_t>(wide);
-  return a;
-}
-}  // namespace
 using ipc_all2all::Core;
 
 PYBIND11_MODULE(_C, m) {
@@ -76,7 +59,8 @@ PYBIND11_MODULE(_C, m) {
         std::vector<std::string> slots(world, std::string(static_cast<size_t>(slot_bytes), '\0'));
         for (int q = 0; q < world; ++q) {
           if (only_sender >= 0 && q != only_sender) continue;
-          const ipc_all2all::KernelArgs a = host_args(op, world, q, batch, x_rows, out_rows, cap_rows, chunk, wide);
+          const ipc_all2all::KernelArgs a =
+              ipc_all2all::geometry_args(op, world, q, batch, x_rows, out_rows, cap_rows, chunk, wide);
           int64_t n[ipc_all2all::kMaxWorld], prefix[ipc_all2all::kMaxWorld + 1];
           ipc_all2all::resolve_counts(a, counts.data(), n, prefix);
           const std::string& x = inputs[q];
@@ -110,7 +94,8 @@ PYBIND11_MODULE(_C, m) {
         CK_CHECK_ARG(world >= 1 && world <= ipc_all2all::kMaxWorld && rank >= 0 && rank < world, "bad world/rank");
         CK_CHECK_ARG(static_cast<int>(counts.size()) == world, "need one count per rank");
         CK_CHECK_ARG(chunk > 0 && chunk % 16 == 0 && wide % 16 == 0, "chunk and wide must be multiples of 16");
-        const ipc_all2all::KernelArgs a = host_args(op, world, rank, batch, x_rows, out_rows, cap_rows, chunk, wide);
+        const ipc_all2all::KernelArgs a =
+            ipc_all2all::geometry_args(op, world, rank, batch, x_rows, out_rows, cap_rows, chunk, wide);
         return ipc_all2all::slot_bytes_needed(a, counts.data());
       },
       py::arg("op"), py::arg("world_size"), py::arg("rank"), py::arg("batch"), py::arg("x_rows"),

@@ -162,7 +162,7 @@ int Core::launch(int op, uint64_t x_ptr, uint64_t stream, int batch, int64_t x_r
   CK_CHECK_ARG(x_ptr % 16 == 0, "input must be 16-byte aligned");
   CK_CHECK_ARG(counts_ptr != 0 || static_cast<int>(counts.size()) == world_, "expected ", world_,
                " token counts, got ", counts.size());
-  KernelArgs a{};
+  KernelArgs a = geometry_args(op, world_, rank_, batch, x_rows, out_rows, cap_rows, chunk_bytes, wide_bytes);
   const int slot = next_slot();
   for (int i = 0; i < world_; ++i) {
     a.dst[i] = base_[i] + layout_.slot[slot].offset;
@@ -183,15 +183,6 @@ int Core::launch(int op, uint64_t x_ptr, uint64_t stream, int batch, int64_t x_r
   a.counts_dev = reinterpret_cast<const int32_t*>(counts_ptr);
   a.rec = rec_dev_;
   a.timeout_ns = timeout_ns_;
-  a.x_rows = x_rows;
-  a.out_rows = out_rows;
-  a.cap_rows = cap_rows;
-  a.chunk_bytes = static_cast<uint32_t>(chunk_bytes);
-  a.wide_bytes = static_cast<uint32_t>(wide_bytes);
-  a.rank = rank_;
-  a.world = world_;
-  a.batch = batch;
-  a.op = op;
   // No write may leave a peer's slot, whatever the Python layer planned: with device counts the
   // kernel clamps them to cap_rows, so the worst case is every rank at cap_rows.
   int32_t worst[kMaxWorld];
