@@ -287,13 +287,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
           const int k = __ffs(d) - 1;
           const int r = __shfl_sync(kFull, owner, k);
           const uint64_t off = __shfl_sync(kFull, my_off, k);
-          // Resolve the destination once: each store has a "memory" clobber, so a put_v4(peer, ..)
-          // per word would reload peer_bases[peer] after every store.
-          int4* dst = reinterpret_cast<int4*>(cx.tr.remote(r, off + tl.x.offset));
+          const auto dst = cx.tr.dest(r, off + tl.x.offset);  // resolved once per chunk
 #pragma unroll
           for (int u = 0; u < U; ++u) {
             const int i = i0 + u * 32 + lane;
-            if (i < n16) st_na_v4(dst + i, v[u]);
+            if (i < n16) cx.tr.put_v4(dst, uint64_t(i), v[u]);
           }
         }
       }

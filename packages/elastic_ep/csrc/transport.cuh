@@ -5,6 +5,8 @@
 // buffers) slots in by providing the same members:
 //   put_warp(peer, offset, src, bytes, lane)   warp-cooperative copy of `bytes` (multiple of 16) from
 //                                               local memory into the peer's window at `offset`
+//   dest(peer, offset) -> Dest                 resolve a destination once for a run of stores
+//   put_v4(dest, i, v)                          store 16-byte word i at a resolved destination
 //   put_u32(peer, offset, v) / put_u64(...)    one small value (no ordering)
 //   signal(peer, offset, v)                    release-store a u64 signal (orders earlier puts of this
 //                                               thread, and of the block after a fence, before it)
@@ -76,6 +78,15 @@ struct LsaTransport {
   __device__ __forceinline__ void put_v4(int peer, uint64_t offset, const int4& v) const {
     st_na_v4(reinterpret_cast<int4*>(remote(peer, offset)), v);
   }
+  // For runs of stores to one place: every store has a "memory" clobber, so put_v4(peer, ..) per
+  // word reloads peer_bases[peer] after each store; a Dest is resolved once (for LSA, the address).
+  struct Dest {
+    int4* base;
+  };
+  __device__ __forceinline__ Dest dest(int peer, uint64_t offset) const {
+    return Dest{reinterpret_cast<int4*>(remote(peer, offset))};
+  }
+  __device__ __forceinline__ void put_v4(const Dest& d, uint64_t i, const int4& v) const { st_na_v4(d.base + i, v); }
   __device__ __forceinline__ void put_u32(int peer, uint64_t offset, uint32_t v) const {
     *reinterpret_cast<volatile uint32_t*>(remote(peer, offset)) = v;
   }
