@@ -148,3 +148,57 @@ def init_nccl(rank: int, world_size: int, rdzv: str, timeout_s: float = 120.0, d
         timeout=datetime.timedelta(seconds=timeout_s), device_id=torch.device("cuda", dev),
     )
     return dist.group.WORLD
+
+
+def init_gpu_group(rank: int, world_size: int, rdzv: str, device: Optional[int] = None, timeout_s: float = 120.0):
+    """Bind this rank to a GPU and initialise the process group its test talks over.
+
+    One rank per GPU gets NCCL. When ranks share a GPU (``COMMKIT_TEST_SHARE_GPU=1`` on a machine
+    with fewer GPUs than ranks) NCCL refuses the duplicate device, so the group is gloo and tests
+    move reference data through :func:`all_to_all_single` / :func:`all_gather_into_tensor` below,
+    which go through host memory in that case.
+
+    Returns:
+        The ``torch.device`` this rank uses.
+    """
+    import torch
+
+    n = torch.cuda.device_count()
+    dev = rank % n if device is None else device
+    if world_size <= n:
+        init_nccl(rank, world_size, rdzv, timeout_s=timeout_s, device=dev)
+    else:
+        torch.cuda.set_device(dev)
+        init_gloo(rank, world_size, rdzv, timeout_s=timeout_s)
+    return torch.device("cuda", dev)
+
+
+def _via_host() -> bool:
+    import torch.distributed as dist
+
+    return dist.get_backend() == "gloo"
+
+
+def all_to_all_single(out, inp, out_splits, in_splits) -> None:
+    """``dist.all_to_all_single`` on the default group, for GPU tensors over NCCL or gloo."""
+    import torch.distributed as dist
+
+    if not _via_host():
+        dist.all_to_all_single(out, inp, out_splits, in_splits)
+        return
+    host_out = out.new_empty(out.shape, device="cpu")
+    dist.all_to_all_single(host_out, inp.cpu(), out_splits, in_splits)
+    out.copy_(host_out)
+
+
+def all_gather_into_tensor(out, inp) -> None:
+    """``dist.all_gather_into_tensor`` (concatenated along dim 0) for GPU tensors over NCCL or gloo."""
+    import torch
+    import torch.distributed as dist
+
+    if not _via_host():
+        dist.all_gather_into_tensor(out, inp)
+        return
+    parts = [torch.empty_like(inp, device="cpu") for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, inp.cpu())
+    out.copy_(torch.cat(parts, dim=0))

@@ -3,6 +3,12 @@
 * ``@pytest.mark.gpu``          needs a CUDA device and a package built with CUDA.
 * ``@pytest.mark.multigpu(n)``  needs at least n CUDA devices (implies gpu).
 * ``@pytest.mark.slow``         long tests; skipped when ``--skip-slow`` is given.
+
+``@pytest.mark.multigpu(n, shared_ok=True)`` marks a test whose ranks may share a GPU (no NCCL
+communicator between them: NCCL refuses two ranks on one device). With the environment variable
+``COMMKIT_TEST_SHARE_GPU=1`` such tests also run on a machine with fewer than n GPUs, their ranks
+placed round-robin on the GPUs there are. Kernels of different processes on one GPU are
+time-sliced, so this checks correctness (bytes, protocol, timeouts), never speed.
 """
 from __future__ import annotations
 
@@ -21,6 +27,10 @@ for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 
 def pytest_addoption(parser):
     parser.addoption("--skip-slow", action="store_true", default=False, help="skip tests marked slow")
+
+
+def share_gpu_enabled() -> bool:
+    return os.environ.get("COMMKIT_TEST_SHARE_GPU", "0") not in ("", "0")
 
 
 def _gpu_count() -> int:
@@ -42,6 +52,8 @@ def pytest_collection_modifyitems(config, items):
         need = 0
         if mg is not None:
             need = int(mg.args[0]) if mg.args else 2
+            if mg.kwargs.get("shared_ok") and share_gpu_enabled() and n >= 1:
+                need = 1
         elif item.get_closest_marker("gpu"):
             need = 1
         if need and n < need:

@@ -2,13 +2,16 @@
 # The one command for the GPU machine: build the packages, run their GPU test suites and
 # benchmarks, and leave logs, JSON and plots in an output folder.
 #
-#   bash tools/gpu.sh OUT_DIR [--only pkg[,pkg..]] [--no-tests] [--no-bench] [--quick] [-- PYTEST_ARGS..]
+#   bash tools/gpu.sh OUT_DIR [--only pkg[,pkg..]] [--no-build] [--no-tests] [--no-bench] [--quick] [-- PYTEST_ARGS..]
 #
 # * builds the chosen packages (default: all three) with pip --no-build-isolation, in parallel,
 #   kernels for sm_90a only, against the machine's torch and NCCL;
 # * runs `pytest tests/<pkg>` for each (GPU tests included; PYTEST_ARGS are passed on);
 # * runs `python tools/bench_<pkg>.py --out OUT_DIR [--quick]` for each, unless --no-bench;
 # * exits non-zero if a build or a test suite failed (benchmarks still run).
+# --no-build reuses what an earlier call in the same machine session installed.
+# COMMKIT_TEST_SHARE_GPU=1 lets tests marked multigpu(n, shared_ok=True) run with ranks sharing a GPU
+# (correctness only; see tests/conftest.py).
 # Each suite runs under `timeout $TEST_TIMEOUT_S` (default 300) and each benchmark under
 # `timeout $BENCH_TIMEOUT_S` (default 240), so one hang cannot eat the whole device session.
 # The device's copy of the tree has no .git: pass COMMKIT_GIT_REV=<short hash> so the results record
@@ -18,11 +21,12 @@ set -u
 OUT=${1:?usage: bash tools/gpu.sh OUT_DIR [--only pkgs] [--no-tests] [--no-bench] [--quick] [-- pytest args]}
 shift
 PKGS="fp8_layerwise ipc_all2all elastic_ep"
-TESTS=1 BENCH=1 QUICK=""
+TESTS=1 BENCH=1 BUILD=1 QUICK=""
 PYTEST_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --only) PKGS=$(echo "$2" | tr ',' ' '); shift 2 ;;
+    --no-build) BUILD=0; shift ;;
     --no-tests) TESTS=0; shift ;;
     --no-bench) BENCH=0; shift ;;
     --quick) QUICK="--quick"; shift ;;
@@ -53,6 +57,7 @@ rc=0
 t0=$(date +%s)
 pids=()
 for p in $PKGS; do
+  [ "$BUILD" = 1 ] || continue
   ( $PY -m pip install --no-build-isolation --no-deps -v "packages/$p" > "$OUT/build_$p.log" 2>&1 \
       && echo "built $p" || { echo "BUILD FAILED: $p"; tail -40 "$OUT/build_$p.log"; exit 1; } ) &
   pids+=($!)

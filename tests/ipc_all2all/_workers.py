@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tests._dist import init_nccl
+from tests._dist import all_gather_into_tensor, all_to_all_single, init_gpu_group
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -22,8 +22,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, tor
 def _setup(rank, world, rdzv, reverse_devices=False):
     n = torch.cuda.device_count()
     dev = (world - 1 - rank) % n if reverse_devices else rank % n
-    init_nccl(rank, world, rdzv, device=dev)
-    return torch.device("cuda", dev)
+    return init_gpu_group(rank, world, rdzv, device=dev)
 
 
 def _rand(shape, dtype, device, seed):
@@ -57,7 +56,7 @@ def ref_send_recv_heads(x, counts, world, rank):
     inp = xb.view(b, n, world, hpr, De).permute(2, 0, 1, 3, 4).contiguous()  # [W, b, n, hpr, D*it]
     row = hpr * De
     out = torch.empty(sum(b * c * row for c in counts), dtype=torch.uint8, device=x.device)
-    dist.all_to_all_single(out, inp.view(-1), [b * c * row for c in counts], [b * n * row] * world)
+    all_to_all_single(out, inp.view(-1), [b * c * row for c in counts], [b * n * row] * world)
     parts = torch.split(out, [b * c * row for c in counts])
     y = torch.cat([p.view(b, c, hpr, De) for p, c in zip(parts, counts)], dim=1)
     return y.view(x.dtype)
@@ -71,7 +70,7 @@ def ref_gather_heads(y, counts, world, rank):
     n = counts[rank]
     inp = torch.cat([yb[:, sum(counts[:r]):sum(counts[:r + 1])].reshape(-1) for r in range(world)])
     out = torch.empty(world * b * n * row, dtype=torch.uint8, device=y.device)
-    dist.all_to_all_single(out, inp, [b * n * row] * world, [b * c * row for c in counts])
+    all_to_all_single(out, inp, [b * n * row] * world, [b * c * row for c in counts])
     x = out.view(world, b, n, hpr, De).permute(1, 2, 0, 3, 4).reshape(b, n, world * hpr, De)
     return x.contiguous().view(y.dtype)
 
@@ -83,11 +82,11 @@ def ref_allgather(x, counts, world, rank):
     if len(set(counts)) == 1:
         # output concatenated along dim 0 (the form every backend accepts), then viewed per rank
         out = torch.empty((world * b,) + tuple(xb.shape[1:]), dtype=torch.uint8, device=x.device)
-        dist.all_gather_into_tensor(out, xb)
+        all_gather_into_tensor(out, xb)
         return out.view((world,) + tuple(xb.shape)).permute(1, 0, 2, 3, 4).reshape(b, sum(counts), h, De).contiguous().view(x.dtype)
     row = h * De
     out = torch.empty(sum(b * c * row for c in counts), dtype=torch.uint8, device=x.device)
-    dist.all_to_all_single(out, xb.reshape(-1).repeat(world), [b * c * row for c in counts], [b * n * row] * world)
+    all_to_all_single(out, xb.reshape(-1).repeat(world), [b * c * row for c in counts], [b * n * row] * world)
     parts = torch.split(out, [b * c * row for c in counts])
     return torch.cat([p.view(b, c, h, De) for p, c in zip(parts, counts)], dim=1).view(x.dtype)
 
@@ -361,10 +360,12 @@ def worker_leak(rank, world, rdzv, loops):
 
     once()
     torch.cuda.synchronize()
+    dist.barrier()  # ranks sharing a GPU see each other's allocations: measure when all are idle
     free0, fd0 = torch.cuda.mem_get_info(dev)[0], fds()
     for _ in range(loops):
         once()
     torch.cuda.synchronize()
+    dist.barrier()
     free1, fd1 = torch.cuda.mem_get_info(dev)[0], fds()
     per_instance = 2 * 16384 * H * D * 2
     assert free0 - free1 < per_instance, f"device memory shrank by {free0 - free1} bytes over {loops} loops"

@@ -11,10 +11,15 @@ ALL_DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
 
 
 def _world() -> int:
+    """One rank per GPU (2..8); with COMMKIT_TEST_SHARE_GPU=1 on one GPU, two ranks share it."""
     return max(2, min(8, torch.cuda.device_count() if torch.cuda.is_available() else 2))
 
 
-@pytest.mark.multigpu(2)
+# Every test here also runs with ranks sharing a GPU (see tests/conftest.py): correctness only.
+MULTI = pytest.mark.multigpu(2, shared_ok=True)
+
+
+@MULTI
 @pytest.mark.parametrize("reverse_devices,dtypes", [(False, ALL_DTYPES), (True, ["bfloat16"])],
                          ids=["rank=device", "rank!=device"])
 def test_matches_torch_nccl_path(tmp_path, reverse_devices, dtypes):
@@ -25,7 +30,7 @@ def test_matches_torch_nccl_path(tmp_path, reverse_devices, dtypes):
     assert all(r == len(dtypes) * 2 * 2 * 3 * 2 for r in res)
 
 
-@pytest.mark.multigpu(2)
+@MULTI
 @pytest.mark.parametrize("copy_output", [False, True], ids=["view", "copy"])
 def test_back_to_back_with_skew(tmp_path, copy_output):
     """1000 round trips on one instance, one rank randomly delayed, every output checked on the GPU."""
@@ -33,13 +38,13 @@ def test_back_to_back_with_skew(tmp_path, copy_output):
     assert res == [1000] * _world()
 
 
-@pytest.mark.multigpu(2)
+@MULTI
 def test_cuda_graph_replay_with_changing_counts(tmp_path):
     res = run_workers(w.worker_cuda_graph, _world(), tmp_path=tmp_path, timeout=120)
     assert res == [6] * _world()
 
 
-@pytest.mark.multigpu(2)
+@MULTI
 def test_skipped_call_times_out_with_a_clear_error(tmp_path):
     world = _world()
     res = run_workers(w.worker_timeout, world, tmp_path=tmp_path, timeout=120)
@@ -50,19 +55,19 @@ def test_skipped_call_times_out_with_a_clear_error(tmp_path):
     assert res[-1] == {}
 
 
-@pytest.mark.multigpu(2)
+@MULTI
 def test_validation_before_launch(tmp_path):
     res = run_workers(w.worker_validation, _world(), tmp_path=tmp_path, timeout=120)
     assert len(res[0]) == 10, res[0]
 
 
-@pytest.mark.multigpu(2)
+@MULTI
 def test_create_destroy_loop_leaks_nothing(tmp_path):
     res = run_workers(w.worker_leak, _world(), 30, tmp_path=tmp_path, timeout=150)
     print("device bytes lost over 30 loops per rank:", res)
 
 
-@pytest.mark.multigpu(2)
+@MULTI
 def test_torch_compile_fullgraph(tmp_path):
     run_workers(w.worker_compile, _world(), tmp_path=tmp_path, timeout=240,
                 env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})

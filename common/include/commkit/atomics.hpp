@@ -12,6 +12,10 @@
 //   exchange(p, v)       atomic exchange, acq_rel, system scope; returns the old value.
 //   fence_system()       full fence at system scope.
 // The *_gpu variants (device only) use GPU scope, for data that never leaves one GPU.
+//   block_fence_system() device only, called by every thread of a block: the block's earlier stores
+//                        (to local, peer or host memory) are ordered before every later store or
+//                        atomic of thread 0, system-wide. One fence per block, not one per thread
+//                        (a per-thread system fence cost ~1 us per block at 132 SMs).
 // On the host these map to the GCC __atomic builtins, which are lock-free on x86-64 for 4 and
 // 8 bytes and so work on process-shared and cudaHostRegister'ed memory. On the device they are
 // PTX ld.acquire.sys / st.release.sys / atom.*.acq_rel.sys.

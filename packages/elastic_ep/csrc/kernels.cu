@@ -70,8 +70,7 @@ __device__ bool entry_barrier(const Ctx& cx, uint64_t E, uint32_t op, bool publi
 // Called by every block at its end: the last block to finish runs `last` (thread 0 only).
 template <typename Last>
 __device__ void grid_finish(const Ctx& cx, CounterSlot slot, Last&& last) {
-  __threadfence_system();  // this thread's stores (also remote ones) before the block's arrival
-  __syncthreads();
+  commkit::block_fence_system();  // the block's stores (also remote ones) before its arrival
   if (threadIdx.x == 0) {
     const uint32_t old = atomicAdd(&cx.counters[slot], 1u);
     if (old == gridDim.x - 1) {

@@ -117,9 +117,8 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const KernelArgs a) {
     copy_rows(m, a.x, a.dst[target], m.total_vecs(a.batch), blk * blockDim.x + threadIdx.x, nb * blockDim.x);
   }
 
-  // Completion: every thread's stores are made visible system-wide before thread 0 counts the block.
-  __threadfence_system();
-  __syncthreads();
+  // Completion: the block's stores are made visible system-wide before thread 0 counts the block.
+  commkit::block_fence_system();
   if (threadIdx.x != 0) return;
   if (target != q) {
     // Low 16 bits count blocks that copied, high 16 bits blocks that gave up on a deadline: a

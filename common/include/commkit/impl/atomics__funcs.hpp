@@ -126,6 +126,13 @@ CK_DEVICE CK_INLINE void st_release_gpu(T* p, T value) {
   else
     asm volatile("st.release.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+// The barrier makes every thread's earlier stores happen-before thread 0's fence (causality is
+// transitive through bar.sync), so thread 0's fence plus its next store or atomic is a release for
+// the whole block: the pattern of cooperative groups' grid sync, at system scope.
+CK_DEVICE CK_INLINE void block_fence_system() {
+  __syncthreads();
+  if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) fence_system();
+}
 
 #endif
 // NOLINTEND

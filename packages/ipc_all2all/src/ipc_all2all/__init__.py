@@ -184,7 +184,8 @@ class All2All:
         """Builds an instance on every rank of ``group`` (collective) and exchanges the IPC handles.
 
         Arguments:
-            group: a torch.distributed process group (default: WORLD); one process per GPU.
+            group: a torch.distributed process group (default: WORLD), normally one process per GPU
+                (ranks sharing a GPU work too, time-sliced: useful for tests, not for speed).
             num_tokens, hidden_dim, tensor_dtype, timeout_seconds: as for the constructor.
             num_sms: blocks per launch; default the current device's SM count.
 
