@@ -24,3 +24,18 @@ def test_cached_mode_names_every_missing_field_and_forbids_cpu_sync():
         _checks().check_dispatch_modes(False, False, False, {"cached_a": 1, "cached_b": None, "cached_c": None})
     with pytest.raises(ValueError, match="cannot do a CPU sync"):
         _checks().check_dispatch_modes(False, False, True, full)
+
+
+def test_expert_id_check_counts_and_names_an_offender(monkeypatch):
+    import torch
+
+    c = _checks()
+    idx = torch.tensor([[0, 1, -1], [7, 3, 2]], dtype=torch.int64)
+    c.check_expert_ids_torch(idx, 8)  # -1 (masked) and 0..7 are fine
+    bad = idx.clone()
+    bad[1, 0], bad[0, 2] = 8, -2
+    with pytest.raises(ValueError, match=r"expert ids must be in \[-1, 8\), got 2 outside it \(e\.g\. (-2|8)\)"):
+        c.check_expert_ids_torch(bad, 8)
+    c.check_expert_ids_torch(torch.empty((0, 3), dtype=torch.int64), 8)
+    monkeypatch.setenv("EP_SKIP_INDEX_CHECK", "1")
+    c.check_expert_ids_torch(bad, 8)  # the documented escape hatch

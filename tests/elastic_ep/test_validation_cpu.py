@@ -96,6 +96,15 @@ def validation_worker(rank, world, rdzv, backend="torch"):
 
     # a valid call still works after all the rejected ones, then the lifecycle
     d(x, topk_idx=idx, num_experts=E)
+    if dev == "cuda":
+        # Without a CPU sync nothing checks the ids before the launch: notify masks them and the next
+        # call reports how many, then the buffer carries on.
+        wrong = idx.clone()
+        wrong[0, 0], wrong[-1, -1] = E + 5, -7
+        d(x, topk_idx=wrong, num_experts=E, do_cpu_sync=False)
+        torch.cuda.synchronize()
+        bad("an earlier dispatch without CPU sync had 2 expert ids outside", lambda: d(x, topk_idx=idx, num_experts=E))
+    d(x, topk_idx=idx, num_experts=E)
     assert buf.get_logical_domain_size() == (1, world) and buf.get_physical_domain_size() == (1, world)
     buf2.destroy()
     with buf:

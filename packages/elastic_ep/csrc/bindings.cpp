@@ -262,6 +262,12 @@ PYBIND11_MODULE(_C, m) {
       .def("wait_dispatch_counts",
            [](Runtime& r, int n) { return without_gil([&] { return r.wait_dispatch_counts(n); }); },
            py::arg("num_local_experts"))
+      .def("check_expert_ids",
+           [](Runtime& r, uint64_t idx, int64_t n, int num_experts, int64_t stream) {
+             return without_gil([&] { return r.check_expert_ids(idx, n, num_experts, stream); });
+           },
+           py::arg("topk_idx"), py::arg("n"), py::arg("num_experts"), py::arg("stream"))
+      .def("take_masked_ids", &Runtime::take_masked_ids)
       .def("dispatch_epilogue",
            [](Runtime& r, const py::dict& d, int64_t stream) { r.dispatch_epilogue(epilogue_params(d), stream); })
       .def("combine", [](Runtime& r, const py::dict& d, int64_t stream) { r.combine(combine_params(d), stream); });

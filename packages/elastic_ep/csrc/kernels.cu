@@ -110,6 +110,40 @@ __global__ void __launch_bounds__(kMaxRanks) barrier_kernel(CommView c) {
   if (threadIdx.x == 0) commkit::st_relaxed(&cx.counters[kCtrEpoch], uint32_t(E));
 }
 
+// ------------------------------------------------------------------------ dispatch: id validation
+// One block: a [T, K] index is small (4096 x 8 int64 = 256 KB), and one block needs no cross-block
+// reduction or zeroed scratch. The host polls the tagged word instead of synchronising the stream.
+__global__ void __launch_bounds__(kThreads, 1) check_expert_ids_kernel(const int64_t* idx,  // [n]
+                                                                       int64_t n, int num_experts,
+                                                                       uint64_t* host,  // u64[2], host-mapped
+                                                                       uint32_t tag) {
+  __shared__ unsigned int s_bad;
+  __shared__ long long s_example;
+  if (threadIdx.x == 0) {
+    s_bad = 0u;
+    s_example = 0;
+  }
+  __syncthreads();
+  unsigned int bad = 0;
+  int64_t example = 0;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    const int64_t e = idx[i];
+    if (e < -1 || e >= num_experts) {
+      ++bad;
+      example = e;
+    }
+  }
+  if (bad) {
+    atomicAdd(&s_bad, bad);
+    s_example = static_cast<long long>(example);  // any one offending id will do
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    host[1] = static_cast<uint64_t>(s_example);
+    commkit::st_release(&host[0], (uint64_t(tag) << 32) | uint64_t(s_bad));
+  }
+}
+
 // ------------------------------------------------------------------------------ dispatch: notify
 // One block. Slots: a token bound for rank r gets slot = number of earlier tokens of this rank bound for
 // r (a token counts once per rank, however many of its experts live there).
@@ -117,6 +151,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
   __shared__ int warp_cnt[kWarps][kMaxRanks];
   __shared__ int expert_cnt[kMaxExperts];
   __shared__ int running[kMaxRanks];
+  __shared__ unsigned int s_bad_ids;
+  __shared__ long long s_bad_example;
   Ctx cx(c);
   const uint64_t E = cx.epoch();
   const int R = c.num_ranks, rank = c.rank, K = p.num_topk, T = p.num_tokens;
@@ -129,6 +165,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
   if (!p.cached) {
     for (int i = tid; i < p.num_experts; i += kThreads) expert_cnt[i] = 0;
     for (int i = tid; i < R; i += kThreads) running[i] = 0;
+    if (tid == 0) s_bad_ids = 0u;
     __syncthreads();
     for (int base = 0; base < T; base += kThreads) {
       const int t = base + tid;
@@ -138,7 +175,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
       for (int k = 0; k < K; ++k) {
         int64_t e = valid ? p.topk_idx[int64_t(t) * K + k] : -1;
         owners[k] = owner_of(e, p.num_experts, L);
-        if (owners[k] >= 0) atomicAdd(&expert_cnt[e], 1);
+        if (owners[k] >= 0) {
+          atomicAdd(&expert_cnt[e], 1);
+        } else if (e < -1 || e >= p.num_experts) {
+          atomicAdd(&s_bad_ids, 1u);
+          s_bad_example = static_cast<long long>(e);
+        }
         if (valid && p.copied_topk_idx != nullptr) p.copied_topk_idx[int64_t(t) * K + k] = e;
       }
       for (int r = 0; r < R; ++r) {
@@ -172,6 +214,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
         for (int k = 0; k < K; ++k)
           if (owners[k] < 0) p.slot_idx[int64_t(t) * K + k] = -1;
       __syncthreads();
+    }
+    // Ids outside [-1, E) were sent nowhere (as if masked). Without a CPU sync nothing checked them
+    // before the launch, so the host learns of them from a running total it compares with what it
+    // last saw (one writer: notify kernels run one after another on the communication stream).
+    if (tid == 0 && s_bad_ids != 0u) {
+      uint64_t* ids = host_workspace_layout().ids.at<uint64_t>(c.host_workspace);
+      ids[3] = static_cast<uint64_t>(s_bad_example);
+      commkit::st_release(&ids[2], commkit::ld_relaxed(&ids[2]) + s_bad_ids);
     }
     // Counts to the peers: (E << 32) | count, one self-contained word each.
     for (int r = tid; r < R; r += kThreads)
@@ -636,6 +686,12 @@ void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   dispatch_notify_kernel<<<1, kThreads, 0, s>>>(c, p);
   dispatch_push_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
+}
+
+void launch_check_expert_ids(const int64_t* topk_idx, int64_t n, int num_experts, uint64_t* host_words,
+                             uint32_t tag, void* stream) {
+  check_expert_ids_kernel<<<1, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(topk_idx, n, num_experts,
+                                                                                 host_words, tag);
 }
 
 void launch_dispatch_epilogue(const CommView& c, const EpilogueParams& p, void* stream) {

@@ -89,6 +89,12 @@ void devcomm_destroy(void* nccl_comm, void* devcomm);
 void launch_resolve_peers(void* window, int num_ranks, void** out_peer_bases, int* out_info, void* stream);
 void launch_barrier(const CommView& c, void* stream);
 void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream);
+// Pre-launch validation of a dispatch's expert ids (CPU-sync mode): one block counts the entries of
+// topk_idx [n] outside [-1, num_experts) and release-stores (tag << 32) | count into host_words[0]
+// (host-mapped, see HostWorkspaceLayout::ids) after one offending id in host_words[1]. Nothing is
+// sent to any peer, so the host can still refuse the call.
+void launch_check_expert_ids(const int64_t* topk_idx, int64_t n, int num_experts, uint64_t* host_words,
+                             uint32_t tag, void* stream);
 void launch_dispatch_epilogue(const CommView& c, const EpilogueParams& p, void* stream);
 void launch_combine(const CommView& c, const CombineParams& p, void* stream);
 #endif

@@ -331,6 +331,41 @@ std::tuple<int, int, int, std::vector<int>, int, int> Runtime::wait_dispatch_cou
   return {0, num_recv, num_expanded, per_expert, ready_ranks, ready_experts};
 }
 
+std::tuple<int, int64_t, int64_t> Runtime::check_expert_ids(uint64_t topk_idx, int64_t n, int num_experts,
+                                                            int64_t stream) {
+  CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
+  CK_CHECK_ARG(topk_idx != 0 && n > 0, "check_expert_ids: topk_idx must be a non-empty device array");
+  set_device();
+  const auto hl = host_workspace_layout();
+  auto* words = hl.ids.at<uint64_t>(host_ws_);
+  auto* words_dev = hl.ids.at<uint64_t>(host_ws_dev_);
+  auto* rec = hl.timeout.at<commkit::TimeoutRecord>(host_ws_);
+  check_tag_ = (check_tag_ + 1u) & 0x7fffffffu;
+  if (check_tag_ == 0u) check_tag_ = 1u;
+  launch_check_expert_ids(reinterpret_cast<const int64_t*>(topk_idx), n, num_experts, words_dev, check_tag_,
+                          reinterpret_cast<void*>(stream));
+  CK_CUDA_CHECK(cudaGetLastError());
+  commkit::ProgressDeadline deadline(uint64_t(num_cpu_timeout_secs_) * 1000ull);
+  commkit::Backoff backoff;
+  while (true) {
+    const uint64_t w = commkit::ld_acquire(&words[0]);
+    if ((w >> 32) == check_tag_) return {0, int64_t(w & 0xffffffffu), int64_t(words[1])};
+    if (commkit::ld_acquire(&rec->flag) == 1u) return {1, 0, 0};
+    if (deadline.expired(0)) return {2, 0, 0};
+    backoff.pause();
+  }
+}
+
+std::pair<int64_t, int64_t> Runtime::take_masked_ids() {
+  if (destroyed_ || host_ws_ == nullptr) return {0, 0};
+  auto* words = host_workspace_layout().ids.at<uint64_t>(host_ws_);
+  const uint64_t total = commkit::ld_acquire(&words[2]);
+  if (total == masked_ids_seen_) return {0, 0};
+  const int64_t fresh = int64_t(total - masked_ids_seen_);
+  masked_ids_seen_ = total;
+  return {fresh, int64_t(words[3])};
+}
+
 void Runtime::dispatch_epilogue(const EpilogueParams& p, int64_t stream) {
   CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
   set_device();

@@ -68,6 +68,16 @@ class Runtime {
   // 2 = the CPU wait expired (the buffer is then marked unusable).
   std::tuple<int, int, int, std::vector<int>, int, int> wait_dispatch_counts(int num_local_experts);
   void dispatch_epilogue(const EpilogueParams& p, int64_t stream);
+  // Pre-launch check of a dispatch's expert ids (CPU-sync mode), on `stream` (where topk_idx is
+  // produced): launches one small kernel and polls its host-mapped answer (GIL released by the
+  // binding) instead of synchronising the stream. Returns (status, ids outside [-1, num_experts), one
+  // such id); status 0 = answered, 1 = a device wait of an earlier operation expired (see
+  // take_timeout), 2 = no answer within num_cpu_timeout_secs (nothing was launched to any peer).
+  std::tuple<int, int64_t, int64_t> check_expert_ids(uint64_t topk_idx, int64_t n, int num_experts,
+                                                     int64_t stream);
+  // Ids outside [-1, E) that notify masked in dispatches launched without the check (no CPU sync)
+  // since the last call: (count, the last such id). Never throws.
+  std::pair<int64_t, int64_t> take_masked_ids();
   void combine(const CombineParams& p, int64_t stream);
 
  private:
@@ -91,6 +101,8 @@ class Runtime {
   void* host_ws_ = nullptr;       // cudaHostAlloc mapped
   void* host_ws_dev_ = nullptr;
   uint32_t host_tag_ = 0;
+  uint32_t check_tag_ = 0;
+  uint64_t masked_ids_seen_ = 0;
   bool destroyed_ = false;
   bool broken_ = false;
   std::string broken_reason_;

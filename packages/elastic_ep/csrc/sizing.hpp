@@ -170,6 +170,9 @@ struct HostWorkspaceLayout {
   Region rank_count;    // u64[kMaxRanks]        (epoch<<32)|tokens received from each rank
   Region expert_count;  // u64[kMaxLocalExperts] (epoch<<32)|aligned tokens per local expert
   Region timeout;       // commkit::TimeoutRecord (64 B)
+  Region ids;           // u64[4]: [0] (tag<<32)|ids outside [-1, E) found by the pre-launch check,
+                        // [1] one such id; [2] running total of such ids notify masked (no CPU
+                        // sync), [3] the last one (see kernels.hpp)
   uint64_t bytes;
 };
 
@@ -179,6 +182,7 @@ CK_HD constexpr HostWorkspaceLayout host_workspace_layout() {
   h.rank_count = l.add(8ull * kMaxRanks, 64);
   h.expert_count = l.add(8ull * kMaxLocalExperts, 64);
   h.timeout = l.add(64, 64);
+  h.ids = l.add(32, 64);
   h.bytes = l.total(4096);
   return h;
 }

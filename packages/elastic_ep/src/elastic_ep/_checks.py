@@ -2,7 +2,30 @@
 so both reject the same calls with the same messages before anything is launched."""
 from __future__ import annotations
 
+import os
 from typing import Mapping, Optional
+
+
+def index_check_enabled() -> bool:
+    """The pre-launch expert-id check runs unless ``EP_SKIP_INDEX_CHECK=1`` (it costs one small
+    kernel and a host wait per CPU-synced dispatch)."""
+    return os.environ.get("EP_SKIP_INDEX_CHECK", "0") != "1"
+
+
+def expert_ids_error(num_bad: int, example: int, num_experts: int) -> ValueError:
+    """The error for ``num_bad`` entries of ``topk_idx`` outside ``[-1, num_experts)``."""
+    return ValueError(f"topk_idx: expert ids must be in [-1, {num_experts}), got {num_bad} outside it "
+                      f"(e.g. {example})")
+
+
+def check_expert_ids_torch(topk_idx, num_experts: int) -> None:
+    """The expert-id check with plain torch ops (one host sync), for the torch backend."""
+    if topk_idx.numel() == 0 or not index_check_enabled():
+        return
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    num_bad = int(bad.sum())
+    if num_bad:
+        raise expert_ids_error(num_bad, int(topk_idx[bad][0]), num_experts)
 
 
 def check_dispatch_modes(do_expand: bool, do_zero_padding: bool, do_cpu_sync: bool,

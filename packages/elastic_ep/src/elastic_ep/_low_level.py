@@ -327,6 +327,18 @@ class ElasticBuffer:
         if self._rt.broken:
             raise CommError(f"this elastic buffer is unusable ({self._rt.broken_reason}); destroy it and create "
                             "a new one")
+        num_bad, example = self._rt.take_masked_ids()
+        if num_bad:
+            raise ValueError(f"topk_idx: an earlier dispatch without CPU sync had {num_bad} expert ids outside "
+                             f"[-1, num_experts) (e.g. {example}); they were treated as masked (-1). The buffer is "
+                             "fine; the routing is wrong")
+
+    def _cpu_timeout(self, what: str, detail: str, expected: int, observed: int) -> CommTimeoutError:
+        err = CommTimeoutError(f"elastic_ep {what} timed out after {self.num_cpu_timeout_secs} s "
+                               f"[rank {self.rank_idx}]: {detail}")
+        err.operation, err.rank, err.peer = f"elastic_ep {what}", self.rank_idx, -1
+        err.expected, err.observed = expected, observed
+        return err
 
     # ---------------------------------------------------------------------------------- properties
     def get_comm_stream(self) -> torch.cuda.Stream:
@@ -593,11 +605,20 @@ class ElasticBuffer:
                                       cached_psum_num_recv_tokens_per_expert,
                                       cached_num_unaligned_recv_tokens_per_expert, cached_dst_buffer_slot_idx,
                                       cached_recv_src_metadata, cached_num_recv_tokens)
-        if do_cpu_sync and T > 0:
-            bad = ((topk_idx < -1) | (topk_idx >= num_experts)).any()
-            if bool(bad):
-                raise ValueError(f"topk_idx has entries outside [-1, {num_experts})")
         num_sms = self._num_sms(num_sms)
+        if do_cpu_sync and T > 0 and not cached and _checks.index_check_enabled():
+            # The CPU waits for this dispatch's counts anyway, so the ids are checked before anything
+            # reaches a peer: one small kernel on the stream that produced topk_idx, its answer polled
+            # in host memory. Without a CPU sync the notify kernel masks such ids and the next call
+            # raises (take_masked_ids in _alive).
+            status, num_bad, example = self._rt.check_expert_ids(
+                topk_idx.data_ptr(), T * K, num_experts, int(torch.cuda.current_stream().cuda_stream))
+            if status == 1:
+                self._alive()
+            elif status == 2:
+                raise self._cpu_timeout("expert-id check", "the stream producing topk_idx did not reach it", 1, 0)
+            if num_bad:
+                raise _checks.expert_ids_error(num_bad, example, num_experts)
 
         # ---- stream control; every allocation below happens after it ----
         compute_stream = self.stream_control_prologue(previous_event, allocate_on_comm_stream,
@@ -640,13 +661,9 @@ class ElasticBuffer:
             if status == 1:
                 self._alive()  # raises the device timeout
             elif status == 2:
-                err = CommTimeoutError(
-                    f"elastic_ep dispatch CPU wait for the token counts timed out after {self.num_cpu_timeout_secs} s "
-                    f"[rank {self.rank_idx}]: ranks whose counts arrived {nr}/{R}, local experts {ne}/{L}; destroy "
-                    "this buffer and create a new one")
-                err.operation, err.rank, err.peer = "elastic_ep dispatch CPU wait", self.rank_idx, -1
-                err.expected, err.observed = R + L, nr + ne
-                raise err
+                raise self._cpu_timeout("dispatch CPU wait for the token counts",
+                                        f"ranks whose counts arrived {nr}/{R}, local experts {ne}/{L}; destroy "
+                                        "this buffer and create a new one", R + L, nr + ne)
         else:
             num_recv_tokens = int(_C.worst_case_num_recv_tokens(R, num_max_tokens_per_rank))
             num_expanded_tokens = int(_C.worst_case_num_expanded_tokens(R, num_max_tokens_per_rank, K, L,

@@ -296,6 +296,8 @@ class ElasticBuffer:
         L = num_experts // R
         if T > num_max_tokens_per_rank:
             raise ValueError(f"x has {T} tokens, more than num_max_tokens_per_rank={num_max_tokens_per_rank}")
+        if not cached_mode and not (topk_idx.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _checks.check_expert_ids_torch(topk_idx, num_experts)
         num_sf_packs = sf.shape[1] if sf is not None else 0
         need = _sizing.get_dispatch_buffer_size(num_max_tokens_per_rank, H, num_sf_packs, K, x.element_size(),
                                                 1, R, True)
