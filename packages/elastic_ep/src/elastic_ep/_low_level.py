@@ -632,11 +632,12 @@ class ElasticBuffer:
             unaligned = cached_num_unaligned_recv_tokens_per_expert
             slot_idx = cached_dst_buffer_slot_idx
         else:
-            psum_rank = torch.empty(R, **i32)
-            psum_expert_full = torch.empty(L + 1, **i32)
+            # One allocation for the four int32 arrays notify writes (each allocation costs host time
+            # on the critical path of a CPU-synced dispatch).
+            ints = torch.empty(R + (L + 1) + L + T * K, **i32)
+            psum_rank, psum_expert_full, unaligned, slot_idx = torch.split(ints, [R, L + 1, L, T * K])
+            slot_idx = slot_idx.view(T, K)
             psum_expert = None
-            unaligned = torch.empty(L, **i32)
-            slot_idx = torch.empty((T, K), **i32)
         copied_topk_idx = torch.empty_like(topk_idx) if (do_handle_copy and not cached) else None
 
         self._rt.dispatch(dict(
