@@ -343,6 +343,10 @@ def _cases(R):
     cases.append((512, 7168, 8, 256, True, False, True, 128, True, True, True, 0, "sync", 102))
     cases.append((300, 512, 1, 16, False, False, False, 1, False, True, True, 1, "sync", 103))
     cases.append((300, 512, 1, 16, False, False, True, 4, True, False, False, 1, "sync", 104))
+    # top-k that does not divide a warp, and the 16- and 32-wide notify instantiations
+    cases.append((200, 512, 6, 24, False, False, False, 1, False, True, True, 0, "sync", 105))
+    cases.append((130, 256, 12, 48, True, False, True, 4, True, True, True, 1, "sync", 106))
+    cases.append((70, 256, 20, 40, False, False, False, 1, False, False, True, 0, "sync", 107))
     return cases
 
 

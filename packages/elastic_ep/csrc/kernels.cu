@@ -147,9 +147,8 @@ __global__ void __launch_bounds__(kThreads, 1) check_expert_ids_kernel(const int
 // ------------------------------------------------------------------------------ dispatch: notify
 // One block. Slots: a token bound for rank r gets slot = number of earlier tokens of this rank bound for
 // r (a token counts once per rank, however many of its experts live there).
-// KB: compile-time bound on num_topk (8, 16 or 32), so a token's ids and owners live in registers and
-// its K loads are issued back to back: with a runtime K they went to local memory and each load's
-// latency was paid in turn (~13 us per 1024 tokens at K = 8, 4.6x the whole kernel's other work).
+// KB: compile-time bound on num_topk (8, 16 or 32), so the per-token arrays below live in registers
+// (with a runtime K they went to local memory).
 template <int KB>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c, DispatchParams p) {
   __shared__ int warp_cnt[kWarps][kMaxRanks];
@@ -171,24 +170,44 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
     for (int i = tid; i < R; i += kThreads) running[i] = 0;
     if (tid == 0) s_bad_ids = 0u;
     __syncthreads();
+    // One thread per token for the per-rank slots, but every global access of [T, K] arrays is done
+    // warp-coalesced: warp w of a chunk owns tokens wbase .. wbase+31, whose K ids are the 32*K
+    // consecutive elements wbase*K + q; lane q%32 loads element q in round q/32. Per-token values
+    // move between the two layouts with shuffles. (Token-strided loads and stores touched 32
+    // sectors per instruction and cost ~12 us per 1024 tokens in this single block.)
+    const int64_t n_elems = int64_t(T) * K;
     for (int base = 0; base < T; base += kThreads) {
       const int t = base + tid;
       const bool valid = t < T;
-      int64_t ids[KB];
-      int owners[KB];
+      const int64_t wfirst = int64_t(base + warp * 32) * K;  // first element of this warp's tokens
+      int own[KB];  // coalesced layout: owner rank of element round*32 + lane (-1 masked / invalid)
 #pragma unroll
-      for (int k = 0; k < KB; ++k) ids[k] = (valid && k < K) ? p.topk_idx[int64_t(t) * K + k] : -1;
+      for (int it = 0; it < KB; ++it) {
+        own[it] = -1;
+        const int64_t g = wfirst + it * 32 + lane;
+        if (it < K && g < n_elems) {
+          const int64_t e = p.topk_idx[g];
+          if (p.copied_topk_idx != nullptr) p.copied_topk_idx[g] = e;
+          own[it] = owner_of(e, p.num_experts, L);
+          if (own[it] >= 0) {
+            atomicAdd(&expert_cnt[e], 1);
+          } else if (e < -1 || e >= p.num_experts) {
+            atomicAdd(&s_bad_ids, 1u);
+            s_bad_example = static_cast<long long>(e);
+          }
+        }
+      }
+      int owners[KB];  // token layout: owner of this lane's token's k-th id
 #pragma unroll
       for (int k = 0; k < KB; ++k) {
-        const int64_t e = ids[k];
-        owners[k] = owner_of(e, p.num_experts, L);
-        if (owners[k] >= 0) {
-          atomicAdd(&expert_cnt[e], 1);
-        } else if (e < -1 || e >= p.num_experts) {
-          atomicAdd(&s_bad_ids, 1u);
-          s_bad_example = static_cast<long long>(e);
+        const int q = lane * K + k;  // < 32 * K when k < K
+        int v = -1;
+#pragma unroll
+        for (int it = 0; it < KB; ++it) {
+          const int w = __shfl_sync(kFull, own[it], q & 31);
+          if (it == (q >> 5)) v = w;
         }
-        if (valid && k < K && p.copied_topk_idx != nullptr) p.copied_topk_idx[int64_t(t) * K + k] = e;
+        owners[k] = (valid && k < K) ? v : -1;
       }
       for (int r = 0; r < R; ++r) {
         bool hit = false;
@@ -208,6 +227,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
         running[r] = s;
       }
       __syncthreads();
+      int slots[KB];  // token layout: slot of the k-th id's copy at its owner, -1 masked
+#pragma unroll
+      for (int k = 0; k < KB; ++k) slots[k] = -1;
       for (int r = 0; r < R; ++r) {
         bool hit = false;
 #pragma unroll
@@ -217,13 +239,21 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
           const int slot = warp_cnt[warp][r] + __popc(b & ((1u << lane) - 1u));
 #pragma unroll
           for (int k = 0; k < KB; ++k)
-            if (k < K && owners[k] == r) p.slot_idx[int64_t(t) * K + k] = slot;
+            if (owners[k] == r) slots[k] = slot;
         }
       }
-      if (valid) {
+      // Back to the coalesced layout: element q = round*32 + lane is id q%K of token lane q/K.
 #pragma unroll
-        for (int k = 0; k < KB; ++k)
-          if (k < K && owners[k] < 0) p.slot_idx[int64_t(t) * K + k] = -1;
+      for (int it = 0; it < KB; ++it) {
+        const int q = it * 32 + lane;
+        int v = -1;
+#pragma unroll
+        for (int k = 0; k < KB; ++k) {
+          const int w = __shfl_sync(kFull, slots[k], (q / K) & 31);
+          if (k == q % K) v = w;
+        }
+        const int64_t g = wfirst + q;
+        if (it < K && g < n_elems) p.slot_idx[g] = v;
       }
       __syncthreads();
     }
