@@ -12,7 +12,7 @@ def _checks():
 
 
 def test_zero_padding_needs_expand():
-    with pytest.raises(ValueError, match="do_zero_padding requires do_expand=True"):
+    with pytest.raises(ValueError, match="do_zero_padding: only valid with do_expand=True"):
         _checks().check_dispatch_modes(False, True, False, None)
     _checks().check_dispatch_modes(True, True, True, None)
 

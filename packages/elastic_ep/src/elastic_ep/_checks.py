@@ -38,7 +38,7 @@ def check_dispatch_modes(do_expand: bool, do_zero_padding: bool, do_cpu_sync: bo
             ``None`` when not in cached mode.
     """
     if do_zero_padding and not do_expand:
-        raise ValueError("do_zero_padding requires do_expand=True")
+        raise ValueError("do_zero_padding: only valid with do_expand=True (it zeroes the alignment gaps of the expanded layout)")
     if cached is None:
         return
     missing = [name for name, value in cached.items() if value is None]

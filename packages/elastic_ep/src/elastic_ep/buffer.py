@@ -45,7 +45,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _sizing
+from . import _checks, _sizing
 
 __all__ = ["ElasticBuffer", "EPHandle", "EventOverlap", "native_available", "calculate_elastic_buffer_size"]
 
@@ -607,8 +607,7 @@ class ElasticBuffer:
         if cumulative_local_expert_recv_stats is not None:
             _check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                           dtype=torch.int32, ndim=1, shape=(L,), device=self.device)
-        if do_zero_padding and not do_expand:
-            raise ValueError("do_zero_padding: only valid with do_expand=True")
+        _checks.check_dispatch_modes(do_expand, do_zero_padding, False, None)
         self._check_event_args(previous_event, allocate_on_comm_stream)
         num_sf_packs = sf.shape[1] if sf is not None else 0
         need = _sizing.get_dispatch_buffer_size(num_max_tokens_per_rank, H, num_sf_packs, K, x.element_size(), 1, R, True)
