@@ -31,6 +31,43 @@ def test_native_ep1_matrix(tmp_path):
     assert run_workers(matrix_worker, 1, cfg, tmp_path=tmp_path, timeout=120) == [2 * 12]
 
 
+def epilogue_event_worker(rank, world, rdzv):
+    """previous_event_before_epilogue gates combine's reduce (which reads the bias): a bias written on a
+    side stream after a delay, with the event recorded behind the write, must be the one added."""
+    from tests._dist import init_nccl
+    from tests.elastic_ep._common import bytes_of, import_elastic_ep, make_inputs
+
+    ep = import_elastic_ep()
+    group = init_nccl(rank, world, rdzv)
+    H, K, E, T = 512, 8, 32, 64
+    buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, backend="native")
+    inp = make_inputs(rank, T, H, K, E, "bf16", 5, "cuda")
+    recv, _, rw, handle, _ = buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"],
+                                          num_experts=E)
+    bias = torch.randn((T, H), device="cuda").to(torch.bfloat16)
+    want, _, _ = buf.combine(recv, handle, topk_weights=rw, bias=bias)
+    torch.cuda.synchronize()
+    late = torch.zeros_like(bias)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # tens of ms: the push is long done before the bias lands
+        late.copy_(bias)
+        gate = buf.capture()
+    got, _, ev = buf.combine(recv, handle, topk_weights=rw, bias=late, previous_event_before_epilogue=gate,
+                             allocate_on_comm_stream=True)
+    ev.current_stream_wait()
+    torch.cuda.synchronize()
+    assert torch.equal(bytes_of(got), bytes_of(want)), "the reduce ran before previous_event_before_epilogue"
+    buf.destroy()
+    return True
+
+
+@pytest.mark.gpu
+def test_native_combine_epilogue_event(tmp_path):
+    assert run_workers(epilogue_event_worker, 1, tmp_path=tmp_path, timeout=120) == [True]
+
+
 @pytest.mark.multigpu(2)
 def test_native_matrix(tmp_path):
     world = _world()

@@ -270,6 +270,10 @@ PYBIND11_MODULE(_C, m) {
       .def("take_masked_ids", &Runtime::take_masked_ids)
       .def("dispatch_epilogue",
            [](Runtime& r, const py::dict& d, int64_t stream) { r.dispatch_epilogue(epilogue_params(d), stream); })
-      .def("combine", [](Runtime& r, const py::dict& d, int64_t stream) { r.combine(combine_params(d), stream); });
+      .def("combine",
+           [](Runtime& r, const py::dict& d, int64_t stream, uint64_t wait_event) {
+             r.combine(combine_params(d), stream, wait_event);
+           },
+           py::arg("params"), py::arg("stream"), py::arg("wait_event") = 0);
 #endif
 }

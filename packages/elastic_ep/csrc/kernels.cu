@@ -749,10 +749,12 @@ void launch_dispatch_epilogue(const CommView& c, const EpilogueParams& p, void* 
   dispatch_epilogue_kernel<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p);
 }
 
-void launch_combine(const CommView& c, const CombineParams& p, void* stream) {
-  auto s = static_cast<cudaStream_t>(stream);
-  combine_push_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
-  combine_reduce_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
+void launch_combine_push(const CommView& c, const CombineParams& p, void* stream) {
+  combine_push_kernel<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p);
+}
+
+void launch_combine_reduce(const CommView& c, const CombineParams& p, void* stream) {
+  combine_reduce_kernel<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p);
 }
 
 }  // namespace elastic_ep

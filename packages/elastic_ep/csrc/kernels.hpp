@@ -96,7 +96,10 @@ void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream);
 void launch_check_expert_ids(const int64_t* topk_idx, int64_t n, int num_experts, uint64_t* host_words,
                              uint32_t tag, void* stream);
 void launch_dispatch_epilogue(const CommView& c, const EpilogueParams& p, void* stream);
-void launch_combine(const CommView& c, const CombineParams& p, void* stream);
+// Combine = push (rows back to their origins) then reduce (the epilogue); the runtime may make the
+// stream wait for an event between the two (previous_event_before_epilogue).
+void launch_combine_push(const CommView& c, const CombineParams& p, void* stream);
+void launch_combine_reduce(const CommView& c, const CombineParams& p, void* stream);
 #endif
 
 }  // namespace elastic_ep

@@ -373,10 +373,15 @@ void Runtime::dispatch_epilogue(const EpilogueParams& p, int64_t stream) {
   CK_CUDA_CHECK(cudaGetLastError());
 }
 
-void Runtime::combine(const CombineParams& p, int64_t stream) {
+void Runtime::combine(const CombineParams& p, int64_t stream, uint64_t wait_event) {
   // Health (timeouts, destroyed) is checked by the Python layer before the call (take_timeout).
   set_device();
-  launch_combine(view(), p, reinterpret_cast<void*>(stream));
+  auto* s = reinterpret_cast<void*>(stream);
+  launch_combine_push(view(), p, s);
+  CK_CUDA_CHECK(cudaGetLastError());
+  if (wait_event != 0)
+    CK_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(s), reinterpret_cast<cudaEvent_t>(wait_event), 0));
+  launch_combine_reduce(view(), p, s);
   CK_CUDA_CHECK(cudaGetLastError());
 }
 

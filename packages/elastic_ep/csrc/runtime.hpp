@@ -78,7 +78,9 @@ class Runtime {
   // Ids outside [-1, E) that notify masked in dispatches launched without the check (no CPU sync)
   // since the last call: (count, the last such id). Never throws.
   std::pair<int64_t, int64_t> take_masked_ids();
-  void combine(const CombineParams& p, int64_t stream);
+  // Push then reduce; with `wait_event` (a cudaEvent_t, 0 for none) the reduce also waits for it, so
+  // the push overlaps whatever the event marks (the seed's previous_event_before_epilogue).
+  void combine(const CombineParams& p, int64_t stream, uint64_t wait_event = 0);
 
  private:
   CommView view() const;

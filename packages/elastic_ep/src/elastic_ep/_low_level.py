@@ -813,7 +813,10 @@ class ElasticBuffer:
                                                       async_with_compute_stream)
         combined_x = torch.empty((T, hidden), dtype=torch.bfloat16, device=x.device)
         combined_w = torch.empty((T, K), dtype=torch.float32, device=x.device) if topk_weights is not None else None
-        self.stream_control_before_epilogue(previous_event_before_epilogue)
+        # previous_event_before_epilogue gates only the reduce: the push overlaps what it marks.
+        wait_event = 0
+        if previous_event_before_epilogue is not None:
+            wait_event = int(previous_event_before_epilogue.event.cuda_event)
         self._rt.combine(dict(
             x=_ptr(x), topk_weights=_ptr(topk_weights), src_metadata=_ptr(src_metadata),
             psum_rank=_ptr(psum_num_recv_tokens_per_scaleup_rank), combined_topk_idx=_ptr(combined_topk_idx),
@@ -821,7 +824,7 @@ class ElasticBuffer:
             bias1=_ptr(bias_1), num_combined_tokens=T, num_max_tokens_per_rank=num_max_tokens_per_rank,
             hidden=hidden, num_experts=num_experts, num_topk=K, use_expanded_layout=int(use_expanded_layout),
             allow_multiple_reduction=int(self.allow_multiple_reduction), num_sms=num_sms,
-        ), int(self.comm_stream.cuda_stream))
+        ), int(self.comm_stream.cuda_stream), wait_event)
         event = self.stream_control_epilogue(
             [x, topk_weights, bias_0, bias_1, src_metadata, combined_topk_idx, combined_x, combined_w,
              psum_num_recv_tokens_per_scaleup_rank], compute_stream, allocate_on_comm_stream,
