@@ -96,6 +96,36 @@ __device__ __forceinline__ bool is_master_lane(int owner, int K) {
   return master;
 }
 
+// Exclusive prefix sum of one int per thread over a whole kThreads block; every thread must call it.
+// `scratch`: __shared__ int[kWarps]. Returns this thread's exclusive prefix. Replaces serial loops of
+// one thread over up to 256 entries, which held the other 1023 threads at the next barrier (~8 us).
+__device__ int block_exclusive_scan(int v, int* scratch) {
+  static_assert(kWarps == 32, "one warp scans the per-warp totals");
+  static_assert(kMaxRanks <= kThreads && kMaxLocalExperts <= kThreads, "one entry per thread");
+  const int lane = lane_id(), warp = threadIdx.x / 32;
+  int x = v;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int y = __shfl_up_sync(kFull, x, d);
+    if (lane >= d) x += y;
+  }
+  if (lane == 31) scratch[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int w = scratch[lane];
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int y = __shfl_up_sync(kFull, w, d);
+      if (lane >= d) w += y;
+    }
+    scratch[lane] = w;
+  }
+  __syncthreads();
+  const int before = warp > 0 ? scratch[warp - 1] : 0;
+  __syncthreads();  // scratch can be reused right away
+  return before + x - v;
+}
+
 // --------------------------------------------------------------------------------------- set-up
 __global__ void resolve_peers_kernel(ncclWindow_t win, int n, void** out, int* info) {
   const int p = threadIdx.x + blockIdx.x * blockDim.x;
@@ -156,6 +186,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
   __shared__ int running[kMaxRanks];
   __shared__ unsigned int s_bad_ids;
   __shared__ long long s_bad_example;
+  __shared__ int scan_scratch[kWarps];
   Ctx cx(c);
   const uint64_t E = cx.epoch();
   const int R = c.num_ranks, rank = c.rank, K = p.num_topk, T = p.num_tokens;
@@ -309,18 +340,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
     expert_cnt[l] = (u + A - 1) / A * A;
   }
   __syncthreads();
-  if (tid == 0) {
-    int acc = 0;
-    for (int s = 0; s < R; ++s) {
-      acc += running[s];
-      p.psum_rank[s] = acc;
-    }
-    acc = 0;
-    p.psum_expert[0] = 0;
-    for (int l = 0; l < L; ++l) {
-      acc += expert_cnt[l];
-      p.psum_expert[l + 1] = acc;
-    }
+  {
+    const int nr = tid < R ? running[tid] : 0;
+    const int pr = block_exclusive_scan(nr, scan_scratch);
+    if (tid < R) p.psum_rank[tid] = pr + nr;
+    const int ne = tid < L ? expert_cnt[tid] : 0;
+    const int pe = block_exclusive_scan(ne, scan_scratch);
+    if (tid < L) p.psum_expert[tid + 1] = pe + ne;
+    if (tid == 0) p.psum_expert[0] = 0;
   }
   // Host-visible counts last: the CPU allocates outputs from them. Each word carries the call's tag,
   // so the host validates every word on its own and no ordering between them is needed: relaxed
@@ -416,6 +443,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
   __shared__ int psum[kMaxRanks];
   __shared__ int start[kMaxLocalExperts];
   __shared__ int unal[kMaxLocalExperts];
+  __shared__ int scan_scratch[kWarps];
   Ctx cx(c);
   const uint64_t E = cx.epoch();
   const int R = c.num_ranks, rank = c.rank, K = p.num_topk;
@@ -429,12 +457,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
   if (tid < R) psum[tid] = p.psum_rank[tid];
   if (tid < L) unal[tid] = p.unaligned_expert[tid];
   if (__syncthreads_or(!ok)) return;
-  if (tid == 0) {
-    int acc = 0;
-    for (int l = 0; l < L; ++l) {
-      start[l] = acc;
-      acc += (unal[l] + A - 1) / A * A;
-    }
+  {
+    const int aligned = tid < L ? (unal[tid] + A - 1) / A * A : 0;
+    const int ex = block_exclusive_scan(aligned, scan_scratch);
+    if (tid < L) start[tid] = ex;
   }
   __syncthreads();
 
@@ -449,6 +475,17 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
     while (psum[s] <= i) ++s;
     const int slot = i - (s > 0 ? psum[s - 1] : 0);
     const char* rec = cx.tr.local(cx.buf + (uint64_t(s) * p.num_max_tokens_per_rank + slot) * tl.bytes);
+    const int4* rx = reinterpret_cast<const int4*>(rec + tl.x.offset);
+    const uint32_t* rsf = reinterpret_cast<const uint32_t*>(rec + tl.sf.offset);
+    if (!p.do_expand) {
+      // The row's place does not depend on its metadata: start the copy before those loads, so their
+      // latency overlaps it instead of preceding it.
+      warp_copy_v4<4, false>(reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + int64_t(i) * p.hidden_bytes), rx,
+                             n16, lane);
+      for (int j = lane; j < p.num_sf_packs; j += 32)
+        static_cast<uint32_t*>(p.recv_sf)[int64_t(i) * p.recv_sf_token_stride + int64_t(j) * p.recv_sf_hidden_stride] =
+            rsf[j];
+    }
     int local = -1;
     float w = 0.f;
     if (lane < K) {
@@ -459,15 +496,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
     const unsigned lanes = __ballot_sync(kFull, local >= 0);
     const int master = lanes ? __ffs(lanes) - 1 : 0;
     const int src_global = *reinterpret_cast<const volatile int*>(rec + tl.src_meta.offset);
-    const int4* rx = reinterpret_cast<const int4*>(rec + tl.x.offset);
-    const uint32_t* rsf = reinterpret_cast<const uint32_t*>(rec + tl.sf.offset);
     int my_row = -1;
     if (!p.do_expand) {
-      warp_copy_v4<4, false>(reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + int64_t(i) * p.hidden_bytes), rx,
-                             n16, lane);
-      for (int j = lane; j < p.num_sf_packs; j += 32)
-        static_cast<uint32_t*>(p.recv_sf)[int64_t(i) * p.recv_sf_token_stride + int64_t(j) * p.recv_sf_hidden_stride] =
-            rsf[j];
       if (lane < K) {
         p.recv_topk_idx[int64_t(i) * K + lane] = local;
         if (p.recv_topk_weights != nullptr) p.recv_topk_weights[int64_t(i) * K + lane] = local >= 0 ? w : 0.f;
@@ -653,15 +683,35 @@ __global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c,
     const int4* b1 = p.bias1 ? reinterpret_cast<const int4*>(static_cast<const char*>(p.bias1) + int64_t(t) * p.hidden * 2)
                              : nullptr;
     int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.combined_x) + int64_t(t) * p.hidden * 2);
-    for (int q = lane; q < n16; q += 32) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    // U 16-byte chunks per lane at a time, every load of a slot issued before any add, so a warp has
+    // U loads in flight instead of one (one at a time left the reduce latency-bound). The sum order
+    // per element is unchanged: slots ascending, then bias 0, then bias 1.
+    constexpr int U = 4;
+    for (int q0 = lane; q0 < n16; q0 += 32 * U) {
+      float acc[U][8];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
       for (unsigned d = order; d; d &= d - 1) {
         const int sl = __ffs(d) - 1;
-        add_bf16x8(acc, ld_v4(reinterpret_cast<const int4*>(base + uint64_t(sl) * tl.bytes + tl.x.offset) + q));
+        const int4* row = reinterpret_cast<const int4*>(base + uint64_t(sl) * tl.bytes + tl.x.offset);
+        int4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (q0 + 32 * u < n16) v[u] = ld_v4(row + q0 + 32 * u);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (q0 + 32 * u < n16) add_bf16x8(acc[u], v[u]);
       }
-      if (b0) add_bf16x8(acc, ld_nc_v4(b0 + q));
-      if (b1) add_bf16x8(acc, ld_nc_v4(b1 + q));
-      out[q] = to_bf16x8(acc);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int q = q0 + 32 * u;
+        if (q >= n16) continue;
+        if (b0) add_bf16x8(acc[u], ld_nc_v4(b0 + q));
+        if (b1) add_bf16x8(acc[u], ld_nc_v4(b1 + q));
+        out[q] = to_bf16x8(acc[u]);
+      }
     }
     if (p.combined_topk_weights != nullptr && lane < K) {
       float w = 0.f;
