@@ -522,7 +522,9 @@ class ElasticBuffer:
             ``(recv_x | (recv_x, recv_sf), recv_topk_idx, recv_topk_weights, handle, event)``.
 
         Raises:
-            ValueError: any bad input, before anything is launched.
+            ValueError: any bad input, before anything is launched. Exception: without a CPU sync,
+                expert ids outside ``[-1, num_experts)`` cannot be checked before the launch; they are
+                treated as masked and the next call on this buffer raises with their count.
         """
         self._check_alive()
         R = self.num_ranks
