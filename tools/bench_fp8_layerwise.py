@@ -8,6 +8,7 @@ Configurations (one process per rank, one rank per GPU):
   * DSV3 TP2            2 ranks, 22.0 MB per rank and expert
   * TP4-sized shard     2 ranks, 11.0 MB per rank and expert (the source is cut as TP4 would)
   * TP8-sized shard     2 ranks,  5.5 MB per rank and expert
+  (with one GPU: DSV3 TP1 and the two shard sizes with one rank)
 For each configuration, in the same processes and with the same number of GPUs copying at once:
   * peak     plain pinned cudaMemcpyAsync of 256 MB buffers (registered shm, like the slots);
   * seed     the original design: 2 slots, one expert in flight, 4 separate copies, each waited;
@@ -193,7 +194,9 @@ def main(argv=None):
     print(f"  shm free {_C.shm_free_bytes() / 2**30:.1f} GiB, {cpus} CPUs, {ngpu} GPUs")
     configs = [("DSV3 TP1", 1, 1), ("DSV3 TP2", 2, 2), ("TP4-sized shard", 2, 4), ("TP8-sized shard", 2, 8)]
     if backend == "cuda" and ngpu < 2:
-        configs = configs[:1]
+        # One GPU: the small-shard sizes with one rank (so one GPU copying; the writer's cut of a
+        # 1-rank layer is contiguous, unlike the strided w2 cut of a real TP4/TP8 rank).
+        configs = [configs[0], ("TP4-sized shard, 1 rank", 1, 4), ("TP8-sized shard, 1 rank", 1, 8)]
     modes = [dict(name="seed", slots=2, inflight=1, coalesce=False, prestaged=False),
              dict(name="slots2", slots=2, inflight=0, coalesce=True, prestaged=False),
              dict(name="slots4", slots=4, inflight=0, coalesce=True, prestaged=False),

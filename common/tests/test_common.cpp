@@ -154,6 +154,25 @@ int main() {
                         [] { CK_THROW("unexpected timeout"); });
     t.join();
   });
+  run("deadline: poll_until reports ready, aborted and expired, and progress keeps it waiting", [] {
+    commkit::ProgressDeadline d(10);
+    EXPECT(commkit::poll_until([] { return true; }, d, [] { return 0; }, [] { return true; }) ==
+           commkit::PollResult::kReady);  // ready wins over aborted
+    commkit::ProgressDeadline d1(1000);
+    EXPECT(commkit::poll_until([] { return false; }, d1, [] { return 0; }, [] { return true; }) ==
+           commkit::PollResult::kAborted);
+    commkit::ProgressDeadline d2(10);
+    const uint64_t t0 = commkit::monotonic_ns();
+    EXPECT(commkit::poll_until([] { return false; }, d2, [] { return 0; }, [] { return false; }) ==
+           commkit::PollResult::kExpired);
+    EXPECT(commkit::monotonic_ns() - t0 >= 10ull * 1000000ull);
+    // A counter that moves every poll never expires; the predicate ends the wait after 40 ms.
+    commkit::ProgressDeadline d3(10);
+    uint64_t moves = 0;
+    const uint64_t t1 = commkit::monotonic_ns();
+    EXPECT(commkit::poll_until([&] { return commkit::monotonic_ns() - t1 > 40ull * 1000000ull; }, d3,
+                               [&] { return ++moves; }, [] { return false; }) == commkit::PollResult::kReady);
+  });
   run("atomics: cas returns old value, exactly one winner among threads", [] {
     uint32_t word = 0;
     std::atomic<int> winners{0};

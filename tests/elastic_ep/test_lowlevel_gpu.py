@@ -362,6 +362,29 @@ def test_lowlevel_ep2_modes(tmp_path):
     assert run_workers(_worker_modes, R, _cases(R), tmp_path=tmp_path, timeout=200) == [len(_cases(R))] * R
 
 
+def _atomic_mask_cases(R):
+    # Above 32 ranks notify builds its per-rank token masks with shared atomics; the variable makes it
+    # do so at any rank count. A third of the matrix plus the 6/12/20-wide top-k shapes.
+    cases = _cases(R)
+    return cases[::3] + cases[-3:]
+
+
+@pytest.mark.gpu
+def test_lowlevel_ep1_modes_notify_atomic_masks(tmp_path):
+    cases = _atomic_mask_cases(1)
+    assert run_workers(_worker_modes, 1, cases, tmp_path=tmp_path, timeout=150,
+                       env={"ELASTIC_EP_TEST_NOTIFY_ATOMICS": "1"}) == [len(cases)]
+
+
+@pytest.mark.multigpu(2)
+def test_lowlevel_ep2_modes_notify_atomic_masks(tmp_path):
+    n = torch.cuda.device_count()
+    R = 2 if n < 4 else n
+    cases = _atomic_mask_cases(R)
+    assert run_workers(_worker_modes, R, cases, tmp_path=tmp_path, timeout=200,
+                       env={"ELASTIC_EP_TEST_NOTIFY_ATOMICS": "1"}) == [len(cases)] * R
+
+
 def _worker_perf(rank, world_size, rdzv, T, H, K, E, iters):
     init_nccl(rank, world_size, rdzv)
     import torch.distributed as dist

@@ -10,8 +10,11 @@
 //     timeout_ms == 0 means "never expires" only when explicitly built with ProgressDeadline::infinite().
 //   Backoff b; b.pause();   spin with cpu-relax for a few hundred rounds, then yield, then sleep
 //                           (up to 50 us), so a waiting thread costs little CPU on a 2-core box.
+//   poll_until(pred, deadline, progress_fn, aborted_fn) -> PollResult
+//     spins until pred() is true (kReady), aborted() is true (kAborted: e.g. a device timeout record
+//     appeared), or the deadline expires without progress (kExpired). Never throws by itself.
 //   wait_until(pred, deadline, progress_fn, on_timeout)
-//     spins until pred() is true; on expiry calls on_timeout() (which must throw).
+//     poll_until without abort; on expiry calls on_timeout() (which must throw).
 //   monotonic_ns()          CLOCK_MONOTONIC in nanoseconds.
 #pragma once
 
@@ -90,19 +93,26 @@ class Backoff {
   long sleep_ns_ = 1000;
 };
 
-// Spins until pred() holds. progress() returns a value that changes whenever the watched state
-// moves; on_timeout() is called (and must throw) once the deadline expires without progress.
+enum class PollResult { kReady = 0, kAborted = 1, kExpired = 2 };
+
+// Spins until pred() holds, aborted() holds, or the deadline expires. progress() returns a value
+// that changes whenever the watched state moves (it restarts the deadline's window).
+template <typename Pred, typename Progress, typename Aborted>
+inline PollResult poll_until(Pred&& pred, ProgressDeadline& deadline, Progress&& progress, Aborted&& aborted) {
+  Backoff backoff;
+  while (!pred()) {
+    if (aborted()) return PollResult::kAborted;
+    if (deadline.expired(static_cast<uint64_t>(progress()))) return PollResult::kExpired;
+    backoff.pause();
+  }
+  return PollResult::kReady;
+}
+
+// poll_until without abort: on_timeout() is called (and must throw) once the deadline expires.
 template <typename Pred, typename Progress, typename OnTimeout>
 inline void wait_until(Pred&& pred, ProgressDeadline& deadline, Progress&& progress,
                        OnTimeout&& on_timeout) {
-  Backoff backoff;
-  while (!pred()) {
-    if (deadline.expired(static_cast<uint64_t>(progress()))) {
-      on_timeout();
-      return;
-    }
-    backoff.pause();
-  }
+  if (poll_until(pred, deadline, progress, [] { return false; }) == PollResult::kExpired) on_timeout();
 }
 
 }  // namespace commkit

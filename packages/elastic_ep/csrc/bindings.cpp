@@ -255,25 +255,31 @@ PYBIND11_MODULE(_C, m) {
              d["channel"] = t.channel;
              return std::move(d);
            })
+      .def("pending_health", &Runtime::pending_health)
       .def_property_readonly("broken", &Runtime::broken)
       .def_property_readonly("broken_reason", &Runtime::broken_reason)
       .def("barrier", &Runtime::barrier, py::arg("stream"))
-      .def("dispatch", [](Runtime& r, const py::dict& d, int64_t stream) { r.dispatch(dispatch_params(d), stream); })
+      .def("dispatch",
+           [](Runtime& r, const py::dict& d, int64_t stream, int64_t wait_stream) {
+             r.dispatch(dispatch_params(d), stream, wait_stream);
+           },
+           py::arg("params"), py::arg("stream"), py::arg("wait_stream") = 0)
       .def("wait_dispatch_counts",
            [](Runtime& r, int n) { return without_gil([&] { return r.wait_dispatch_counts(n); }); },
            py::arg("num_local_experts"))
-      .def("check_expert_ids",
-           [](Runtime& r, uint64_t idx, int64_t n, int num_experts, int64_t stream) {
-             return without_gil([&] { return r.check_expert_ids(idx, n, num_experts, stream); });
-           },
-           py::arg("topk_idx"), py::arg("n"), py::arg("num_experts"), py::arg("stream"))
+      .def("check_expert_ids_launch", &Runtime::check_expert_ids_launch, py::arg("topk_idx"), py::arg("n"),
+           py::arg("num_experts"), py::arg("stream"))
+      .def("check_expert_ids_wait", [](Runtime& r) { return without_gil([&] { return r.check_expert_ids_wait(); }); })
       .def("take_masked_ids", &Runtime::take_masked_ids)
       .def("dispatch_epilogue",
-           [](Runtime& r, const py::dict& d, int64_t stream) { r.dispatch_epilogue(epilogue_params(d), stream); })
-      .def("combine",
-           [](Runtime& r, const py::dict& d, int64_t stream, uint64_t wait_event) {
-             r.combine(combine_params(d), stream, wait_event);
+           [](Runtime& r, const py::dict& d, int64_t stream, int64_t join_stream) {
+             r.dispatch_epilogue(epilogue_params(d), stream, join_stream);
            },
-           py::arg("params"), py::arg("stream"), py::arg("wait_event") = 0);
+           py::arg("params"), py::arg("stream"), py::arg("join_stream") = 0)
+      .def("combine",
+           [](Runtime& r, const py::dict& d, int64_t stream, uint64_t wait_event, int64_t wait_stream,
+              int64_t join_stream) { r.combine(combine_params(d), stream, wait_event, wait_stream, join_stream); },
+           py::arg("params"), py::arg("stream"), py::arg("wait_event") = 0, py::arg("wait_stream") = 0,
+           py::arg("join_stream") = 0);
 #endif
 }

@@ -177,21 +177,25 @@ __global__ void __launch_bounds__(kThreads, 1) check_expert_ids_kernel(const int
 // ------------------------------------------------------------------------------ dispatch: notify
 // One block. Slots: a token bound for rank r gets slot = number of earlier tokens of this rank bound for
 // r (a token counts once per rank, however many of its experts live there).
-// KB: compile-time bound on num_topk (8, 16 or 32), so the per-token arrays below live in registers
-// (with a runtime K they went to local memory).
+// KB: compile-time bound on num_topk (8, 16 or 32), so the per-element arrays below live in registers.
+// Dynamic shared memory: notify_smem_bytes(R) = two [kWarps][R] arrays (see launch_dispatch).
 template <int KB>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c, DispatchParams p) {
-  __shared__ int warp_cnt[kWarps][kMaxRanks];
   __shared__ int expert_cnt[kMaxExperts];
   __shared__ int running[kMaxRanks];
   __shared__ unsigned int s_bad_ids;
   __shared__ long long s_bad_example;
   __shared__ int scan_scratch[kWarps];
+  extern __shared__ uint32_t notify_dyn[];
   Ctx cx(c);
   const uint64_t E = cx.epoch();
   const int R = c.num_ranks, rank = c.rank, K = p.num_topk, T = p.num_tokens;
   const int L = p.num_experts / R;
   const int tid = threadIdx.x, lane = lane_id(), warp = tid / 32;
+  // wmask[w][r]: bit j set when token j of warp w's 32 tokens (of the current chunk) goes to rank r.
+  // wpre[w][r]:  slot at rank r of the first such token.
+  uint32_t* wmask = notify_dyn;
+  int* wpre = reinterpret_cast<int*>(notify_dyn + kWarps * R);
 
   // Publish "entered E" first so peers can start while we count.
   if (tid < R) cx.tr.signal(tid, cx.ws.barrier_signal.offset + 8ull * rank, E);
@@ -201,26 +205,34 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
     for (int i = tid; i < R; i += kThreads) running[i] = 0;
     if (tid == 0) s_bad_ids = 0u;
     __syncthreads();
-    // One thread per token for the per-rank slots, but every global access of [T, K] arrays is done
-    // warp-coalesced: warp w of a chunk owns tokens wbase .. wbase+31, whose K ids are the 32*K
-    // consecutive elements wbase*K + q; lane q%32 loads element q in round q/32. Per-token values
-    // move between the two layouts with shuffles. (Token-strided loads and stores touched 32
-    // sectors per instruction and cost ~12 us per 1024 tokens in this single block.)
+    // Every global access of the [T, K] arrays is warp-coalesced: warp w of a chunk owns tokens
+    // wbase .. wbase+31, whose K ids are the 32*K consecutive elements wbase*K + q; lane q%32 holds
+    // element q in round q/32, i.e. id q%K of token q/K of the warp. The per-rank token sets of the
+    // warp are built as 32-bit masks (a warp OR-reduction per rank, or shared atomics when R > 32),
+    // and every element finds its slot from its owner's mask, without moving ids between lanes.
+    // (The previous version moved the ids into a token-per-lane layout and back, with K*K shuffles
+    // per direction and element.)
     const int64_t n_elems = int64_t(T) * K;
+    const bool by_reduction = R <= 32 && !p.notify_atomic_masks;
     for (int base = 0; base < T; base += kThreads) {
-      const int t = base + tid;
-      const bool valid = t < T;
       const int64_t wfirst = int64_t(base + warp * 32) * K;  // first element of this warp's tokens
-      int own[KB];  // coalesced layout: owner rank of element round*32 + lane (-1 masked / invalid)
+      if (!by_reduction)
+        for (int i = lane; i < R; i += 32) wmask[warp * R + i] = 0u;  // only this warp touches its row
+      __syncwarp();
+      // Element round*32 + lane: -1 when masked / invalid / past the end, else (token within the
+      // warp << 16) | owner rank. One packed register per element keeps KB = 32 free of spills.
+      int ot[KB];
 #pragma unroll
       for (int it = 0; it < KB; ++it) {
-        own[it] = -1;
-        const int64_t g = wfirst + it * 32 + lane;
+        ot[it] = -1;
+        const int q = it * 32 + lane;
+        const int64_t g = wfirst + q;
         if (it < K && g < n_elems) {
           const int64_t e = p.topk_idx[g];
           if (p.copied_topk_idx != nullptr) p.copied_topk_idx[g] = e;
-          own[it] = owner_of(e, p.num_experts, L);
-          if (own[it] >= 0) {
+          const int o = owner_of(e, p.num_experts, L);
+          if (o >= 0) {
+            ot[it] = ((q / K) << 16) | o;
             atomicAdd(&expert_cnt[e], 1);
           } else if (e < -1 || e >= p.num_experts) {
             atomicAdd(&s_bad_ids, 1u);
@@ -228,65 +240,43 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
           }
         }
       }
-      int owners[KB];  // token layout: owner of this lane's token's k-th id
+      if (by_reduction) {
+        for (int r = 0; r < R; ++r) {
+          uint32_t bits = 0u;
 #pragma unroll
-      for (int k = 0; k < KB; ++k) {
-        const int q = lane * K + k;  // < 32 * K when k < K
-        int v = -1;
-#pragma unroll
-        for (int it = 0; it < KB; ++it) {
-          const int w = __shfl_sync(kFull, own[it], q & 31);
-          if (it == (q >> 5)) v = w;
+          for (int it = 0; it < KB; ++it)
+            if (ot[it] >= 0 && (ot[it] & 0xffff) == r) bits |= 1u << (ot[it] >> 16);
+          const uint32_t m = __reduce_or_sync(kFull, bits);
+          if (lane == 0) wmask[warp * R + r] = m;
         }
-        owners[k] = (valid && k < K) ? v : -1;
-      }
-      for (int r = 0; r < R; ++r) {
-        bool hit = false;
+      } else {
 #pragma unroll
-        for (int k = 0; k < KB; ++k) hit |= owners[k] == r;
-        const unsigned b = __ballot_sync(kFull, hit);
-        if (lane == 0) warp_cnt[warp][r] = __popc(b);
+        for (int it = 0; it < KB; ++it)
+          if (ot[it] >= 0) atomicOr(&wmask[warp * R + (ot[it] & 0xffff)], 1u << (ot[it] >> 16));
       }
       __syncthreads();
       for (int r = tid; r < R; r += kThreads) {
         int s = running[r];
         for (int w = 0; w < kWarps; ++w) {
-          const int n = warp_cnt[w][r];
-          warp_cnt[w][r] = s;
-          s += n;
+          wpre[w * R + r] = s;
+          s += __popc(wmask[w * R + r]);
         }
         running[r] = s;
       }
       __syncthreads();
-      int slots[KB];  // token layout: slot of the k-th id's copy at its owner, -1 masked
-#pragma unroll
-      for (int k = 0; k < KB; ++k) slots[k] = -1;
-      for (int r = 0; r < R; ++r) {
-        bool hit = false;
-#pragma unroll
-        for (int k = 0; k < KB; ++k) hit |= owners[k] == r;
-        const unsigned b = __ballot_sync(kFull, hit);
-        if (hit) {
-          const int slot = warp_cnt[warp][r] + __popc(b & ((1u << lane) - 1u));
-#pragma unroll
-          for (int k = 0; k < KB; ++k)
-            if (owners[k] == r) slots[k] = slot;
-        }
-      }
-      // Back to the coalesced layout: element q = round*32 + lane is id q%K of token lane q/K.
 #pragma unroll
       for (int it = 0; it < KB; ++it) {
-        const int q = it * 32 + lane;
-        int v = -1;
-#pragma unroll
-        for (int k = 0; k < KB; ++k) {
-          const int w = __shfl_sync(kFull, slots[k], (q / K) & 31);
-          if (k == q % K) v = w;
+        const int64_t g = wfirst + it * 32 + lane;
+        if (it < K && g < n_elems) {
+          int v = -1;
+          if (ot[it] >= 0) {
+            const int r = ot[it] & 0xffff;
+            v = wpre[warp * R + r] + __popc(wmask[warp * R + r] & ((1u << (ot[it] >> 16)) - 1u));
+          }
+          p.slot_idx[g] = v;
         }
-        const int64_t g = wfirst + q;
-        if (it < K && g < n_elems) p.slot_idx[g] = v;
       }
-      __syncthreads();
+      __syncthreads();  // wmask / wpre are rewritten by the next chunk
     }
     // Ids outside [-1, E) were sent nowhere (as if masked). Without a CPU sync nothing checked them
     // before the launch, so the host learns of them from a running total it compares with what it
@@ -762,12 +752,17 @@ void launch_barrier(const CommView& c, void* stream) {
 void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   static_assert(kMaxTopk == 32, "the notify instantiations below cover num_topk up to 32");
-  if (p.num_topk <= 8)
-    dispatch_notify_kernel<8><<<1, kThreads, 0, s>>>(c, p);
-  else if (p.num_topk <= 16)
-    dispatch_notify_kernel<16><<<1, kThreads, 0, s>>>(c, p);
-  else
-    dispatch_notify_kernel<32><<<1, kThreads, 0, s>>>(c, p);
+  // notify's per-warp rank masks and slot bases live in dynamic shared memory sized by the rank count
+  // (64 KiB at 256 ranks, beyond the 48 KiB a kernel gets without opting in).
+  const size_t smem = size_t(2) * kWarps * c.num_ranks * sizeof(uint32_t);
+  auto notify = p.num_topk <= 8 ? dispatch_notify_kernel<8>
+              : p.num_topk <= 16 ? dispatch_notify_kernel<16> : dispatch_notify_kernel<32>;
+  if (smem > 32 * 1024) {
+    // Opting in is per device context, and cheap: done on each such launch rather than once.
+    const cudaError_t err = cudaFuncSetAttribute(notify, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return;  // the caller's cudaGetLastError() reports it
+  }
+  notify<<<1, kThreads, smem, s>>>(c, p);
   dispatch_push_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
 }
 

@@ -47,6 +47,10 @@ struct DispatchParams {
   int cached;                  // reuse slot_idx / counts of an earlier dispatch
   uint32_t host_tag;           // tag of the host-mapped counts for the CPU sync
   int num_sms;
+  // Notify builds its per-rank token masks with shared atomics instead of warp reductions (what it
+  // does above 32 ranks). Set by the runtime from ELASTIC_EP_TEST_NOTIFY_ATOMICS=1 so tests on 1-2
+  // GPUs cover that path too.
+  int notify_atomic_masks;
 };
 
 struct EpilogueParams {

@@ -171,6 +171,11 @@ Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_
   std::memset(host_ws_, 0, host_workspace_layout().bytes);
   clear_record(host_workspace_layout().timeout.at<commkit::TimeoutRecord>(host_ws_));
   CK_CUDA_CHECK(cudaHostGetDevicePointer(&host_ws_dev_, host_ws_, 0));
+  cudaEvent_t ev_in = nullptr, ev_out = nullptr;
+  CK_CUDA_CHECK(cudaEventCreateWithFlags(&ev_in, cudaEventDisableTiming));
+  CK_CUDA_CHECK(cudaEventCreateWithFlags(&ev_out, cudaEventDisableTiming));
+  event_in_ = ev_in;
+  event_out_ = ev_out;
   CK_CUDA_CHECK(cudaDeviceSynchronize());
   EP_DEBUG("rank %d: buffer ready\n", rank);
   // The caller runs a process-group barrier next, before any peer writes into this window.
@@ -191,6 +196,12 @@ void Runtime::destroy() {
   if (destroyed_) return;
   destroyed_ = true;
   EP_DEBUG("rank %d: destroy (broken=%d)\n", rank_, int(broken_));
+  // Events are local and may be destroyed with work pending on them (CUDA frees them once it completes).
+  for (void** ev : {&event_in_, &event_out_})
+    if (*ev != nullptr) {
+      cudaEventDestroy(static_cast<cudaEvent_t>(*ev));
+      *ev = nullptr;
+    }
   if (broken_) {
     // After a timeout the peers are out of step (or gone): NCCL's window/devcomm teardown is collective
     // and kernels may still be spinning towards their device deadline, so nothing is freed here. The
@@ -258,15 +269,41 @@ void Runtime::barrier(int64_t stream) {
   CK_CUDA_CHECK(cudaGetLastError());
 }
 
-void Runtime::dispatch(const DispatchParams& p, int64_t stream) {
-  // Health (timeouts, destroyed) is checked by the Python layer before the call (take_timeout).
+int Runtime::pending_health() const {
+  if (destroyed_ || host_ws_ == nullptr) return kHealthBroken;
+  const auto hl = host_workspace_layout();
+  int bits = broken_ ? int(kHealthBroken) : 0;
+  if (commkit::ld_acquire(&hl.timeout.at<commkit::TimeoutRecord>(host_ws_)->flag) == 1u) bits |= kHealthTimeout;
+  if (commkit::ld_acquire(&hl.ids.at<uint64_t>(host_ws_)[2]) != masked_ids_seen_) bits |= kHealthMaskedIds;
+  return bits;
+}
+
+void Runtime::stream_wait(int64_t waiter, int64_t signaller, void* event) {
+  if (waiter == 0 || signaller == 0 || waiter == signaller) return;
+  auto ev = static_cast<cudaEvent_t>(event);
+  CK_CUDA_CHECK(cudaEventRecord(ev, reinterpret_cast<cudaStream_t>(signaller)));
+  CK_CUDA_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(waiter), ev, 0));
+}
+
+template <typename Pred, typename Progress>
+int Runtime::poll_host(Pred&& pred, Progress&& progress) {
+  auto* rec = host_workspace_layout().timeout.at<commkit::TimeoutRecord>(host_ws_);
+  commkit::ProgressDeadline deadline(uint64_t(num_cpu_timeout_secs_) * 1000ull);
+  return int(commkit::poll_until(pred, deadline, progress, [&] { return commkit::ld_acquire(&rec->flag) == 1u; }));
+}
+
+void Runtime::dispatch(const DispatchParams& p, int64_t stream, int64_t wait_stream) {
+  // Health (timeouts, destroyed) is checked by the Python layer before the call (pending_health).
   set_device();
+  stream_wait(stream, wait_stream, event_in_);
   DispatchParams q = p;
   // Tag of the host-mapped counts: a stale notify of an earlier, unsynchronised dispatch can still land
   // after this point, and its tag differs.
   host_tag_ = (host_tag_ + 1u) & 0x7fffffffu;
   if (host_tag_ == 0u) host_tag_ = 1u;
   q.host_tag = host_tag_;
+  const char* atomics = std::getenv("ELASTIC_EP_TEST_NOTIFY_ATOMICS");  // read per call: tests toggle it
+  q.notify_atomic_masks = (atomics != nullptr && std::strcmp(atomics, "1") == 0) ? 1 : 0;
   launch_dispatch(view(), q, reinterpret_cast<void*>(stream));
   CK_CUDA_CHECK(cudaGetLastError());
 }
@@ -297,63 +334,62 @@ std::tuple<int, int, int, std::vector<int>, int, int> Runtime::wait_dispatch_cou
   const auto hl = host_workspace_layout();
   auto* rank_words = hl.rank_count.at<uint64_t>(host_ws_);
   auto* expert_words = hl.expert_count.at<uint64_t>(host_ws_);
-  auto* rec = hl.timeout.at<commkit::TimeoutRecord>(host_ws_);
   const uint64_t tag = host_tag_;
   int ready_ranks = 0, ready_experts = 0;
   int num_recv = 0, num_expanded = 0;
   std::vector<int> per_expert;
   per_expert.reserve(num_local_experts);
-  commkit::ProgressDeadline deadline(uint64_t(num_cpu_timeout_secs_) * 1000ull);
-  commkit::Backoff backoff;
-  while (true) {
-    while (ready_ranks < num_ranks_) {
-      uint64_t w = commkit::ld_acquire(&rank_words[ready_ranks]);
-      if ((w >> 32) != tag) break;
-      num_recv += int(w & 0xffffffffu);
-      ++ready_ranks;
-    }
-    while (ready_ranks == num_ranks_ && ready_experts < num_local_experts) {
-      uint64_t w = commkit::ld_acquire(&expert_words[ready_experts]);
-      if ((w >> 32) != tag) break;
-      per_expert.push_back(int(w & 0xffffffffu));
-      num_expanded += int(w & 0xffffffffu);
-      ++ready_experts;
-    }
-    if (ready_ranks == num_ranks_ && ready_experts == num_local_experts) break;
-    if (commkit::ld_acquire(&rec->flag) == 1u) return {1, num_recv, num_expanded, per_expert, ready_ranks, ready_experts};
-    if (deadline.expired(uint64_t(ready_ranks) * 65536u + uint64_t(ready_experts))) {
-      broken_ = true;
-      broken_reason_ = "a dispatch CPU wait timed out";
-      return {2, num_recv, num_expanded, per_expert, ready_ranks, ready_experts};
-    }
-    backoff.pause();
+  // Each word carries the dispatch's tag, so words are taken one by one as they land.
+  const int status = poll_host(
+      [&] {
+        while (ready_ranks < num_ranks_) {
+          const uint64_t w = commkit::ld_acquire(&rank_words[ready_ranks]);
+          if ((w >> 32) != tag) return false;
+          num_recv += int(w & 0xffffffffu);
+          ++ready_ranks;
+        }
+        while (ready_experts < num_local_experts) {
+          const uint64_t w = commkit::ld_acquire(&expert_words[ready_experts]);
+          if ((w >> 32) != tag) return false;
+          per_expert.push_back(int(w & 0xffffffffu));
+          num_expanded += int(w & 0xffffffffu);
+          ++ready_experts;
+        }
+        return true;
+      },
+      [&] { return uint64_t(ready_ranks) * 65536u + uint64_t(ready_experts); });
+  if (status == 2) {
+    broken_ = true;
+    broken_reason_ = "a dispatch CPU wait timed out";
   }
-  return {0, num_recv, num_expanded, per_expert, ready_ranks, ready_experts};
+  return {status, num_recv, num_expanded, per_expert, ready_ranks, ready_experts};
 }
 
-std::tuple<int, int64_t, int64_t> Runtime::check_expert_ids(uint64_t topk_idx, int64_t n, int num_experts,
-                                                            int64_t stream) {
+void Runtime::check_expert_ids_launch(uint64_t topk_idx, int64_t n, int num_experts, int64_t stream) {
   CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
   CK_CHECK_ARG(topk_idx != 0 && n > 0, "check_expert_ids: topk_idx must be a non-empty device array");
   set_device();
-  const auto hl = host_workspace_layout();
-  auto* words = hl.ids.at<uint64_t>(host_ws_);
-  auto* words_dev = hl.ids.at<uint64_t>(host_ws_dev_);
-  auto* rec = hl.timeout.at<commkit::TimeoutRecord>(host_ws_);
+  auto* words_dev = host_workspace_layout().ids.at<uint64_t>(host_ws_dev_);
   check_tag_ = (check_tag_ + 1u) & 0x7fffffffu;
   if (check_tag_ == 0u) check_tag_ = 1u;
   launch_check_expert_ids(reinterpret_cast<const int64_t*>(topk_idx), n, num_experts, words_dev, check_tag_,
                           reinterpret_cast<void*>(stream));
   CK_CUDA_CHECK(cudaGetLastError());
-  commkit::ProgressDeadline deadline(uint64_t(num_cpu_timeout_secs_) * 1000ull);
-  commkit::Backoff backoff;
-  while (true) {
-    const uint64_t w = commkit::ld_acquire(&words[0]);
-    if ((w >> 32) == check_tag_) return {0, int64_t(w & 0xffffffffu), int64_t(words[1])};
-    if (commkit::ld_acquire(&rec->flag) == 1u) return {1, 0, 0};
-    if (deadline.expired(0)) return {2, 0, 0};
-    backoff.pause();
-  }
+}
+
+std::tuple<int, int64_t, int64_t> Runtime::check_expert_ids_wait() {
+  CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
+  CK_CHECK(check_tag_ != 0u, "check_expert_ids_wait without a launch");
+  auto* words = host_workspace_layout().ids.at<uint64_t>(host_ws_);
+  uint64_t w = 0;
+  const int status = poll_host(
+      [&] {
+        w = commkit::ld_acquire(&words[0]);
+        return (w >> 32) == check_tag_;
+      },
+      [] { return 0; });
+  if (status != 0) return {status, 0, 0};
+  return {0, int64_t(w & 0xffffffffu), int64_t(words[1])};
 }
 
 std::pair<int64_t, int64_t> Runtime::take_masked_ids() {
@@ -366,16 +402,19 @@ std::pair<int64_t, int64_t> Runtime::take_masked_ids() {
   return {fresh, int64_t(words[3])};
 }
 
-void Runtime::dispatch_epilogue(const EpilogueParams& p, int64_t stream) {
+void Runtime::dispatch_epilogue(const EpilogueParams& p, int64_t stream, int64_t join_stream) {
   CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
   set_device();
   launch_dispatch_epilogue(view(), p, reinterpret_cast<void*>(stream));
   CK_CUDA_CHECK(cudaGetLastError());
+  stream_wait(join_stream, stream, event_out_);
 }
 
-void Runtime::combine(const CombineParams& p, int64_t stream, uint64_t wait_event) {
-  // Health (timeouts, destroyed) is checked by the Python layer before the call (take_timeout).
+void Runtime::combine(const CombineParams& p, int64_t stream, uint64_t wait_event, int64_t wait_stream,
+                      int64_t join_stream) {
+  // Health (timeouts, destroyed) is checked by the Python layer before the call (pending_health).
   set_device();
+  stream_wait(stream, wait_stream, event_in_);
   auto* s = reinterpret_cast<void*>(stream);
   launch_combine_push(view(), p, s);
   CK_CUDA_CHECK(cudaGetLastError());
@@ -383,6 +422,7 @@ void Runtime::combine(const CombineParams& p, int64_t stream, uint64_t wait_even
     CK_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(s), reinterpret_cast<cudaEvent_t>(wait_event), 0));
   launch_combine_reduce(view(), p, s);
   CK_CUDA_CHECK(cudaGetLastError());
+  stream_wait(join_stream, stream, event_out_);
 }
 
 }  // namespace elastic_ep

@@ -59,32 +59,52 @@ class Runtime {
   bool broken() const { return broken_; }
   const std::string& broken_reason() const { return broken_reason_; }
 
+  // Bits of what take_timeout / broken / take_masked_ids would report, in one cheap call:
+  // kHealthTimeout (a device timeout record is pending), kHealthBroken (unusable or destroyed),
+  // kHealthMaskedIds (masked expert ids not reported yet). 0 = nothing to report.
+  enum HealthBits { kHealthTimeout = 1, kHealthBroken = 2, kHealthMaskedIds = 4 };
+  int pending_health() const;
+
   void barrier(int64_t stream);
-  // Notify (or, cached, the entry barrier) and the push of the token records to the peers.
-  void dispatch(const DispatchParams& p, int64_t stream);
+  // Notify (or, cached, the entry barrier) and the push of the token records to the peers. With
+  // `wait_stream` (a cudaStream_t other than `stream`, 0 for none), `stream` first waits for the work
+  // queued on it so far (what torch's Stream.wait_stream does, without its Python cost).
+  void dispatch(const DispatchParams& p, int64_t stream, int64_t wait_stream = 0);
   // CPU sync: waits (GIL released by the binding) for the counts of the last dispatch. Never throws on
   // a timeout: returns (status, num_recv_tokens, num_expanded_tokens, aligned tokens per local expert,
   // ranks ready, experts ready); status 0 = ready, 1 = a device wait expired (see take_timeout),
   // 2 = the CPU wait expired (the buffer is then marked unusable).
   std::tuple<int, int, int, std::vector<int>, int, int> wait_dispatch_counts(int num_local_experts);
-  void dispatch_epilogue(const EpilogueParams& p, int64_t stream);
-  // Pre-launch check of a dispatch's expert ids (CPU-sync mode), on `stream` (where topk_idx is
-  // produced): launches one small kernel and polls its host-mapped answer (GIL released by the
-  // binding) instead of synchronising the stream. Returns (status, ids outside [-1, num_experts), one
-  // such id); status 0 = answered, 1 = a device wait of an earlier operation expired (see
-  // take_timeout), 2 = no answer within num_cpu_timeout_secs (nothing was launched to any peer).
-  std::tuple<int, int64_t, int64_t> check_expert_ids(uint64_t topk_idx, int64_t n, int num_experts,
-                                                     int64_t stream);
+  // The copy epilogue; with `join_stream` (0 for none) that stream then waits for `stream`.
+  void dispatch_epilogue(const EpilogueParams& p, int64_t stream, int64_t join_stream = 0);
+  // Pre-launch check of a dispatch's expert ids (CPU-sync mode), in two halves so the caller can do
+  // other host work while the kernel runs: the launch, on `stream` (where topk_idx is produced), of one
+  // small kernel that writes its answer to host-mapped memory; and the wait, which polls that answer
+  // (GIL released by the binding) instead of synchronising the stream. The wait returns (status, ids
+  // outside [-1, num_experts), one such id); status 0 = answered, 1 = a device wait of an earlier
+  // operation expired (see take_timeout), 2 = no answer within num_cpu_timeout_secs (nothing was
+  // launched to any peer).
+  void check_expert_ids_launch(uint64_t topk_idx, int64_t n, int num_experts, int64_t stream);
+  std::tuple<int, int64_t, int64_t> check_expert_ids_wait();
   // Ids outside [-1, E) that notify masked in dispatches launched without the check (no CPU sync)
   // since the last call: (count, the last such id). Never throws.
   std::pair<int64_t, int64_t> take_masked_ids();
   // Push then reduce; with `wait_event` (a cudaEvent_t, 0 for none) the reduce also waits for it, so
   // the push overlaps whatever the event marks (the seed's previous_event_before_epilogue).
-  void combine(const CombineParams& p, int64_t stream, uint64_t wait_event = 0);
+  // `wait_stream` / `join_stream` as in dispatch / dispatch_epilogue.
+  void combine(const CombineParams& p, int64_t stream, uint64_t wait_event = 0, int64_t wait_stream = 0,
+               int64_t join_stream = 0);
 
  private:
   CommView view() const;
   void set_device() const;
+  // `waiter` waits for the work queued on `signaller` so far (an event recorded there); a no-op when
+  // either is 0 or both are the same stream. Capturable: the usual fork/join of a CUDA graph.
+  void stream_wait(int64_t waiter, int64_t signaller, void* event);
+  // Polls pred() until it holds (0), a device timeout record appears (1) or the CPU deadline expires
+  // without progress (2).
+  template <typename Pred, typename Progress>
+  int poll_host(Pred&& pred, Progress&& progress);
 
   int rank_, num_ranks_;
   int device_ = -1;
@@ -104,6 +124,8 @@ class Runtime {
   void* host_ws_dev_ = nullptr;
   uint32_t host_tag_ = 0;
   uint32_t check_tag_ = 0;
+  void* event_in_ = nullptr;   // cudaEvent_t of stream_wait before an operation's first launch
+  void* event_out_ = nullptr;  // cudaEvent_t of stream_wait after its last launch
   uint64_t masked_ids_seen_ = 0;
   bool destroyed_ = false;
   bool broken_ = false;

@@ -206,6 +206,12 @@ def _stream_wait(dst: torch.cuda.Stream, src) -> None:
         dst.wait_stream(src)
 
 
+def _current_raw_stream(device: int) -> int:
+    """The current stream's ``cudaStream_t`` (what ``torch.cuda.current_stream(device).cuda_stream``
+    returns, without building a Stream object: a few microseconds per call on the critical path)."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
 def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else int(t.data_ptr())
 
@@ -291,6 +297,7 @@ class ElasticBuffer:
                               self.num_cpu_timeout_secs, self.num_gpu_timeout_secs)
         self.num_device_sms = int(self._rt.num_device_sms)
         self.comm_stream = torch.cuda.Stream(device=self.device)
+        self._comm_raw = int(self.comm_stream.cuda_stream)
         # The caller runs a process-group barrier next (the seed does too): no peer may write into this
         # window before every rank finished creating it.
 
@@ -318,6 +325,8 @@ class ElasticBuffer:
     def _alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this ElasticBuffer was destroyed")
+        if self._rt.pending_health() == 0:  # one native call in the common case
+            return
         # Device timeouts are raised here, from Python: a C++ exception crossing into Python crashed the
         # process on the GPU machine (see STATUS.md: it was the iostream formatting), so the runtime reports them as data.
         info = self._rt.take_timeout()
@@ -504,6 +513,7 @@ class ElasticBuffer:
         do_expand: bool,
         do_zero_padding: bool,
         use_tma_aligned_col_major_sf: bool,
+        _validated: bool = False,
     ):
         """Sends each token to the ranks owning its top-k experts (the seed's ``dispatch``).
 
@@ -529,6 +539,8 @@ class ElasticBuffer:
             do_zero_padding: zero the alignment gaps (expand mode only).
             use_tma_aligned_col_major_sf: return ``recv_sf`` column-major with token stride 1 and
                 pack stride ``align(N, 4)``.
+            _validated: internal; the front end (``elastic_ep.ElasticBuffer``) already ran every check
+                of ``_check_dispatch`` (each costs host time on the critical path of a CPU-synced call).
 
         Returns:
             The seed's 16-tuple ``(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, copied_topk_idx,
@@ -540,105 +552,67 @@ class ElasticBuffer:
         self._alive()
         R = self.num_ranks
         cached = cached_num_recv_tokens is not None
-        # ---- validation (everything before any launch) ----
-        _checks.check_dispatch_modes(do_expand, do_zero_padding, do_cpu_sync, dict(
-            cached_num_expanded_tokens=cached_num_expanded_tokens,
-            cached_num_recv_tokens_per_expert_list=cached_num_recv_tokens_per_expert_list,
-            cached_psum_num_recv_tokens_per_scaleup_rank=cached_psum_num_recv_tokens_per_scaleup_rank,
-            cached_psum_num_recv_tokens_per_expert=cached_psum_num_recv_tokens_per_expert,
-            cached_num_unaligned_recv_tokens_per_expert=cached_num_unaligned_recv_tokens_per_expert,
-            cached_dst_buffer_slot_idx=cached_dst_buffer_slot_idx,
-            cached_recv_src_metadata=cached_recv_src_metadata) if cached else None)
-        _check_cuda_tensor("x", x, (torch.bfloat16,) + _FP8_DTYPES, 2)
+        if not _validated:
+            self._check_dispatch(x, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats,
+                                 cached_num_recv_tokens, cached_num_expanded_tokens,
+                                 cached_num_recv_tokens_per_expert_list, cached_psum_num_recv_tokens_per_scaleup_rank,
+                                 cached_psum_num_recv_tokens_per_expert, cached_num_unaligned_recv_tokens_per_expert,
+                                 cached_dst_buffer_slot_idx, cached_recv_src_metadata, num_max_tokens_per_rank,
+                                 num_experts, expert_alignment, do_cpu_sync, do_expand, do_zero_padding)
         T, hidden = x.shape
         hidden_bytes = hidden * x.element_size()
-        if hidden_bytes % 16:
-            raise ValueError(f"x rows must be a multiple of 16 bytes, got hidden={hidden} x {x.element_size()} B")
-        if T > num_max_tokens_per_rank:
-            raise ValueError(f"x has {T} tokens, more than num_max_tokens_per_rank={num_max_tokens_per_rank}")
-        if num_experts <= 0 or num_experts % R:
-            raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the rank count ({R})")
+        K = topk_idx.shape[1]
+        L = num_experts // R
+        # Limits of this backend, which the front end does not know.
         if num_experts > _MAX_EXPERTS:
             raise ValueError(f"num_experts must be <= {_MAX_EXPERTS}, got {num_experts}")
-        L = num_experts // R
         if L > _MAX_LOCAL_EXPERTS:
             raise ValueError(f"at most {_MAX_LOCAL_EXPERTS} experts per rank, got {L}")
-        if expert_alignment < 1:
-            raise ValueError(f"expert_alignment must be >= 1, got {expert_alignment}")
-        if topk_idx is None:
-            raise ValueError("topk_idx is required (cached mode passes the handle's topk_idx)")
-        _check_cuda_tensor("topk_idx", topk_idx, (topk_idx_t,), 2)
-        if topk_idx.shape[0] != T:
-            raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows, x has {T}")
-        K = topk_idx.shape[1]
-        if not 1 <= K <= _MAX_TOPK:
-            raise ValueError(f"num_topk must be in [1, {_MAX_TOPK}], got {K}")
-        is_fp8 = x.dtype != torch.bfloat16
-        num_sf_packs = 0
-        if sf is not None:
-            if not is_fp8:
-                raise ValueError("sf must be None for bf16 x")
-            _check_cuda_tensor("sf", sf, (torch.float32, torch.int32), 2, contiguous=False)
-            if sf.shape[0] != T:
-                raise ValueError(f"sf has {sf.shape[0]} rows, x has {T}")
-            num_sf_packs = sf.shape[1]
-        elif is_fp8:
-            raise ValueError("FP8 x needs its scales: pass sf ([T, packs] float32 or packed int32)")
-        if topk_weights is not None:
-            _check_cuda_tensor("topk_weights", topk_weights, (torch.float32,), 2)
-            if tuple(topk_weights.shape) != (T, K):
-                raise ValueError(f"topk_weights must be [{T}, {K}], got {tuple(topk_weights.shape)}")
-        if cumulative_local_expert_recv_stats is not None:
-            _check_cuda_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                               (torch.int32,), 1)
-            if cumulative_local_expert_recv_stats.shape[0] != L:
-                raise ValueError(f"cumulative_local_expert_recv_stats must have {L} entries, got "
-                                 f"{cumulative_local_expert_recv_stats.shape[0]}")
-        need = self.get_dispatch_buffer_size(num_max_tokens_per_rank, hidden, num_sf_packs, K, x.element_size(), 1, R,
-                                             True)
-        if need > self.num_buffer_bytes:
-            raise ValueError(f"buffer too small: this dispatch needs {need} bytes (num_max_tokens_per_rank="
-                             f"{num_max_tokens_per_rank}, hidden={hidden}, topk={K}), the buffer has "
-                             f"{self.num_buffer_bytes}")
-        if cached:
-            self._check_cached_handle(T, K, L, cached_psum_num_recv_tokens_per_scaleup_rank,
-                                      cached_psum_num_recv_tokens_per_expert,
-                                      cached_num_unaligned_recv_tokens_per_expert, cached_dst_buffer_slot_idx,
-                                      cached_recv_src_metadata, cached_num_recv_tokens)
+        num_sf_packs = sf.shape[1] if sf is not None else 0
         num_sms = self._num_sms(num_sms)
-        if do_cpu_sync and T > 0 and not cached and _checks.index_check_enabled():
+        # The default stream setup (no events, outputs on the compute stream) is done by the runtime
+        # around its launches; the other modes go through the stream_control_* methods.
+        fast_streams = previous_event is None and not allocate_on_comm_stream and not async_with_compute_stream
+        compute_raw = _current_raw_stream(self.device)
+        check_ids = do_cpu_sync and T > 0 and not cached and _checks.index_check_enabled()
+        if check_ids:
             # The CPU waits for this dispatch's counts anyway, so the ids are checked before anything
             # reaches a peer: one small kernel on the stream that produced topk_idx, its answer polled
-            # in host memory. Without a CPU sync the notify kernel masks such ids and the next call
-            # raises (take_masked_ids in _alive).
-            status, num_bad, example = self._rt.check_expert_ids(
-                topk_idx.data_ptr(), T * K, num_experts, int(torch.cuda.current_stream().cuda_stream))
+            # in host memory after the host work below. Without a CPU sync the notify kernel masks such
+            # ids and the next call raises (take_masked_ids in _alive).
+            self._rt.check_expert_ids_launch(topk_idx.data_ptr(), T * K, num_experts, compute_raw)
+
+        def allocate_notify_outputs():
+            if cached:
+                return (cached_psum_num_recv_tokens_per_scaleup_rank, None, cached_num_unaligned_recv_tokens_per_expert,
+                        cached_dst_buffer_slot_idx, None)
+            # One allocation for the four int32 arrays notify writes (each allocation costs host time
+            # on the critical path of a CPU-synced dispatch).
+            ints = torch.empty(R + (L + 1) + L + T * K, dtype=torch.int32, device=x.device)
+            pr, pe, un, si = torch.split(ints, [R, L + 1, L, T * K])
+            copied = torch.empty_like(topk_idx) if do_handle_copy else None
+            return pr, pe, un, si.view(T, K), copied
+
+        if fast_streams:
+            notify_outputs = allocate_notify_outputs()  # while the id check runs
+        if check_ids:
+            status, num_bad, example = self._rt.check_expert_ids_wait()
             if status == 1:
                 self._alive()
             elif status == 2:
                 raise self._cpu_timeout("expert-id check", "the stream producing topk_idx did not reach it", 1, 0)
             if num_bad:
                 raise _checks.expert_ids_error(num_bad, example, num_experts)
-
-        # ---- stream control; every allocation below happens after it ----
-        compute_stream = self.stream_control_prologue(previous_event, allocate_on_comm_stream,
-                                                      async_with_compute_stream)
+        compute_stream = None
+        if not fast_streams:
+            # Stream control; every allocation below happens after it (on the comm stream if asked).
+            compute_stream = self.stream_control_prologue(previous_event, allocate_on_comm_stream,
+                                                          async_with_compute_stream)
+            notify_outputs = allocate_notify_outputs()
+        psum_rank, psum_expert_full, unaligned, slot_idx, copied_topk_idx = notify_outputs
+        psum_expert = cached_psum_num_recv_tokens_per_expert if cached else None
         dev = x.device
         i32 = dict(dtype=torch.int32, device=dev)
-        if cached:
-            psum_rank = cached_psum_num_recv_tokens_per_scaleup_rank
-            psum_expert_full = None
-            psum_expert = cached_psum_num_recv_tokens_per_expert
-            unaligned = cached_num_unaligned_recv_tokens_per_expert
-            slot_idx = cached_dst_buffer_slot_idx
-        else:
-            # One allocation for the four int32 arrays notify writes (each allocation costs host time
-            # on the critical path of a CPU-synced dispatch).
-            ints = torch.empty(R + (L + 1) + L + T * K, **i32)
-            psum_rank, psum_expert_full, unaligned, slot_idx = torch.split(ints, [R, L + 1, L, T * K])
-            slot_idx = slot_idx.view(T, K)
-            psum_expert = None
-        copied_topk_idx = torch.empty_like(topk_idx) if (do_handle_copy and not cached) else None
 
         self._rt.dispatch(dict(
             x=_ptr(x), sf=_ptr(sf),
@@ -650,7 +624,7 @@ class ElasticBuffer:
             slot_idx=_ptr(slot_idx), num_tokens=T, num_max_tokens_per_rank=num_max_tokens_per_rank,
             hidden_bytes=hidden_bytes, num_sf_packs=num_sf_packs, num_experts=num_experts, num_topk=K,
             expert_alignment=expert_alignment, cached=int(cached), num_sms=num_sms,
-        ), int(self.comm_stream.cuda_stream))
+        ), self._comm_raw, compute_raw if fast_streams else 0)
 
         if cached:
             num_recv_tokens = int(cached_num_recv_tokens)
@@ -700,15 +674,87 @@ class ElasticBuffer:
             hidden_bytes=hidden_bytes, num_sf_packs=num_sf_packs, num_experts=num_experts, num_topk=K,
             expert_alignment=expert_alignment, do_expand=int(do_expand), cached=int(cached),
             do_zero_padding=int(do_zero_padding), num_sms=num_sms,
-        ), int(self.comm_stream.cuda_stream))
-        event = self.stream_control_epilogue(
-            [x, sf, topk_idx, topk_weights, recv_x, recv_sf, recv_topk_idx, recv_topk_weights,
-             cumulative_local_expert_recv_stats, copied_topk_idx, psum_rank, psum_expert_full, psum_expert,
-             unaligned, recv_src_metadata, slot_idx],
-            compute_stream, allocate_on_comm_stream, async_with_compute_stream)
+        ), self._comm_raw, compute_raw if fast_streams else 0)
+        event = None
+        if not fast_streams:
+            event = self.stream_control_epilogue(
+                [x, sf, topk_idx, topk_weights, recv_x, recv_sf, recv_topk_idx, recv_topk_weights,
+                 cumulative_local_expert_recv_stats, copied_topk_idx, psum_rank, psum_expert_full, psum_expert,
+                 unaligned, recv_src_metadata, slot_idx],
+                compute_stream, allocate_on_comm_stream, async_with_compute_stream)
         return (recv_x, recv_sf, recv_topk_idx, recv_topk_weights, copied_topk_idx, num_recv_tokens,
                 num_expanded_tokens, num_recv_tokens_per_expert_list, psum_rank, psum_expert, unaligned,
                 recv_src_metadata, slot_idx, None, None, event)
+
+    def _check_dispatch(self, x, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats,
+                        cached_num_recv_tokens, cached_num_expanded_tokens, cached_num_recv_tokens_per_expert_list,
+                        cached_psum_num_recv_tokens_per_scaleup_rank, cached_psum_num_recv_tokens_per_expert,
+                        cached_num_unaligned_recv_tokens_per_expert, cached_dst_buffer_slot_idx,
+                        cached_recv_src_metadata, num_max_tokens_per_rank, num_experts, expert_alignment,
+                        do_cpu_sync, do_expand, do_zero_padding) -> None:
+        """Every argument check of ``dispatch``; raises ValueError before anything is launched."""
+        R = self.num_ranks
+        cached = cached_num_recv_tokens is not None
+        _checks.check_dispatch_modes(do_expand, do_zero_padding, do_cpu_sync, dict(
+            cached_num_expanded_tokens=cached_num_expanded_tokens,
+            cached_num_recv_tokens_per_expert_list=cached_num_recv_tokens_per_expert_list,
+            cached_psum_num_recv_tokens_per_scaleup_rank=cached_psum_num_recv_tokens_per_scaleup_rank,
+            cached_psum_num_recv_tokens_per_expert=cached_psum_num_recv_tokens_per_expert,
+            cached_num_unaligned_recv_tokens_per_expert=cached_num_unaligned_recv_tokens_per_expert,
+            cached_dst_buffer_slot_idx=cached_dst_buffer_slot_idx,
+            cached_recv_src_metadata=cached_recv_src_metadata) if cached else None)
+        _check_cuda_tensor("x", x, (torch.bfloat16,) + _FP8_DTYPES, 2)
+        T, hidden = x.shape
+        hidden_bytes = hidden * x.element_size()
+        if hidden_bytes % 16:
+            raise ValueError(f"x rows must be a multiple of 16 bytes, got hidden={hidden} x {x.element_size()} B")
+        if T > num_max_tokens_per_rank:
+            raise ValueError(f"x has {T} tokens, more than num_max_tokens_per_rank={num_max_tokens_per_rank}")
+        if num_experts <= 0 or num_experts % R:
+            raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the rank count ({R})")
+        L = num_experts // R
+        if expert_alignment < 1:
+            raise ValueError(f"expert_alignment must be >= 1, got {expert_alignment}")
+        if topk_idx is None:
+            raise ValueError("topk_idx is required (cached mode passes the handle's topk_idx)")
+        _check_cuda_tensor("topk_idx", topk_idx, (topk_idx_t,), 2)
+        if topk_idx.shape[0] != T:
+            raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows, x has {T}")
+        K = topk_idx.shape[1]
+        if not 1 <= K <= _MAX_TOPK:
+            raise ValueError(f"num_topk must be in [1, {_MAX_TOPK}], got {K}")
+        is_fp8 = x.dtype != torch.bfloat16
+        num_sf_packs = 0
+        if sf is not None:
+            if not is_fp8:
+                raise ValueError("sf must be None for bf16 x")
+            _check_cuda_tensor("sf", sf, (torch.float32, torch.int32), 2, contiguous=False)
+            if sf.shape[0] != T:
+                raise ValueError(f"sf has {sf.shape[0]} rows, x has {T}")
+            num_sf_packs = sf.shape[1]
+        elif is_fp8:
+            raise ValueError("FP8 x needs its scales: pass sf ([T, packs] float32 or packed int32)")
+        if topk_weights is not None:
+            _check_cuda_tensor("topk_weights", topk_weights, (torch.float32,), 2)
+            if tuple(topk_weights.shape) != (T, K):
+                raise ValueError(f"topk_weights must be [{T}, {K}], got {tuple(topk_weights.shape)}")
+        if cumulative_local_expert_recv_stats is not None:
+            _check_cuda_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                               (torch.int32,), 1)
+            if cumulative_local_expert_recv_stats.shape[0] != L:
+                raise ValueError(f"cumulative_local_expert_recv_stats must have {L} entries, got "
+                                 f"{cumulative_local_expert_recv_stats.shape[0]}")
+        need = self.get_dispatch_buffer_size(num_max_tokens_per_rank, hidden, num_sf_packs, K, x.element_size(), 1, R,
+                                             True)
+        if need > self.num_buffer_bytes:
+            raise ValueError(f"buffer too small: this dispatch needs {need} bytes (num_max_tokens_per_rank="
+                             f"{num_max_tokens_per_rank}, hidden={hidden}, topk={K}), the buffer has "
+                             f"{self.num_buffer_bytes}")
+        if cached:
+            self._check_cached_handle(T, K, L, cached_psum_num_recv_tokens_per_scaleup_rank,
+                                      cached_psum_num_recv_tokens_per_expert,
+                                      cached_num_unaligned_recv_tokens_per_expert, cached_dst_buffer_slot_idx,
+                                      cached_recv_src_metadata, cached_num_recv_tokens)
 
     def _check_cached_handle(self, T, K, L, psum_rank, psum_expert, unaligned, slot_idx, meta, num_recv) -> None:
         R = self.num_ranks
@@ -748,6 +794,7 @@ class ElasticBuffer:
         async_with_compute_stream: bool,
         allocate_on_comm_stream: bool,
         use_expanded_layout: bool,
+        _validated: bool = False,
     ):
         """Sends expert outputs back to the tokens' origins and reduces them (the seed's ``combine``).
 
@@ -765,11 +812,51 @@ class ElasticBuffer:
             previous_event, previous_event_before_epilogue, async_with_compute_stream,
             allocate_on_comm_stream: stream control with the seed's semantics.
             use_expanded_layout: ``x`` is in the expanded (per-expert) layout of an expand dispatch.
+            _validated: internal; the front end already ran every check of ``_check_combine``.
 
         Returns:
             ``(combined_x [T, hidden] bf16, combined_topk_weights [T, K] float32 or None, event or None)``.
         """
         self._alive()
+        if not _validated:
+            self._check_combine(x, topk_weights, bias_0, bias_1, src_metadata, combined_topk_idx,
+                                psum_num_recv_tokens_per_scaleup_rank, token_metadata_at_forward, channel_linked_list,
+                                num_experts, num_max_tokens_per_rank, use_expanded_layout)
+        hidden = x.shape[1]
+        T, K = combined_topk_idx.shape
+        num_sms = self._num_sms(num_sms)
+        fast_streams = previous_event is None and not allocate_on_comm_stream and not async_with_compute_stream
+        compute_stream = None
+        if not fast_streams:
+            compute_stream = self.stream_control_prologue(previous_event, allocate_on_comm_stream,
+                                                          async_with_compute_stream)
+        compute_raw = _current_raw_stream(self.device) if fast_streams else 0
+        combined_x = torch.empty((T, hidden), dtype=torch.bfloat16, device=x.device)
+        combined_w = torch.empty((T, K), dtype=torch.float32, device=x.device) if topk_weights is not None else None
+        # previous_event_before_epilogue gates only the reduce: the push overlaps what it marks.
+        wait_event = 0
+        if previous_event_before_epilogue is not None:
+            wait_event = int(previous_event_before_epilogue.event.cuda_event)
+        self._rt.combine(dict(
+            x=_ptr(x), topk_weights=_ptr(topk_weights), src_metadata=_ptr(src_metadata),
+            psum_rank=_ptr(psum_num_recv_tokens_per_scaleup_rank), combined_topk_idx=_ptr(combined_topk_idx),
+            combined_x=_ptr(combined_x), combined_topk_weights=_ptr(combined_w), bias0=_ptr(bias_0),
+            bias1=_ptr(bias_1), num_combined_tokens=T, num_max_tokens_per_rank=num_max_tokens_per_rank,
+            hidden=hidden, num_experts=num_experts, num_topk=K, use_expanded_layout=int(use_expanded_layout),
+            allow_multiple_reduction=int(self.allow_multiple_reduction), num_sms=num_sms,
+        ), self._comm_raw, wait_event, compute_raw, compute_raw)
+        event = None
+        if not fast_streams:
+            event = self.stream_control_epilogue(
+                [x, topk_weights, bias_0, bias_1, src_metadata, combined_topk_idx, combined_x, combined_w,
+                 psum_num_recv_tokens_per_scaleup_rank], compute_stream, allocate_on_comm_stream,
+                async_with_compute_stream)
+        return combined_x, combined_w, event
+
+    def _check_combine(self, x, topk_weights, bias_0, bias_1, src_metadata, combined_topk_idx,
+                       psum_num_recv_tokens_per_scaleup_rank, token_metadata_at_forward, channel_linked_list,
+                       num_experts, num_max_tokens_per_rank, use_expanded_layout) -> None:
+        """Every argument check of ``combine``; raises ValueError before anything is launched."""
         R = self.num_ranks
         _check_cuda_tensor("x", x, (torch.bfloat16,), 2)
         N, hidden = x.shape
@@ -807,26 +894,4 @@ class ElasticBuffer:
                                             self.allow_multiple_reduction)
         if need > self.num_buffer_bytes:
             raise ValueError(f"buffer too small: this combine needs {need} bytes, the buffer has {self.num_buffer_bytes}")
-        num_sms = self._num_sms(num_sms)
 
-        compute_stream = self.stream_control_prologue(previous_event, allocate_on_comm_stream,
-                                                      async_with_compute_stream)
-        combined_x = torch.empty((T, hidden), dtype=torch.bfloat16, device=x.device)
-        combined_w = torch.empty((T, K), dtype=torch.float32, device=x.device) if topk_weights is not None else None
-        # previous_event_before_epilogue gates only the reduce: the push overlaps what it marks.
-        wait_event = 0
-        if previous_event_before_epilogue is not None:
-            wait_event = int(previous_event_before_epilogue.event.cuda_event)
-        self._rt.combine(dict(
-            x=_ptr(x), topk_weights=_ptr(topk_weights), src_metadata=_ptr(src_metadata),
-            psum_rank=_ptr(psum_num_recv_tokens_per_scaleup_rank), combined_topk_idx=_ptr(combined_topk_idx),
-            combined_x=_ptr(combined_x), combined_topk_weights=_ptr(combined_w), bias0=_ptr(bias_0),
-            bias1=_ptr(bias_1), num_combined_tokens=T, num_max_tokens_per_rank=num_max_tokens_per_rank,
-            hidden=hidden, num_experts=num_experts, num_topk=K, use_expanded_layout=int(use_expanded_layout),
-            allow_multiple_reduction=int(self.allow_multiple_reduction), num_sms=num_sms,
-        ), int(self.comm_stream.cuda_stream), wait_event)
-        event = self.stream_control_epilogue(
-            [x, topk_weights, bias_0, bias_1, src_metadata, combined_topk_idx, combined_x, combined_w,
-             psum_num_recv_tokens_per_scaleup_rank], compute_stream, allocate_on_comm_stream,
-            async_with_compute_stream)
-        return combined_x, combined_w, event

@@ -17,6 +17,8 @@ and FP8 scale packs estimated as ``ceil(hidden / 32)``.
 """
 from __future__ import annotations
 
+import functools
+
 ALIGNMENT_BYTES = 2 * 1024 * 1024  # the symmetric window's granularity (the seed's kNumAlignmentBytes)
 NUM_MAX_CHANNELS = 8 * 160         # the seed's kNumMaxChannels (hybrid mode)
 
@@ -44,6 +46,7 @@ def _region(token_bytes: int, num_ranks: int, num_tokens: int) -> int:
     return token_bytes * num_ranks * num_tokens
 
 
+@functools.lru_cache(maxsize=256)  # called on every dispatch with the same few shapes
 def get_dispatch_buffer_size(num_max_tokens_per_rank: int, hidden: int, num_sf_packs: int, num_topk: int,
                              elem_size: int, num_scaleout_ranks: int, num_scaleup_ranks: int,
                              is_scaleup_nvlink: bool) -> int:
@@ -58,6 +61,7 @@ def get_dispatch_buffer_size(num_max_tokens_per_rank: int, hidden: int, num_sf_p
             + _region(tok, num_scaleout_ranks, num_max_tokens_per_rank + NUM_MAX_CHANNELS))
 
 
+@functools.lru_cache(maxsize=256)
 def get_combine_buffer_size(num_max_tokens_per_rank: int, hidden: int, num_topk: int,
                             num_scaleout_ranks: int, num_scaleup_ranks: int,
                             is_scaleup_nvlink: bool, allow_multiple_reduction: bool) -> int:

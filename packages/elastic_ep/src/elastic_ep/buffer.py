@@ -297,6 +297,9 @@ class ElasticBuffer:
             if pg_backend != "nccl":
                 raise ValueError(f"group: the native backend needs an NCCL process group, got {pg_backend!r}")
         self.backend = backend
+        # The native backend skips the argument checks this class already ran (host time on the
+        # critical path); the torch backend is the reference and checks everything itself.
+        self._prechecked = {"_validated": True} if backend == "native" else {}
         self.device = torch.device("cuda", torch.cuda.current_device()) if pg_backend == "nccl" else torch.device("cpu")
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.hidden = hidden
@@ -467,9 +470,8 @@ class ElasticBuffer:
             return num_sms  # 0: the native runtime picks (all SMs of the device)
         return num_sms or self.get_theoretical_num_sms()
 
-    @staticmethod
-    def _capturing() -> bool:
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def _check_event_args(self, previous_event, allocate_on_comm_stream: bool) -> None:
         if previous_event is not None and not allocate_on_comm_stream:
@@ -643,7 +645,8 @@ class ElasticBuffer:
             previous_event_before_epilogue=self._raw_event(previous_event_before_epilogue),
             async_with_compute_stream=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream,
             do_handle_copy=do_handle_copy, do_cpu_sync=bool(do_cpu_sync), do_expand=do_expand,
-            do_zero_padding=do_zero_padding, use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf)
+            do_zero_padding=do_zero_padding, use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+            **self._prechecked)
         (recv_x, recv_sf, recv_topk_idx, recv_topk_weights, copied_topk_idx, num_recv_tokens, num_expanded_tokens,
          per_expert_list, psum_rank, psum_expert, unaligned, recv_src_metadata, dst_buffer_slot_idx,
          token_metadata_at_forward, channel_linked_list, event) = out
@@ -789,5 +792,5 @@ class ElasticBuffer:
             previous_event=self._raw_event(previous_event),
             previous_event_before_epilogue=self._raw_event(previous_event_before_epilogue),
             async_with_compute_stream=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream,
-            use_expanded_layout=handle.do_expand)
+            use_expanded_layout=handle.do_expand, **self._prechecked)
         return combined_x, combined_w, EventOverlap(event)
