@@ -362,6 +362,62 @@ def test_lowlevel_ep2_modes(tmp_path):
     assert run_workers(_worker_modes, R, _cases(R), tmp_path=tmp_path, timeout=200) == [len(_cases(R))] * R
 
 
+def _worker_stream_order(rank, world_size, rdzv):
+    """Default stream setup (no events): the communication stream must wait for the caller's stream
+    before reading the inputs, and the caller's stream must wait for the outputs. Both are forced
+    to matter by sleeping on the other stream first; run on torch's default stream (the legacy stream,
+    handle 0) and on a side stream."""
+    init_nccl(rank, world_size, rdzv)
+    import torch.distributed as dist
+
+    comm = _make_comm(rank, world_size)
+    T, H, K, E = 256, 1024, 8, 32
+    from elastic_ep import _low_level as ll
+
+    buf = _new_buffer(rank, world_size, comm, ll.ElasticBuffer.calculate_buffer_size(comm, T, H, K, False, True, True),
+                      True)
+    kw = dict(num_sms=0, num_qps=0, previous_event=None, previous_event_before_epilogue=None,
+              async_with_compute_stream=False, allocate_on_comm_stream=False, do_handle_copy=True,
+              do_expand=False, do_zero_padding=False, use_tma_aligned_col_major_sf=False)
+    side = torch.cuda.Stream()
+    checked = 0
+    for stream in (torch.cuda.default_stream(), side):
+        with torch.cuda.stream(stream):
+            for cpu_sync in (True, False):
+                x0, _, topk, w = _inputs(rank, T, H, K, E, False, False, 3)
+                torch.cuda.synchronize()
+                # Inputs finished late on the caller's stream: dispatch must see the final values.
+                x = torch.zeros_like(x0)
+                torch.cuda._sleep(20_000_000)
+                x.copy_(x0)
+                out = buf.dispatch(x, None, topk, w, None, None, None, None, None, None, None, None, None, None, None,
+                                   T, E, 1, do_cpu_sync=cpu_sync, **kw)
+                recv = out[0].clone()  # on the caller's stream, right away
+                N = int(out[8][-1].item())
+                _assert(torch.equal(recv[:N], x0[(topk >= 0).any(dim=1)]), "dispatch rows (stream order)")
+                # Outputs written late on the comm stream: the caller's stream must wait for them.
+                y = recv.clone()
+                with torch.cuda.stream(buf.comm_stream):
+                    torch.cuda._sleep(20_000_000)
+                comb = buf.combine(y, None, None, None, out[11], topk, out[8], None, None, E, T, 0, 0, None, None,
+                                   False, False, False)
+                got = comb[0].clone()
+                ref = buf.combine(y, None, None, None, out[11], topk, out[8], None, None, E, T, 0, 0, None, None,
+                                  False, False, False)[0]
+                torch.cuda.synchronize()
+                _assert(torch.equal(got, ref), "combine output read on the caller's stream before it was written")
+                checked += 1
+    buf.destroy()
+    ll.destroy_nccl_comm(comm)
+    dist.destroy_process_group()
+    return checked
+
+
+@pytest.mark.gpu
+def test_lowlevel_ep1_stream_order(tmp_path):
+    assert run_workers(_worker_stream_order, 1, tmp_path=tmp_path, timeout=120) == [4]
+
+
 def _atomic_mask_cases(R):
     # Above 32 ranks notify builds its per-rank token masks with shared atomics; the variable makes it
     # do so at any rank count. A third of the matrix plus the 6/12/20-wide top-k shapes.

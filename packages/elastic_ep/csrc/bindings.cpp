@@ -263,7 +263,7 @@ PYBIND11_MODULE(_C, m) {
            [](Runtime& r, const py::dict& d, int64_t stream, int64_t wait_stream) {
              r.dispatch(dispatch_params(d), stream, wait_stream);
            },
-           py::arg("params"), py::arg("stream"), py::arg("wait_stream") = 0)
+           py::arg("params"), py::arg("stream"), py::arg("wait_stream") = kNoStream)
       .def("wait_dispatch_counts",
            [](Runtime& r, int n) { return without_gil([&] { return r.wait_dispatch_counts(n); }); },
            py::arg("num_local_experts"))
@@ -275,11 +275,11 @@ PYBIND11_MODULE(_C, m) {
            [](Runtime& r, const py::dict& d, int64_t stream, int64_t join_stream) {
              r.dispatch_epilogue(epilogue_params(d), stream, join_stream);
            },
-           py::arg("params"), py::arg("stream"), py::arg("join_stream") = 0)
+           py::arg("params"), py::arg("stream"), py::arg("join_stream") = kNoStream)
       .def("combine",
            [](Runtime& r, const py::dict& d, int64_t stream, uint64_t wait_event, int64_t wait_stream,
               int64_t join_stream) { r.combine(combine_params(d), stream, wait_event, wait_stream, join_stream); },
-           py::arg("params"), py::arg("stream"), py::arg("wait_event") = 0, py::arg("wait_stream") = 0,
-           py::arg("join_stream") = 0);
+           py::arg("params"), py::arg("stream"), py::arg("wait_event") = 0, py::arg("wait_stream") = kNoStream,
+           py::arg("join_stream") = kNoStream);
 #endif
 }

@@ -279,7 +279,7 @@ int Runtime::pending_health() const {
 }
 
 void Runtime::stream_wait(int64_t waiter, int64_t signaller, void* event) {
-  if (waiter == 0 || signaller == 0 || waiter == signaller) return;
+  if (waiter == kNoStream || signaller == kNoStream || waiter == signaller) return;
   auto ev = static_cast<cudaEvent_t>(event);
   CK_CUDA_CHECK(cudaEventRecord(ev, reinterpret_cast<cudaStream_t>(signaller)));
   CK_CUDA_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(waiter), ev, 0));

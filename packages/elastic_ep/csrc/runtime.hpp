@@ -24,6 +24,10 @@ int64_t create_nccl_comm(const std::string& unique_id, int num_ranks, int rank);
 void destroy_nccl_comm(int64_t comm);
 std::tuple<int, int> nccl_comm_rank_size(int64_t comm);
 
+// "No stream" for the optional stream arguments below: 0 is a real stream (the legacy default stream,
+// which is torch's default stream).
+constexpr int64_t kNoStream = -1;
+
 class Runtime {
  public:
   Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_bytes, int num_cpu_timeout_secs,
@@ -67,16 +71,16 @@ class Runtime {
 
   void barrier(int64_t stream);
   // Notify (or, cached, the entry barrier) and the push of the token records to the peers. With
-  // `wait_stream` (a cudaStream_t other than `stream`, 0 for none), `stream` first waits for the work
+  // `wait_stream` (a cudaStream_t, kNoStream for none), `stream` first waits for the work
   // queued on it so far (what torch's Stream.wait_stream does, without its Python cost).
-  void dispatch(const DispatchParams& p, int64_t stream, int64_t wait_stream = 0);
+  void dispatch(const DispatchParams& p, int64_t stream, int64_t wait_stream = kNoStream);
   // CPU sync: waits (GIL released by the binding) for the counts of the last dispatch. Never throws on
   // a timeout: returns (status, num_recv_tokens, num_expanded_tokens, aligned tokens per local expert,
   // ranks ready, experts ready); status 0 = ready, 1 = a device wait expired (see take_timeout),
   // 2 = the CPU wait expired (the buffer is then marked unusable).
   std::tuple<int, int, int, std::vector<int>, int, int> wait_dispatch_counts(int num_local_experts);
-  // The copy epilogue; with `join_stream` (0 for none) that stream then waits for `stream`.
-  void dispatch_epilogue(const EpilogueParams& p, int64_t stream, int64_t join_stream = 0);
+  // The copy epilogue; with `join_stream` (kNoStream for none) that stream then waits for `stream`.
+  void dispatch_epilogue(const EpilogueParams& p, int64_t stream, int64_t join_stream = kNoStream);
   // Pre-launch check of a dispatch's expert ids (CPU-sync mode), in two halves so the caller can do
   // other host work while the kernel runs: the launch, on `stream` (where topk_idx is produced), of one
   // small kernel that writes its answer to host-mapped memory; and the wait, which polls that answer
@@ -92,14 +96,14 @@ class Runtime {
   // Push then reduce; with `wait_event` (a cudaEvent_t, 0 for none) the reduce also waits for it, so
   // the push overlaps whatever the event marks (the seed's previous_event_before_epilogue).
   // `wait_stream` / `join_stream` as in dispatch / dispatch_epilogue.
-  void combine(const CombineParams& p, int64_t stream, uint64_t wait_event = 0, int64_t wait_stream = 0,
-               int64_t join_stream = 0);
+  void combine(const CombineParams& p, int64_t stream, uint64_t wait_event = 0, int64_t wait_stream = kNoStream,
+               int64_t join_stream = kNoStream);
 
  private:
   CommView view() const;
   void set_device() const;
   // `waiter` waits for the work queued on `signaller` so far (an event recorded there); a no-op when
-  // either is 0 or both are the same stream. Capturable: the usual fork/join of a CUDA graph.
+  // either is kNoStream or both are the same stream. Capturable: the usual fork/join of a CUDA graph.
   void stream_wait(int64_t waiter, int64_t signaller, void* event);
   // Polls pred() until it holds (0), a device timeout record appears (1) or the CPU deadline expires
   // without progress (2).

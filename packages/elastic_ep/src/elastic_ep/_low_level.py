@@ -206,6 +206,9 @@ def _stream_wait(dst: torch.cuda.Stream, src) -> None:
         dst.wait_stream(src)
 
 
+_NO_STREAM = -1  # the runtime's "no stream" (0 is a real one: the legacy default stream, torch's default)
+
+
 def _current_raw_stream(device: int) -> int:
     """The current stream's ``cudaStream_t`` (what ``torch.cuda.current_stream(device).cuda_stream``
     returns, without building a Stream object: a few microseconds per call on the critical path)."""
@@ -624,7 +627,7 @@ class ElasticBuffer:
             slot_idx=_ptr(slot_idx), num_tokens=T, num_max_tokens_per_rank=num_max_tokens_per_rank,
             hidden_bytes=hidden_bytes, num_sf_packs=num_sf_packs, num_experts=num_experts, num_topk=K,
             expert_alignment=expert_alignment, cached=int(cached), num_sms=num_sms,
-        ), self._comm_raw, compute_raw if fast_streams else 0)
+        ), self._comm_raw, compute_raw if fast_streams else _NO_STREAM)
 
         if cached:
             num_recv_tokens = int(cached_num_recv_tokens)
@@ -674,7 +677,7 @@ class ElasticBuffer:
             hidden_bytes=hidden_bytes, num_sf_packs=num_sf_packs, num_experts=num_experts, num_topk=K,
             expert_alignment=expert_alignment, do_expand=int(do_expand), cached=int(cached),
             do_zero_padding=int(do_zero_padding), num_sms=num_sms,
-        ), self._comm_raw, compute_raw if fast_streams else 0)
+        ), self._comm_raw, compute_raw if fast_streams else _NO_STREAM)
         event = None
         if not fast_streams:
             event = self.stream_control_epilogue(
@@ -830,7 +833,7 @@ class ElasticBuffer:
         if not fast_streams:
             compute_stream = self.stream_control_prologue(previous_event, allocate_on_comm_stream,
                                                           async_with_compute_stream)
-        compute_raw = _current_raw_stream(self.device) if fast_streams else 0
+        compute_raw = _current_raw_stream(self.device) if fast_streams else _NO_STREAM
         combined_x = torch.empty((T, hidden), dtype=torch.bfloat16, device=x.device)
         combined_w = torch.empty((T, K), dtype=torch.float32, device=x.device) if topk_weights is not None else None
         # previous_event_before_epilogue gates only the reduce: the push overlaps what it marks.
