@@ -156,6 +156,7 @@ __global__ void __launch_bounds__(kThreads, 1) check_expert_ids_kernel(const int
   __syncthreads();
   unsigned int bad = 0;
   int64_t example = 0;
+#pragma unroll 8  // independent loads in flight: one block reads the whole [T, K] array
   for (int64_t i = threadIdx.x; i < n; i += kThreads) {
     const int64_t e = idx[i];
     if (e < -1 || e >= num_experts) {
@@ -222,21 +223,35 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
       // Element round*32 + lane: -1 when masked / invalid / past the end, else (token within the
       // warp << 16) | owner rank. One packed register per element keeps KB = 32 free of spills.
       int ot[KB];
+      // Loads in groups of G, each group issued before any store: the copy into
+      // copied_topk_idx may alias topk_idx as far as the compiler knows, so interleaved load/store
+      // pairs would serialise one memory round trip per element in this single block.
+      constexpr int G = KB < 8 ? KB : 8;
 #pragma unroll
-      for (int it = 0; it < KB; ++it) {
-        ot[it] = -1;
-        const int q = it * 32 + lane;
-        const int64_t g = wfirst + q;
-        if (it < K && g < n_elems) {
-          const int64_t e = p.topk_idx[g];
-          if (p.copied_topk_idx != nullptr) p.copied_topk_idx[g] = e;
-          const int o = owner_of(e, p.num_experts, L);
-          if (o >= 0) {
-            ot[it] = ((q / K) << 16) | o;
-            atomicAdd(&expert_cnt[e], 1);
-          } else if (e < -1 || e >= p.num_experts) {
-            atomicAdd(&s_bad_ids, 1u);
-            s_bad_example = static_cast<long long>(e);
+      for (int it0 = 0; it0 < KB; it0 += G) {
+        int64_t ev[G];
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+          const int64_t g = wfirst + (it0 + j) * 32 + lane;
+          ev[j] = (it0 + j < K && g < n_elems) ? p.topk_idx[g] : -1;
+        }
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+          const int it = it0 + j;
+          const int q = it * 32 + lane;
+          const int64_t g = wfirst + q;
+          ot[it] = -1;
+          if (it < K && g < n_elems) {
+            const int64_t e = ev[j];
+            if (p.copied_topk_idx != nullptr) p.copied_topk_idx[g] = e;
+            const int o = owner_of(e, p.num_experts, L);
+            if (o >= 0) {
+              ot[it] = ((q / K) << 16) | o;
+              atomicAdd(&expert_cnt[e], 1);
+            } else if (e < -1 || e >= p.num_experts) {
+              atomicAdd(&s_bad_ids, 1u);
+              s_bad_example = static_cast<long long>(e);
+            }
           }
         }
       }

@@ -585,16 +585,19 @@ class ElasticBuffer:
             # ids and the next call raises (take_masked_ids in _alive).
             self._rt.check_expert_ids_launch(topk_idx.data_ptr(), T * K, num_experts, compute_raw)
 
+        dev = x.device
+
         def allocate_notify_outputs():
             if cached:
                 return (cached_psum_num_recv_tokens_per_scaleup_rank, None, cached_num_unaligned_recv_tokens_per_expert,
                         cached_dst_buffer_slot_idx, None)
             # One allocation for the four int32 arrays notify writes (each allocation costs host time
             # on the critical path of a CPU-synced dispatch).
-            ints = torch.empty(R + (L + 1) + L + T * K, dtype=torch.int32, device=x.device)
-            pr, pe, un, si = torch.split(ints, [R, L + 1, L, T * K])
+            # (Slices, not torch.split: split costs several times more host time.)
+            ints = torch.empty(R + (L + 1) + L + T * K, dtype=torch.int32, device=dev)
+            a, b, c = R, R + L + 1, R + 2 * L + 1
             copied = torch.empty_like(topk_idx) if do_handle_copy else None
-            return pr, pe, un, si.view(T, K), copied
+            return ints[:a], ints[a:b], ints[b:c], ints[c:].view(T, K), copied
 
         if fast_streams:
             notify_outputs = allocate_notify_outputs()  # while the id check runs
@@ -614,8 +617,6 @@ class ElasticBuffer:
             notify_outputs = allocate_notify_outputs()
         psum_rank, psum_expert_full, unaligned, slot_idx, copied_topk_idx = notify_outputs
         psum_expert = cached_psum_num_recv_tokens_per_expert if cached else None
-        dev = x.device
-        i32 = dict(dtype=torch.int32, device=dev)
 
         self._rt.dispatch(dict(
             x=_ptr(x), sf=_ptr(sf),
@@ -663,7 +664,8 @@ class ElasticBuffer:
         if topk_weights is not None:
             recv_topk_weights = torch.empty((n_alloc,) if do_expand else (n_alloc, K), dtype=torch.float32,
                                             device=dev)
-        recv_src_metadata = cached_recv_src_metadata if cached else torch.empty((num_recv_tokens, K + 2), **i32)
+        recv_src_metadata = cached_recv_src_metadata if cached else torch.empty((num_recv_tokens, K + 2),
+                                                                                 dtype=torch.int32, device=dev)
         if not cached:
             # Expand mode: the exclusive starts (become start + count); otherwise the inclusive sums.
             psum_expert = psum_expert_full[:L] if do_expand else psum_expert_full[1:]

@@ -177,10 +177,12 @@ def _check_tensor(name: str, t: Any, *, dtype=None, ndim=None, shape=None, devic
     if ndim is not None and t.dim() != ndim:
         raise _err(name, f"a {ndim}-D tensor", f"shape {tuple(t.shape)}")
     if shape is not None:
+        got = t.shape
         for i, s in enumerate(shape):
-            if s is not None and t.shape[i] != s:
-                raise _err(name, f"shape {tuple('*' if v is None else v for v in shape)}", f"shape {tuple(t.shape)}")
-    if device is not None and t.device.type != device.type:
+            if s is not None and got[i] != s:
+                raise _err(name, f"shape {tuple('*' if v is None else v for v in shape)}", f"shape {tuple(got)}")
+    # (is_cuda is a plain flag; t.device builds a device object on every call.)
+    if device is not None and ((not t.is_cuda) if device.type == "cuda" else t.device.type != device.type):
         raise _err(name, f"a tensor on {device.type}", t.device)
     if contiguous and not t.is_contiguous():
         raise _err(name, "a contiguous tensor", f"strides {t.stride()}")

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Host cost of elastic_ep's Python layers alone, on any machine (no GPU, no NCCL).
+
+    python tools/diag/ep_python_overhead.py [--iters 2000] [--tokens 4096]
+
+The front end (``elastic_ep.ElasticBuffer``) and the native low-level class run on CPU tensors
+against a stub runtime whose methods return at once, so what is timed is exactly the Python
+between the user's call and the native launches: argument checks, allocations, handle and event
+objects. The stub answers the CPU sync with the DeepSeek-V3 counts of EP 1 (every token local).
+Prints microseconds per call (median over --iters) for a CPU-synced BF16 dispatch and a combine.
+This is a relative measure for changes to the Python path; the GPU machine's CPU is slower.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+
+class _StubRuntime:
+    """Answers every call of the native runtime instantly."""
+
+    def __init__(self, T: int, L: int) -> None:
+        self.T, self.L = T, L
+        self.num_device_sms = 132
+        self.broken = False
+
+    def pending_health(self) -> int:
+        return 0
+
+    def check_expert_ids_launch(self, *a) -> None:
+        pass
+
+    def check_expert_ids_wait(self):
+        return 0, 0, 0
+
+    def dispatch(self, params, stream, wait_stream=-1) -> None:
+        pass
+
+    def wait_dispatch_counts(self, L):
+        per = [self.T * 8 // L] * L
+        return 0, self.T, sum(per), per, 1, L
+
+    def dispatch_epilogue(self, params, stream, join_stream=-1) -> None:
+        pass
+
+    def combine(self, params, stream, wait_event=0, wait_stream=-1, join_stream=-1) -> None:
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=7168,
+                    help="a small value (e.g. 128) leaves out the cost of large CPU allocations, which "
+                         "the CUDA caching allocator does not have")
+    ap.add_argument("--profile", action="store_true", help="also print the top functions under cProfile")
+    args = ap.parse_args()
+    from elastic_ep import _low_level as ll
+    from elastic_ep import buffer as fe
+
+    T, H, K, E = args.tokens, args.hidden, 8, 256
+    low = object.__new__(ll.ElasticBuffer)
+    low.rank_idx, low.num_ranks, low.num_buffer_bytes = 0, 1, 1 << 30
+    low.allow_multiple_reduction, low._destroyed = True, False
+    low.num_cpu_timeout_secs, low.device, low.num_device_sms = 100, 0, 132
+    low._rt, low._comm_raw, low.comm_stream = _StubRuntime(T, E), 1, None
+    ll._current_raw_stream = lambda device: 0  # no CUDA here
+    buf = object.__new__(fe.ElasticBuffer)
+    buf.backend, buf._prechecked, buf.device = "native", {"_validated": True}, torch.device("cpu")
+    buf.num_ranks, buf.rank, buf.num_bytes, buf.num_max_tokens_per_rank = 1, 0, 1 << 30, T
+    buf.deterministic, buf.allow_multiple_reduction, buf.destroyed = False, True, False
+    buf.runtime = low
+    buf._capturing = lambda: False
+
+    x = torch.zeros((T, H), dtype=torch.bfloat16)
+    topk = torch.randint(0, E, (T, K))
+    w = torch.rand((T, K))
+
+    def disp():
+        return buf.dispatch(x, topk_idx=topk, topk_weights=w, num_experts=E)
+
+    recv, _, rw, handle, _ = disp()
+
+    def comb():
+        return buf.combine(recv, handle, topk_weights=rw)
+
+    for name, fn in (("dispatch (CPU sync, bf16)", disp), ("combine", comb)):
+        for _ in range(50):
+            fn()
+        ts = []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        print(f"{name}: median {statistics.median(ts) * 1e6:.1f} us, p10 {sorted(ts)[len(ts) // 10] * 1e6:.1f} us "
+              f"per call (Python layers + CPU allocations; no launches)")
+        if args.profile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.iters):
+                fn()
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+
+
+if __name__ == "__main__":
+    main()
