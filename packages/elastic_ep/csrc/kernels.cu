@@ -229,8 +229,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
         for (int i = lane; i < R; i += 32) wmask[warp * R + i] = 0u;  // only this warp touches its row
       __syncwarp();
       // Element round*32 + lane: -1 when masked / invalid / past the end, else (token within the
-      // warp << 16) | owner rank. One packed register per element keeps KB = 32 free of spills.
+      // warp << 16) | owner rank, one packed register per element.
       int ot[KB];
+      // Elements q of this warp exist for q < rem; indices and bounds are 32-bit from here on.
+      const int rem = int(n_elems - wfirst < int64_t(32 * KB) ? n_elems - wfirst : int64_t(32 * KB));
+      const int64_t* src = p.topk_idx + wfirst + lane;
+      int64_t* copy = p.copied_topk_idx != nullptr ? p.copied_topk_idx + wfirst + lane : nullptr;
       // Loads in groups of G, each group issued before any store: the copy into
       // copied_topk_idx may alias topk_idx as far as the compiler knows, so interleaved load/store
       // pairs would serialise one memory round trip per element in this single block.
@@ -240,23 +244,22 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
         int64_t ev[G];
 #pragma unroll
         for (int j = 0; j < G; ++j) {
-          const int64_t g = wfirst + (it0 + j) * 32 + lane;
-          ev[j] = (it0 + j < K && g < n_elems) ? p.topk_idx[g] : -1;
+          const int it = it0 + j;
+          ev[j] = (it < K && it * 32 + lane < rem) ? src[it * 32] : -1;
         }
 #pragma unroll
         for (int j = 0; j < G; ++j) {
           const int it = it0 + j;
           const int q = it * 32 + lane;
-          const int64_t g = wfirst + q;
           ot[it] = -1;
-          if (it < K && g < n_elems) {
+          if (it < K && q < rem) {
             const int64_t e = ev[j];
-            if (p.copied_topk_idx != nullptr) p.copied_topk_idx[g] = e;
+            if (copy != nullptr) copy[it * 32] = e;
             if (e >= 0 && e < p.num_experts) {
               const int tok = int((uint64_t(q) * k_magic) >> 32);
               ot[it] = (tok << 16) | int(owner_tab[e]);
               atomicAdd(&expert_cnt[e], 1);
-            } else if (e < -1) {
+            } else if (e != -1) {
               atomicAdd(&s_bad_ids, 1u);
               s_bad_example = static_cast<long long>(e);
             }
@@ -287,16 +290,16 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
         running[r] = s;
       }
       __syncthreads();
+      int* slots = p.slot_idx + wfirst + lane;
 #pragma unroll
       for (int it = 0; it < KB; ++it) {
-        const int64_t g = wfirst + it * 32 + lane;
-        if (it < K && g < n_elems) {
+        if (it < K && it * 32 + lane < rem) {
           int v = -1;
           if (ot[it] >= 0) {
             const int r = ot[it] & 0xffff;
             v = wpre[warp * R + r] + __popc(wmask[warp * R + r] & ((1u << (ot[it] >> 16)) - 1u));
           }
-          p.slot_idx[g] = v;
+          slots[it * 32] = v;
         }
       }
       __syncthreads();  // wmask / wpre are rewritten by the next chunk
