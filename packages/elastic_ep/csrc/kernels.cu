@@ -281,13 +281,20 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
           if (ot[it] >= 0) atomicOr(&wmask[warp * R + (ot[it] & 0xffff)], 1u << (ot[it] >> 16));
       }
       __syncthreads();
-      for (int r = tid; r < R; r += kThreads) {
-        int s = running[r];
-        for (int w = 0; w < kWarps; ++w) {
-          wpre[w * R + r] = s;
-          s += __popc(wmask[w * R + r]);
+      // Slot bases: per rank, an exclusive scan over the warps (one warp per rank, lane = warp).
+      static_assert(kWarps == 32, "one lane per warp");
+      for (int r = warp; r < R; r += kWarps) {
+        const int c = __popc(wmask[lane * R + r]);
+        int incl = c;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+          const int y = __shfl_up_sync(kFull, incl, d);
+          if (lane >= d) incl += y;
         }
-        running[r] = s;
+        const int base_r = running[r];
+        wpre[lane * R + r] = base_r + incl - c;
+        __syncwarp();
+        if (lane == 31) running[r] = base_r + incl;
       }
       __syncthreads();
       int* slots = p.slot_idx + wfirst + lane;
