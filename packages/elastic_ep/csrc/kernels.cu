@@ -213,7 +213,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
     __syncthreads();
     // Token of element q within its warp, q / K, as a multiply by ceil(2^32 / K): exact for every
     // q < 32 * KB <= 1024 and K <= 32 (checked exhaustively), and a tenth of a division's instructions.
-    const uint64_t k_magic = ((uint64_t(1) << 32) + uint64_t(K) - 1) / uint64_t(K);
+    // (floor((2^32 - 1) / K) + 1 is that ceiling for every K >= 1, with a 32-bit division.)
+    const uint64_t k_magic = uint64_t(0xffffffffu / unsigned(K)) + 1u;
     // Every global access of the [T, K] arrays is warp-coalesced: warp w of a chunk owns tokens
     // wbase .. wbase+31, whose K ids are the 32*K consecutive elements wbase*K + q; lane q%32 holds
     // element q in round q/32, i.e. id q%K of token q/K of the warp. The per-rank token sets of the
