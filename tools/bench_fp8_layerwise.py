@@ -268,8 +268,11 @@ def main(argv=None):
         best = (max(near, key=lambda n: scores[n][1]), scores)
         print(f"  recommended default num_slots = {best[0]}")
     targets = []
-    for n in sorted({F.DEFAULT_SLOTS, 8}):
+    default_of = {r["config"]: F.default_num_slots(r["ranks"][0]["expert_nbytes"]) for r in results}
+    for n in sorted({F.DEFAULT_SLOTS, F.SMALL_EXPERT_SLOTS, 8}):
         for (c, m), v in summary.items():
+            if n != 8 and n != default_of.get(c):
+                continue  # report each configuration's default slot count, and 8
             if m == f"slots{n}-prestaged":
                 targets.append(f"{c}: transport only (prestaged, {n} slots): effective {v['eff_pct']:.0f}% of peak "
                                f"-> {'MET' if v['eff_pct'] >= 90 else 'MISSED'} (>= 90%)")
@@ -284,7 +287,7 @@ def main(argv=None):
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), host=platform.node(), backend=backend,
                 note=note, gpus=[torch.cuda.get_device_name(i) for i in range(ngpu)], cpus=cpus, git_rev=rev,
                 command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])), torch=torch.__version__,
-                recommended_slots=best[0] if best else None, default_slots=F.DEFAULT_SLOTS)
+                recommended_slots=best[0] if best else None, default_slots=default_of)
     with open(os.path.join(args.out, "bench_fp8_layerwise.json"), "w") as f:
         json.dump(dict(meta=meta, results=results, table=table, targets=targets), f, indent=1)
     with open(os.path.join(args.out, "bench_fp8_layerwise.md"), "w") as f:

@@ -283,3 +283,22 @@ def test_every_expert_count_from_1_to_num_experts():
                 assert torch.equal(t.buffers[k][: n * nb[k]].view(n, nb[k]), want), (n, k)
                 assert int(t.buffers[k][n * nb[k]:].count_nonzero()) == 0
             assert layer.stats.bytes == n * sum(nb)
+
+
+def test_default_slot_count_follows_expert_size():
+    # DeepSeek-V3 block-FP8 shards: TP1/TP2 experts (44 / 22 MB per rank) get 2 slots, TP4/TP8 (11 / 5.5 MB) get 4.
+    sizes = {tp: F.block_fp8_expert_nbytes(7168, 2048, tp) for tp in (1, 2, 4, 8)}
+    assert [F.default_num_slots(sizes[tp]) for tp in (1, 2, 4, 8)] == [2, 2, 4, 4]
+    assert F.default_num_slots([F.SMALL_EXPERT_BYTES, 0, 0, 0]) == F.DEFAULT_SLOTS
+    assert F.default_num_slots([F.SMALL_EXPERT_BYTES - 1, 0, 0, 0]) == F.SMALL_EXPERT_SLOTS
+    small = [4096, 512, 4096, 512]
+    t = F.Transport(0, 1, 3, small, backend="cpu", exchange=lambda o: [o])  # num_slots omitted
+    try:
+        assert t.num_slots == F.SMALL_EXPERT_SLOTS
+        with t.layer(1, 0, 3) as layer:
+            layer.run(pattern_writer(0))
+        for e in range(3):
+            for k in range(4):
+                assert torch.equal(t.expert_view(k, e), expect(0, e, k, small[k]))
+    finally:
+        t.close()

@@ -60,8 +60,22 @@ KINDS = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv
 CONTROL_BYTES: int = _C.FP8_LAYERWISE_CONTROL_BYTES
 MAX_TP: int = _C.FP8_LAYERWISE_MAX_TP_SIZE
 MAX_SLOTS: int = _C.FP8_LAYERWISE_MAX_SLOTS
-#: Default host slots per rank (chosen from tools/bench_fp8_layerwise.py, see BENCHMARKS.md).
+#: Host slots per rank for experts of at least SMALL_EXPERT_BYTES per rank (see default_num_slots).
 DEFAULT_SLOTS = 2
+#: Host slots per rank for smaller experts.
+SMALL_EXPERT_SLOTS = 4
+SMALL_EXPERT_BYTES = 16 << 20
+
+
+def default_num_slots(expert_nbytes: Sequence[int]) -> int:
+    """The slot count ``Transport`` uses when none is given, from one rank's bytes per expert.
+
+    Chosen by tools/bench_fp8_layerwise.py with the native writer (BENCHMARKS.md, run 3, one H200):
+    DeepSeek-V3 experts at TP1 (44 MB per rank) ran at 94 % of the pinned peak end to end with 2
+    slots and 72 % with 4 (a larger slot footprint slows the writer); TP4-sized (11 MB) and
+    TP8-sized (5.5 MB) shards ran at 82 % and 63 % with 4 slots against 72 % and 41 % with 2.
+    """
+    return DEFAULT_SLOTS if sum(int(n) for n in expert_nbytes) >= SMALL_EXPERT_BYTES else SMALL_EXPERT_SLOTS
 BLOCK = 128
 _KIND_ALIGN = 4096
 
@@ -346,7 +360,7 @@ class Transport:
         tp_size: number of ranks, 1..8.
         num_experts: experts per layer (size of the layer buffers).
         expert_nbytes: per-rank bytes of one expert for the 4 kinds (see block_fp8_expert_nbytes).
-        num_slots: host slots per rank, 2..16 (experts in flight).
+        num_slots: host slots per rank, 2..16 (experts in flight); None: ``default_num_slots``.
         backend: "cuda", "cpu" (memcpy into host buffers) or "auto" (cuda when available).
         device: CUDA device index (default: rank % device_count).
         timeout_ms: a wait that sees no progress for this long poisons the transport.
@@ -360,7 +374,7 @@ class Transport:
     """
 
     def __init__(self, rank: int, tp_size: int, num_experts: int, expert_nbytes: Sequence[int], *,
-                 num_slots: int = DEFAULT_SLOTS, backend: str = "auto", device: Optional[int] = None,
+                 num_slots: Optional[int] = None, backend: str = "auto", device: Optional[int] = None,
                  timeout_ms: int = 60000, group=None, exchange: Optional[Callable[[Any], List[Any]]] = None,
                  max_inflight: int = 0, coalesce: bool = True, liveness_ms: int = 20):
         _check(1 <= tp_size <= MAX_TP, f"tp_size must be in 1..{MAX_TP}, got {tp_size}")
@@ -368,6 +382,8 @@ class Transport:
         _check(num_experts >= 1, f"num_experts must be positive, got {num_experts}")
         _check(len(expert_nbytes) == 4 and all(int(n) > 0 for n in expert_nbytes),
                f"expert_nbytes must be 4 positive sizes {KINDS}, got {list(expert_nbytes)}")
+        if num_slots is None:
+            num_slots = default_num_slots(expert_nbytes)
         _check(2 <= num_slots <= MAX_SLOTS, f"num_slots must be in 2..{MAX_SLOTS}, got {num_slots}")
         _check(timeout_ms > 0, f"timeout_ms must be positive, got {timeout_ms}")
         if backend == "auto":
