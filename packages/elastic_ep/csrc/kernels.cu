@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, 1) check_expert_ids_kernel(const int
 // One block. Slots: a token bound for rank r gets slot = number of earlier tokens of this rank bound for
 // r (a token counts once per rank, however many of its experts live there).
 // KB: compile-time bound on num_topk (8, 16 or 32), so the per-element arrays below live in registers.
-// Dynamic shared memory: notify_smem_bytes(R) = two [kWarps][R] arrays (see launch_dispatch).
+// Dynamic shared memory: two [kWarps][R] u32 arrays, 256 * R bytes (sized in launch_dispatch).
 template <int KB>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c, DispatchParams p) {
   __shared__ int expert_cnt[kMaxExperts];
