@@ -144,6 +144,13 @@ def test_native_cuda_graph(tmp_path):
     assert run_workers(graph_worker, world, tmp_path=tmp_path, timeout=90) == [True] * world
 
 
+@pytest.mark.gpu
+def test_native_ep1_cuda_graph(tmp_path):
+    # One GPU: capture joins the communication stream to torch's capture stream and back inside the
+    # native runtime (event record + stream wait), which a graph must accept.
+    assert run_workers(graph_worker, 1, tmp_path=tmp_path, timeout=90) == [True]
+
+
 def timeout_worker(rank, world, rdzv):
     import time
 
