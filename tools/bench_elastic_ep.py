@@ -277,7 +277,8 @@ def _markdown(table, meta) -> str:
     lines = [f"elastic_ep benchmark, {meta['date']}, {meta['gpus']} x {meta['gpu_name']}, git {meta['git']}, "
              f"torch {meta['torch']}, NCCL {meta['nccl']}",
              f"shape: {meta['tokens']} tokens/rank, hidden 7168, top-8 of 256 experts, uniform routing; "
-             f"per-GPU averages of: kernel time (mean), e2e (median of the iterations); GB/s = received bytes / time",
+             "per-GPU averages of: kernel time (mean), e2e (median of the iterations); "
+             "GB/s = received bytes / time",
              "",
              "| backend | case | SMs | kernel us | comm us | epilogue us | e2e us | kernel GB/s excl. local | "
              "kernel GB/s incl. local | comm-kernel GB/s excl. local | e2e GB/s excl. local | e2e speed-up vs torch "
