@@ -1,0 +1,53 @@
+"""The reporting half of tools/bench_elastic_ep.py (per-case statistics, cross-rank summary, speed-ups,
+table, plot) on synthetic per-rank results, so a GPU run cannot be lost after the measurements."""
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load():
+    path = os.path.join(ROOT, "tools", "bench_elastic_ep.py")
+    spec = importlib.util.spec_from_file_location("bench_elastic_ep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _res(b, backend, case, sms, times, kernel=None):
+    stats = b._e2e_stats(times)
+    remote, total = 50e6, 100e6
+    return dict(backend=backend, case=case, num_sms=sms, **stats, comm_kernel_us=kernel and kernel / 2,
+                epilogue_us=kernel and kernel / 2, kernel_us=kernel, per_kernel_us={}, bytes_remote=remote,
+                bytes_total=total, e2e_gbps_excl_local=remote / stats["e2e_us"] / 1e3,
+                e2e_gbps_incl_local=total / stats["e2e_us"] / 1e3,
+                kernel_gbps_excl_local=remote / kernel / 1e3 if kernel else None,
+                kernel_gbps_incl_local=total / kernel / 1e3 if kernel else None,
+                comm_gbps_excl_local=remote / (kernel / 2) / 1e3 if kernel else None)
+
+
+def test_report_functions(tmp_path):
+    b = _load()
+    s = b._e2e_stats([100.0, 110.0, 400.0])
+    assert (s["e2e_us"], s["e2e_mean_us"], s["e2e_min_us"]) == (110.0, 610.0 / 3, 100.0)
+    ranks = [{"results": [_res(b, "native", "dispatch_bf16", 0, [200.0, 210.0, 900.0], kernel=150.0),
+                          _res(b, "torch", "dispatch_bf16", 0, [600.0, 630.0, 660.0]),
+                          _res(b, "torch_a2a", "dispatch_bf16", 0, [100.0, 100.0, 100.0])]},
+             {"results": [_res(b, "native", "dispatch_bf16", 0, [190.0, 190.0, 190.0], kernel=170.0),
+                          _res(b, "torch", "dispatch_bf16", 0, [600.0, 600.0, 600.0]),
+                          _res(b, "torch_a2a", "dispatch_bf16", 0, [120.0, 120.0, 120.0])]}]
+    table = b._summarise(ranks, {})
+    native = next(t for t in table if t["backend"] == "native")
+    assert native["e2e_us"] == pytest.approx(200.0)  # mean over ranks of the per-rank medians 210 and 190
+    assert native["kernel_us"] == pytest.approx(160.0)
+    assert native["speedup_vs_torch_e2e"] == pytest.approx(615.0 / 200.0)
+    assert native["speedup_vs_a2a_e2e"] == pytest.approx(110.0 / 200.0)
+    meta = dict(date="d", gpus=2, gpu_name="synthetic", git="r", torch="t", nccl="n", tokens=4096)
+    md = b._markdown(table, meta)
+    assert "| native | dispatch_bf16 | all | 160.0 | 80.0 | 80.0 | 200.0 |" in md
+    assert "| 3.08 | 0.55 |" in md
+    pytest.importorskip("matplotlib")
+    b._plot(table, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 0
