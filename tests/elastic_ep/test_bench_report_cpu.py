@@ -1,19 +1,8 @@
 """The reporting half of tools/bench_elastic_ep.py (per-case statistics, cross-rank summary, speed-ups,
 table, plot) on synthetic per-rank results, so a GPU run cannot be lost after the measurements."""
-import importlib.util
-import os
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _load():
-    path = os.path.join(ROOT, "tools", "bench_elastic_ep.py")
-    spec = importlib.util.spec_from_file_location("bench_elastic_ep", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests._tools import load_tool
 
 
 def _res(b, backend, case, sms, times, kernel=None):
@@ -29,7 +18,7 @@ def _res(b, backend, case, sms, times, kernel=None):
 
 
 def test_report_functions(tmp_path):
-    b = _load()
+    b = load_tool("bench_elastic_ep")
     s = b._e2e_stats([100.0, 110.0, 400.0])
     assert (s["e2e_us"], s["e2e_mean_us"], s["e2e_min_us"]) == (110.0, 610.0 / 3, 100.0)
     ranks = [{"results": [_res(b, "native", "dispatch_bf16", 0, [200.0, 210.0, 900.0], kernel=150.0),

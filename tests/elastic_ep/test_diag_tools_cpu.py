@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests._tools import ROOT
+
 
 
 def test_python_overhead_tool_runs():

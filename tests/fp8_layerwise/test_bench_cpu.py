@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests._tools import ROOT
+
 
 
 def test_bench_runs_on_cpu_backend(tmp_path):

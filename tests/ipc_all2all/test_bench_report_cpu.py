@@ -1,20 +1,10 @@
 """The reporting half of tools/bench_ipc_all2all.py (bandwidths, table, targets, plot) on synthetic
 rows, so the first GPU run of the benchmark cannot be lost to a bug after the measurements."""
-import importlib.util
 import json
-import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _load():
-    path = os.path.join(ROOT, "tools", "bench_ipc_all2all.py")
-    spec = importlib.util.spec_from_file_location("bench_ipc_all2all", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests._tools import load_tool
 
 
 def _row(world, total, ours_rt, nccl_rt, graph=True):
@@ -28,7 +18,7 @@ def _row(world, total, ours_rt, nccl_rt, graph=True):
 
 
 def test_report_functions(tmp_path):
-    b = _load()
+    b = load_tool("bench_ipc_all2all")
     rows = [b._derive(_row(2, 4096, 60.0, 166.0)), b._derive(_row(2, 131072, 2000.0, 3133.0, graph=False)),
             b._derive(_row(4, 32768, 300.0, 500.0))]
     # 2 ranks, 128k tokens: one rank's 65536 tokens x 8 KiB (512 MiB) sent in 1000 us; busbw = algbw / 2

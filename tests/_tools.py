@@ -1,0 +1,15 @@
+"""Helpers for tests of the scripts in tools/ (which are not packages)."""
+import importlib.util
+import os
+from types import ModuleType
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_tool(name: str) -> ModuleType:
+    """Import ``tools/<name>.py`` as a module (its ``main`` is not run)."""
+    path = os.path.join(ROOT, "tools", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
