@@ -10,7 +10,6 @@ import pytest
 from tests._tools import ROOT
 
 
-
 def test_python_overhead_tool_runs():
     pytest.importorskip("elastic_ep._C", reason="needs the built elastic_ep package")
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "diag", "ep_python_overhead.py"),

@@ -11,7 +11,6 @@ import pytest
 from tests._tools import ROOT
 
 
-
 def test_bench_runs_on_cpu_backend(tmp_path):
     pytest.importorskip("fp8_layerwise._C", reason="needs the built fp8_layerwise package")
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_fp8_layerwise.py"), "--out",
