@@ -61,6 +61,10 @@ DispatchParams dispatch_params(const py::dict& d) {
 
 EpilogueParams epilogue_params(const py::dict& d) {
   EpilogueParams p{};
+  p.x = get_p<const void>(d, "x");
+  p.sf = get_p<const void>(d, "sf");
+  p.sf_token_stride = get_i(d, "sf_token_stride");
+  p.sf_hidden_stride = get_i(d, "sf_hidden_stride");
   p.recv_x = get_p<void>(d, "recv_x");
   p.recv_sf = get_p<void>(d, "recv_sf");
   p.recv_sf_token_stride = get_i(d, "recv_sf_token_stride");

@@ -413,22 +413,26 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
         if (p.topk_weights != nullptr) w = p.topk_weights[int64_t(t) * K + lane];
       }
       const int owner = owner_of(e, p.num_experts, L);
-      const unsigned dests = __ballot_sync(kFull, is_master_lane(owner, K));
+      const bool master = is_master_lane(owner, K);
+      const unsigned dests = __ballot_sync(kFull, master);
       if (dests == 0) continue;
+      // The row itself only goes to other ranks: the epilogue reads this rank's own tokens straight
+      // from x (one HBM round trip less; at EP 1 the push then moves no hidden bytes at all).
+      const unsigned xdests = dests & ~__ballot_sync(kFull, master && owner == rank);
       // Record base offset per destination lane (valid on master lanes).
       const uint64_t my_off = cx.buf + (uint64_t(rank) * p.num_max_tokens_per_rank + uint64_t(slot < 0 ? 0 : slot)) *
                                            tl.bytes;
       const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + int64_t(t) * p.hidden_bytes);
       // Hidden bytes: read once, store to every destination.
       constexpr int U = 4;
-      for (int i0 = 0; i0 < n16; i0 += 32 * U) {
+      for (int i0 = 0; xdests != 0 && i0 < n16; i0 += 32 * U) {
         int4 v[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int i = i0 + u * 32 + lane;
           if (i < n16) v[u] = ld_nc_v4(src + i);
         }
-        for (unsigned d = dests; d; d &= d - 1) {
+        for (unsigned d = xdests; d; d &= d - 1) {
           const int k = __ffs(d) - 1;
           const int r = __shfl_sync(kFull, owner, k);
           const uint64_t off = __shfl_sync(kFull, my_off, k);
@@ -444,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
         const int k = __ffs(d) - 1;
         const int r = __shfl_sync(kFull, owner, k);
         const uint64_t off = __shfl_sync(kFull, my_off, k);
-        for (int j = lane; j < p.num_sf_packs; j += 32) {
+        for (int j = lane; r != rank && j < p.num_sf_packs; j += 32) {
           const uint32_t v =
               static_cast<const uint32_t*>(p.sf)[int64_t(t) * p.sf_token_stride + int64_t(j) * p.sf_hidden_stride];
           cx.tr.put_u32(r, off + tl.sf.offset + 4ull * j, v);
@@ -499,17 +503,29 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
     while (psum[s] <= i) ++s;
     const int slot = i - (s > 0 ? psum[s - 1] : 0);
     const char* rec = cx.tr.local(cx.buf + (uint64_t(s) * p.num_max_tokens_per_rank + slot) * tl.bytes);
-    const int4* rx = reinterpret_cast<const int4*>(rec + tl.x.offset);
-    const uint32_t* rsf = reinterpret_cast<const uint32_t*>(rec + tl.sf.offset);
-    if (!p.do_expand) {
-      // The row's place does not depend on its metadata: start the copy before those loads, so their
-      // latency overlaps it instead of preceding it.
-      warp_copy_v4<4, false>(reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + int64_t(i) * p.hidden_bytes), rx,
-                             n16, lane);
-      for (int j = lane; j < p.num_sf_packs; j += 32)
-        static_cast<uint32_t*>(p.recv_sf)[int64_t(i) * p.recv_sf_token_stride + int64_t(j) * p.recv_sf_hidden_stride] =
-            rsf[j];
+    // A row of this rank's own comes from x (the push sent only its metadata); a peer's from the record.
+    const bool own = s == rank;
+    int src_global = 0;
+    const char* row = rec + tl.x.offset;
+    const uint32_t* sf = reinterpret_cast<const uint32_t*>(rec + tl.sf.offset);
+    int64_t sf_step = 1;
+    if (own) {
+      src_global = *reinterpret_cast<const volatile int*>(rec + tl.src_meta.offset);
+      const int64_t t = src_global - int64_t(rank) * p.num_max_tokens_per_rank;
+      row = static_cast<const char*>(p.x) + t * p.hidden_bytes;
+      sf = static_cast<const uint32_t*>(p.sf) + t * p.sf_token_stride;
+      sf_step = p.sf_hidden_stride;
     }
+    auto copy_row = [&](int64_t dst) {
+      int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + dst * p.hidden_bytes);
+      warp_copy_v4<4, false>(out, reinterpret_cast<const int4*>(row), n16, lane);
+      for (int j = lane; j < p.num_sf_packs; j += 32)
+        static_cast<uint32_t*>(p.recv_sf)[dst * p.recv_sf_token_stride + int64_t(j) * p.recv_sf_hidden_stride] =
+            sf[j * sf_step];
+    };
+    // The row's place does not depend on its metadata: start the copy before those loads, so their
+    // latency overlaps it instead of preceding it.
+    if (!p.do_expand) copy_row(i);
     int local = -1;
     float w = 0.f;
     if (lane < K) {
@@ -519,7 +535,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
     }
     const unsigned lanes = __ballot_sync(kFull, local >= 0);
     const int master = lanes ? __ffs(lanes) - 1 : 0;
-    const int src_global = *reinterpret_cast<const volatile int*>(rec + tl.src_meta.offset);
+    if (!own) src_global = *reinterpret_cast<const volatile int*>(rec + tl.src_meta.offset);
     int my_row = -1;
     if (!p.do_expand) {
       if (lane < K) {
@@ -536,11 +552,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
           pos = p.cached ? p.recv_src_metadata[int64_t(i) * M + 2 + k] : start[l] + atomicAdd(&cursor[l], 1);
         pos = __shfl_sync(kFull, pos, 0);
         if (lane == k) my_row = pos;
-        warp_copy_v4<4, false>(reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + int64_t(pos) * p.hidden_bytes),
-                               rx, n16, lane);
-        for (int j = lane; j < p.num_sf_packs; j += 32)
-          static_cast<uint32_t*>(p.recv_sf)[int64_t(pos) * p.recv_sf_token_stride +
-                                            int64_t(j) * p.recv_sf_hidden_stride] = rsf[j];
+        copy_row(pos);
         const float wk = __shfl_sync(kFull, w, k);
         if (lane == 0 && p.recv_topk_weights != nullptr) p.recv_topk_weights[pos] = wk;
       }
@@ -624,7 +636,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_push_kernel(CommView c, C
     const uint64_t base = cx.buf + uint64_t(t) * slots * tl.bytes;
     if (!p.use_expanded_layout) {
       const uint64_t dst = base + uint64_t(per_rank ? rank : m) * tl.bytes;
-      cx.tr.put_warp(s, dst + tl.x.offset, xb + int64_t(i) * row_bytes, row_bytes, lane);
+      if (s != rank)
+        cx.tr.put_warp(s, dst + tl.x.offset, xb + int64_t(i) * row_bytes, row_bytes, lane);
+      else if (lane == 0)  // own row: the reduce reads it from x; the slot holds its index
+        cx.tr.put_u32(s, dst + tl.x.offset, uint32_t(i));
       if (lane < K) {
         const float w = p.topk_weights != nullptr ? p.topk_weights[int64_t(i) * K + lane] : 0.f;
         cx.tr.put_u32(s, dst + tl.topk_weights.offset + 4ull * lane, __float_as_uint(w));
@@ -655,7 +670,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_push_kernel(CommView c, C
         const int k = __ffs(d) - 1;
         const int rk = __shfl_sync(kFull, row_k, k);
         const uint64_t dst = base + uint64_t(k) * tl.bytes;
-        cx.tr.put_warp(s, dst + tl.x.offset, xb + int64_t(rk) * row_bytes, row_bytes, lane);
+        if (s != rank)
+          cx.tr.put_warp(s, dst + tl.x.offset, xb + int64_t(rk) * row_bytes, row_bytes, lane);
+        else if (lane == k)
+          cx.tr.put_u32(s, dst + tl.x.offset, uint32_t(rk));
         if (lane == k) {
           const float w = p.topk_weights != nullptr ? p.topk_weights[rk] : 0.f;
           cx.tr.put_u32(s, dst + tl.topk_weights.offset + 4ull * k, __float_as_uint(w));
@@ -686,6 +704,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c,
   const bool per_lane = !p.allow_multiple_reduction && p.use_expanded_layout;
   const int n16 = p.hidden / 8;
   const int gw = blockIdx.x * kWarps + tid / 32, nw = gridDim.x * kWarps;
+  // Slots filled by this rank itself hold the index of the row in x instead of the row, except in the
+  // expanded multiple-reduction layout, where the push may have summed several rows into one slot.
+  const bool own_by_index = !(p.use_expanded_layout && p.allow_multiple_reduction);
+  __shared__ int own_row[kWarps][32];  // [warp][slot]: row of x for this rank's own slots
+  const char* xb = static_cast<const char*>(p.x);
   for (int t = gw; t < T; t += nw) {
     const int64_t e = lane < K ? p.combined_topk_idx[int64_t(t) * K + lane] : -1;
     const int owner = owner_of(e, p.num_experts, L);
@@ -702,6 +725,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c,
     else
       order = __ballot_sync(kFull, master);
     const char* base = cx.tr.local(cx.buf + uint64_t(t) * slots * tl.bytes);
+    unsigned own_slots = 0;
+    if (own_by_index) {
+      own_slots = per_rank ? (order & (1u << rank)) : (order & __ballot_sync(kFull, owner == rank));
+      if ((own_slots >> lane) & 1u)
+        own_row[tid / 32][lane] = *reinterpret_cast<const volatile int*>(base + uint64_t(lane) * tl.bytes + tl.x.offset);
+      __syncwarp();
+    }
     const int4* b0 = p.bias0 ? reinterpret_cast<const int4*>(static_cast<const char*>(p.bias0) + int64_t(t) * p.hidden * 2)
                              : nullptr;
     const int4* b1 = p.bias1 ? reinterpret_cast<const int4*>(static_cast<const char*>(p.bias1) + int64_t(t) * p.hidden * 2)
@@ -713,7 +743,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c,
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       for (unsigned d = order; d; d &= d - 1) {
         const int sl = __ffs(d) - 1;
-        add_bf16x8(acc, ld_v4(reinterpret_cast<const int4*>(base + uint64_t(sl) * tl.bytes + tl.x.offset) + q));
+        if ((own_slots >> sl) & 1u)
+          add_bf16x8(acc, ld_nc_v4(reinterpret_cast<const int4*>(xb + int64_t(own_row[tid / 32][sl]) * p.hidden * 2) + q));
+        else
+          add_bf16x8(acc, ld_v4(reinterpret_cast<const int4*>(base + uint64_t(sl) * tl.bytes + tl.x.offset) + q));
       }
       if (b0) add_bf16x8(acc, ld_nc_v4(b0 + q));
       if (b1) add_bf16x8(acc, ld_nc_v4(b1 + q));

@@ -54,6 +54,11 @@ struct DispatchParams {
 };
 
 struct EpilogueParams {
+  // The dispatch's inputs: rows a rank sends to itself are copied from here (the push sends only
+  // their metadata), so they must stay alive and unchanged until the epilogue ran.
+  const void* x;               // [T, hidden] bf16 or fp8
+  const void* sf;              // [T, num_sf_packs] 4 B packs, strides below (may be null)
+  int64_t sf_token_stride, sf_hidden_stride;
   void* recv_x;                // [N_alloc, hidden]
   void* recv_sf;               // [N_alloc, num_sf_packs] strided (may be null)
   int64_t recv_sf_token_stride, recv_sf_hidden_stride;

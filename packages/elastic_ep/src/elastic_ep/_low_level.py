@@ -618,10 +618,10 @@ class ElasticBuffer:
         psum_rank, psum_expert_full, unaligned, slot_idx, copied_topk_idx = notify_outputs
         psum_expert = cached_psum_num_recv_tokens_per_expert if cached else None
 
+        inputs = dict(x=_ptr(x), sf=_ptr(sf), sf_token_stride=sf.stride(0) if sf is not None else 0,
+                      sf_hidden_stride=sf.stride(1) if sf is not None else 0)
         self._rt.dispatch(dict(
-            x=_ptr(x), sf=_ptr(sf),
-            sf_token_stride=sf.stride(0) if sf is not None else 0,
-            sf_hidden_stride=sf.stride(1) if sf is not None else 0,
+            inputs,
             topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights), copied_topk_idx=_ptr(copied_topk_idx),
             cumulative_stats=0 if cached else _ptr(cumulative_local_expert_recv_stats),
             psum_rank=_ptr(psum_rank), psum_expert=_ptr(psum_expert_full), unaligned_expert=_ptr(unaligned),
@@ -671,6 +671,7 @@ class ElasticBuffer:
             psum_expert = psum_expert_full[:L] if do_expand else psum_expert_full[1:]
         self.stream_control_before_epilogue(previous_event_before_epilogue)
         self._rt.dispatch_epilogue(dict(
+            inputs,  # rows this rank sends to itself are copied from x by the epilogue
             recv_x=_ptr(recv_x), recv_sf=_ptr(recv_sf), recv_sf_token_stride=sf_ts, recv_sf_hidden_stride=sf_hs,
             recv_topk_idx=_ptr(recv_topk_idx), recv_topk_weights=_ptr(recv_topk_weights),
             recv_src_metadata=_ptr(recv_src_metadata), psum_rank=_ptr(psum_rank),
