@@ -36,8 +36,8 @@ def _check_delivery(t, sources, tp, rank, n):
     return bad
 
 
-def delivery(rank, ws, rdzv, tmp, slot_counts, expert_counts, use_gloo, backend):
-    """Byte-exact delivery of native-writer shards for several slot counts and expert counts."""
+def delivery(rank, ws, rdzv, tmp, slot_counts, expert_counts, use_gloo, backend, stream_counts=(2,)):
+    """Byte-exact delivery of native-writer shards for several slot, expert and copy-stream counts."""
     exchange = None
     if use_gloo:
         from tests._dist import init_gloo
@@ -47,11 +47,11 @@ def delivery(rank, ws, rdzv, tmp, slot_counts, expert_counts, use_gloo, backend)
     sources = _sources(E, 1234)
     nb = F.block_fp8_expert_nbytes(H, I, ws)
     out = []
-    for slots in slot_counts:
+    for slots, streams in [(s, c) for s in slot_counts for c in stream_counts]:
         if not use_gloo:
-            exchange = _exchange(tmp, f"x{slots}", rank, ws)
+            exchange = _exchange(tmp, f"x{slots}_{streams}", rank, ws)
         with F.Transport(rank, ws, E, nb, num_slots=slots, backend=backend, timeout_ms=20000,
-                         exchange=exchange) as t:
+                         exchange=exchange, copy_streams=streams) as t:
             writer = F.make_shard_writer(sources, ws, threads=2) if rank == 0 else None
             epoch = 0
             for n in expert_counts:
@@ -63,7 +63,7 @@ def delivery(rank, ws, rdzv, tmp, slot_counts, expert_counts, use_gloo, backend)
                         layer.run(writer)
                 st = layer.stats
                 want = n * sum(nb)
-                out.append(dict(slots=slots, n=n, bad=_check_delivery(t, sources, ws, rank, n),
+                out.append(dict(slots=slots, streams=streams, n=n, bad=_check_delivery(t, sources, ws, rank, n),
                                 bytes=st.bytes, want=want, copies=st.copies,
                                 untouched=bool(all(int(b[n * nbk:].count_nonzero()) == 0
                                                    for b, nbk in zip(t.buffers, nb)))))

@@ -18,8 +18,11 @@ def _assert_delivery(res):
 
 @pytest.mark.gpu
 def test_gpu_tp1(tmp_path):
-    _assert_delivery(run_workers(W.delivery, 1, str(tmp_path), (2, 4), (1, 7, 12), False, "cuda",
-                                 tmp_path=tmp_path, timeout=240))
+    # Copy streams 1 (the seed's), 2 (the default) and 4: the batch's copies spread over streams.
+    res = run_workers(W.delivery, 1, str(tmp_path), (2, 4), (1, 7, 12), False, "cuda", (1, 2, 4),
+                      tmp_path=tmp_path, timeout=240)
+    _assert_delivery(res)
+    assert {(r["slots"], r["streams"]) for r in res[0]} == {(s, c) for s in (2, 4) for c in (1, 2, 4)}
 
 
 @pytest.mark.multigpu(2, shared_ok=True)  # no NCCL between ranks: they may share a GPU

@@ -82,6 +82,9 @@ def test_constructor_argument_errors(region):
     with pytest.raises(ValueError, match="backend must be"):
         _ctor(p, 8192, backend_="x") if False else _C.FP8LayerwiseTransport(
             p, 8192, 0, 1, -1, [1] * 8, [1] * 4, [1] * 8, NB, 4, 1000, backend="tpu")
+    for streams in (0, F.MAX_COPY_STREAMS + 1):
+        with pytest.raises(ValueError, match=f"copy_streams must be in 1..{F.MAX_COPY_STREAMS}, got {streams}"):
+            _ctor(p, 8192, copy_streams=streams)
 
 
 def test_high_level_argument_errors():
@@ -94,6 +97,8 @@ def test_high_level_argument_errors():
         F.Transport(0, 1, 4, [1, 2, 3], exchange=ex, backend="cpu")
     with pytest.raises(ValueError, match="backend must be"):
         F.Transport(0, 1, 4, NB, exchange=ex, backend="gpu")
+    with pytest.raises(ValueError, match="copy_streams must be in 1..4, got 0"):
+        F.Transport(0, 1, 4, NB, exchange=ex, backend="cpu", copy_streams=0)
 
 
 def test_block_fp8_sizes_and_128_multiple():

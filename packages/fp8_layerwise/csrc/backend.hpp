@@ -34,7 +34,10 @@ class CopyBackend {
 
 std::unique_ptr<CopyBackend> make_cpu_backend(int num_slots);
 // Throws commkit::Error when the extension was built without CUDA or the device is unusable.
-std::unique_ptr<CopyBackend> make_cuda_backend(int device, int num_slots);
+constexpr int kMaxCopyStreams = 4;
+// `copy_streams` (1..kMaxCopyStreams): streams one batch's copies are spread over, largest first onto
+// the least loaded; the batch is done when all of them are.
+std::unique_ptr<CopyBackend> make_cuda_backend(int device, int num_slots, int copy_streams);
 
 // CUDA helpers for the Python layer (no-ops that throw in a host-only build).
 bool cuda_available();

@@ -31,7 +31,7 @@ class CpuBackend final : public CopyBackend {
 std::unique_ptr<CopyBackend> make_cpu_backend(int num_slots) { return std::make_unique<CpuBackend>(num_slots); }
 
 #if !COMMKIT_WITH_CUDA
-std::unique_ptr<CopyBackend> make_cuda_backend(int, int) {
+std::unique_ptr<CopyBackend> make_cuda_backend(int, int, int) {
   CK_THROW("fp8_layerwise was built without CUDA; use backend='cpu'");
 }
 bool cuda_available() { return false; }

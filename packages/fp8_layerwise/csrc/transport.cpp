@@ -206,6 +206,8 @@ class Transport::Impl {
     if (opt_.backend == "cuda") CK_CHECK_ARG(device >= 0, "the CUDA backend needs cuda_device >= 0");
     if (opt_.max_inflight <= 0 || opt_.max_inflight > slots_) opt_.max_inflight = slots_;
     if (opt_.liveness_ms == 0) opt_.liveness_ms = 20;
+    CK_CHECK_ARG(opt_.copy_streams >= 1 && opt_.copy_streams <= kMaxCopyStreams, "copy_streams must be in 1..",
+                 kMaxCopyStreams, ", got ", opt_.copy_streams);
 
     auto& me = c_->ranks[rank_];
     CK_CHECK_ARG(ld_acquire(&me.status) != kRankAttached || live_start_time(ld_relaxed(&me.pid)) == 0 ||
@@ -573,7 +575,7 @@ class Transport::Impl {
   // --- consumer thread ----------------------------------------------------------------------
   void consumer_main() noexcept {
     try {
-      backend_ = opt_.backend == "cuda" ? make_cuda_backend(device_, slots_) : make_cpu_backend(slots_);
+      backend_ = opt_.backend == "cuda" ? make_cuda_backend(device_, slots_, opt_.copy_streams) : make_cpu_backend(slots_);
     } catch (const std::exception& e) {
       std::lock_guard<std::mutex> g(init_mu_);
       init_error_ = e.what();

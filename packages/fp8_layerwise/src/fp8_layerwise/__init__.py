@@ -15,7 +15,7 @@ import torch  # noqa: F401  (loads the CUDA runtime before _C)
 from . import _C
 from .errors import (ErrorCode, PeerDied, ProtocolError, TransportError, TransportPoisoned,
                      TransportTimeout)
-from .transport import (CONTROL_BYTES, DEFAULT_SLOTS, KINDS, MAX_SLOTS, MAX_TP, SMALL_EXPERT_BYTES,
+from .transport import (CONTROL_BYTES, DEFAULT_SLOTS, KINDS, MAX_COPY_STREAMS, MAX_SLOTS, MAX_TP, SMALL_EXPERT_BYTES,
                         SMALL_EXPERT_SLOTS, ControlRegion, FileExchange, HostSlots, Layer, LayerStats, Transport,
                         block_fp8_expert_nbytes, default_num_slots, group_exchange, make_block_fp8_sources,
                         make_shard_writer, reference_shard)
@@ -34,7 +34,7 @@ def built_with_cuda() -> bool:
 
 __all__ = [
     "CONTROL_BYTES", "DEFAULT_SLOTS", "SMALL_EXPERT_BYTES", "SMALL_EXPERT_SLOTS", "default_num_slots", "KINDS",
-    "MAX_SLOTS", "MAX_TP", "ControlRegion", "ErrorCode",
+    "MAX_COPY_STREAMS", "MAX_SLOTS", "MAX_TP", "ControlRegion", "ErrorCode",
     "FP8LayerwiseTransport", "FP8_LAYERWISE_CONTROL_BYTES", "FP8_LAYERWISE_MAX_TP_SIZE", "FileExchange",
     "HostSlots", "Layer", "LayerStats", "PeerDied", "ProtocolError", "Transport", "TransportError",
     "TransportPoisoned", "TransportTimeout", "block_fp8_expert_nbytes", "built_with_cuda", "group_exchange",

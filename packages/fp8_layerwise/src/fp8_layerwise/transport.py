@@ -60,6 +60,7 @@ KINDS = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv
 CONTROL_BYTES: int = _C.FP8_LAYERWISE_CONTROL_BYTES
 MAX_TP: int = _C.FP8_LAYERWISE_MAX_TP_SIZE
 MAX_SLOTS: int = _C.FP8_LAYERWISE_MAX_SLOTS
+MAX_COPY_STREAMS: int = _C.FP8_LAYERWISE_MAX_COPY_STREAMS
 #: Host slots per rank for experts of at least SMALL_EXPERT_BYTES per rank (see default_num_slots).
 DEFAULT_SLOTS = 2
 #: Host slots per rank for smaller experts.
@@ -368,6 +369,9 @@ class Transport:
         exchange: ... or an explicit all-gather callable (e.g. FileExchange); takes precedence.
         max_inflight: experts in flight per consumer (0 = num_slots; 1 = the seed's design).
         coalesce: merge copies of consecutive slots.
+        liveness_ms: how often a waiter checks that the processes it waits on are alive.
+        copy_streams: CUDA streams each consumer spreads a batch's copies over, 1..4 (1 = the seed's
+            single stream; 2 hides the fixed cost of each small copy behind the other stream's).
 
     Raises:
         ValueError: bad arguments, before anything is created.
@@ -376,7 +380,7 @@ class Transport:
     def __init__(self, rank: int, tp_size: int, num_experts: int, expert_nbytes: Sequence[int], *,
                  num_slots: Optional[int] = None, backend: str = "auto", device: Optional[int] = None,
                  timeout_ms: int = 60000, group=None, exchange: Optional[Callable[[Any], List[Any]]] = None,
-                 max_inflight: int = 0, coalesce: bool = True, liveness_ms: int = 20):
+                 max_inflight: int = 0, coalesce: bool = True, liveness_ms: int = 20, copy_streams: int = 2):
         _check(1 <= tp_size <= MAX_TP, f"tp_size must be in 1..{MAX_TP}, got {tp_size}")
         _check(0 <= rank < tp_size, f"rank must be in 0..{tp_size - 1}, got {rank}")
         _check(num_experts >= 1, f"num_experts must be positive, got {num_experts}")
@@ -386,6 +390,8 @@ class Transport:
             num_slots = default_num_slots(expert_nbytes)
         _check(2 <= num_slots <= MAX_SLOTS, f"num_slots must be in 2..{MAX_SLOTS}, got {num_slots}")
         _check(timeout_ms > 0, f"timeout_ms must be positive, got {timeout_ms}")
+        _check(1 <= copy_streams <= MAX_COPY_STREAMS,
+               f"copy_streams must be in 1..{MAX_COPY_STREAMS}, got {copy_streams}")
         if backend == "auto":
             backend = "cuda" if (_C.built_with_cuda() and torch.cuda.is_available()) else "cpu"
         _check(backend in ("cuda", "cpu"), f"backend must be 'cuda', 'cpu' or 'auto', got {backend!r}")
@@ -405,12 +411,12 @@ class Transport:
         self._native = None
         self._closed = False
         try:
-            self._setup(timeout_ms, max_inflight, coalesce, liveness_ms)
+            self._setup(timeout_ms, max_inflight, coalesce, liveness_ms, copy_streams)
         except BaseException:
             self._release()
             raise
 
-    def _setup(self, timeout_ms, max_inflight, coalesce, liveness_ms):
+    def _setup(self, timeout_ms, max_inflight, coalesce, liveness_ms, copy_streams):
         if self.rank == 0:
             self._control = ControlRegion.create(self.tp_size, self.num_slots)
         self._slots = HostSlots.create(self.expert_nbytes, self.num_slots)
@@ -442,7 +448,8 @@ class Transport:
             self._control.ptr, self._control.nbytes, self.rank, self.tp_size,
             self.device if self.backend == "cuda" else -1, self._slots.ptrs(),
             [b.data_ptr() for b in self.buffers], all_ptrs, self.expert_nbytes, self.num_experts,
-            timeout_ms, backend=self.backend, max_inflight=max_inflight, coalesce=coalesce, liveness_ms=liveness_ms)
+            timeout_ms, backend=self.backend, max_inflight=max_inflight, coalesce=coalesce, liveness_ms=liveness_ms,
+            copy_streams=copy_streams)
         if self.rank == 0:
             self._views = [[[self._peer_slots[r].view(s, k) for k in range(4)] for r in range(self.tp_size)]
                            for s in range(self.num_slots)]
