@@ -31,7 +31,7 @@ constexpr unsigned kFull = 0xffffffffu;
 // kCtrDispatchAborted: set by dispatch notify (one block) when this dispatch must not push (a wait of
 // notify failed, or a timeout record is pending); the push kernel's blocks read it from device memory.
 enum CounterSlot { kCtrDispatchPush = 0, kCtrDispatchEpilogue = 1, kCtrCombinePush = 2, kCtrCombineReduce = 3,
-                   kCtrDispatchAborted = 4, kCtrEpoch = 8 };
+                   kCtrDispatchAborted = 4, kCtrDispatchNotify = 5, kCtrEpoch = 8 };
 
 struct Ctx {
   LsaTransport tr;
@@ -176,8 +176,14 @@ __global__ void __launch_bounds__(kThreads, 1) check_expert_ids_kernel(const int
 }
 
 // ------------------------------------------------------------------------------ dispatch: notify
-// One block. Slots: a token bound for rank r gets slot = number of earlier tokens of this rank bound for
-// r (a token counts once per rank, however many of its experts live there).
+// Slots: a token bound for rank r gets slot = number of earlier tokens of this rank bound for r (a
+// token counts once per rank, however many of its experts live there).
+// Grid: notify_split(T).blocks blocks (1 in cached mode), block b counting the tokens of its range
+// [b * span, (b+1) * span). A block writes slots relative to its range and its per-rank totals to the
+// workspace; the last block to finish turns the totals into per-block bases (which the push kernel
+// adds to the slots) and runs the rest alone: counts to the peers, the wait for theirs, the prefix
+// sums and the host-visible counts. (One block for all tokens was instruction-bound: 23 us at 4096
+// tokens x top-8.)
 // KB: compile-time bound on num_topk (8, 16 or 32), so the per-element arrays below live in registers.
 // Dynamic shared memory: two [kWarps][R] u32 arrays, 256 * R bytes (sized in launch_dispatch).
 template <int KB>
@@ -188,6 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
   __shared__ unsigned int s_bad_ids;
   __shared__ long long s_bad_example;
   __shared__ int scan_scratch[kWarps];
+  __shared__ int s_last;
   extern __shared__ uint32_t notify_dyn[];
   Ctx cx(c);
   const uint64_t E = cx.epoch();
@@ -200,7 +207,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
   int* wpre = reinterpret_cast<int*>(notify_dyn + kWarps * R);
 
   // Publish "entered E" first so peers can start while we count.
-  if (tid < R) cx.tr.signal(tid, cx.ws.barrier_signal.offset + 8ull * rank, E);
+  if (blockIdx.x == 0 && tid < R) cx.tr.signal(tid, cx.ws.barrier_signal.offset + 8ull * rank, E);
 
   if (!p.cached) {
     static_assert(kMaxRanks <= 256, "owner_tab holds ranks in 8 bits");
@@ -222,9 +229,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
     // and every element finds its slot from its owner's mask, without moving ids between lanes.
     // (The previous version moved the ids into a token-per-lane layout and back, with K*K shuffles
     // per direction and element.)
-    const int64_t n_elems = int64_t(T) * K;
+    const NotifySplit split = notify_split(T);
+    const int tok_begin = int(blockIdx.x) * split.span;
+    const int tok_end = T < tok_begin + split.span ? T : tok_begin + split.span;
+    const int64_t n_elems = int64_t(tok_end) * K;
     const bool by_reduction = R <= 32 && !p.notify_atomic_masks;
-    for (int base = 0; base < T; base += kThreads) {
+    static_assert(kNotifyChunkTokens == kThreads, "a chunk is one token per thread");
+    for (int base = tok_begin; base < tok_end; base += kThreads) {
       const int64_t wfirst = int64_t(base + warp * 32) * K;  // first element of this warp's tokens
       if (!by_reduction)
         for (int i = lane; i < R; i += 32) wmask[warp * R + i] = 0u;  // only this warp touches its row
@@ -312,14 +323,54 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
       }
       __syncthreads();  // wmask / wpre are rewritten by the next chunk
     }
+    // This block's share to the workspace, then the last block to arrive goes on alone.
+    uint32_t* g_expert = cx.ws.notify_expert.at<uint32_t>(c.window_base);
+    uint32_t* g_block_cnt = cx.ws.notify_block_cnt.at<uint32_t>(c.window_base);
+    uint32_t* g_block_base = cx.ws.notify_block_base.at<uint32_t>(c.window_base);
+    unsigned long long* g_bad = cx.ws.notify_bad.at<unsigned long long>(c.window_base);
+    for (int e = tid; e < p.num_experts; e += kThreads)
+      if (expert_cnt[e] != 0) atomicAdd(&g_expert[e], uint32_t(expert_cnt[e]));
+    for (int r = tid; r < R; r += kThreads) g_block_cnt[blockIdx.x * R + r] = uint32_t(running[r]);
+    if (tid == 0 && s_bad_ids != 0u) {
+      g_bad[1] = static_cast<unsigned long long>(s_bad_example);  // any block's example will do
+      atomicAdd(&g_bad[0], static_cast<unsigned long long>(s_bad_ids));
+    }
+    __threadfence();  // the stores and atomics above before this block's arrival
+    __syncthreads();
+    if (tid == 0) {
+      const uint32_t old = atomicAdd(&cx.counters[kCtrDispatchNotify], 1u);
+      s_last = old == gridDim.x - 1 ? 1 : 0;
+      if (s_last) cx.counters[kCtrDispatchNotify] = 0;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    // L2 reads (__ldcg): the other blocks' data never passed through this SM's L1.
+    for (int r = tid; r < R; r += kThreads) {
+      uint32_t acc = 0;
+      for (int b = 0; b < int(gridDim.x); ++b) {
+        g_block_base[b * R + r] = acc;
+        acc += __ldcg(&g_block_cnt[b * R + r]);
+      }
+      running[r] = int(acc);
+    }
+    for (int e = tid; e < p.num_experts; e += kThreads) {
+      expert_cnt[e] = int(__ldcg(&g_expert[e]));
+      g_expert[e] = 0u;  // the workspace stays zeroed for the next dispatch
+    }
     // Ids outside [-1, E) were sent nowhere (as if masked). Without a CPU sync nothing checked them
     // before the launch, so the host learns of them from a running total it compares with what it
     // last saw (one writer: notify kernels run one after another on the communication stream).
-    if (tid == 0 && s_bad_ids != 0u) {
-      uint64_t* ids = host_workspace_layout().ids.at<uint64_t>(c.host_workspace);
-      ids[3] = static_cast<uint64_t>(s_bad_example);
-      commkit::st_release(&ids[2], commkit::ld_relaxed(&ids[2]) + s_bad_ids);
+    if (tid == 0) {
+      const unsigned long long bad = __ldcg(&g_bad[0]);
+      if (bad != 0ull) {
+        uint64_t* ids = host_workspace_layout().ids.at<uint64_t>(c.host_workspace);
+        ids[3] = static_cast<uint64_t>(__ldcg(&g_bad[1]));
+        commkit::st_release(&ids[2], commkit::ld_relaxed(&ids[2]) + uint64_t(bad));
+        g_bad[0] = 0ull;
+      }
     }
+    __syncthreads();
     // Counts to the peers: (E << 32) | count, one self-contained word each. The receiver validates
     // every word by its epoch tag and reads nothing else they would have to order, so plain stores
     // do; a release per word is not needed (replacing it changed nothing measurable at EP 1, where
@@ -403,6 +454,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
   __syncthreads();
   if (!block_aborted) {
     const int gw = blockIdx.x * kWarps + threadIdx.x / 32, nw = gridDim.x * kWarps;
+    // A fresh notify left slots relative to its block's token range; the range's base is added here
+    // and the final slot written back (the handle's dst_buffer_slot_idx, reused by cached calls).
+    const uint32_t* block_base = cx.ws.notify_block_base.at<uint32_t>(c.window_base);
+    const int span = notify_split(T).span;
     for (int t = gw; t < T; t += nw) {
       int64_t e = -1;
       int slot = -1;
@@ -413,6 +468,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
         if (p.topk_weights != nullptr) w = p.topk_weights[int64_t(t) * K + lane];
       }
       const int owner = owner_of(e, p.num_experts, L);
+      if (!p.cached && owner >= 0) {
+        slot += int(block_base[(t / span) * R + owner]);
+        p.slot_idx[int64_t(t) * K + lane] = slot;
+      }
       const bool master = is_master_lane(owner, K);
       const unsigned dests = __ballot_sync(kFull, master);
       if (dests == 0) continue;
@@ -829,7 +888,7 @@ void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream) {
     const cudaError_t err = cudaFuncSetAttribute(notify, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (err != cudaSuccess) return;  // the caller's cudaGetLastError() reports it
   }
-  notify<<<1, kThreads, smem, s>>>(c, p);
+  notify<<<p.cached ? 1 : notify_split(p.num_tokens).blocks, kThreads, smem, s>>>(c, p);
   dispatch_push_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
 }
 

@@ -39,6 +39,22 @@ constexpr int kMaxRanks = 256;
 constexpr int kMaxExperts = 2048;
 constexpr int kMaxLocalExperts = 256;
 constexpr int kMaxTopk = 32;
+// Dispatch notify splits a rank's tokens into at most this many contiguous ranges, one block each
+// (ranges of whole 1024-token chunks; see notify_split).
+constexpr int kMaxNotifyBlocks = 32;
+constexpr int kNotifyChunkTokens = 1024;
+
+// How notify splits T tokens: `blocks` blocks, block b owning tokens [b * span, min(T, (b+1) * span)).
+// The push kernel uses the same split to find the slot base of a token's range.
+struct NotifySplit {
+  int blocks;
+  int span;
+};
+CK_HD constexpr NotifySplit notify_split(int num_tokens) {
+  const int chunks = num_tokens <= 0 ? 1 : (num_tokens + kNotifyChunkTokens - 1) / kNotifyChunkTokens;
+  const int per_block = (chunks + kMaxNotifyBlocks - 1) / kMaxNotifyBlocks;
+  return NotifySplit{(chunks + per_block - 1) / per_block, per_block * kNotifyChunkTokens};
+}
 // TMA needs the column-major SF token dimension padded to 16 B (4 packs of 4 B).
 constexpr int kNumAlignedSFPacks = 4;
 // Top-k used for sizing when the caller passes num_topk == 0 (many paths allow K <= 32).
@@ -147,6 +163,13 @@ struct WorkspaceLayout {
   Region combine_done;     // u64[kMaxRanks]     epoch whose combine records from the peer are complete
   Region grid_counter;     // u32[16]            local: blocks finished (reset by the last block)
   Region expert_cursor;    // i32[kMaxLocalExperts] local: expand-mode row cursors (reset by the last block)
+  Region notify_expert;    // u32[kMaxExperts]   local: notify's per-expert counts summed over its blocks
+                           //                    (reset by its last block)
+  Region notify_block_cnt; // u32[kMaxNotifyBlocks][kMaxRanks] local: tokens of each notify block per rank
+  Region notify_block_base;// u32[kMaxNotifyBlocks][kMaxRanks] local: exclusive prefix of the above (the
+                           //                    push adds it to notify's block-relative slots)
+  Region notify_bad;       // u64[2]             local: ids outside [-1, E) notify's blocks found, one of
+                           //                    them (reset by the last block)
   uint64_t bytes;          // total, 2 MiB aligned
 };
 
@@ -160,6 +183,10 @@ CK_HD constexpr WorkspaceLayout workspace_layout() {
   w.combine_done = l.add(8ull * kMaxRanks, 128);
   w.grid_counter = l.add(4ull * 16, 128);
   w.expert_cursor = l.add(4ull * kMaxLocalExperts, 128);
+  w.notify_expert = l.add(4ull * kMaxExperts, 128);
+  w.notify_block_cnt = l.add(4ull * kMaxNotifyBlocks * kMaxRanks, 128);
+  w.notify_block_base = l.add(4ull * kMaxNotifyBlocks * kMaxRanks, 128);
+  w.notify_bad = l.add(16, 128);
   w.bytes = l.total(uint64_t(kBufferAlignmentBytes));
   return w;
 }
@@ -200,6 +227,10 @@ CK_HD constexpr int64_t worst_case_num_expanded_tokens(int64_t num_ranks, int64_
 }
 
 // Compile-time checks of the invariants the kernels rely on.
+static_assert(notify_split(0).blocks == 1 && notify_split(4096).blocks == 4 && notify_split(4096).span == 1024, "");
+static_assert(notify_split(4097).blocks == 5 && notify_split(32768).blocks == 32, "one block per chunk up to 32");
+static_assert(notify_split(32769).blocks == 17 && notify_split(32769).span == 2048, "then two chunks per block");
+static_assert(notify_split(1 << 24).blocks <= kMaxNotifyBlocks && notify_split(1 << 24).span * 32 >= (1 << 24), "");
 static_assert(dispatch_token_layout(7168, 2, 0, 8).bytes % 16 == 0, "records stay 16 B aligned");
 static_assert(dispatch_token_layout(7168, 1, 56, 8).sf.offset == 7168, "SF follows the hidden bytes");
 static_assert(workspace_layout().bytes == uint64_t(kBufferAlignmentBytes), "workspace fits in 2 MiB");

@@ -2,11 +2,11 @@
 // on a consumer's own non-blocking streams, and per slot a pair of timing events (start, stop) whose
 // elapsed time is the copy-engine time of the batch that slot retires.
 //
-// A batch's copies are spread over `copy_streams` streams (largest first onto the least loaded one):
-// each cudaMemcpyAsync has a fixed start-up cost of a few microseconds, which on one stream adds up
-// between copies, while on two it overlaps the other stream's transfer. That cost is what small
-// shards lose to: a TP8-sized expert is 4 copies of which 2 are under 1 KB. The side streams start
-// after the batch's start event and the primary stream waits for each before recording stop.
+// A batch's copies may be spread over `copy_streams` streams (largest first onto the least loaded
+// one), meant to overlap each cudaMemcpyAsync's fixed start-up cost with another stream's transfer
+// (a TP8-sized expert is 4 copies, 2 of them under 1 KB). Measured on one H200 it made no difference
+// (BENCHMARKS.md, run 4); the default is one stream. The side streams start after the batch's start
+// event and the primary stream waits for each before recording stop.
 #include <cuda_runtime.h>
 
 #include <algorithm>
