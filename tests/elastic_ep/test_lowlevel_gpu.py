@@ -347,6 +347,10 @@ def _cases(R):
     cases.append((200, 512, 6, 24, False, False, False, 1, False, True, True, 0, "sync", 105))
     cases.append((130, 256, 12, 48, True, False, True, 4, True, True, True, 1, "sync", 106))
     cases.append((70, 256, 20, 40, False, False, False, 1, False, False, True, 0, "sync", 107))
+    # More than one notify block (one per 1024 tokens, the last one partial): block-relative slots
+    # made absolute by the push, per-expert counts summed over blocks, cached reuse of those slots
+    cases.append((2500, 512, 8, 32, False, False, False, 1, False, True, True, 1, "sync", 108))
+    cases.append((2200, 256, 16, 48, True, False, True, 4, True, False, False, 0, "sync", 109))
     return cases
 
 
