@@ -36,7 +36,7 @@ def _check_delivery(t, sources, tp, rank, n):
     return bad
 
 
-def delivery(rank, ws, rdzv, tmp, slot_counts, expert_counts, use_gloo, backend, stream_counts=(1,)):
+def delivery(rank, ws, rdzv, tmp, slot_counts, expert_counts, use_gloo, backend, stream_counts=(2,)):
     """Byte-exact delivery of native-writer shards for several slot, expert and copy-stream counts."""
     exchange = None
     if use_gloo:

@@ -18,7 +18,7 @@ def _assert_delivery(res):
 
 @pytest.mark.gpu
 def test_gpu_tp1(tmp_path):
-    # Copy streams 1 (the default), 2 and 4: a batch's copies spread over several streams.
+    # Copy streams 1 (the seed's), 2 (the default) and 4: a batch's copies spread over streams.
     res = run_workers(W.delivery, 1, str(tmp_path), (2, 4), (1, 7, 12), False, "cuda", (1, 2, 4),
                       tmp_path=tmp_path, timeout=240)
     _assert_delivery(res)

@@ -54,10 +54,11 @@ struct Options {
   int max_inflight = 0;          // experts in flight per consumer; 0 = num_slots; 1 = seed design
   bool coalesce = true;          // merge copies of consecutive slots when host memory is contiguous
   uint64_t liveness_ms = 20;     // how often a waiter checks that the ranks it waits on are alive
-  // CUDA streams a consumer spreads each batch's copies over (1..kMaxCopyStreams). Meant to overlap
-  // each copy's fixed start-up cost with another stream's transfer; on one H200 2 streams measured
-  // the same as 1 (fp8_layerwise/BENCHMARKS.md, run 4), hence the default of 1.
-  int copy_streams = 1;
+  // CUDA streams a consumer spreads each batch's copies over (1..kMaxCopyStreams): a copy's fixed
+  // start-up cost (~2.5 us, all of a sub-KB scale copy's time) overlaps another stream's transfer.
+  // On one H200: +2-3 points of the pinned peak for TP8-sized shards, neutral for larger experts
+  // (fp8_layerwise/BENCHMARKS.md, run 4). 1 is the seed's single stream.
+  int copy_streams = 2;
 };
 
 // writer(expert, w13[rank], w13_scale[rank], w2[rank], w2_scale[rank]): fill every rank's slot.

@@ -370,8 +370,9 @@ class Transport:
         max_inflight: experts in flight per consumer (0 = num_slots; 1 = the seed's design).
         coalesce: merge copies of consecutive slots.
         liveness_ms: how often a waiter checks that the processes it waits on are alive.
-        copy_streams: CUDA streams each consumer spreads a batch's copies over, 1..4. On one H200
-            2 streams measured the same as 1 (BENCHMARKS.md, run 4), so the default is 1.
+        copy_streams: CUDA streams each consumer spreads a batch's copies over, 1..4. A second
+            stream overlaps each copy's fixed cost with another copy: +2-3 points of the pinned peak
+            for TP8-sized shards on one H200, neutral for larger experts (BENCHMARKS.md, run 4).
 
     Raises:
         ValueError: bad arguments, before anything is created.
@@ -380,7 +381,7 @@ class Transport:
     def __init__(self, rank: int, tp_size: int, num_experts: int, expert_nbytes: Sequence[int], *,
                  num_slots: Optional[int] = None, backend: str = "auto", device: Optional[int] = None,
                  timeout_ms: int = 60000, group=None, exchange: Optional[Callable[[Any], List[Any]]] = None,
-                 max_inflight: int = 0, coalesce: bool = True, liveness_ms: int = 20, copy_streams: int = 1):
+                 max_inflight: int = 0, coalesce: bool = True, liveness_ms: int = 20, copy_streams: int = 2):
         _check(1 <= tp_size <= MAX_TP, f"tp_size must be in 1..{MAX_TP}, got {tp_size}")
         _check(0 <= rank < tp_size, f"rank must be in 0..{tp_size - 1}, got {rank}")
         _check(num_experts >= 1, f"num_experts must be positive, got {num_experts}")
