@@ -151,16 +151,20 @@ def test_native_ep1_cuda_graph(tmp_path):
     assert run_workers(graph_worker, 1, tmp_path=tmp_path, timeout=90) == [True]
 
 
-def timeout_worker(rank, world, rdzv):
+def timeout_worker(rank, world, rdzv, window="auto"):
     import time
 
-    from tests._dist import init_nccl
+    from tests._dist import init_gpu_group, init_nccl
     from tests.elastic_ep._common import import_elastic_ep, make_inputs
 
     ep = import_elastic_ep()
-    group = init_nccl(rank, world, rdzv)
+    if window == "ipc":
+        init_gpu_group(rank, world, rdzv)  # gloo when the ranks share a GPU
+        group = torch.distributed.group.WORLD
+    else:
+        group = init_nccl(rank, world, rdzv)
     buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=32, hidden=256, num_topk=2, backend="native",
-                           num_cpu_timeout_secs=3, num_gpu_timeout_secs=3, explicitly_destroy=True)
+                           num_cpu_timeout_secs=3, num_gpu_timeout_secs=3, explicitly_destroy=True, window=window)
     if rank != 0:
         time.sleep(15)  # never joins the dispatch
         return "idle"
@@ -174,6 +178,9 @@ def timeout_worker(rank, world, rdzv):
         msg = str(e)
         assert time.monotonic() - t0 < 14, "the timeout took too long"
         assert "dispatch" in msg.lower(), msg
+        assert "rank 0" in msg and "peer 1" in msg, msg  # the device record names who waited for whom
+        # The process and its CUDA context stay usable.
+        assert int(torch.arange(10, device="cuda").sum()) == 45
         return "timeout"
     raise AssertionError("dispatch without a peer did not time out")
 
@@ -182,6 +189,12 @@ def timeout_worker(rank, world, rdzv):
 def test_native_timeout(tmp_path):
     world = _world()
     res = run_workers(timeout_worker, world, tmp_path=tmp_path, timeout=60)
+    assert res[0] == "timeout"
+
+
+@pytest.mark.multigpu(2, shared_ok=True)  # the CUDA-IPC window needs no NCCL: ranks may share a GPU
+def test_native_timeout_ipc_window(tmp_path):
+    res = run_workers(timeout_worker, 2, "ipc", tmp_path=tmp_path, timeout=60)
     assert res[0] == "timeout"
 
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests._dist import init_nccl, run_workers
+from tests._dist import init_gpu_group, init_nccl, run_workers
 
 torch = pytest.importorskip("torch")
 
@@ -27,12 +27,17 @@ def _make_comm(rank, world_size):
     return ll.create_nccl_comm(obj[0], world_size, rank)
 
 
-def _new_buffer(rank, world_size, comm, num_bytes, multi, gpu_timeout=20):
+def _new_buffer(rank, world_size, comm, num_bytes, multi, gpu_timeout=20, window="nccl"):
     import torch.distributed as dist
 
     from elastic_ep import _low_level as ll
 
-    buf = ll.ElasticBuffer(rank, world_size, comm, None, num_bytes, 0, True, multi, True, 3, 0, 30, gpu_timeout, True)
+    buf = ll.ElasticBuffer(rank, world_size, comm, None, num_bytes, 0, True, multi, True, 3, 0, 30, gpu_timeout, True,
+                           window=window)
+    if window == "ipc":
+        handles = [None] * world_size
+        dist.all_gather_object(handles, buf.get_local_ipc_handle())
+        buf.sync(handles)
     dist.barrier()
     return buf
 
@@ -45,6 +50,10 @@ def _assert(cond, msg=""):
 def _gather(t):
     import torch.distributed as dist
 
+    if dist.get_backend() == "gloo":  # ranks sharing a GPU (window="ipc"): through host memory
+        out = [torch.empty_like(t, device="cpu") for _ in range(dist.get_world_size())]
+        dist.all_gather(out, t.contiguous().cpu())
+        return [o.to(t.device) for o in out]
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t.contiguous())
     return out
@@ -152,13 +161,18 @@ def _check_dispatch(ref, out, rank, R, K, L, align, expand, zero_pad, cpu_sync, 
                     assert not recv_sf[gap].any()
 
 
-def _worker_modes(rank, world_size, rdzv, cases):
-    init_nccl(rank, world_size, rdzv)
+def _worker_modes(rank, world_size, rdzv, cases, window="nccl"):
+    """Every case on one buffer per reduction mode. window="ipc": the CUDA-IPC window, on a gloo group
+    when the ranks share a GPU (NCCL refuses that), so the multi-rank paths run on a one-GPU machine."""
+    if window == "ipc":
+        init_gpu_group(rank, world_size, rdzv)
+    else:
+        init_nccl(rank, world_size, rdzv)
     import torch.distributed as dist
 
     from elastic_ep import _low_level as ll
 
-    comm = _make_comm(rank, world_size)
+    comm = _make_comm(rank, world_size) if window == "nccl" else 0
     R = world_size
     results, failures = [], []
     buffers = {}
@@ -167,8 +181,8 @@ def _worker_modes(rank, world_size, rdzv, cases):
             T_max, H, K, E, fp8, ue8m0, expand, align, zero_pad, cpu_sync, multi, nbias, stream_mode, seed = case
             L = E // R
             if multi not in buffers:
-                nbytes = ll.ElasticBuffer.calculate_buffer_size(comm, 512, 7168, 8, False, True, multi)
-                buffers[multi] = _new_buffer(rank, R, comm, nbytes, multi)
+                nbytes = ll.ElasticBuffer.calculate_buffer_size(comm or R, 512, 7168, 8, False, True, multi)
+                buffers[multi] = _new_buffer(rank, R, comm, nbytes, multi, window=window)
             buf = buffers[multi]
             T = max(0, T_max - 3 * rank) if rank != 1 else (0 if seed % 3 == 0 else T_max)
             x, sf, topk, w = _inputs(rank, T, H, K, E, fp8, ue8m0, seed)
@@ -254,7 +268,8 @@ def _worker_modes(rank, world_size, rdzv, cases):
     if not failures:
         for b in buffers.values():
             b.destroy()
-        ll.destroy_nccl_comm(comm)
+        if comm:
+            ll.destroy_nccl_comm(comm)
     dist.destroy_process_group()
     if failures:
         raise AssertionError(f"rank {rank}: {len(failures)} of {len(cases)} cases failed "
@@ -364,6 +379,21 @@ def test_lowlevel_ep2_modes(tmp_path):
     n = torch.cuda.device_count()
     R = 2 if n < 4 else n
     assert run_workers(_worker_modes, R, _cases(R), tmp_path=tmp_path, timeout=200) == [len(_cases(R))] * R
+
+
+@pytest.mark.gpu
+def test_lowlevel_ep1_ipc_window(tmp_path):
+    # The CUDA-IPC window (no NCCL) at EP 1: a third of the matrix and the several-notify-block cases.
+    cases = _cases(1)[::3] + _cases(1)[-2:]
+    assert run_workers(_worker_modes, 1, cases, "ipc", tmp_path=tmp_path, timeout=150) == [len(cases)]
+
+
+@pytest.mark.multigpu(2, shared_ok=True)  # the CUDA-IPC window needs no NCCL: ranks may share a GPU
+def test_lowlevel_ep2_ipc_window(tmp_path):
+    # The whole EP 2 matrix on the CUDA-IPC window: one GPU per rank where there are two, else both
+    # ranks on one GPU (gloo group), so the multi-rank kernel paths run on a one-GPU machine too.
+    cases = _cases(2)
+    assert run_workers(_worker_modes, 2, cases, "ipc", tmp_path=tmp_path, timeout=400) == [len(cases)] * 2
 
 
 def _worker_stream_order(rank, world_size, rdzv):

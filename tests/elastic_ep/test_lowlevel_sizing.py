@@ -118,3 +118,9 @@ def test_import_without_gpu_is_clean_and_gpu_use_is_clear():
         pytest.skip("this machine has a GPU")
     with pytest.raises(RuntimeError, match="CUDA"):
         ll.ElasticBuffer(0, 1, 1234, None, MIB2)
+
+
+def test_window_kind_checked_first():
+    # An unknown window kind is refused before anything else (no CUDA needed to see it).
+    with pytest.raises(ValueError, match="window must be 'nccl' or 'ipc', got 'shm'"):
+        ll.ElasticBuffer(0, 1, 0, None, MIB2, window="shm")

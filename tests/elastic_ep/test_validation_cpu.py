@@ -93,6 +93,10 @@ def validation_worker(rank, world, rdzv, backend="torch"):
     bad("num_bytes: expected a positive multiple", lambda: ep.ElasticBuffer(group, num_bytes=1000, backend="torch"))
     bad("backend:", lambda: ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, backend="cuda"))
     bad("num_topk: expected", lambda: ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, num_topk=33))
+    bad("window: expected 'auto', 'nccl' or 'ipc'",
+        lambda: ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, window="shm"))
+    bad("window='ipc' is the native backend's",
+        lambda: ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, backend="torch", window="ipc"))
 
     # a valid call still works after all the rejected ones, then the lifecycle
     d(x, topk_idx=idx, num_experts=E)

@@ -235,6 +235,24 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("rank"), py::arg("num_ranks"), py::arg("nccl_comm"), py::arg("num_buffer_bytes"),
            py::arg("num_cpu_timeout_secs"), py::arg("num_gpu_timeout_secs"))
+      .def_static(
+          "create_ipc",
+          [](int rank, int num_ranks, int64_t num_buffer_bytes, int cpu_timeout, int gpu_timeout) {
+            return without_gil([&] {
+              return new Runtime(Runtime::Ipc{}, rank, num_ranks, num_buffer_bytes, cpu_timeout, gpu_timeout);
+            });
+          },
+          py::arg("rank"), py::arg("num_ranks"), py::arg("num_buffer_bytes"), py::arg("num_cpu_timeout_secs"),
+          py::arg("num_gpu_timeout_secs"), py::return_value_policy::take_ownership,
+          "A runtime on a CUDA-IPC window (no NCCL); usable after open_ipc_peers().")
+      .def_property_readonly("ipc", &Runtime::ipc)
+      .def("ipc_handle", [](const Runtime& r) { return py::bytes(r.ipc_handle()); })
+      .def("open_ipc_peers",
+           [](Runtime& r, const std::vector<py::bytes>& handles) {
+             std::vector<std::string> hs(handles.begin(), handles.end());
+             without_gil([&] { r.open_ipc_peers(hs); });
+           },
+           py::arg("handles"))
       .def("destroy", [](Runtime& r) { without_gil([&] { r.destroy(); }); })
       .def_property_readonly("destroyed", &Runtime::destroyed)
       .def_property_readonly("rank", &Runtime::rank)

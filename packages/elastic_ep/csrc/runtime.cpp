@@ -99,6 +99,16 @@ std::tuple<int, int> nccl_comm_rank_size(int64_t comm) {
   return {rank, size};
 }
 
+void Runtime::check_args(int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs) const {
+  CK_CHECK_ARG(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks must be in [1, ", kMaxRanks, "], got ",
+               num_ranks);
+  CK_CHECK_ARG(rank >= 0 && rank < num_ranks, "rank_idx must be in [0, num_ranks), got ", rank);
+  CK_CHECK_ARG(num_buffer_bytes > 0 && num_buffer_bytes % kBufferAlignmentBytes == 0,
+               "num_buffer_bytes must be a positive multiple of ", kBufferAlignmentBytes, " (2 MiB), got ",
+               num_buffer_bytes);
+  CK_CHECK_ARG(num_cpu_timeout_secs > 0, "num_cpu_timeout_secs must be positive");
+}
+
 Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_bytes, int num_cpu_timeout_secs,
                  int num_gpu_timeout_secs)
     : rank_(rank),
@@ -107,13 +117,7 @@ Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_
       num_cpu_timeout_secs_(num_cpu_timeout_secs),
       gpu_timeout_ns_(uint64_t(num_gpu_timeout_secs > 0 ? num_gpu_timeout_secs : 0) * 1000000000ull) {
   CK_CHECK_ARG(nccl_comm != 0, "nccl_comm is null");
-  CK_CHECK_ARG(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks must be in [1, ", kMaxRanks, "], got ",
-               num_ranks);
-  CK_CHECK_ARG(rank >= 0 && rank < num_ranks, "rank_idx must be in [0, num_ranks), got ", rank);
-  CK_CHECK_ARG(num_buffer_bytes > 0 && num_buffer_bytes % kBufferAlignmentBytes == 0,
-               "num_buffer_bytes must be a positive multiple of ", kBufferAlignmentBytes, " (2 MiB), got ",
-               num_buffer_bytes);
-  CK_CHECK_ARG(num_cpu_timeout_secs > 0, "num_cpu_timeout_secs must be positive");
+  check_args(rank, num_ranks, num_buffer_bytes, num_cpu_timeout_secs);
   auto [comm_rank, comm_size] = nccl_comm_rank_size(nccl_comm);
   CK_CHECK_ARG(comm_rank == rank && comm_size == num_ranks, "the NCCL communicator is rank ", comm_rank, " of ",
                comm_size, " but rank_idx=", rank, ", num_ranks=", num_ranks, " were given");
@@ -164,7 +168,86 @@ Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_
   // their own window through that mapping too (lsa_base_), the ncclMemAlloc pointer aliases it.
   lsa_base_ = bases[rank];
   CK_CHECK(lsa_base_ != nullptr, "ncclGetLsaPointer returned null for this rank");
+  finish_setup();
+}
 
+Runtime::Runtime(Ipc, int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs,
+                 int num_gpu_timeout_secs)
+    : rank_(rank),
+      num_ranks_(num_ranks),
+      num_buffer_bytes_(num_buffer_bytes),
+      num_cpu_timeout_secs_(num_cpu_timeout_secs),
+      gpu_timeout_ns_(uint64_t(num_gpu_timeout_secs > 0 ? num_gpu_timeout_secs : 0) * 1000000000ull),
+      ipc_(true) {
+  check_args(rank, num_ranks, num_buffer_bytes, num_cpu_timeout_secs);
+  CK_CUDA_CHECK(cudaGetDevice(&device_));
+  CK_CUDA_CHECK(cudaDeviceGetAttribute(&num_device_sms_, cudaDevAttrMultiProcessorCount, device_));
+  workspace_bytes_ = workspace_layout().bytes;
+  const uint64_t total = workspace_bytes_ + uint64_t(num_buffer_bytes);
+  EP_DEBUG("rank %d/%d: device %d, IPC window of %llu bytes\n", rank, num_ranks, device_, (unsigned long long)total);
+  // cudaMalloc, not the caching allocator: an IPC handle exports a whole allocation.
+  CK_CUDA_CHECK(cudaMalloc(&sym_ptr_, total));
+  lsa_base_ = sym_ptr_;
+  lsa_size_ = num_ranks;  // the caller promises one P2P domain (or one GPU)
+  ipc_peers_.assign(size_t(num_ranks), nullptr);
+  finish_setup();
+  // Unusable (pending_health reports it) until the peers' windows are open.
+  broken_ = true;
+  broken_reason_ = "its CUDA-IPC window is not connected: open_ipc_peers() has not run";
+}
+
+std::string Runtime::ipc_handle() const {
+  CK_CHECK(ipc_, "ipc_handle: this buffer's window is NCCL's, not CUDA IPC");
+  CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
+  set_device();
+  cudaIpcMemHandle_t h;
+  CK_CUDA_CHECK(cudaIpcGetMemHandle(&h, sym_ptr_));
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+void Runtime::open_ipc_peers(const std::vector<std::string>& handles) {
+  CK_CHECK(ipc_, "open_ipc_peers: this buffer's window is NCCL's, not CUDA IPC");
+  CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
+  CK_CHECK(peer_bases_ == nullptr, "open_ipc_peers was already called");
+  CK_CHECK_ARG(int(handles.size()) == num_ranks_, "open_ipc_peers: expected ", num_ranks_, " handles, got ",
+               handles.size());
+  for (int p = 0; p < num_ranks_; ++p)
+    CK_CHECK_ARG(handles[p].size() == sizeof(cudaIpcMemHandle_t), "open_ipc_peers: handle of rank ", p, " has ",
+                 handles[p].size(), " bytes, expected ", sizeof(cudaIpcMemHandle_t));
+  CK_CHECK_ARG(handles[rank_] == ipc_handle(), "open_ipc_peers: handles[", rank_,
+               "] is not this rank's own handle (handles must be ordered by rank)");
+  set_device();
+  std::vector<void*> bases(size_t(num_ranks_), nullptr);
+  bases[rank_] = sym_ptr_;
+  for (int p = 0; p < num_ranks_; ++p) {
+    if (p == rank_) continue;
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handles[p].data(), sizeof(h));
+    void* ptr = nullptr;
+    const cudaError_t err = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      for (int q = 0; q < p; ++q)
+        if (ipc_peers_[q] != nullptr) {
+          cudaIpcCloseMemHandle(ipc_peers_[q]);
+          ipc_peers_[q] = nullptr;
+        }
+      CK_THROW("open_ipc_peers: cudaIpcOpenMemHandle of rank ", p, "'s window failed on rank ", rank_, ": ",
+               cudaGetErrorString(err), " (the ranks must share a GPU or have CUDA peer access)");
+    }
+    ipc_peers_[p] = bases[p] = ptr;
+  }
+  void** dev = nullptr;
+  CK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&dev), sizeof(void*) * num_ranks_));
+  CK_CUDA_CHECK(cudaMemcpy(dev, bases.data(), sizeof(void*) * num_ranks_, cudaMemcpyHostToDevice));
+  peer_bases_ = dev;
+  broken_ = false;
+  broken_reason_.clear();
+  EP_DEBUG("rank %d: IPC peers open\n", rank_);
+  // The caller runs a process-group barrier next, before any peer writes into this window.
+}
+
+void Runtime::finish_setup() {
   // The workspace is zeroed once; kernels keep their local scratch at zero and tag signals by epoch.
   CK_CUDA_CHECK(cudaMemset(sym_ptr_, 0, workspace_bytes_));
   CK_CUDA_CHECK(cudaHostAlloc(&host_ws_, host_workspace_layout().bytes, cudaHostAllocMapped));
@@ -177,7 +260,7 @@ Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_
   event_in_ = ev_in;
   event_out_ = ev_out;
   CK_CUDA_CHECK(cudaDeviceSynchronize());
-  EP_DEBUG("rank %d: buffer ready\n", rank);
+  EP_DEBUG("rank %d: window and workspace ready\n", rank_);
   // The caller runs a process-group barrier next, before any peer writes into this window.
 }
 
@@ -202,14 +285,28 @@ void Runtime::destroy() {
       cudaEventDestroy(static_cast<cudaEvent_t>(*ev));
       *ev = nullptr;
     }
-  if (broken_) {
+  if (broken_ && peer_bases_ != nullptr) {
     // After a timeout the peers are out of step (or gone): NCCL's window/devcomm teardown is collective
     // and kernels may still be spinning towards their device deadline, so nothing is freed here. The
     // window is leaked until the communicator is aborted (destroy_nccl_comm) or the process exits.
+    // (An IPC window whose peers were never opened ran no kernel: it is freed below.)
     return;
   }
   set_device();
   cudaDeviceSynchronize();
+  if (ipc_ && peer_bases_ != nullptr) {
+    // Nothing makes CUDA IPC teardown collective: a device barrier first, so no peer still writes
+    // into (or reads) this window when it is freed. A peer that never arrives leaves a timeout
+    // record; the window is then leaked as after any timeout.
+    launch_barrier(view(), nullptr);
+    cudaDeviceSynchronize();
+    (void)cudaGetLastError();
+    if (commkit::ld_acquire(&host_workspace_layout().timeout.at<commkit::TimeoutRecord>(host_ws_)->flag) == 1u) {
+      broken_ = true;
+      broken_reason_ = "a peer did not reach destroy()";
+      return;
+    }
+  }
   auto comm = static_cast<ncclComm_t>(comm_);
   if (devcomm_ != nullptr) {
     devcomm_destroy(comm_, devcomm_);
@@ -219,8 +316,16 @@ void Runtime::destroy() {
     ncclCommWindowDeregister(comm, static_cast<ncclWindow_t>(window_));
     window_ = nullptr;
   }
+  for (void*& peer : ipc_peers_)
+    if (peer != nullptr) {
+      cudaIpcCloseMemHandle(peer);
+      peer = nullptr;
+    }
   if (sym_ptr_ != nullptr) {
-    ncclMemFree(sym_ptr_);
+    if (ipc_)
+      cudaFree(sym_ptr_);
+    else
+      ncclMemFree(sym_ptr_);
     sym_ptr_ = nullptr;
   }
   if (peer_bases_ != nullptr) cudaFree(peer_bases_);

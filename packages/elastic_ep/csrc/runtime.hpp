@@ -1,10 +1,16 @@
 // elastic_ep/csrc/runtime.hpp -- the torch-free host side of the elastic buffer.
 //
-// Runtime owns one NCCL symmetric window [workspace | buffer] (ncclMemAlloc + ncclCommWindowRegister),
-// a device communicator (ncclDevCommCreate, LSA only), the LSA base address of every peer's window
-// (resolved once on the device with ncclGetLsaPointer), and a host-mapped workspace for the CPU sync
-// and the device timeout record. Python (_low_level.py) allocates every tensor and passes raw
-// pointers and stream handles; nothing here includes torch.
+// Runtime owns one window [workspace | buffer] that every peer maps, the base address of every peer's
+// window as the kernels see it, and a host-mapped workspace for the CPU sync and the device timeout
+// record. Two ways to build the window, the kernels cannot tell them apart:
+//  * NCCL (the default): an NCCL symmetric window (ncclMemAlloc + ncclCommWindowRegister), a device
+//    communicator (ncclDevCommCreate, LSA only) and the peers' LSA addresses from ncclGetLsaPointer.
+//  * CUDA IPC (Runtime::Ipc): cudaMalloc'ed memory whose cudaIpcMemHandle every rank exchanges (over
+//    any process group) and opens. No NCCL at all: it runs where NCCL has no symmetric memory, and
+//    with several ranks on one GPU (which NCCL refuses), which is how the multi-rank kernels are
+//    tested on a one-GPU machine. Two steps: construct, then open_ipc_peers(every rank's handle).
+// Python (_low_level.py) allocates every tensor and passes raw pointers and stream handles; nothing
+// here includes torch.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +38,16 @@ class Runtime {
  public:
   Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_bytes, int num_cpu_timeout_secs,
           int num_gpu_timeout_secs);
+  // The CUDA-IPC window: unusable until open_ipc_peers() ran.
+  struct Ipc {};
+  Runtime(Ipc, int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs,
+          int num_gpu_timeout_secs);
+  bool ipc() const { return ipc_; }
+  // IPC window: this rank's cudaIpcMemHandle_t (64 raw bytes) for the peers.
+  std::string ipc_handle() const;
+  // IPC window: opens every peer's handle (handles[r] from rank r; this rank's own is checked to be
+  // its own) and makes the buffer usable. Not collective itself; the caller barriers afterwards.
+  void open_ipc_peers(const std::vector<std::string>& handles);
   ~Runtime();
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
@@ -102,6 +118,9 @@ class Runtime {
  private:
   CommView view() const;
   void set_device() const;
+  void check_args(int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs) const;
+  // Host workspace, events, zeroed device workspace: the half of the set-up both windows share.
+  void finish_setup();
   // `waiter` waits for the work queued on `signaller` so far (an event recorded there); a no-op when
   // either is kNoStream or both are the same stream. Capturable: the usual fork/join of a CUDA graph.
   void stream_wait(int64_t waiter, int64_t signaller, void* event);
@@ -121,7 +140,9 @@ class Runtime {
   void* comm_ = nullptr;          // ncclComm_t (not owned)
   void* window_ = nullptr;        // ncclWindow_t
   void* devcomm_ = nullptr;       // heap ncclDevComm
-  void* sym_ptr_ = nullptr;       // ncclMemAlloc'ed window memory
+  void* sym_ptr_ = nullptr;       // ncclMemAlloc'ed (IPC: cudaMalloc'ed) window memory
+  bool ipc_ = false;
+  std::vector<void*> ipc_peers_;  // IPC: opened peer windows (nullptr for this rank)
   void* lsa_base_ = nullptr;      // the same memory in NCCL's flat LSA mapping (what kernels use)
   void** peer_bases_ = nullptr;   // device [num_ranks]
   void* host_ws_ = nullptr;       // cudaHostAlloc mapped

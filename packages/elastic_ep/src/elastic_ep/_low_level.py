@@ -252,6 +252,11 @@ class ElasticBuffer:
         num_cpu_timeout_secs: CPU-side wait limit (dispatch CPU sync).
         num_gpu_timeout_secs: device wait limit without progress; 0 disables it.
         explicitly_destroy: if False, ``destroy()`` runs when the object is garbage-collected.
+        window: "nccl" (the seed's NCCL symmetric window) or "ipc": a cudaMalloc'ed window shared by
+            CUDA IPC, with no NCCL involved (``nccl_comm`` is ignored). An "ipc" buffer is usable
+            after every rank called ``sync(handles)`` with all ranks' ``get_local_ipc_handle()`` (in
+            rank order) and then a process-group barrier. It needs CUDA peer access between the
+            ranks' GPUs, or ranks that share one GPU (how the multi-rank paths are tested on one GPU).
     """
 
     def __init__(
@@ -270,7 +275,11 @@ class ElasticBuffer:
         num_cpu_timeout_secs: int = 300,
         num_gpu_timeout_secs: int = 100,
         explicitly_destroy: bool = False,
+        *,
+        window: str = "nccl",
     ) -> None:
+        if window not in ("nccl", "ipc"):
+            raise ValueError(f"window must be 'nccl' or 'ipc', got {window!r}")
         _need_cuda("ElasticBuffer")
         align = get_elastic_buffer_alignment()
         if num_buffer_bytes <= 0 or num_buffer_bytes % align:
@@ -296,13 +305,46 @@ class ElasticBuffer:
         self._destroyed = False
         self._rt = None
         self.device = torch.cuda.current_device()
-        self._rt = _C.Runtime(self.rank_idx, self.num_ranks, int(nccl_comm), self.num_buffer_bytes,
-                              self.num_cpu_timeout_secs, self.num_gpu_timeout_secs)
+        self.window = window
+        if window == "ipc":
+            self._rt = _C.Runtime.create_ipc(self.rank_idx, self.num_ranks, self.num_buffer_bytes,
+                                             self.num_cpu_timeout_secs, self.num_gpu_timeout_secs)
+        else:
+            self._rt = _C.Runtime(self.rank_idx, self.num_ranks, int(nccl_comm), self.num_buffer_bytes,
+                                  self.num_cpu_timeout_secs, self.num_gpu_timeout_secs)
         self.num_device_sms = int(self._rt.num_device_sms)
         self.comm_stream = torch.cuda.Stream(device=self.device)
         self._comm_raw = int(self.comm_stream.cuda_stream)
         # The caller runs a process-group barrier next (the seed does too): no peer may write into this
         # window before every rank finished creating it.
+
+    # ------------------------------------------------------------------------------- CUDA-IPC window
+    def get_local_ipc_handle(self) -> bytes:
+        """This rank's CUDA IPC handle of its window (``window="ipc"`` only), for the other ranks."""
+        if self.window != "ipc":
+            raise RuntimeError("get_local_ipc_handle: this buffer's window is NCCL's (window='nccl')")
+        if self._destroyed:
+            raise RuntimeError("this ElasticBuffer was destroyed")
+        return self._rt.ipc_handle()
+
+    def sync(self, ipc_handles: List[bytes]) -> None:
+        """Opens every rank's window (``window="ipc"`` only).
+
+        Arguments:
+            ipc_handles: ``get_local_ipc_handle()`` of every rank, in rank order.
+
+        Run a process-group barrier afterwards, before the first operation: no rank may write into a
+        peer's window before the peer has opened all of them.
+        """
+        if self.window != "ipc":
+            raise RuntimeError("sync: this buffer's window is NCCL's (window='nccl'); nothing to open")
+        if self._destroyed:
+            raise RuntimeError("this ElasticBuffer was destroyed")
+        handles = list(ipc_handles)
+        if len(handles) != self.num_ranks or not all(isinstance(h, bytes) for h in handles):
+            raise ValueError(f"ipc_handles: expected {self.num_ranks} bytes objects (one per rank, in rank order), "
+                             f"got {[type(h).__name__ for h in handles]}")
+        self._rt.open_ipc_peers(handles)
 
     # ----------------------------------------------------------------------------------------- life
     def destroy(self) -> None:

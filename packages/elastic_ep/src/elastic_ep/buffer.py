@@ -256,6 +256,11 @@ class ElasticBuffer:
         num_gpu_timeout_secs: how long a kernel waits for a peer before recording a timeout.
         explicitly_destroy: require an explicit ``destroy()`` (else the buffer is freed with the object).
         backend: ``"auto"``, ``"native"`` or ``"torch"`` (keyword only; not in DeepEP).
+        window: where the native backend's window lives (keyword only; not in DeepEP): ``"nccl"``
+            (``"auto"``): an NCCL symmetric window, on torch's communicator of ``group`` or a new
+            one; ``"ipc"``: cudaMalloc'ed memory shared by CUDA IPC, handles exchanged over
+            ``group`` (which may then be gloo). IPC needs no NCCL symmetric memory, and works with
+            ranks that share a GPU; it needs CUDA peer access between the ranks' GPUs.
 
     Raises:
         ValueError: bad arguments; RuntimeError: the native backend was requested but is unavailable.
@@ -267,13 +272,17 @@ class ElasticBuffer:
                  allow_multiple_reduction: bool = True, prefer_overlap_with_compute: bool = True,
                  sl_idx: int = 3, num_allocated_qps: int = 0, num_cpu_timeout_secs: int = 300,
                  num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False, *,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", window: str = "auto") -> None:
         if group is None:
             raise ValueError("group: expected a torch.distributed ProcessGroup, got None")
         if num_cpu_bytes != 0:
             raise ValueError(f"num_cpu_bytes: expected 0 (the CPU/Engram segment is not supported), got {num_cpu_bytes}")
         if backend not in ("auto", "native", "torch"):
             raise ValueError(f"backend: expected 'auto', 'native' or 'torch', got {backend!r}")
+        if window not in ("auto", "nccl", "ipc"):
+            raise ValueError(f"window: expected 'auto', 'nccl' or 'ipc', got {window!r}")
+        if window == "ipc" and backend == "torch":
+            raise ValueError("window='ipc' is the native backend's window; backend='torch' has none")
         if num_topk < 0 or num_topk > _MAX_TOPK:
             raise ValueError(f"num_topk: expected 0..{_MAX_TOPK}, got {num_topk}")
         if num_cpu_timeout_secs <= 0 or num_gpu_timeout_secs <= 0:
@@ -282,8 +291,9 @@ class ElasticBuffer:
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         pg_backend = dist.get_backend(group)
+        ipc = window == "ipc"
         if backend == "auto":
-            backend = "native" if (pg_backend == "nccl" and native_available()) else "torch"
+            backend = "native" if ((pg_backend == "nccl" or ipc) and native_available()) else "torch"
             if backend == "torch" and pg_backend == "nccl" and torch.cuda.is_available():
                 # An NCCL group on a GPU would have used the native kernels: say why it cannot, once,
                 # rather than run the (much slower) reference backend silently.
@@ -296,13 +306,16 @@ class ElasticBuffer:
                 raise RuntimeError(why)
             if not torch.cuda.is_available():
                 raise RuntimeError("the native elastic_ep backend needs a CUDA GPU; none is visible")
-            if pg_backend != "nccl":
-                raise ValueError(f"group: the native backend needs an NCCL process group, got {pg_backend!r}")
+            if pg_backend != "nccl" and not ipc:
+                raise ValueError(f"group: the native backend needs an NCCL process group (or window='ipc'), got "
+                                 f"{pg_backend!r}")
         self.backend = backend
         # The native backend skips the argument checks this class already ran (host time on the
         # critical path); the torch backend is the reference and checks everything itself.
         self._prechecked = {"_validated": True} if backend == "native" else {}
-        self.device = torch.device("cuda", torch.cuda.current_device()) if pg_backend == "nccl" else torch.device("cpu")
+        on_gpu = pg_backend == "nccl" or backend == "native"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self.window = ("ipc" if ipc else "nccl") if backend == "native" else None
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.hidden = hidden
         self.num_topk = num_topk
@@ -343,7 +356,27 @@ class ElasticBuffer:
 
     def _create_native(self, ll, group: dist.ProcessGroup, args: tuple):
         """The native low-level buffer on torch's communicator when that works on every rank, else on a
-        communicator of its own (unique-id exchange). Every rank takes the same path."""
+        communicator of its own (unique-id exchange); or on a CUDA-IPC window. Every rank takes the
+        same path."""
+        if self.window == "ipc":
+            rt = ll.ElasticBuffer(args[0], args[1], 0, *args[3:], window="ipc")
+            handles: List[Any] = [None] * self.num_ranks
+            dist.all_gather_object(handles, rt.get_local_ipc_handle(), group=group)
+            err = None
+            try:
+                rt.sync(handles)  # the caller's barrier follows: nobody writes before all are open
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                err = e
+            oks: List[Any] = [None] * self.num_ranks
+            dist.all_gather_object(oks, err is None, group=group)
+            if not all(oks):
+                rt.destroy()
+                if err is not None:
+                    raise err
+                raise RuntimeError(f"window='ipc': ranks {[r for r, ok in enumerate(oks) if not ok]} could not open "
+                                   "the peers' windows (see their errors)")
+            self.comm_source = "ipc"
+            return rt
         dist.barrier(group=group)  # torch creates its communicator lazily; make sure it exists
         comm = _torch_nccl_comm(group)
         err = None
