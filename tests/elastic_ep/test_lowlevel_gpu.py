@@ -466,6 +466,13 @@ def test_lowlevel_ep1_modes_notify_atomic_masks(tmp_path):
                        env={"ELASTIC_EP_TEST_NOTIFY_ATOMICS": "1"}) == [len(cases)]
 
 
+@pytest.mark.multigpu(2, shared_ok=True)  # the CUDA-IPC window needs no NCCL: ranks may share a GPU
+def test_lowlevel_ep2_ipc_window_notify_atomic_masks(tmp_path):
+    cases = _atomic_mask_cases(2)
+    assert run_workers(_worker_modes, 2, cases, "ipc", tmp_path=tmp_path, timeout=300,
+                       env={"ELASTIC_EP_TEST_NOTIFY_ATOMICS": "1"}) == [len(cases)] * 2
+
+
 @pytest.mark.multigpu(2)
 def test_lowlevel_ep2_modes_notify_atomic_masks(tmp_path):
     n = torch.cuda.device_count()
