@@ -8,6 +8,8 @@
 * A 1000-iteration soak with random routing and token counts, native vs torch backend.
 * CUDA-graph capture of dispatch + combine without CPU sync, replayed on new inputs.
 * A timeout: a peer that never dispatches makes the CPU wait raise TimeoutError naming the stage.
+* With two ranks on one GPU (COMMKIT_TEST_SHARE_GPU=1): the matrix, a soak and the timeout at EP 2 on
+  the CUDA-IPC window, against the oracle.
 """
 import pytest
 import torch
@@ -29,6 +31,16 @@ def test_native_ep1_matrix(tmp_path):
     shape = dict(SMALL, tokens=[61])
     cfg = dict(device="cuda", backend="native", kind="gpu", shape=shape, buffers=BUFFERS, compare_torch=True)
     assert run_workers(matrix_worker, 1, cfg, tmp_path=tmp_path, timeout=120) == [2 * 12]
+
+
+@pytest.mark.multigpu(2, shared_ok=True)  # the CUDA-IPC window needs no NCCL: ranks may share a GPU
+def test_native_matrix_ipc_window(tmp_path):
+    # The high-level mode matrix at EP 2 (deterministic mode included) on the CUDA-IPC window, checked
+    # against the oracle only: with two ranks on one GPU the group is gloo, which the torch backend
+    # cannot use for GPU tensors.
+    cfg = dict(device="cuda", backend="native", kind="gpu", shape=SMALL, buffers=BUFFERS, compare_torch=False,
+               window="ipc")
+    assert run_workers(matrix_worker, 2, cfg, tmp_path=tmp_path, timeout=300) == [2 * 12] * 2
 
 
 def epilogue_event_worker(rank, world, rdzv):
@@ -228,19 +240,24 @@ def test_native_on_torch_communicator(tmp_path):
     assert len(set(res)) == 1 and res[0] is not None
 
 
-def soak_worker(rank, world, rdzv, iters):
+def soak_worker(rank, world, rdzv, iters, window="auto"):
+    """Random cases against the torch backend; window="ipc": on the CUDA-IPC window, against the oracle."""
     import random
 
-    from tests._dist import init_nccl
+    from tests._dist import init_gpu_group, init_nccl
     from tests.elastic_ep._common import import_elastic_ep, raise_failures, run_case
 
     ep = import_elastic_ep()
-    group = init_nccl(rank, world, rdzv)
+    if window == "ipc":
+        init_gpu_group(rank, world, rdzv)
+        group = torch.distributed.group.WORLD
+    else:
+        group = init_nccl(rank, world, rdzv)
     shape = dict(hidden=256, topk=4, experts=16, max_tokens=64)
     buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=64, hidden=256, num_topk=4, use_fp8_dispatch=True,
-                           backend="native")
-    ref = ep.ElasticBuffer(group, num_max_tokens_per_rank=64, hidden=256, num_topk=4, use_fp8_dispatch=True,
-                           backend="torch")
+                           backend="native", window=window)
+    ref = None if window == "ipc" else ep.ElasticBuffer(group, num_max_tokens_per_rank=64, hidden=256, num_topk=4,
+                                                         use_fp8_dispatch=True, backend="torch")
     rng = random.Random(1234)  # same sequence of cases on every rank
     for it in range(iters):
         tokens = [rng.randint(0, 64) for _ in range(world)]
@@ -250,9 +267,10 @@ def soak_worker(rank, world, rdzv, iters):
                     num_bias=rng.randint(0, 2), cached=rng.random() < 0.2, tma_sf=False, sf_strided_input=False,
                     stream_opt=rng.choice(["sync", "async"]), handle_copy=True)
         run_case(buf, ref, group, rank, world, case, dict(shape, tokens=tokens[rank]), seed=10_000 + it,
-                 with_oracle=False)
+                 with_oracle=ref is None)
     buf.destroy()
-    ref.destroy()
+    if ref is not None:
+        ref.destroy()
     raise_failures(rank)
     return iters
 
@@ -262,3 +280,10 @@ def soak_worker(rank, world, rdzv, iters):
 def test_native_soak_1000(tmp_path):
     world = _world()
     assert run_workers(soak_worker, world, 1000, tmp_path=tmp_path, timeout=240) == [1000] * world
+
+
+@pytest.mark.multigpu(2, shared_ok=True)  # the CUDA-IPC window needs no NCCL: ranks may share a GPU
+def test_native_soak_ipc_window(tmp_path):
+    # 300 random cases (token counts 0..64 per rank, bf16/fp8, expand, alignment, CPU sync on/off,
+    # cached, async) at EP 2 on the CUDA-IPC window, each against the oracle.
+    assert run_workers(soak_worker, 2, 300, "ipc", tmp_path=tmp_path, timeout=300) == [300] * 2
