@@ -810,6 +810,11 @@ class ElasticBuffer:
         if num_qps == 0:
             num_qps = self.get_theoretical_num_qps(num_sms)
         if handle.perm is not None:  # deterministic mode: back to the backend's row order
+            # The scatter runs on the current stream. With previous_event the communication stream
+            # waits for that event only, so the scatter has to come after it and a new event, after
+            # the scatter, takes its place (found at EP 2: the comm stream read half-scattered weights).
+            if previous_event is not None:
+                previous_event.current_stream_wait()
             raw = torch.empty_like(x)
             raw[handle.perm] = x
             x = raw
@@ -817,6 +822,8 @@ class ElasticBuffer:
                 raw_w = torch.empty_like(topk_weights)
                 raw_w[handle.perm] = topk_weights
                 topk_weights = raw_w
+            if previous_event is not None:
+                previous_event = self.capture()
         combined_x, combined_w, event = self.runtime.combine(
             x=x, topk_weights=topk_weights, bias_0=biases[0], bias_1=biases[1],
             src_metadata=handle.recv_src_metadata, combined_topk_idx=handle.topk_idx,
