@@ -13,7 +13,7 @@ For each configuration, in the same processes and with the same number of GPUs c
   * peak     plain pinned cudaMemcpyAsync of 256 MB buffers (registered shm, like the slots);
   * seed     the original design: 2 slots, one expert in flight, 4 separate copies, each waited;
   * slotsN   this package with N host slots (N experts in flight, coalesced copies, 2 copy streams);
-  * "-1s"    the same with one copy stream (what the second stream buys);
+  * "-nowait" the same with coalesce_wait=False (every ready run of slots issued at once);
   each with the native shard writer (rank 0 cuts every rank's shard out of whole-layer tensors)
   and "prestaged" (the writer does nothing, so the transport itself is measured).
 Per rank it reports h2d GB/s (bytes over copy-engine busy time), effective GB/s (bytes over the
@@ -115,7 +115,8 @@ def _run_rank(rank, tp, cfg, tmp):
         ex = F.FileExchange(os.path.join(tmp, f"t_{name}"), rank, tp)
         rows = []
         with F.Transport(rank, tp, E, nb, num_slots=slots, backend=backend, exchange=ex, timeout_ms=60000,
-                         max_inflight=inflight, coalesce=coalesce, copy_streams=mode.get("streams", 2)) as t:
+                         max_inflight=inflight, coalesce=coalesce, copy_streams=mode.get("streams", 2),
+                         coalesce_wait=mode.get("wait", True)) as t:
             for layer in range(cfg["layers"] + 1):
                 with t.layer(layer + 1, layer, E) as L:
                     if rank == 0:
@@ -198,18 +199,19 @@ def main(argv=None):
         # One GPU: the small-shard sizes with one rank (so one GPU copying; the writer's cut of a
         # 1-rank layer is contiguous, unlike the strided w2 cut of a real TP4/TP8 rank).
         configs = [configs[0], ("TP4-sized shard, 1 rank", 1, 4), ("TP8-sized shard, 1 rank", 1, 8)]
-    # streams: CUDA copy streams per consumer (the seed design has one; the "-1s" rows isolate what
-    # the default second stream buys at the same slot count).
+    # streams: CUDA copy streams per consumer (the seed design has one). wait: coalesce_wait; the
+    # "-nowait" rows issue every ready run at once (what that waiting buys or costs).
     modes = [dict(name="seed", slots=2, inflight=1, coalesce=False, prestaged=False, streams=1),
              dict(name="slots2", slots=2, inflight=0, coalesce=True, prestaged=False, streams=2),
              dict(name="slots4", slots=4, inflight=0, coalesce=True, prestaged=False, streams=2),
-             dict(name="slots4-1s", slots=4, inflight=0, coalesce=True, prestaged=False, streams=1),
+             dict(name="slots4-nowait", slots=4, inflight=0, coalesce=True, prestaged=False, streams=2, wait=False),
              dict(name="slots8", slots=8, inflight=0, coalesce=True, prestaged=False, streams=2),
              dict(name="seed-prestaged", slots=2, inflight=1, coalesce=False, prestaged=True, streams=1),
              dict(name="slots2-prestaged", slots=2, inflight=0, coalesce=True, prestaged=True, streams=2),
              dict(name="slots4-prestaged", slots=4, inflight=0, coalesce=True, prestaged=True, streams=2),
              dict(name="slots8-prestaged", slots=8, inflight=0, coalesce=True, prestaged=True, streams=2),
-             dict(name="slots8-prestaged-1s", slots=8, inflight=0, coalesce=True, prestaged=True, streams=1)]
+             dict(name="slots4-prestaged-nowait", slots=4, inflight=0, coalesce=True, prestaged=True, streams=2,
+                  wait=False)]
     results = []
     for name, tp, shard_tp in configs:
         I_eff = I * tp // shard_tp  # cut by tp ranks, each shard is what shard_tp would give

@@ -690,7 +690,7 @@ class Transport::Impl {
         // it: the engine is busy anyway, and a longer run is fewer, larger copies (each copy costs
         // ~2.5 us of engine time whatever its size; a TP8-sized expert has two scale copies < 1 KB).
         // Issued at once when nothing is queued, at the end of the layer or of the slot ring.
-        if (opt_.coalesce && !inflight_.empty() && run.count < budget && next_issue + run.count < n &&
+        if (opt_.coalesce && opt_.coalesce_wait && !inflight_.empty() && run.count < budget && next_issue + run.count < n &&
             run.first_slot + run.count < slots_)
           break;
         ops.clear();

@@ -53,6 +53,9 @@ struct Options {
   std::string backend = "auto";  // "cuda", "cpu", or "auto" (cuda when cuda_device >= 0)
   int max_inflight = 0;          // experts in flight per consumer; 0 = num_slots; 1 = seed design
   bool coalesce = true;          // merge copies of consecutive slots when host memory is contiguous
+  // With coalesce: while a batch is still queued on the copy engine, let a short run of ready slots
+  // wait for the next ones (fewer, larger copies) instead of issuing it at once.
+  bool coalesce_wait = true;
   uint64_t liveness_ms = 20;     // how often a waiter checks that the ranks it waits on are alive
   // CUDA streams a consumer spreads each batch's copies over (1..kMaxCopyStreams): a copy's fixed
   // start-up cost (~2.5 us, all of a sub-KB scale copy's time) overlaps another stream's transfer.

@@ -373,6 +373,8 @@ class Transport:
         copy_streams: CUDA streams each consumer spreads a batch's copies over, 1..4. A second
             stream overlaps each copy's fixed cost with another copy: +2-3 points of the pinned peak
             for TP8-sized shards on one H200, neutral for larger experts (BENCHMARKS.md, run 4).
+        coalesce_wait: while a batch is queued on the copy engine, a short run of ready slots waits
+            for the next ones (fewer, larger copies); False issues every ready run at once.
 
     Raises:
         ValueError: bad arguments, before anything is created.
@@ -381,7 +383,8 @@ class Transport:
     def __init__(self, rank: int, tp_size: int, num_experts: int, expert_nbytes: Sequence[int], *,
                  num_slots: Optional[int] = None, backend: str = "auto", device: Optional[int] = None,
                  timeout_ms: int = 60000, group=None, exchange: Optional[Callable[[Any], List[Any]]] = None,
-                 max_inflight: int = 0, coalesce: bool = True, liveness_ms: int = 20, copy_streams: int = 2):
+                 max_inflight: int = 0, coalesce: bool = True, liveness_ms: int = 20, copy_streams: int = 2,
+                 coalesce_wait: bool = True):
         _check(1 <= tp_size <= MAX_TP, f"tp_size must be in 1..{MAX_TP}, got {tp_size}")
         _check(0 <= rank < tp_size, f"rank must be in 0..{tp_size - 1}, got {rank}")
         _check(num_experts >= 1, f"num_experts must be positive, got {num_experts}")
@@ -412,12 +415,12 @@ class Transport:
         self._native = None
         self._closed = False
         try:
-            self._setup(timeout_ms, max_inflight, coalesce, liveness_ms, copy_streams)
+            self._setup(timeout_ms, max_inflight, coalesce, liveness_ms, copy_streams, coalesce_wait)
         except BaseException:
             self._release()
             raise
 
-    def _setup(self, timeout_ms, max_inflight, coalesce, liveness_ms, copy_streams):
+    def _setup(self, timeout_ms, max_inflight, coalesce, liveness_ms, copy_streams, coalesce_wait):
         if self.rank == 0:
             self._control = ControlRegion.create(self.tp_size, self.num_slots)
         self._slots = HostSlots.create(self.expert_nbytes, self.num_slots)
@@ -450,7 +453,7 @@ class Transport:
             self.device if self.backend == "cuda" else -1, self._slots.ptrs(),
             [b.data_ptr() for b in self.buffers], all_ptrs, self.expert_nbytes, self.num_experts,
             timeout_ms, backend=self.backend, max_inflight=max_inflight, coalesce=coalesce, liveness_ms=liveness_ms,
-            copy_streams=copy_streams)
+            copy_streams=copy_streams, coalesce_wait=coalesce_wait)
         if self.rank == 0:
             self._views = [[[self._peer_slots[r].view(s, k) for k in range(4)] for r in range(self.tp_size)]
                            for s in range(self.num_slots)]
