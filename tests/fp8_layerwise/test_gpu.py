@@ -23,6 +23,11 @@ def test_gpu_tp1(tmp_path):
                       tmp_path=tmp_path, timeout=240)
     _assert_delivery(res)
     assert {(r["slots"], r["streams"]) for r in res[0]} == {(s, c) for s in (2, 4) for c in (1, 2, 4)}
+    # coalesce_wait=True delivers the same bytes (its own folder: a second run of workers)
+    wait_dir = tmp_path / "coalesce_wait"
+    wait_dir.mkdir()
+    _assert_delivery(run_workers(W.delivery, 1, str(wait_dir), (4, 8), (1, 12), False, "cuda", (2,), True,
+                                 tmp_path=wait_dir, timeout=240))
 
 
 @pytest.mark.multigpu(2, shared_ok=True)  # no NCCL between ranks: they may share a GPU

@@ -18,6 +18,16 @@ def test_delivery_byte_exact(tmp_path, tp, slots, use_gloo):
             assert row["untouched"], (rank, row)  # nothing written past expert_count
 
 
+def test_delivery_byte_exact_coalesce_wait(tmp_path):
+    # coalesce_wait=True: short runs of ready slots wait while a batch is queued, then go as longer runs.
+    res = run_workers(W.delivery, 2, str(tmp_path), (4, 8), (1, 6, 12), False, "cpu", (2,), True,
+                      tmp_path=tmp_path, timeout=150)
+    for rank, rows in enumerate(res):
+        assert len(rows) == 2 * 3
+        for row in rows:
+            assert row["bad"] == [] and row["bytes"] == row["want"] and row["untouched"], (rank, row)
+
+
 def test_sigkill_consumer_detected_fast(tmp_path):
     res = run_workers(W.kill_consumer, 3, str(tmp_path), tmp_path=tmp_path, timeout=120, expect_dead={2})
     r0, r1 = res[0], res[1]

@@ -686,12 +686,12 @@ class Transport::Impl {
           run.seqs[run.count++] = seq;
         }
         if (run.count == 0) break;
-        // While a batch is still queued on the copy engine, a short run can wait for the slots after
-        // it: the engine is busy anyway, and a longer run is fewer, larger copies (each copy costs
-        // ~2.5 us of engine time whatever its size; a TP8-sized expert has two scale copies < 1 KB).
-        // Issued at once when nothing is queued, at the end of the layer or of the slot ring.
-        if (opt_.coalesce && opt_.coalesce_wait && !inflight_.empty() && run.count < budget && next_issue + run.count < n &&
-            run.first_slot + run.count < slots_)
+        // coalesce_wait: while a batch is still queued on the copy engine, a short run waits for the
+        // slots after it, since a longer run is fewer, larger copies (each copy costs ~2.5 us of
+        // engine time whatever its size; a TP8-sized expert has two scale copies < 1 KB). Issued at
+        // once when nothing is queued, at the end of the layer or of the slot ring.
+        if (opt_.coalesce && opt_.coalesce_wait && !inflight_.empty() && run.count < budget &&
+            next_issue + run.count < n && run.first_slot + run.count < slots_)
           break;
         ops.clear();
         for (int k = 0; k < kKinds; ++k) {

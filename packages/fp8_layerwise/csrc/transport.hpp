@@ -54,8 +54,10 @@ struct Options {
   int max_inflight = 0;          // experts in flight per consumer; 0 = num_slots; 1 = seed design
   bool coalesce = true;          // merge copies of consecutive slots when host memory is contiguous
   // With coalesce: while a batch is still queued on the copy engine, let a short run of ready slots
-  // wait for the next ones (fewer, larger copies) instead of issuing it at once.
-  bool coalesce_wait = true;
+  // wait for the next ones (fewer, larger copies) instead of issuing it at once. Off by default: it
+  // helps the transport alone (+2-3 points for small shards) but costs end to end when the writer
+  // is the bottleneck (fp8_layerwise/BENCHMARKS.md, run 5).
+  bool coalesce_wait = false;
   uint64_t liveness_ms = 20;     // how often a waiter checks that the ranks it waits on are alive
   // CUDA streams a consumer spreads each batch's copies over (1..kMaxCopyStreams): a copy's fixed
   // start-up cost (~2.5 us, all of a sub-KB scale copy's time) overlaps another stream's transfer.

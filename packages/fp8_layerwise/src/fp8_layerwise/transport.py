@@ -374,7 +374,9 @@ class Transport:
             stream overlaps each copy's fixed cost with another copy: +2-3 points of the pinned peak
             for TP8-sized shards on one H200, neutral for larger experts (BENCHMARKS.md, run 4).
         coalesce_wait: while a batch is queued on the copy engine, a short run of ready slots waits
-            for the next ones (fewer, larger copies); False issues every ready run at once.
+            for the next ones (fewer, larger copies). Pays when the slots fill faster than the link
+            (prestaged data, a fast writer: +2-3 points for small shards); with a writer slower than
+            the link it cost 3-8 points end to end (BENCHMARKS.md, run 5), hence off by default.
 
     Raises:
         ValueError: bad arguments, before anything is created.
@@ -384,7 +386,7 @@ class Transport:
                  num_slots: Optional[int] = None, backend: str = "auto", device: Optional[int] = None,
                  timeout_ms: int = 60000, group=None, exchange: Optional[Callable[[Any], List[Any]]] = None,
                  max_inflight: int = 0, coalesce: bool = True, liveness_ms: int = 20, copy_streams: int = 2,
-                 coalesce_wait: bool = True):
+                 coalesce_wait: bool = False):
         _check(1 <= tp_size <= MAX_TP, f"tp_size must be in 1..{MAX_TP}, got {tp_size}")
         _check(0 <= rank < tp_size, f"rank must be in 0..{tp_size - 1}, got {rank}")
         _check(num_experts >= 1, f"num_experts must be positive, got {num_experts}")
