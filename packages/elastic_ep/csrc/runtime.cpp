@@ -99,7 +99,7 @@ std::tuple<int, int> nccl_comm_rank_size(int64_t comm) {
   return {rank, size};
 }
 
-void Runtime::check_args(int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs) const {
+uint64_t Runtime::begin_setup(int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs) {
   CK_CHECK_ARG(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks must be in [1, ", kMaxRanks, "], got ",
                num_ranks);
   CK_CHECK_ARG(rank >= 0 && rank < num_ranks, "rank_idx must be in [0, num_ranks), got ", rank);
@@ -107,6 +107,10 @@ void Runtime::check_args(int rank, int num_ranks, int64_t num_buffer_bytes, int 
                "num_buffer_bytes must be a positive multiple of ", kBufferAlignmentBytes, " (2 MiB), got ",
                num_buffer_bytes);
   CK_CHECK_ARG(num_cpu_timeout_secs > 0, "num_cpu_timeout_secs must be positive");
+  CK_CUDA_CHECK(cudaGetDevice(&device_));
+  CK_CUDA_CHECK(cudaDeviceGetAttribute(&num_device_sms_, cudaDevAttrMultiProcessorCount, device_));
+  workspace_bytes_ = workspace_layout().bytes;
+  return workspace_bytes_ + uint64_t(num_buffer_bytes);  // the window: [workspace | buffer]
 }
 
 Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_bytes, int num_cpu_timeout_secs,
@@ -117,19 +121,14 @@ Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_
       num_cpu_timeout_secs_(num_cpu_timeout_secs),
       gpu_timeout_ns_(uint64_t(num_gpu_timeout_secs > 0 ? num_gpu_timeout_secs : 0) * 1000000000ull) {
   CK_CHECK_ARG(nccl_comm != 0, "nccl_comm is null");
-  check_args(rank, num_ranks, num_buffer_bytes, num_cpu_timeout_secs);
+  const uint64_t total = begin_setup(rank, num_ranks, num_buffer_bytes, num_cpu_timeout_secs);
   auto [comm_rank, comm_size] = nccl_comm_rank_size(nccl_comm);
   CK_CHECK_ARG(comm_rank == rank && comm_size == num_ranks, "the NCCL communicator is rank ", comm_rank, " of ",
                comm_size, " but rank_idx=", rank, ", num_ranks=", num_ranks, " were given");
   comm_ = reinterpret_cast<void*>(nccl_comm);
   auto comm = static_cast<ncclComm_t>(comm_);
 
-  CK_CUDA_CHECK(cudaGetDevice(&device_));
-  CK_CUDA_CHECK(cudaDeviceGetAttribute(&num_device_sms_, cudaDevAttrMultiProcessorCount, device_));
-
-  // One symmetric allocation: [workspace | buffer]. Every rank passes the same size (collective).
-  workspace_bytes_ = workspace_layout().bytes;
-  const uint64_t total = workspace_bytes_ + uint64_t(num_buffer_bytes);
+  // One symmetric allocation. Every rank passes the same size (collective).
   EP_DEBUG("rank %d/%d: device %d, ncclMemAlloc %llu bytes\n", rank, num_ranks, device_, (unsigned long long)total);
   CK_NCCL_CHECK(ncclMemAlloc(&sym_ptr_, total));
   EP_DEBUG("rank %d: ncclCommWindowRegister %p\n", rank, sym_ptr_);
@@ -179,11 +178,7 @@ Runtime::Runtime(Ipc, int rank, int num_ranks, int64_t num_buffer_bytes, int num
       num_cpu_timeout_secs_(num_cpu_timeout_secs),
       gpu_timeout_ns_(uint64_t(num_gpu_timeout_secs > 0 ? num_gpu_timeout_secs : 0) * 1000000000ull),
       ipc_(true) {
-  check_args(rank, num_ranks, num_buffer_bytes, num_cpu_timeout_secs);
-  CK_CUDA_CHECK(cudaGetDevice(&device_));
-  CK_CUDA_CHECK(cudaDeviceGetAttribute(&num_device_sms_, cudaDevAttrMultiProcessorCount, device_));
-  workspace_bytes_ = workspace_layout().bytes;
-  const uint64_t total = workspace_bytes_ + uint64_t(num_buffer_bytes);
+  const uint64_t total = begin_setup(rank, num_ranks, num_buffer_bytes, num_cpu_timeout_secs);
   EP_DEBUG("rank %d/%d: device %d, IPC window of %llu bytes\n", rank, num_ranks, device_, (unsigned long long)total);
   // cudaMalloc, not the caching allocator: an IPC handle exports a whole allocation.
   CK_CUDA_CHECK(cudaMalloc(&sym_ptr_, total));

@@ -118,7 +118,8 @@ class Runtime {
  private:
   CommView view() const;
   void set_device() const;
-  void check_args(int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs) const;
+  // Argument checks, device, SM count, workspace size; returns the window's bytes. Both windows.
+  uint64_t begin_setup(int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs);
   // Host workspace, events, zeroed device workspace: the half of the set-up both windows share.
   void finish_setup();
   // `waiter` waits for the work queued on `signaller` so far (an event recorded there); a no-op when
