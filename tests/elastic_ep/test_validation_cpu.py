@@ -97,6 +97,16 @@ def validation_worker(rank, world, rdzv, backend="torch"):
         lambda: ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, window="shm"))
     bad("window='ipc' is the native backend's",
         lambda: ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, backend="torch", window="ipc"))
+    if not torch.cuda.is_available():
+        # window='ipc' asks for the native backend: where it cannot run, the reason is raised rather
+        # than the torch backend silently used without the window.
+        try:
+            ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, window="ipc")
+        except RuntimeError as e:
+            assert "CUDA" in str(e) or "native" in str(e), e
+            seen.append("window='ipc' without CUDA")
+        else:
+            raise AssertionError("window='ipc' without a GPU did not raise")
 
     # a valid call still works after all the rejected ones, then the lifecycle
     d(x, topk_idx=idx, num_experts=E)

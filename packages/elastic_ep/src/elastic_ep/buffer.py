@@ -292,8 +292,10 @@ class ElasticBuffer:
         self.num_ranks = dist.get_world_size(group)
         pg_backend = dist.get_backend(group)
         ipc = window == "ipc"
+        if backend == "auto" and ipc:
+            backend = "native"  # the window exists only there: say why if it cannot be had (below)
         if backend == "auto":
-            backend = "native" if ((pg_backend == "nccl" or ipc) and native_available()) else "torch"
+            backend = "native" if (pg_backend == "nccl" and native_available()) else "torch"
             if backend == "torch" and pg_backend == "nccl" and torch.cuda.is_available():
                 # An NCCL group on a GPU would have used the native kernels: say why it cannot, once,
                 # rather than run the (much slower) reference backend silently.
