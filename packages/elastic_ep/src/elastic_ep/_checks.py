@@ -28,6 +28,21 @@ def check_expert_ids_torch(topk_idx, num_experts: int) -> None:
         raise expert_ids_error(num_bad, int(topk_idx[bad][0]), num_experts)
 
 
+# The cached handle's fields a cached dispatch needs, by the low-level dispatch's argument names.
+CACHED_HANDLE_FIELDS = ("cached_num_expanded_tokens", "cached_num_recv_tokens_per_expert_list",
+                        "cached_psum_num_recv_tokens_per_scaleup_rank", "cached_psum_num_recv_tokens_per_expert",
+                        "cached_num_unaligned_recv_tokens_per_expert", "cached_dst_buffer_slot_idx",
+                        "cached_recv_src_metadata")
+
+
+def cached_handle_fields(args: Mapping[str, object]) -> Optional[dict]:
+    """``check_dispatch_modes``' ``cached`` argument from a low-level dispatch's arguments (e.g. its
+    ``locals()``): the handle's fields in cached mode, None otherwise."""
+    if args.get("cached_num_recv_tokens") is None:
+        return None
+    return {name: args.get(name) for name in CACHED_HANDLE_FIELDS}
+
+
 def check_dispatch_modes(do_expand: bool, do_zero_padding: bool, do_cpu_sync: bool,
                          cached: Optional[Mapping[str, object]]) -> None:
     """Raise ValueError for an inconsistent combination of dispatch modes.

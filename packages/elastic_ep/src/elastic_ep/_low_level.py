@@ -743,14 +743,7 @@ class ElasticBuffer:
         """Every argument check of ``dispatch``; raises ValueError before anything is launched."""
         R = self.num_ranks
         cached = cached_num_recv_tokens is not None
-        _checks.check_dispatch_modes(do_expand, do_zero_padding, do_cpu_sync, dict(
-            cached_num_expanded_tokens=cached_num_expanded_tokens,
-            cached_num_recv_tokens_per_expert_list=cached_num_recv_tokens_per_expert_list,
-            cached_psum_num_recv_tokens_per_scaleup_rank=cached_psum_num_recv_tokens_per_scaleup_rank,
-            cached_psum_num_recv_tokens_per_expert=cached_psum_num_recv_tokens_per_expert,
-            cached_num_unaligned_recv_tokens_per_expert=cached_num_unaligned_recv_tokens_per_expert,
-            cached_dst_buffer_slot_idx=cached_dst_buffer_slot_idx,
-            cached_recv_src_metadata=cached_recv_src_metadata) if cached else None)
+        _checks.check_dispatch_modes(do_expand, do_zero_padding, do_cpu_sync, _checks.cached_handle_fields(locals()))
         _check_cuda_tensor("x", x, (torch.bfloat16,) + _FP8_DTYPES, 2)
         T, hidden = x.shape
         hidden_bytes = hidden * x.element_size()

@@ -284,13 +284,7 @@ class ElasticBuffer:
         if expert_alignment <= 0:
             raise ValueError(f"expert_alignment must be positive, got {expert_alignment}")
         cached_mode = cached_num_recv_tokens is not None
-        _checks.check_dispatch_modes(do_expand, do_zero_padding, do_cpu_sync, dict(
-            cached_num_expanded_tokens=cached_num_expanded_tokens,
-            cached_num_recv_tokens_per_expert_list=cached_num_recv_tokens_per_expert_list,
-            cached_psum_num_recv_tokens_per_scaleup_rank=cached_psum_num_recv_tokens_per_scaleup_rank,
-            cached_psum_num_recv_tokens_per_expert=cached_psum_num_recv_tokens_per_expert,
-            cached_dst_buffer_slot_idx=cached_dst_buffer_slot_idx,
-            cached_recv_src_metadata=cached_recv_src_metadata) if cached_mode else None)
+        _checks.check_dispatch_modes(do_expand, do_zero_padding, do_cpu_sync, _checks.cached_handle_fields(locals()))
         T, H = x.shape
         K = topk_idx.shape[1]
         L = num_experts // R
