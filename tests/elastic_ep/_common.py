@@ -475,21 +475,28 @@ def run_case(buf, ref, group, me: int, R: int, case: dict, shape: dict, seed: in
             check(torch.equal(bytes_of(rcw.cpu()), bytes_of(cw.cpu())), f"combined weights {ref.backend} vs {buf.backend} {case}")
 
 
+def init_ep_group(rank: int, world: int, rdzv: str, window: str = "auto"):
+    """The group a native elastic_ep GPU test talks over: NCCL (one GPU per rank), or for the CUDA-IPC
+    window whatever ``init_gpu_group`` picks (gloo when the ranks share a GPU, which NCCL refuses)."""
+    from tests._dist import init_gpu_group, init_nccl
+
+    if window == "ipc":
+        init_gpu_group(rank, world, rdzv)
+        return dist.group.WORLD
+    return init_nccl(rank, world, rdzv)
+
+
 def matrix_worker(rank: int, world: int, rdzv: str, cfg: dict):
     """Runs ``case_matrix(cfg['kind'])`` for each buffer option set in ``cfg['buffers']``.
 
     ``cfg['window'] == 'ipc'``: the native buffer on its CUDA-IPC window, over a gloo group when the
     ranks share a GPU (then only the oracle can check it: the torch backend needs NCCL for GPU tensors).
     """
-    from tests._dist import init_gloo, init_gpu_group, init_nccl
+    from tests._dist import init_gloo
 
     ep = import_elastic_ep()
     window = cfg.get("window", "auto")
-    if window == "ipc":
-        init_gpu_group(rank, world, rdzv)
-        group = dist.group.WORLD
-    else:
-        group = init_nccl(rank, world, rdzv) if cfg["device"] == "cuda" else init_gloo(rank, world, rdzv)
+    group = init_ep_group(rank, world, rdzv, window) if cfg["device"] == "cuda" else init_gloo(rank, world, rdzv)
     shape = dict(cfg["shape"])
     tok = shape["tokens"]
     if isinstance(tok, list):
@@ -498,7 +505,7 @@ def matrix_worker(rank: int, world: int, rdzv: str, cfg: dict):
     for bopts in cfg["buffers"]:
         kw = dict(num_max_tokens_per_rank=shape["max_tokens"], hidden=shape["hidden"], num_topk=shape["topk"],
                   use_fp8_dispatch=True, **bopts)
-        buf = ep.ElasticBuffer(group, backend=cfg["backend"], **kw, **({"window": window} if window == "ipc" else {}))
+        buf = ep.ElasticBuffer(group, backend=cfg["backend"], window=window, **kw)
         if cfg.get("shuffle") and buf.backend == "torch":  # emulate the native kernels' row order
             buf.runtime.shuffle_generator = torch.Generator().manual_seed(1000 + rank)
         ref = ep.ElasticBuffer(group, backend="torch", **kw) if cfg.get("compare_torch") else None

@@ -166,15 +166,10 @@ def test_native_ep1_cuda_graph(tmp_path):
 def timeout_worker(rank, world, rdzv, window="auto"):
     import time
 
-    from tests._dist import init_gpu_group, init_nccl
-    from tests.elastic_ep._common import import_elastic_ep, make_inputs
+    from tests.elastic_ep._common import import_elastic_ep, init_ep_group, make_inputs
 
     ep = import_elastic_ep()
-    if window == "ipc":
-        init_gpu_group(rank, world, rdzv)  # gloo when the ranks share a GPU
-        group = torch.distributed.group.WORLD
-    else:
-        group = init_nccl(rank, world, rdzv)
+    group = init_ep_group(rank, world, rdzv, window)
     buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=32, hidden=256, num_topk=2, backend="native",
                            num_cpu_timeout_secs=3, num_gpu_timeout_secs=3, explicitly_destroy=True, window=window)
     if rank != 0:
@@ -244,15 +239,10 @@ def soak_worker(rank, world, rdzv, iters, window="auto"):
     """Random cases against the torch backend; window="ipc": on the CUDA-IPC window, against the oracle."""
     import random
 
-    from tests._dist import init_gpu_group, init_nccl
-    from tests.elastic_ep._common import import_elastic_ep, raise_failures, run_case
+    from tests.elastic_ep._common import import_elastic_ep, init_ep_group, raise_failures, run_case
 
     ep = import_elastic_ep()
-    if window == "ipc":
-        init_gpu_group(rank, world, rdzv)
-        group = torch.distributed.group.WORLD
-    else:
-        group = init_nccl(rank, world, rdzv)
+    group = init_ep_group(rank, world, rdzv, window)
     shape = dict(hidden=256, topk=4, experts=16, max_tokens=64)
     buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=64, hidden=256, num_topk=4, use_fp8_dispatch=True,
                            backend="native", window=window)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests._dist import init_gpu_group, init_nccl, run_workers
+from tests._dist import init_nccl, run_workers
 
 torch = pytest.importorskip("torch")
 
@@ -164,10 +164,9 @@ def _check_dispatch(ref, out, rank, R, K, L, align, expand, zero_pad, cpu_sync, 
 def _worker_modes(rank, world_size, rdzv, cases, window="nccl"):
     """Every case on one buffer per reduction mode. window="ipc": the CUDA-IPC window, on a gloo group
     when the ranks share a GPU (NCCL refuses that), so the multi-rank paths run on a one-GPU machine."""
-    if window == "ipc":
-        init_gpu_group(rank, world_size, rdzv)
-    else:
-        init_nccl(rank, world_size, rdzv)
+    from tests.elastic_ep._common import init_ep_group
+
+    init_ep_group(rank, world_size, rdzv, window)
     import torch.distributed as dist
 
     from elastic_ep import _low_level as ll
