@@ -7,7 +7,12 @@ Shape (DeepSeek-V3): 4096 tokens per rank, hidden 7168, top-8 of 256 experts, un
 routing (each token picks 8 distinct experts uniformly). Cases: BF16 dispatch, FP8 dispatch
 (float8_e4m3fn rows + FP32 scales per 128 elements), BF16 combine (of the BF16 dispatch's rows).
 
-Measurements per case, over the iterations (each after a 256 MiB L2 flush and a barrier):
+Measurements per case, over the iterations. Each iteration starts aligned on every GPU, as DeepEP's
+``bench_kineto`` does with ``barrier_comm_profiling``: a 256 MiB L2 flush, a host barrier, then a tiny
+all-reduce (the GPUs leave it together) and a ~0.4 ms GEMM queued behind it, so that every host has
+enqueued the call before its GPU reaches it. Without that, the first kernel of a rank whose host is
+late (by 100+ us on the GPU machine's VM) is counted on the other rank as waiting time, which is
+host skew, not communication (``--align barrier`` measures that way: barrier, then the call):
 * kernel time: device time of the elastic_ep kernels of the call, from the CUDA profiler (Kineto),
   split into the communication kernels (dispatch: notify + push; combine: push) and the epilogue
   (dispatch copy epilogue; combine reduce);
@@ -74,15 +79,33 @@ def _inputs(rank: int, T: int, H: int, K: int, E: int, seed: int = 0):
     return {k: v.to(dev) for k, v in dict(xb=xb, x8=x8, sf=sf, topk=topk, w=w).items()}
 
 
-def _timed_us(fn, iters, flush, group):
-    """Microseconds of ``fn`` per iteration (CUDA events on the current stream), each run after an L2
-    flush and a barrier so every rank starts together from a cold cache."""
+class _Aligner:
+    """Starts an iteration on every rank's GPU at the same moment, from a cold L2 (see the module
+    docstring). mode "gemm": flush, barrier, all-reduce, GEMM; mode "barrier": flush and barrier only."""
+
+    def __init__(self, group, mode: str):
+        self.group, self.mode = group, mode
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        self.one = torch.ones(1, device="cuda")
+        self.a = torch.randn((8192, 4096), device="cuda").to(torch.bfloat16)
+        self.b = torch.randn((4096, 4096), device="cuda").to(torch.bfloat16)
+
+    def __call__(self):
+        self.flush.zero_()
+        torch.cuda.synchronize()
+        dist.barrier(group=self.group)
+        torch.cuda.synchronize()
+        if self.mode == "gemm":
+            dist.all_reduce(self.one, group=self.group)
+            torch.mm(self.a, self.b)
+
+
+def _timed_us(fn, iters, align):
+    """Microseconds of ``fn`` per iteration (CUDA events on the current stream), each iteration
+    started by ``align`` (every rank together, cold cache)."""
     out = []
     for _ in range(iters):
-        flush.zero_()
-        torch.cuda.synchronize()
-        dist.barrier(group=group)
-        torch.cuda.synchronize()
+        align()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -129,7 +152,7 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
     T, H, K, E = args.tokens, 7168, 8, 256
     L = E // world
     inp = _inputs(rank, T, H, K, E)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    align = _Aligner(group, args.align)
     backends = ["native", "torch"] if ep.native_available() else ["torch"]
     iters = 5 if args.quick else 30
     out = {"rank": rank, "world": world, "results": []}
@@ -168,7 +191,7 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                 torch.cuda.synchronize()
                 dist.barrier(group=group)
                 # end-to-end, CUDA events on the current stream
-                e2e = _timed_us(fn, iters, flush, group)
+                e2e = _timed_us(fn, iters, align)
                 comm_us = epi_us = None
                 per_kernel = {}
                 if backend == "native":
@@ -176,10 +199,7 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
 
                     with profile(activities=[ProfilerActivity.CUDA]) as prof:
                         for _ in range(iters):
-                            flush.zero_()
-                            torch.cuda.synchronize()
-                            dist.barrier(group=group)
-                            torch.cuda.synchronize()
+                            align()
                             fn()
                             torch.cuda.synchronize()
                     comm_us, epi_us, per_kernel = _kernel_times(prof, iters)
@@ -223,7 +243,7 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
 
         for _ in range(2):
             a2a()
-        e2e = _timed_us(a2a, iters, flush, group)
+        e2e = _timed_us(a2a, iters, align)
         remote = (n_sent_remote if is_combine else n_recv_remote) * b
         total = (sum(sent) if is_combine else n_recv_all) * b
         stats = _e2e_stats(e2e)
@@ -258,7 +278,10 @@ def _summarise(per_rank, meta):
                                                         "epilogue_us",
                                                         "e2e_gbps_excl_local", "e2e_gbps_incl_local",
                                                         "kernel_gbps_excl_local", "kernel_gbps_incl_local",
-                                                        "comm_gbps_excl_local")}))
+                                                        "comm_gbps_excl_local")},
+                          per_kernel_us={k: sum(v.get("per_kernel_us", {}).get(k, 0.0) for v in lst) / len(lst)
+                                         for k in sorted({k for v in lst for k in v.get("per_kernel_us", {})})},
+                          per_kernel_us_by_rank=[v.get("per_kernel_us", {}) for v in lst]))
     ref = {t["case"]: t for t in table if t["backend"] == "torch"}
     a2a = {t["case"]: t for t in table if t["backend"] == "torch_a2a"}
     for t in table:
@@ -277,7 +300,8 @@ def _markdown(table, meta) -> str:
     lines = [f"elastic_ep benchmark, {meta['date']}, {meta['gpus']} x {meta['gpu_name']}, git {meta['git']}, "
              f"torch {meta['torch']}, NCCL {meta['nccl']}",
              f"shape: {meta['tokens']} tokens/rank, hidden 7168, top-8 of 256 experts, uniform routing; "
-             "per-GPU averages of: kernel time (mean), e2e (median of the iterations); "
+             f"per-GPU averages of: kernel time (mean), e2e (median of the iterations), each iteration started "
+             f"{'aligned on all GPUs (all-reduce + GEMM)' if meta.get('align', 'gemm') == 'gemm' else 'after a host barrier'}; "
              "GB/s = received bytes / time",
              "",
              "| backend | case | SMs | kernel us | comm us | epilogue us | e2e us | kernel GB/s excl. local | "
@@ -290,6 +314,15 @@ def _markdown(table, meta) -> str:
                      f"{_fmt(t['kernel_gbps_excl_local'])} | {_fmt(t['kernel_gbps_incl_local'])} | "
                      f"{_fmt(t['comm_gbps_excl_local'])} | {_fmt(t['e2e_gbps_excl_local'])} | "
                      f"{_fmt(t['speedup_vs_torch_e2e'], 2)} | {_fmt(t['speedup_vs_a2a_e2e'], 2)} |")
+    kern = [t for t in table if t.get("per_kernel_us")]
+    if kern:
+        lines += ["", "Device time per kernel (us), per rank:", "",
+                  "| case | SMs | kernel | " + " | ".join(f"rank {r}" for r in range(len(kern[0]["per_kernel_us_by_rank"])))
+                  + " |", "|---|---|---|" + "---|" * len(kern[0]["per_kernel_us_by_rank"])]
+        for t in kern:
+            for k in t["per_kernel_us"]:
+                lines.append(f"| {t['case']} | {t['num_sms'] or 'all'} | {k} | "
+                             + " | ".join(_fmt(r.get(k)) for r in t["per_kernel_us_by_rank"]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -327,6 +360,8 @@ def main() -> int:
     ap.add_argument("--num-sms", default="0", help="comma-separated SM counts for the native kernels (0: all)")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--world", type=int, default=0, help="GPUs to use (default: all)")
+    ap.add_argument("--align", default="gemm", choices=("gemm", "barrier"),
+                    help="how each iteration starts on every rank (see the module docstring)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if not torch.cuda.is_available():
@@ -348,7 +383,7 @@ def main() -> int:
     meta = dict(errors=errors, date=datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC"), gpus=world,
                 gpu_name=torch.cuda.get_device_name(0), git=git, torch=torch.__version__,
                 nccl=".".join(map(str, torch.cuda.nccl.version())), tokens=args.tokens,
-                command=" ".join(sys.argv), seconds=round(time.time() - t0, 1))
+                command=" ".join(sys.argv), align=args.align, seconds=round(time.time() - t0, 1))
     table = _summarise(per_rank, meta)
     md = _markdown(table, meta)
     print(md)

@@ -9,7 +9,7 @@ bf16, 32 heads x 128, batch 1, total sequence 4k..128k tokens (each rank holds t
 For send_recv_heads, gather_heads and their round trip, eager and CUDA-graphed, it reports the
 latency (max over ranks of the mean per call), the algorithm bandwidth (bytes of one rank's input /
 time) and the bus bandwidth (algbw * (W-1)/W, the share that crosses NVLink). It also checks once
-per size that both paths give bitwise equal results, sweeps the grid size at one large size, and
+per size that both paths give bitwise equal results, sweeps the grid at 16k and 32k tokens, and
 writes bench_ipc_all2all.{json,md,png} into DIR. --plot-only redraws the PNG from the JSON.
 """
 from __future__ import annotations
@@ -81,7 +81,13 @@ def _time_graph(fn, iters, per_graph=5):
     return start.elapsed_time(end) * 1e3 / (reps * per_graph)
 
 
-def _worker(rank, world, rdzv, sizes, sweep, q):
+def _sweep_busbw(s) -> float:
+    """Bus bandwidth (GB/s) of one grid-sweep point: one rank's input bytes * (W-1)/W over its time."""
+    W = s["world"]
+    return (s["total_tokens"] // W) * HEADS * HEAD_DIM * 2 * (W - 1) / W / s["send_us"] / 1e3
+
+
+def _worker(rank, world, rdzv, sizes, sweep, q, num_blocks=0):
     import torch
     import torch.distributed as dist
 
@@ -95,8 +101,10 @@ def _worker(rank, world, rdzv, sizes, sweep, q):
         hpr = HEADS // world
         max_local = max(sizes) // world
         a2a = ipc_all2all.All2All.from_group(num_tokens=max_local, hidden_dim=HEADS * HEAD_DIM,
-                                             tensor_dtype=torch.bfloat16, timeout_seconds=10)
+                                             tensor_dtype=torch.bfloat16, timeout_seconds=10,
+                                             num_sms=num_blocks or None)
         results, sweep_res = [], []
+        default_grid = tuple(a2a._core.grid[:2])  # (blocks, own-rank blocks) as constructed
 
         def mx(v):
             t = torch.tensor([v], dtype=torch.float64, device=dev)
@@ -154,18 +162,18 @@ def _worker(rank, world, rdzv, sizes, sweep, q):
                       f" | nccl send {row['nccl_send_eager_us']:.1f} rt {row['nccl_rt_eager_us']:.1f} equal={equal}",
                       flush=True)
             del x, y_in, send_buf, recv_buf
-            if total == sweep:
+            if total in sweep:
                 x = torch.randn(1, n, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
                 sm = torch.cuda.get_device_properties(dev).multi_processor_count
-                for nb in (32, 64, 96, sm, 2 * sm):
-                    for self_b in (0, 4, 8, 16):
-                        if self_b >= nb:
-                            continue
+                # 46 registers x 512 threads: at most 2 blocks per SM are resident, so no more than 2*sm.
+                # self_blocks 0 is the default split (num_blocks / (2W) to the own rank).
+                for nb in (sm, 2 * sm):
+                    for self_b in (0, nb // 8, nb // 6, nb // 3):
                         a2a.set_grid(nb, self_b)
                         us = mx(_time_eager(lambda: a2a.send_recv_heads(x), 20))
                         sweep_res.append({"num_blocks": nb, "self_blocks": self_b, "grid": list(a2a._core.grid),
                                           "send_us": us, "total_tokens": total, "world": world})
-                a2a.set_grid(sm, 0)
+                a2a.set_grid(*default_grid)
                 del x
             torch.cuda.empty_cache()
         a2a.destroy()
@@ -178,14 +186,14 @@ def _worker(rank, world, rdzv, sizes, sweep, q):
         raise SystemExit(1) from e
 
 
-def _run_world(world, sizes, sweep, timeout):
+def _run_world(world, sizes, sweep, timeout, num_blocks=0):
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
         rdzv = f"file://{d}/rdzv"
-        procs = [ctx.Process(target=_worker, args=(r, world, rdzv, sizes, sweep, q)) for r in range(world)]
+        procs = [ctx.Process(target=_worker, args=(r, world, rdzv, sizes, sweep, q, num_blocks)) for r in range(world)]
         for p in procs:
             p.start()
         out, deadline = {}, time.time() + timeout
@@ -294,6 +302,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="4k and 32k tokens only")
     ap.add_argument("--worlds", default="", help="comma-separated world sizes (default: 2,4,8,all available)")
+    ap.add_argument("--num-blocks", type=int, default=0, help="blocks per launch (default: the library's)")
     ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from DIR/bench_ipc_all2all.json")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
@@ -317,10 +326,11 @@ def main():
             "host": socket.gethostname(), "gpu": torch.cuda.get_device_name(0), "gpus": n,
             "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())), "git_rev": rev,
             "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "heads": HEADS, "head_dim": HEAD_DIM,
-            "dtype": "bfloat16", "batch": 1}
+            "dtype": "bfloat16", "batch": 1, "num_blocks": args.num_blocks or "default"}
     rows, sweeps, errors = [], [], {}
     for W in worlds:
-        res, err = _run_world(W, sizes, 32768 if 32768 in sizes else sizes[-1], timeout=240)
+        res, err = _run_world(W, sizes, {t for t in (16384, 32768) if t in sizes} or {sizes[-1]}, timeout=240,
+                              num_blocks=args.num_blocks)
         if err:
             errors[W] = err
             print(f"W={W} failed: {err}")
@@ -334,10 +344,11 @@ def main():
           f"{meta['gpus']}x {meta['gpu']}, torch {meta['torch']}, NCCL {meta['nccl']}, git {rev}", "",
           f"`{meta['command']}`", "", _table(rows), "", "## Targets", ""] + [f"- {t}" for t in data["targets"]]
     if sweeps:
-        md += ["", "## Grid sweep (send_recv_heads, eager)", "", "| W | tokens | blocks | self blocks | grid (total, self, per peer) | us |",
-               "|---|---|---|---|---|---|"]
-        md += [f"| {s['world']} | {s['total_tokens']} | {s['num_blocks']} | {s['self_blocks']} | {s['grid']} | {s['send_us']:.1f} |"
-               for s in sweeps]
+        md += ["", "## Grid sweep (send_recv_heads, eager; self blocks 0 = the default split)", "",
+               "| W | tokens | blocks | self blocks | grid (total, self, per peer) | us | send busbw GB/s |",
+               "|---|---|---|---|---|---|---|"]
+        md += [f"| {s['world']} | {s['total_tokens']} | {s['num_blocks']} | {s['self_blocks']} | {s['grid']} | "
+               f"{s['send_us']:.1f} | {_sweep_busbw(s):.0f} |" for s in sweeps]
     (out / "bench_ipc_all2all.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     _plot(data, out)

@@ -37,9 +37,16 @@ def test_version_matches_pyproject(pkg):
     assert m.group(1) == _pyproject_version(pkg)
 
 
+def _is_module(name: str) -> bool:
+    """True for an importable regular module. A bare directory of that name on sys.path (the repo's own
+    build/ folder of logs) is a namespace package to find_spec, and `python -m build` then fails."""
+    spec = importlib.util.find_spec(name)
+    return spec is not None and spec.origin is not None
+
+
 @pytest.mark.parametrize("pkg", PKGS)
 def test_sdist_carries_common(pkg, tmp_path):
-    if importlib.util.find_spec("build") is None or importlib.util.find_spec("scikit_build_core") is None:
+    if not _is_module("build") or not _is_module("scikit_build_core"):
         pytest.skip("needs the build and scikit-build-core modules")
     subprocess.run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", str(tmp_path),
                     os.path.join(ROOT, "packages", pkg)], check=True, capture_output=True)
