@@ -270,6 +270,9 @@ Runtime::~Runtime() {
 
 void Runtime::set_device() const { CK_CUDA_CHECK(cudaSetDevice(device_)); }
 
+// How long destroy() of a CUDA-IPC window waits for its peers when the buffer has no device deadline.
+constexpr uint64_t kIpcDestroyDeadlineNs = 30ull * 1000000000ull;
+
 void Runtime::destroy() {
   if (destroyed_) return;
   destroyed_ = true;
@@ -292,8 +295,11 @@ void Runtime::destroy() {
   if (ipc_ && peer_bases_ != nullptr) {
     // Nothing makes CUDA IPC teardown collective: a device barrier first, so no peer still writes
     // into (or reads) this window when it is freed. A peer that never arrives leaves a timeout
-    // record; the window is then leaked as after any timeout.
-    launch_barrier(view(), nullptr);
+    // record; the window is then leaked as after any timeout. With num_gpu_timeout_secs = 0 (no device
+    // deadline) the operations may wait forever, but teardown may not: it gets its own deadline.
+    CommView v = view();
+    if (v.timeout_ns == 0) v.timeout_ns = kIpcDestroyDeadlineNs;
+    launch_barrier(v, nullptr);
     cudaDeviceSynchronize();
     (void)cudaGetLastError();
     if (commkit::ld_acquire(&host_workspace_layout().timeout.at<commkit::TimeoutRecord>(host_ws_)->flag) == 1u) {
