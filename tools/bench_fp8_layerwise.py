@@ -96,7 +96,7 @@ def _run_rank(rank, tp, cfg, tmp):
         seg.close()
 
     # ---- whole-layer sources on rank 0 ---------------------------------------------------------
-    writer = stream_writer = None
+    writer = None
     sources = None
     if rank == 0:
         g = torch.Generator().manual_seed(5)
@@ -106,8 +106,6 @@ def _run_rank(rank, tp, cfg, tmp):
             sources[0][e].fill_(e % 251)
             sources[2][e].fill_((e * 3 + 1) % 251)
         writer = F.make_shard_writer(sources, tp, threads=cfg["writer_threads"])
-        # The same cuts written with streaming (non-temporal) stores: the "-stream" rows.
-        stream_writer = F.make_shard_writer(sources, tp, threads=cfg["writer_threads"], streaming=True)
 
     def noop(expert, slots):
         return None
@@ -122,7 +120,7 @@ def _run_rank(rank, tp, cfg, tmp):
             for layer in range(cfg["layers"] + 1):
                 with t.layer(layer + 1, layer, E) as L:
                     if rank == 0:
-                        L.run(noop if staged else (stream_writer if mode.get("stream") else writer))
+                        L.run(noop if staged else writer)
                 if layer > 0:  # layer 0 warms up pages, registrations and streams
                     s = L.stats
                     rows.append(dict(total_ms=s.total_ms, writer_ms=s.writer_ms, h2d_ms=s.h2d_ms,
@@ -202,13 +200,10 @@ def main(argv=None):
         # 1-rank layer is contiguous, unlike the strided w2 cut of a real TP4/TP8 rank).
         configs = [configs[0], ("TP4-sized shard, 1 rank", 1, 4), ("TP8-sized shard, 1 rank", 1, 8)]
     # streams: CUDA copy streams per consumer (the seed design has one). wait: coalesce_wait (off by
-    # default); the "-wait" rows turn it on (what waiting for longer runs buys or costs). stream: the
-    # native writer with streaming (non-temporal) stores (the default is plain memcpy).
+    # default); the "-wait" rows turn it on (what waiting for longer runs buys or costs).
     modes = [dict(name="seed", slots=2, inflight=1, coalesce=False, prestaged=False, streams=1),
              dict(name="slots2", slots=2, inflight=0, coalesce=True, prestaged=False, streams=2),
              dict(name="slots4", slots=4, inflight=0, coalesce=True, prestaged=False, streams=2),
-             dict(name="slots2-stream", slots=2, inflight=0, coalesce=True, prestaged=False, streams=2, stream=True),
-             dict(name="slots4-stream", slots=4, inflight=0, coalesce=True, prestaged=False, streams=2, stream=True),
              dict(name="slots4-wait", slots=4, inflight=0, coalesce=True, prestaged=False, streams=2, wait=True),
              dict(name="slots8", slots=8, inflight=0, coalesce=True, prestaged=False, streams=2),
              dict(name="seed-prestaged", slots=2, inflight=1, coalesce=False, prestaged=True, streams=1),

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import fp8_layerwise as F
-from fp8_layerwise import _C
 
 EX = staticmethod(lambda o: [o])
 
@@ -49,14 +48,12 @@ def test_delivery_slots_counts_odd_sizes(slots, nb):
             assert not st.poisoned and st.total_ms >= st.writer_ms
 
 
-@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "memcpy"])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_native_shard_writer_matches_torch_reference(threads, streaming):
+def test_native_shard_writer_matches_torch_reference(threads):
     E, H, I = 5, 512, 768
     src = F.make_block_fp8_sources(E, H, I, generator=torch.Generator().manual_seed(7))
     nb = F.block_fp8_expert_nbytes(H, I, 1)
-    w = F.make_shard_writer(src, 1, threads=threads, streaming=streaming)
-    assert w.streaming == (streaming and _C.streaming_stores_supported())
+    w = F.make_shard_writer(src, 1, threads=threads)
     with make(E, nb, 3) as t:
         with t.layer(1, 0, E) as layer:
             layer.run(w)
@@ -66,26 +63,17 @@ def test_native_shard_writer_matches_torch_reference(threads, streaming):
                 assert torch.equal(t.expert_view(k, e), ref[k])
 
 
-@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "memcpy"])
 @pytest.mark.parametrize("threads", [1, 4])
-@pytest.mark.parametrize("misalign", [0, 8], ids=["aligned", "dst_off_by_8"])
-def test_native_writer_splits_ranks_like_reference(threads, streaming, misalign):
-    # The native writer's per-rank cut (gate/up halves, w2 columns, block scales) against torch,
-    # with 16-byte aligned destinations (streaming stores where rows allow) and with destinations
-    # 8 bytes off (the writer must fall back to memcpy there); the bytes around each shard stay 0.
+def test_native_writer_splits_ranks_like_reference(threads):
+    # The native writer's per-rank cut (gate/up halves, w2 columns, block scales) against torch.
     E, H, I = 2, 1024, 768  # 2.4 MB per expert: above the 1 MB threshold of the threaded path
     src = F.make_block_fp8_sources(E, H, I, generator=torch.Generator().manual_seed(3))
     for tp in (2, 3, 6):
         nb = F.block_fp8_expert_nbytes(H, I, tp)
-        w = F.make_shard_writer(src, tp, threads=threads, streaming=streaming)
+        w = F.make_shard_writer(src, tp, threads=threads)
         for e in range(E):
-            backing = [[torch.zeros(nb[k] + 64, dtype=torch.uint8) for _ in range(tp)] for k in range(4)]
-            base = [[b[(-b.data_ptr()) % 16 + misalign:] for b in row] for row in backing]
-            out = [[b[:nb[k]] for b in base[k]] for k in range(4)]
+            out = [[torch.zeros(nb[k], dtype=torch.uint8) for _ in range(tp)] for k in range(4)]
             w.write(e, [[t.data_ptr() for t in out[k]] for k in range(4)])
-            for k in range(4):
-                for b in base[k]:
-                    assert int(b[nb[k]:].count_nonzero()) == 0, "the writer wrote past a shard"
             for r in range(tp):
                 ref = F.reference_shard(src, tp, r, e)
                 for k in range(4):

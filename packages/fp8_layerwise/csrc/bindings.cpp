@@ -76,7 +76,6 @@ PYBIND11_MODULE(_C, m) {
   m.attr("CONTROL_STRUCT_BYTES") = py::int_(control_struct_bytes());
   m.def("built_with_cuda", [] { return bool(COMMKIT_WITH_CUDA); });
   m.def("cuda_available", &cuda_available);
-  m.def("streaming_stores_supported", &streaming_stores_supported);
   m.def("cuda_host_register", &cuda_host_register, py::arg("ptr"), py::arg("nbytes"), py::arg("device"));
   m.def("cuda_host_unregister", &cuda_host_unregister, py::arg("ptr"));
   m.def("cuda_h2d_seconds", &cuda_h2d_seconds, py::arg("device"), py::arg("dst"), py::arg("src"), py::arg("nbytes"),
@@ -119,10 +118,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("shard_bytes", &ShardSpec::shard_bytes);
 
   py::class_<ShardWriter>(m, "ShardWriter")
-      .def(py::init<std::vector<ShardSpec>, int, bool>(), py::arg("kinds"), py::arg("threads") = 1,
-           py::arg("streaming") = false)
+      .def(py::init<std::vector<ShardSpec>, int>(), py::arg("kinds"), py::arg("threads") = 1)
       .def_property_readonly("threads", &ShardWriter::threads)
-      .def_property_readonly("streaming", &ShardWriter::streaming)
       .def(
           "write",
           [](const ShardWriter& w, int expert, const std::vector<std::vector<uintptr_t>>& dst) {

@@ -5,13 +5,6 @@
 // ranges of roughly equal bytes and spread over `threads` threads, because one core's memcpy
 // (~10 GB/s) is slower than a PCIe Gen5 link (~55 GB/s). The threads are persistent (a
 // per-expert spawn costs ~30 us per thread, comparable to copying a 5 MB shard).
-//
-// Streaming stores (x86-64, opt-in): the slots are written once and then read by the copy engine,
-// never by a CPU, so the writer may store past the caches. A plain memcpy first reads every
-// destination line (read-for-ownership), so each written byte costs three bytes of DRAM traffic
-// instead of two, and that traffic competes with the DMA reads of every GPU's copies. On the other
-// hand a slot written with plain stores may still sit in the last-level cache when the DMA reads it.
-// Which wins depends on the host: the benchmark measures both ("-stream" rows).
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -24,13 +17,6 @@
 
 #include "commkit/check.hpp"
 #include "transport.hpp"
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <emmintrin.h>
-#define FP8LW_STREAMING_STORES 1
-#else
-#define FP8LW_STREAMING_STORES 0
-#endif
 
 namespace fp8lw {
 
@@ -105,10 +91,7 @@ class WriterPool {
 
 ShardWriter::~ShardWriter() = default;
 
-bool streaming_stores_supported() { return FP8LW_STREAMING_STORES != 0; }
-
-ShardWriter::ShardWriter(std::vector<ShardSpec> kinds, int threads, bool streaming)
-    : kinds_(std::move(kinds)), threads_(threads), streaming_(streaming && FP8LW_STREAMING_STORES) {
+ShardWriter::ShardWriter(std::vector<ShardSpec> kinds, int threads) : kinds_(std::move(kinds)), threads_(threads) {
   CK_CHECK_ARG(kinds_.size() == kKinds, "ShardWriter needs exactly 4 kind specs, got ", kinds_.size());
   CK_CHECK_ARG(threads_ >= 1 && threads_ <= 64, "ShardWriter threads must be in 1..64, got ", threads_);
   for (size_t k = 0; k < kinds_.size(); ++k) {
@@ -129,45 +112,7 @@ struct Piece {
   uint64_t rows, row_bytes, row_stride;
 };
 
-#if FP8LW_STREAMING_STORES
-// `bytes` (a multiple of 16) from src to a 16-byte aligned dst, stored past the caches.
-inline void stream_copy(char* dst, const char* src, uint64_t bytes) {
-  const __m128i* s = reinterpret_cast<const __m128i*>(src);
-  __m128i* d = reinterpret_cast<__m128i*>(dst);
-  const uint64_t n = bytes / 16;
-  uint64_t i = 0;
-  for (; i + 4 <= n; i += 4) {  // four loads in flight before the stores
-    const __m128i a = _mm_loadu_si128(s + i), b = _mm_loadu_si128(s + i + 1);
-    const __m128i c = _mm_loadu_si128(s + i + 2), e = _mm_loadu_si128(s + i + 3);
-    _mm_stream_si128(d + i, a);
-    _mm_stream_si128(d + i + 1, b);
-    _mm_stream_si128(d + i + 2, c);
-    _mm_stream_si128(d + i + 3, e);
-  }
-  for (; i < n; ++i) _mm_stream_si128(d + i, _mm_loadu_si128(s + i));
-}
-#endif
-
-// Rows below this size (the TP-cut scale rows, 8-224 bytes) gain nothing from streaming.
-constexpr uint64_t kMinStreamRow = 64;
-
-void run_piece(const Piece& p, bool streaming) {
-#if FP8LW_STREAMING_STORES
-  // Every row's destination stays 16-byte aligned when the first one is and rows are 16-multiples.
-  if (streaming && p.row_bytes >= kMinStreamRow && p.row_bytes % 16 == 0 &&
-      reinterpret_cast<uintptr_t>(p.dst) % 16 == 0) {
-    if (p.row_bytes == p.row_stride)
-      stream_copy(p.dst, p.src, p.rows * p.row_bytes);
-    else
-      for (uint64_t i = 0; i < p.rows; ++i) stream_copy(p.dst + i * p.row_bytes, p.src + i * p.row_stride, p.row_bytes);
-    // Streaming stores are weakly ordered: make them globally visible before this thread reports
-    // the piece done (after which the producer publishes the slot and a GPU may read it).
-    _mm_sfence();
-    return;
-  }
-#else
-  (void)streaming;
-#endif
+void run_piece(const Piece& p) {
   if (p.row_bytes == p.row_stride) {
     std::memcpy(p.dst, p.src, p.rows * p.row_bytes);
     return;
@@ -193,7 +138,7 @@ void ShardWriter::write(int expert, const std::vector<uintptr_t>* dst[kKinds]) c
     }
   }
   if (threads_ == 1 || total < (1u << 20)) {
-    for (const auto& p : pieces) run_piece(p, streaming_);
+    for (const auto& p : pieces) run_piece(p);
     return;
   }
   // Split pieces into row ranges of about total/(4*threads) bytes; threads take them in turn
@@ -211,7 +156,7 @@ void ShardWriter::write(int expert, const std::vector<uintptr_t>* dst[kKinds]) c
   }
   std::atomic<size_t> next{0};
   pool_->run([&](int) {
-    for (size_t i = next.fetch_add(1); i < split.size(); i = next.fetch_add(1)) run_piece(split[i], streaming_);
+    for (size_t i = next.fetch_add(1); i < split.size(); i = next.fetch_add(1)) run_piece(split[i]);
   });
 }
 

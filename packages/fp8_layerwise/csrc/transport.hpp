@@ -84,13 +84,9 @@ struct ShardSpec {
 
 class WriterPool;  // persistent memcpy threads of a ShardWriter (shard_writer.cpp)
 
-// Whether this build's ShardWriter can use streaming (non-temporal) stores.
-bool streaming_stores_supported();
-
 class ShardWriter {
  public:
-  // streaming: store past the caches where a row allows it (x86-64; ignored elsewhere).
-  ShardWriter(std::vector<ShardSpec> kinds, int threads, bool streaming = false);
+  ShardWriter(std::vector<ShardSpec> kinds, int threads);
   ~ShardWriter();
   ShardWriter(const ShardWriter&) = delete;
   ShardWriter& operator=(const ShardWriter&) = delete;
@@ -98,12 +94,10 @@ class ShardWriter {
   void write(int expert, const std::vector<uintptr_t>* dst[kKinds]) const;
   const std::vector<ShardSpec>& kinds() const { return kinds_; }
   int threads() const { return threads_; }
-  bool streaming() const { return streaming_; }
 
  private:
   std::vector<ShardSpec> kinds_;
   int threads_;
-  bool streaming_;
   std::unique_ptr<WriterPool> pool_;  // threads_ - 1 workers; the caller is worker 0
 };
 

@@ -144,8 +144,7 @@ def reference_shard(sources: Sequence[torch.Tensor], tp_size: int, rank: int, ex
     return [t.contiguous().view(-1).view(torch.uint8) for t in (out13, out13s, out2, out2s)]
 
 
-def make_shard_writer(sources: Sequence[torch.Tensor], tp_size: int, threads: int = 1,
-                      streaming: bool = False) -> "_C.ShardWriter":
+def make_shard_writer(sources: Sequence[torch.Tensor], tp_size: int, threads: int = 1) -> "_C.ShardWriter":
     """Native writer that cuts each rank's shard out of whole-layer CPU source tensors.
 
     Arguments:
@@ -154,10 +153,6 @@ def make_shard_writer(sources: Sequence[torch.Tensor], tp_size: int, threads: in
             stay alive while the writer is used.
         tp_size: tensor-parallel size.
         threads: memcpy threads per expert.
-        streaming: write the slots with streaming (non-temporal) stores where a row allows it
-            (x86-64): no read of each destination line before it is written, so less DRAM traffic
-            competes with the GPUs' DMA reads, but the DMA then reads DRAM rather than the cache.
-            Default False (plain ``memcpy``) until the benchmark's "-stream" rows show a gain.
 
     Returns:
         A ``_C.ShardWriter`` to pass to ``Transport.run`` / ``layer.run``: no Python runs per expert.
@@ -186,7 +181,7 @@ def make_shard_writer(sources: Sequence[torch.Tensor], tp_size: int, threads: in
         _C.ShardSpec(w2.data_ptr(), H * I, I, H, s, rank_col_step=s),
         _C.ShardSpec(w2s.data_ptr(), Hb * Ib * 4, Ib * 4, Hb, sb * 4, rank_col_step=sb * 4),
     ]
-    return _C.ShardWriter(specs, threads, bool(streaming))
+    return _C.ShardWriter(specs, threads)
 
 
 def _host_view(ptr: int, nbytes: int) -> torch.Tensor:
