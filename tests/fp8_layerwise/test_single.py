@@ -64,16 +64,23 @@ def test_native_shard_writer_matches_torch_reference(threads):
 
 
 @pytest.mark.parametrize("threads", [1, 4])
-def test_native_writer_splits_ranks_like_reference(threads):
-    # The native writer's per-rank cut (gate/up halves, w2 columns, block scales) against torch.
+@pytest.mark.parametrize("misalign", [0, 8, 3], ids=["aligned", "dst_off_by_8", "dst_off_by_3"])
+def test_native_writer_splits_ranks_like_reference(threads, misalign):
+    # The native writer's per-rank cut (gate/up halves, w2 columns, block scales) against torch,
+    # into destinations at any byte offset; the bytes after each shard stay untouched.
     E, H, I = 2, 1024, 768  # 2.4 MB per expert: above the 1 MB threshold of the threaded path
     src = F.make_block_fp8_sources(E, H, I, generator=torch.Generator().manual_seed(3))
     for tp in (2, 3, 6):
         nb = F.block_fp8_expert_nbytes(H, I, tp)
         w = F.make_shard_writer(src, tp, threads=threads)
         for e in range(E):
-            out = [[torch.zeros(nb[k], dtype=torch.uint8) for _ in range(tp)] for k in range(4)]
+            backing = [[torch.zeros(nb[k] + 64, dtype=torch.uint8) for _ in range(tp)] for k in range(4)]
+            base = [[b[(-b.data_ptr()) % 16 + misalign:] for b in row] for row in backing]
+            out = [[b[:nb[k]] for b in base[k]] for k in range(4)]
             w.write(e, [[t.data_ptr() for t in out[k]] for k in range(4)])
+            for k in range(4):
+                for b in base[k]:
+                    assert int(b[nb[k]:].count_nonzero()) == 0, "the writer wrote past a shard"
             for r in range(tp):
                 ref = F.reference_shard(src, tp, r, e)
                 for k in range(4):
