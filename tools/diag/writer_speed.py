@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How fast fp8_layerwise's native shard writer fills host slots, without any GPU.
 
-    python tools/diag/writer_speed.py [--threads 1,4,8,12] [--seconds 1.0]
+    python tools/diag/writer_speed.py [--threads 1,4,8,12] [--seconds 1.0] [--hidden 7168 --intermediate 2048]
 
 For DeepSeek-V3 block-FP8 experts cut as TP1 (44 MB per expert and rank), and as TP4- and
 TP8-sized shards with one and with two ranks (the two-rank w2 cut is strided), it times
@@ -35,8 +35,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", default="1,4,8,12")
     ap.add_argument("--seconds", type=float, default=1.0)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--intermediate", type=int, default=2048, help="a multiple of 1024 (TP8-sized cuts)")
     args = ap.parse_args()
-    H, I, E = 7168, 2048, 4
+    H, I, E = args.hidden, args.intermediate, 4
     print(f"{torch.get_num_threads()} torch intra-op threads")
     print("| cut | ranks | MB per expert (all ranks) | writer threads | writer GB/s | us per expert | "
           "plain copy GB/s (same bytes) |")
