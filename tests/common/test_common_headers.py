@@ -108,3 +108,56 @@ def test_timeout_carries_operation(err_probe):
     assert isinstance(e, err_probe.CommTimeoutError)
     assert (e.operation, e.rank, e.peer, e.expected, e.observed) == ("dispatch notify", 1, 0, 8, 5)
     assert "dispatch notify timed out" in str(e)
+
+
+_IPC_MODULE = r"""
+#include <cuda_runtime.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include "commkit/ipc.hpp"
+#include "commkit/python_errors.hpp"
+PYBIND11_MODULE(ck_ipc_probe, m) {
+  commkit::register_python_errors(m);
+  m.attr("handle_bytes") = sizeof(cudaIpcMemHandle_t);
+  m.def("check", [](const std::vector<pybind11::bytes>& hs, int rank, pybind11::bytes own) {
+    std::vector<std::string> v(hs.begin(), hs.end());
+    commkit::check_ipc_handles(v, rank, std::string(own), "sync()");
+  });
+}
+"""
+
+
+def _cuda_include():
+    nvcc = _nvcc()
+    cands = [os.path.join(os.environ[k], "include") for k in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(k)]
+    if nvcc:
+        cands.append(os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "include"))
+    cands.append("/usr/local/cuda/include")
+    return next((c for c in cands if os.path.exists(os.path.join(c, "cuda_runtime.h"))), None)
+
+
+def test_ipc_handle_checks(tmp_path):
+    # commkit/ipc.hpp's handle-list validation (shared by elastic_ep and ipc_all2all): one handle per
+    # rank, each of handle size, this rank's own at its index. Compiled against the CUDA headers only:
+    # nothing here needs libcudart or a GPU.
+    pybind11 = pytest.importorskip("pybind11")
+    inc = _cuda_include()
+    if inc is None:
+        pytest.skip("CUDA headers not found")
+    src = tmp_path / "ipc_probe.cpp"
+    src.write_text(_IPC_MODULE)
+    out = tmp_path / f"ck_ipc_probe{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run([CXX, "-std=c++17", "-O0", "-shared", "-fPIC", "-I", INC, "-I", inc, "-I", pybind11.get_include(),
+                    "-I", sysconfig.get_paths()["include"], str(src), "-o", str(out)], check=True)
+    spec = importlib.util.spec_from_file_location("ck_ipc_probe", out)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    n = mod.handle_bytes
+    hs = [bytes([r]) * n for r in range(3)]
+    mod.check(hs, 1, hs[1])  # well-formed
+    with pytest.raises(ValueError, match=r"sync\(\): handle of rank 2 has 5 bytes"):
+        mod.check(hs[:2] + [b"x" * 5], 1, hs[1])
+    with pytest.raises(ValueError, match=r"sync\(\): entry 1 is not this rank's own handle"):
+        mod.check([hs[1], hs[0], hs[2]], 1, hs[1])
+    with pytest.raises(ValueError, match=r"sync\(\): expected one handle per rank, got 1 for rank 1"):
+        mod.check(hs[:1], 1, hs[1])

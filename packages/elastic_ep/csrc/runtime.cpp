@@ -14,6 +14,7 @@
 #include "commkit/atomics.hpp"
 #include "commkit/check.hpp"
 #include "commkit/deadline.hpp"
+#include "commkit/ipc.hpp"
 #include "commkit/timeout_record.hpp"
 #include "runtime.hpp"
 #include "sizing.hpp"
@@ -195,9 +196,7 @@ std::string Runtime::ipc_handle() const {
   CK_CHECK(ipc_, "ipc_handle: this buffer's window is NCCL's, not CUDA IPC");
   CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
   set_device();
-  cudaIpcMemHandle_t h;
-  CK_CUDA_CHECK(cudaIpcGetMemHandle(&h, sym_ptr_));
-  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+  return commkit::ipc_handle_of(sym_ptr_);
 }
 
 void Runtime::open_ipc_peers(const std::vector<std::string>& handles) {
@@ -206,32 +205,11 @@ void Runtime::open_ipc_peers(const std::vector<std::string>& handles) {
   CK_CHECK(peer_bases_ == nullptr, "open_ipc_peers was already called");
   CK_CHECK_ARG(int(handles.size()) == num_ranks_, "open_ipc_peers: expected ", num_ranks_, " handles, got ",
                handles.size());
-  for (int p = 0; p < num_ranks_; ++p)
-    CK_CHECK_ARG(handles[p].size() == sizeof(cudaIpcMemHandle_t), "open_ipc_peers: handle of rank ", p, " has ",
-                 handles[p].size(), " bytes, expected ", sizeof(cudaIpcMemHandle_t));
-  CK_CHECK_ARG(handles[rank_] == ipc_handle(), "open_ipc_peers: handles[", rank_,
-               "] is not this rank's own handle (handles must be ordered by rank)");
+  commkit::check_ipc_handles(handles, rank_, ipc_handle(), "open_ipc_peers");
   set_device();
-  std::vector<void*> bases(size_t(num_ranks_), nullptr);
+  ipc_peers_ = commkit::open_ipc_handles(handles, rank_, "open_ipc_peers");
+  std::vector<void*> bases = ipc_peers_;
   bases[rank_] = sym_ptr_;
-  for (int p = 0; p < num_ranks_; ++p) {
-    if (p == rank_) continue;
-    cudaIpcMemHandle_t h;
-    std::memcpy(&h, handles[p].data(), sizeof(h));
-    void* ptr = nullptr;
-    const cudaError_t err = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      for (int q = 0; q < p; ++q)
-        if (ipc_peers_[q] != nullptr) {
-          cudaIpcCloseMemHandle(ipc_peers_[q]);
-          ipc_peers_[q] = nullptr;
-        }
-      CK_THROW("open_ipc_peers: cudaIpcOpenMemHandle of rank ", p, "'s window failed on rank ", rank_, ": ",
-               cudaGetErrorString(err), " (the ranks must share a GPU or have CUDA peer access)");
-    }
-    ipc_peers_[p] = bases[p] = ptr;
-  }
   void** dev = nullptr;
   CK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&dev), sizeof(void*) * num_ranks_));
   CK_CUDA_CHECK(cudaMemcpy(dev, bases.data(), sizeof(void*) * num_ranks_, cudaMemcpyHostToDevice));
@@ -317,11 +295,7 @@ void Runtime::destroy() {
     ncclCommWindowDeregister(comm, static_cast<ncclWindow_t>(window_));
     window_ = nullptr;
   }
-  for (void*& peer : ipc_peers_)
-    if (peer != nullptr) {
-      cudaIpcCloseMemHandle(peer);
-      peer = nullptr;
-    }
+  commkit::close_ipc_handles(ipc_peers_);
   if (sym_ptr_ != nullptr) {
     if (ipc_)
       cudaFree(sym_ptr_);

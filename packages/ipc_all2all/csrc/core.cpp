@@ -12,6 +12,8 @@
 
 #if COMMKIT_WITH_CUDA
 #include <cuda_runtime.h>
+
+#include "commkit/ipc.hpp"
 #endif
 
 namespace ipc_all2all {
@@ -115,32 +117,12 @@ void Core::open_peers(const std::vector<std::string>& handles) {
   CK_CHECK_ARG(!opened_, "sync(): the peers' handles are already open");
   CK_CHECK_ARG(static_cast<int>(handles.size()) == world_, "sync(): expected ", world_,
                " handles (one per rank), got ", handles.size());
-  for (int i = 0; i < world_; ++i)
-    CK_CHECK_ARG(handles[i].size() == handle_.size(), "sync(): handle of rank ", i, " has ", handles[i].size(),
-                 " bytes, expected ", handle_.size());
-  CK_CHECK_ARG(handles[rank_] == handle_, "sync(): entry ", rank_,
-               " is not this rank's own handle; the list must be ordered by rank");
 #if COMMKIT_WITH_CUDA
+  commkit::check_ipc_handles(handles, rank_, handle_, "sync()");
   DeviceGuard g(device_);
-  for (int i = 0; i < world_; ++i) {
-    if (i == rank_) continue;
-    cudaIpcMemHandle_t h;
-    std::memcpy(&h, handles[i].data(), sizeof(h));
-    void* p = nullptr;
-    cudaError_t err = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      for (int j = 0; j < i; ++j)
-        if (j != rank_ && base_[j]) {
-          cudaIpcCloseMemHandle(base_[j]);
-          base_[j] = nullptr;
-        }
-      CK_CHECK_RANK(false, rank_, i, "sync(): cudaIpcOpenMemHandle of rank ", i, "'s buffer failed: ",
-                    cudaGetErrorString(err),
-                    " (are the GPUs peer-capable over NVLink/PCIe and visible to this process?)");
-    }
-    base_[i] = static_cast<char*>(p);
-  }
+  const std::vector<void*> peers = commkit::open_ipc_handles(handles, rank_, "sync()");
+  for (int i = 0; i < world_; ++i)
+    if (i != rank_) base_[i] = static_cast<char*>(peers[i]);
   opened_ = true;
 #endif
 }
@@ -247,13 +229,14 @@ void Core::destroy() {
   DeviceGuard g(device_);
   // Our kernels may still write to peers (and they to us); everything local must finish first.
   cudaError_t first = cudaDeviceSynchronize();
-  for (int i = 0; i < world_; ++i) {
-    if (i != rank_ && base_[i] != nullptr) {
-      cudaError_t e = cudaIpcCloseMemHandle(base_[i]);
-      if (first == cudaSuccess) first = e;
+  std::vector<void*> peers(world_, nullptr);
+  for (int i = 0; i < world_; ++i)
+    if (i != rank_) {
+      peers[i] = base_[i];
+      base_[i] = nullptr;
     }
-    if (i != rank_) base_[i] = nullptr;
-  }
+  const cudaError_t closed = commkit::close_ipc_handles(peers);
+  if (first == cudaSuccess) first = closed;
   if (base_[rank_]) {
     cudaError_t e = cudaFree(base_[rank_]);
     if (first == cudaSuccess) first = e;

@@ -1,0 +1,60 @@
+// commkit/impl/ipc__funcs.hpp -- the functions of commkit/ipc.hpp (see there for the contract).
+#pragma once
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "commkit/check.hpp"
+
+namespace commkit {
+
+inline std::string ipc_handle_of(void* base) {
+  cudaIpcMemHandle_t h;
+  CK_CUDA_CHECK(cudaIpcGetMemHandle(&h, base));
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+inline void check_ipc_handles(const std::vector<std::string>& handles, int rank, const std::string& own,
+                              const char* what) {
+  CK_CHECK_ARG(rank >= 0 && static_cast<size_t>(rank) < handles.size(), what, ": expected one handle per rank, got ",
+               handles.size(), " for rank ", rank);
+  for (size_t p = 0; p < handles.size(); ++p)
+    CK_CHECK_ARG(handles[p].size() == sizeof(cudaIpcMemHandle_t), what, ": handle of rank ", p, " has ",
+                 handles[p].size(), " bytes, expected ", sizeof(cudaIpcMemHandle_t));
+  CK_CHECK_ARG(handles[static_cast<size_t>(rank)] == own, what, ": entry ", rank,
+               " is not this rank's own handle; the handles must be ordered by rank");
+}
+
+inline cudaError_t close_ipc_handles(std::vector<void*>& ptrs) {
+  cudaError_t first = cudaSuccess;
+  for (void*& p : ptrs)
+    if (p != nullptr) {
+      const cudaError_t e = cudaIpcCloseMemHandle(p);
+      if (first == cudaSuccess) first = e;
+      p = nullptr;
+    }
+  return first;
+}
+
+inline std::vector<void*> open_ipc_handles(const std::vector<std::string>& handles, int rank, const char* what) {
+  std::vector<void*> ptrs(handles.size(), nullptr);
+  for (size_t p = 0; p < handles.size(); ++p) {
+    if (static_cast<int>(p) == rank) continue;
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handles[p].data(), sizeof(h));
+    const cudaError_t err = cudaIpcOpenMemHandle(&ptrs[p], h, cudaIpcMemLazyEnablePeerAccess);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      ptrs[p] = nullptr;
+      close_ipc_handles(ptrs);
+      (void)cudaGetLastError();
+      CK_CHECK_RANK(false, rank, static_cast<int>(p), what, ": cudaIpcOpenMemHandle of rank ", p,
+                    "'s buffer failed: ", cudaGetErrorString(err),
+                    " (the GPUs must be peer-capable over NVLink or PCIe and visible to this process, or shared)");
+    }
+  }
+  return ptrs;
+}
+
+}  // namespace commkit
