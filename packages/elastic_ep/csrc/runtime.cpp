@@ -270,9 +270,11 @@ void Runtime::destroy() {
   }
   set_device();
   cudaDeviceSynchronize();
-  if (ipc_ && peer_bases_ != nullptr) {
+  if (ipc_ && peer_bases_ != nullptr && entered_) {
     // Nothing makes CUDA IPC teardown collective: a device barrier first, so no peer still writes
-    // into (or reads) this window when it is freed. A peer that never arrives leaves a timeout
+    // into (or reads) this window when it is freed. (Not needed when this rank never entered an
+    // operation: a peer writes here only after this rank published an epoch, and this rank read no
+    // peer's window. That is also the case after a failed set-up, where peers may never arrive.) A peer that never arrives leaves a timeout
     // record; the window is then leaked as after any timeout. With num_gpu_timeout_secs = 0 (no device
     // deadline) the operations may wait forever, but teardown may not: it gets its own deadline.
     CommView v = view();
@@ -345,6 +347,7 @@ void Runtime::check_healthy() {
 void Runtime::barrier(int64_t stream) {
   // Health (timeouts, destroyed) is checked by the Python layer before the call (take_timeout).
   set_device();
+  entered_ = true;
   launch_barrier(view(), reinterpret_cast<void*>(stream));
   CK_CUDA_CHECK(cudaGetLastError());
 }
@@ -384,6 +387,7 @@ void Runtime::dispatch(const DispatchParams& p, int64_t stream, int64_t wait_str
   q.host_tag = host_tag_;
   const char* atomics = std::getenv("ELASTIC_EP_TEST_NOTIFY_ATOMICS");  // read per call: tests toggle it
   q.notify_atomic_masks = (atomics != nullptr && std::strcmp(atomics, "1") == 0) ? 1 : 0;
+  entered_ = true;
   launch_dispatch(view(), q, reinterpret_cast<void*>(stream));
   CK_CUDA_CHECK(cudaGetLastError());
 }
@@ -496,6 +500,7 @@ void Runtime::combine(const CombineParams& p, int64_t stream, uint64_t wait_even
   set_device();
   stream_wait(stream, wait_stream, event_in_);
   auto* s = reinterpret_cast<void*>(stream);
+  entered_ = true;
   launch_combine_push(view(), p, s);
   CK_CUDA_CHECK(cudaGetLastError());
   if (wait_event != 0)

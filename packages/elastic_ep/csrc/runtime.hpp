@@ -143,6 +143,7 @@ class Runtime {
   void* devcomm_ = nullptr;       // heap ncclDevComm
   void* sym_ptr_ = nullptr;       // ncclMemAlloc'ed (IPC: cudaMalloc'ed) window memory
   bool ipc_ = false;
+  bool entered_ = false;          // an operation (barrier, dispatch, combine) was launched on this rank
   std::vector<void*> ipc_peers_;  // IPC: opened peer windows (nullptr for this rank)
   void* lsa_base_ = nullptr;      // the same memory in NCCL's flat LSA mapping (what kernels use)
   void** peer_bases_ = nullptr;   // device [num_ranks]
