@@ -7,7 +7,9 @@ Shape (DeepSeek-V3): 4096 tokens per rank, hidden 7168, top-8 of 256 experts, un
 routing (each token picks 8 distinct experts uniformly). Cases: BF16 dispatch, FP8 dispatch
 (float8_e4m3fn rows + FP32 scales per 128 elements), BF16 dispatch in cached mode (with the BF16
 dispatch's handle: no counting, no CPU sync; DeepEP's published figures are of this mode), BF16
-combine (of the BF16 dispatch's rows).
+combine (of the BF16 dispatch's rows), as two kernels (push, then reduce) and overlapped (one kernel
+whose first blocks push while the others reduce each token chunk as it lands;
+``combine_bf16_overlap_pN``: N push blocks, ``--overlap-push-blocks``).
 
 Measurements per case, over the iterations. Each iteration starts aligned on every GPU, as DeepEP's
 ``bench_kineto`` does with ``barrier_comm_profiling``: a 256 MiB L2 flush, a host barrier, then a tiny
@@ -53,7 +55,7 @@ from _benchutil import git_revision  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "packages", "elastic_ep", "src")
 
-KERNEL_COMM = ("dispatch_notify", "dispatch_push", "combine_push")
+KERNEL_COMM = ("dispatch_notify", "dispatch_push", "combine_push", "combine_overlapped")
 KERNEL_EPI = ("dispatch_epilogue", "combine_reduce")
 
 
@@ -191,7 +193,19 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
             cases["dispatch_bf16_cached"] = lambda: buf.dispatch(inp["xb"], topk_weights=inp["w"], handle=handle,
                                                                  num_sms=num_sms)
             cases["combine_bf16"] = lambda: buf.combine(recv, handle, topk_weights=rw, num_sms=num_sms)
+            case_env = {}
+            if backend == "native":
+                grid = num_sms or torch.cuda.get_device_properties(rank).multi_processor_count
+                for spec in args.overlap_push_blocks.split(","):
+                    if spec == "none":
+                        continue
+                    n = grid * 3 // 8 if spec == "default" else int(spec)
+                    cases[f"combine_bf16_overlap_p{n}"] = cases["combine_bf16"]
+                    case_env[f"combine_bf16_overlap_p{n}"] = {"ELASTIC_EP_COMBINE_OVERLAP": "1",
+                                                              "ELASTIC_EP_COMBINE_PUSH_BLOCKS": str(n)}
             for name, fn in cases.items():
+                saved = {k: os.environ.get(k) for k in case_env.get(name, {})}
+                os.environ.update(case_env.get(name, {}))
                 for _ in range(2):
                     fn()
                 torch.cuda.synchronize()
@@ -227,6 +241,11 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                     kernel_gbps_excl_local=remote / kern_us / 1e3 if kern_us else None,
                     kernel_gbps_incl_local=total / kern_us / 1e3 if kern_us else None,
                     comm_gbps_excl_local=remote / comm_us / 1e3 if comm_us else None))
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
             buf.destroy()
           except Exception as e:  # noqa: BLE001 - report and keep measuring the other configurations
             import traceback
@@ -291,9 +310,10 @@ def _summarise(per_rank, meta):
     ref = {t["case"]: t for t in table if t["backend"] == "torch"}
     a2a = {t["case"]: t for t in table if t["backend"] == "torch_a2a"}
     for t in table:
-        r = ref.get(t["case"])
+        base = t["case"].split("_overlap")[0]  # the overlapped combine is compared with the same references
+        r = ref.get(t["case"], ref.get(base))
         t["speedup_vs_torch_e2e"] = (r["e2e_us"] / t["e2e_us"]) if r and t["e2e_us"] else None
-        r = a2a.get(t["case"])
+        r = a2a.get(t["case"], a2a.get(base))
         t["speedup_vs_a2a_e2e"] = (r["e2e_us"] / t["e2e_us"]) if r and t["e2e_us"] else None
     return table
 
@@ -364,6 +384,9 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="5 iterations instead of 30")
     ap.add_argument("--num-sms", default="0", help="comma-separated SM counts for the native kernels (0: all)")
+    ap.add_argument("--overlap-push-blocks", default="default",
+                    help="comma-separated push-block counts of the overlapped combine ('default': 3/8 of the "
+                         "grid; 'none': skip it)")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--world", type=int, default=0, help="GPUs to use (default: all)")
     ap.add_argument("--align", default="gemm", choices=("gemm", "barrier"),

@@ -37,6 +37,12 @@ def test_report_functions(tmp_path):
     md = b._markdown(table, meta)
     assert "| native | dispatch_bf16 | all | 160.0 | 80.0 | 80.0 | 200.0 |" in md
     assert "| 3.08 | 0.55 |" in md
+    # The overlapped combine's cases are compared with the plain combine's references.
+    ov = b._summarise([{"results": [_res(b, "native", "combine_bf16_overlap_p49", 0, [100.0], kernel=90.0),
+                                    _res(b, "torch", "combine_bf16", 0, [400.0]),
+                                    _res(b, "torch_a2a", "combine_bf16", 0, [50.0])]}], {})
+    t = next(t for t in ov if t["backend"] == "native")
+    assert t["speedup_vs_torch_e2e"] == pytest.approx(4.0) and t["speedup_vs_a2a_e2e"] == pytest.approx(0.5)
     pytest.importorskip("matplotlib")
     b._plot(table, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 0

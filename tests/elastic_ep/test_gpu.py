@@ -10,6 +10,10 @@
 * A timeout: a peer that never dispatches makes the CPU wait raise TimeoutError naming the stage.
 * With two ranks on one GPU (COMMKIT_TEST_SHARE_GPU=1): the matrix, a soak and the timeout at EP 2 on
   the CUDA-IPC window, against the oracle.
+* The overlapped combine (ELASTIC_EP_COMBINE_OVERLAP=1: one kernel whose first blocks push rows back
+  while the others reduce each token chunk as it lands): the same matrices, a soak, the DeepSeek-V3
+  shape against the torch backend, one push block against many reducers, and a peer that never
+  combines.
 """
 import pytest
 import torch
@@ -20,6 +24,10 @@ from tests.elastic_ep._common import matrix_worker
 SMALL = dict(hidden=512, topk=8, experts=32, max_tokens=96, tokens=[96, 0, 61, 7])
 BUFFERS = [dict(allow_multiple_reduction=True, deterministic=False),
            dict(allow_multiple_reduction=False, deterministic=True)]
+# The overlapped combine, with the default split of the grid and with a single push block (every
+# reducer then waits on one block's progress through the token chunks).
+OVERLAP = {"ELASTIC_EP_COMBINE_OVERLAP": "1"}
+OVERLAP_ONE_PUSHER = {"ELASTIC_EP_COMBINE_OVERLAP": "1", "ELASTIC_EP_COMBINE_PUSH_BLOCKS": "1"}
 
 
 def _world() -> int:
@@ -31,6 +39,22 @@ def test_native_ep1_matrix(tmp_path):
     shape = dict(SMALL, tokens=[61])
     cfg = dict(device="cuda", backend="native", kind="gpu", shape=shape, buffers=BUFFERS, compare_torch=True)
     assert run_workers(matrix_worker, 1, cfg, tmp_path=tmp_path, timeout=120) == [2 * 12]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("env", [OVERLAP, OVERLAP_ONE_PUSHER], ids=["split3of8", "onepusher"])
+def test_native_ep1_matrix_overlapped_combine(tmp_path, env):
+    shape = dict(SMALL, tokens=[61])
+    cfg = dict(device="cuda", backend="native", kind="gpu", shape=shape, buffers=BUFFERS, compare_torch=True)
+    assert run_workers(matrix_worker, 1, cfg, tmp_path=tmp_path, timeout=120, env=env) == [2 * 12]
+
+
+@pytest.mark.multigpu(2, shared_ok=True)
+@pytest.mark.parametrize("env", [OVERLAP, OVERLAP_ONE_PUSHER], ids=["split3of8", "onepusher"])
+def test_native_matrix_ipc_window_overlapped_combine(tmp_path, env):
+    cfg = dict(device="cuda", backend="native", kind="gpu", shape=SMALL, buffers=BUFFERS, compare_torch=False,
+               window="ipc")
+    assert run_workers(matrix_worker, 2, cfg, tmp_path=tmp_path, timeout=300, env=env) == [2 * 12] * 2
 
 
 @pytest.mark.multigpu(2, shared_ok=True)  # the CUDA-IPC window needs no NCCL: ranks may share a GPU
@@ -88,7 +112,15 @@ def test_native_matrix(tmp_path):
 
 
 @pytest.mark.multigpu(2)
-def test_native_deepseek_shape(tmp_path):
+def test_native_matrix_overlapped_combine(tmp_path):
+    world = _world()
+    cfg = dict(device="cuda", backend="native", kind="gpu", shape=SMALL, buffers=BUFFERS, compare_torch=True)
+    assert run_workers(matrix_worker, world, cfg, tmp_path=tmp_path, timeout=120, env=OVERLAP) == [2 * 12] * world
+
+
+@pytest.mark.multigpu(2)
+@pytest.mark.parametrize("env", [None, OVERLAP], ids=["two_kernel_combine", "overlapped_combine"])
+def test_native_deepseek_shape(tmp_path, env):
     world = _world()
     shape = dict(hidden=7168, topk=8, experts=256, max_tokens=4096, tokens=[4096, 4095, 4000, 1])
     cases = []
@@ -99,7 +131,7 @@ def test_native_deepseek_shape(tmp_path):
                               sf_strided_input=False, stream_opt="async", handle_copy=True))
     cfg = dict(device="cuda", backend="native", kind="gpu", shape=shape, cases=cases, oracle=False,
                buffers=[dict(allow_multiple_reduction=True)], compare_torch=True)
-    assert run_workers(matrix_worker, world, cfg, tmp_path=tmp_path, timeout=150) == [len(cases)] * world
+    assert run_workers(matrix_worker, world, cfg, tmp_path=tmp_path, timeout=150, env=env) == [len(cases)] * world
 
 
 def graph_worker(rank, world, rdzv):
@@ -151,16 +183,19 @@ def graph_worker(rank, world, rdzv):
 
 
 @pytest.mark.multigpu(2)
-def test_native_cuda_graph(tmp_path):
+@pytest.mark.parametrize("env", [None, OVERLAP], ids=["two_kernel_combine", "overlapped_combine"])
+def test_native_cuda_graph(tmp_path, env):
     world = _world()
-    assert run_workers(graph_worker, world, tmp_path=tmp_path, timeout=90) == [True] * world
+    assert run_workers(graph_worker, world, tmp_path=tmp_path, timeout=90, env=env) == [True] * world
 
 
 @pytest.mark.gpu
-def test_native_ep1_cuda_graph(tmp_path):
+@pytest.mark.parametrize("env", [None, OVERLAP], ids=["two_kernel_combine", "overlapped_combine"])
+def test_native_ep1_cuda_graph(tmp_path, env):
     # One GPU: capture joins the communication stream to torch's capture stream and back inside the
-    # native runtime (event record + stream wait), which a graph must accept.
-    assert run_workers(graph_worker, 1, tmp_path=tmp_path, timeout=90) == [True]
+    # native runtime (event record + stream wait), which a graph must accept. The overlapped combine's
+    # block tickets and arrival counters live on the device, so replays must reset them themselves.
+    assert run_workers(graph_worker, 1, tmp_path=tmp_path, timeout=90, env=env) == [True]
 
 
 def timeout_worker(rank, world, rdzv, window="auto"):
@@ -202,6 +237,45 @@ def test_native_timeout(tmp_path):
 @pytest.mark.multigpu(2, shared_ok=True)  # the CUDA-IPC window needs no NCCL: ranks may share a GPU
 def test_native_timeout_ipc_window(tmp_path):
     res = run_workers(timeout_worker, 2, "ipc", tmp_path=tmp_path, timeout=60)
+    assert res[0] == "timeout"
+
+
+def combine_timeout_worker(rank, world, rdzv, window="auto"):
+    """Every rank dispatches; rank 1 then never combines. Rank 0's overlapped combine must raise a
+    TimeoutError naming the combine, rank 0 and peer 1, within the deadline, and leave CUDA usable."""
+    import time
+
+    from tests.elastic_ep._common import import_elastic_ep, init_ep_group, make_inputs
+
+    ep = import_elastic_ep()
+    group = init_ep_group(rank, world, rdzv, window)
+    buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=64, hidden=256, num_topk=2, backend="native",
+                           num_cpu_timeout_secs=3, num_gpu_timeout_secs=3, explicitly_destroy=True, window=window)
+    inp = make_inputs(rank, 64, 256, 2, 8 * world, "bf16", 3, "cuda")
+    recv, _, rw, handle, _ = buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"],
+                                          num_experts=8 * world, do_cpu_sync=True)
+    torch.cuda.synchronize()
+    if rank != 0:
+        time.sleep(15)  # never joins the combine
+        return "idle"
+    t0 = time.monotonic()
+    try:
+        buf.combine(recv, handle, topk_weights=rw)
+        torch.cuda.synchronize()
+        buf.barrier(with_cpu_sync=True)
+    except TimeoutError as e:
+        msg = str(e)
+        assert time.monotonic() - t0 < 14, "the timeout took too long"
+        assert "combine" in msg.lower(), msg
+        assert "rank 0" in msg and "peer 1" in msg, msg
+        assert int(torch.arange(10, device="cuda").sum()) == 45
+        return "timeout"
+    raise AssertionError("combine without a peer did not time out")
+
+
+@pytest.mark.multigpu(2, shared_ok=True)
+def test_native_combine_timeout_ipc_window_overlapped(tmp_path):
+    res = run_workers(combine_timeout_worker, 2, "ipc", tmp_path=tmp_path, timeout=60, env=OVERLAP)
     assert res[0] == "timeout"
 
 
@@ -277,3 +351,8 @@ def test_native_soak_ipc_window(tmp_path):
     # 300 random cases (token counts 0..64 per rank, bf16/fp8, expand, alignment, CPU sync on/off,
     # cached, async) at EP 2 on the CUDA-IPC window, each against the oracle.
     assert run_workers(soak_worker, 2, 300, "ipc", tmp_path=tmp_path, timeout=300) == [300] * 2
+
+
+@pytest.mark.multigpu(2, shared_ok=True)
+def test_native_soak_ipc_window_overlapped_combine(tmp_path):
+    assert run_workers(soak_worker, 2, 150, "ipc", tmp_path=tmp_path, timeout=300, env=OVERLAP) == [150] * 2

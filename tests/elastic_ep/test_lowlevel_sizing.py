@@ -124,3 +124,23 @@ def test_window_kind_checked_first():
     # An unknown window kind is refused before anything else (no CUDA needed to see it).
     with pytest.raises(ValueError, match="window must be 'nccl' or 'ipc', got 'shm'"):
         ll.ElasticBuffer(0, 1, 0, None, MIB2, window="shm")
+
+
+def test_combine_overlap_capacity_and_policy(monkeypatch):
+    # 65536 u32 arrival counters in the workspace, one per (rank, 32-token chunk of the origin).
+    for ranks, tokens in ((1, 1), (2, 4096), (8, 65536), (256, 8192), (64, 32768)):
+        assert _C.combine_overlap_fits(ranks, tokens) == (ranks * ((tokens + 31) // 32) <= 65536)
+    assert not _C.combine_overlap_fits(256, 8193) and not _C.combine_overlap_fits(2, 32 * 32768 + 1)
+    pick = ll._combine_overlap_push_blocks
+    monkeypatch.delenv("ELASTIC_EP_COMBINE_OVERLAP", raising=False)
+    monkeypatch.delenv("ELASTIC_EP_COMBINE_PUSH_BLOCKS", raising=False)
+    assert pick(2, 132, 4096) == 0  # the two-kernel combine by default
+    monkeypatch.setenv("ELASTIC_EP_COMBINE_OVERLAP", "1")
+    assert pick(2, 132, 4096) == 132 * 3 // 8
+    assert pick(2, 1, 4096) == 0  # one block cannot both push and reduce
+    assert pick(2, 2, 4096) == 1
+    assert pick(256, 132, 8193) == 0  # counters do not fit: two kernels
+    monkeypatch.setenv("ELASTIC_EP_COMBINE_PUSH_BLOCKS", "500")
+    assert pick(2, 132, 4096) == 131  # at least one reduce block stays
+    monkeypatch.setenv("ELASTIC_EP_COMBINE_PUSH_BLOCKS", "0")
+    assert pick(2, 132, 4096) == 1

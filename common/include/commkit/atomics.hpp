@@ -7,6 +7,9 @@
 //   st_release(p, v)     store with release order, system scope.
 //   st_relaxed(p, v)     relaxed store.
 //   fetch_add(p, v)      atomic add, acq_rel, system scope; returns the old value.
+//   red_add_release(p, v) atomic add without a result, release order, system scope: publishes this
+//                        thread's earlier stores with the count (a warp's or block's too, after a
+//                        __syncwarp / __syncthreads, by the same causality as block_fence_system).
 //   cas(p, expected, v)  atomic compare-and-swap, acq_rel, system scope; returns the old value
 //                        (succeeded iff the result == expected).
 //   exchange(p, v)       atomic exchange, acq_rel, system scope; returns the old value.

@@ -11,6 +11,10 @@
 //       recorded a timeout (rec->flag != 0), so every waiter of a failed operation leaves fast.
 //       The caller must leave the kernel (return) on false; the host then raises via
 //       CK_RAISE_IF_TIMED_OUT. timeout_ns == 0 disables the deadline.
+//   Both take two optional last arguments: poll_log2 (default 6): the abort flag (host memory, a
+//   PCIe read) and the timer are checked every 2^poll_log2 spins; sleep_ns (default 0): a
+//   __nanosleep between spins. Waits that thousands of warps run at once (per-chunk arrival
+//   counters) pass larger values so the waiters flood neither PCIe nor L2.
 //   aborted(rec)                          true once any waiter recorded a timeout.
 //   report_timeout(rec, ...)              claim and fill the record directly.
 #pragma once
@@ -51,12 +55,14 @@ __device__ __forceinline__ void report_timeout(TimeoutRecord* rec, uint32_t op, 
 namespace deadline_detail {
 template <bool kEq, typename T>
 __device__ __forceinline__ bool wait_impl(const T* ptr, T expected, uint64_t timeout_ns,
-                                          TimeoutRecord* rec, uint32_t op, int rank, int peer) {
+                                          TimeoutRecord* rec, uint32_t op, int rank, int peer,
+                                          uint32_t poll_log2, uint32_t sleep_ns) {
+  const uint32_t poll_mask = (1u << poll_log2) - 1u;
   T seen = ld_acquire(ptr);
   uint64_t start = globaltimer_ns();
   uint32_t spins = 0;
   while (kEq ? (seen != expected) : (seen < expected)) {
-    if ((++spins & 63u) == 0u) {
+    if ((++spins & poll_mask) == 0u) {
       if (aborted(rec)) return false;
       uint64_t now = globaltimer_ns();
       if (timeout_ns != 0 && now - start > timeout_ns) {
@@ -65,6 +71,7 @@ __device__ __forceinline__ bool wait_impl(const T* ptr, T expected, uint64_t tim
         return false;
       }
     }
+    if (sleep_ns != 0u) __nanosleep(sleep_ns);
     T next = ld_acquire(ptr);
     if (next != seen) {
       seen = next;
@@ -77,14 +84,18 @@ __device__ __forceinline__ bool wait_impl(const T* ptr, T expected, uint64_t tim
 
 template <typename T>
 __device__ __forceinline__ bool wait_ge(const T* ptr, T expected, uint64_t timeout_ns,
-                                        TimeoutRecord* rec, uint32_t op, int rank, int peer) {
-  return deadline_detail::wait_impl<false>(ptr, expected, timeout_ns, rec, op, rank, peer);
+                                        TimeoutRecord* rec, uint32_t op, int rank, int peer,
+                                        uint32_t poll_log2 = 6, uint32_t sleep_ns = 0) {
+  return deadline_detail::wait_impl<false>(ptr, expected, timeout_ns, rec, op, rank, peer, poll_log2,
+                                          sleep_ns);
 }
 
 template <typename T>
 __device__ __forceinline__ bool wait_eq(const T* ptr, T expected, uint64_t timeout_ns,
-                                        TimeoutRecord* rec, uint32_t op, int rank, int peer) {
-  return deadline_detail::wait_impl<true>(ptr, expected, timeout_ns, rec, op, rank, peer);
+                                        TimeoutRecord* rec, uint32_t op, int rank, int peer,
+                                        uint32_t poll_log2 = 6, uint32_t sleep_ns = 0) {
+  return deadline_detail::wait_impl<true>(ptr, expected, timeout_ns, rec, op, rank, peer, poll_log2,
+                                          sleep_ns);
 }
 
 }  // namespace commkit

@@ -107,6 +107,7 @@ CombineParams combine_params(const py::dict& d) {
   p.use_expanded_layout = int(get_i(d, "use_expanded_layout"));
   p.allow_multiple_reduction = int(get_i(d, "allow_multiple_reduction"));
   p.num_sms = int(get_i(d, "num_sms"));
+  p.overlap_push_blocks = int(get_i(d, "overlap_push_blocks"));
   return p;
 }
 
@@ -213,6 +214,9 @@ PYBIND11_MODULE(_C, m) {
                                        allow_multiple_reduction);
         });
   m.def("worst_case_num_recv_tokens", &worst_case_num_recv_tokens);
+  m.def("combine_overlap_fits", [](int64_t num_ranks, int64_t num_max_tokens_per_rank) {
+    return combine_overlap_fits(num_ranks, num_max_tokens_per_rank);
+  });
   m.def("worst_case_num_expanded_tokens", &worst_case_num_expanded_tokens);
   m.def("workspace_bytes", [] { return int64_t(workspace_layout().bytes); });
 

@@ -30,8 +30,11 @@ constexpr unsigned kFull = 0xffffffffu;
 // Slots of the local grid-counter words (WorkspaceLayout::grid_counter, u32[16]).
 // kCtrDispatchAborted: set by dispatch notify (one block) when this dispatch must not push (a wait of
 // notify failed, or a timeout record is pending); the push kernel's blocks read it from device memory.
+// kCtrCombineTicket / kCtrCombineOverlapDone: block start tickets and finished blocks of the overlapped
+// combine (reset by its last block).
 enum CounterSlot { kCtrDispatchPush = 0, kCtrDispatchEpilogue = 1, kCtrCombinePush = 2, kCtrCombineReduce = 3,
-                   kCtrDispatchAborted = 4, kCtrDispatchNotify = 5, kCtrEpoch = 8 };
+                   kCtrDispatchAborted = 4, kCtrDispatchNotify = 5, kCtrCombineTicket = 6, kCtrCombineOverlapDone = 7,
+                   kCtrEpoch = 8 };
 
 struct Ctx {
   LsaTransport tr;
@@ -652,7 +655,32 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
   });
 }
 
-// ---------------------------------------------------------------------------------- combine: push
+// ------------------------------------------------------------------------------------ combine
+// Combine sends every received row back to its origin's receive area [token][slot] (the push) and
+// the origin sums its slots per token (the reduce). Two schedules share the per-row and per-token
+// code below:
+//   * two kernels: the reduce starts after every peer signalled combine_done (the default, and the
+//     only one when an event must gate the reduce);
+//   * overlapped (p.overlap_push_blocks > 0): one kernel; its first blocks push rows in token-chunk
+//     order and count each finished row into the origin's arrival counter of
+//     [pushing rank][token / kCombineArriveTokens]; the other blocks reduce a token once every rank
+//     holding one of its experts has delivered the whole chunk, so the reduce runs under the push.
+
+// Geometry of one combine, shared by push and reduce.
+struct CombineGeom {
+  CombineTokenLayout tl;
+  int slots;          // slots per token in the receive area
+  bool per_rank;      // slot = pushing rank (else the top-k lane)
+  int n16;            // 16-byte words per row
+  int64_t row_bytes;
+  __device__ CombineGeom(const CombineParams& p, int R)
+      : tl(combine_token_layout(p.hidden, 2, p.num_topk)),
+        slots(combine_num_slots(R, p.num_topk, p.allow_multiple_reduction)),
+        per_rank(combine_slot_per_rank(R, p.num_topk, p.allow_multiple_reduction)),
+        n16(p.hidden / 8),
+        row_bytes(int64_t(p.hidden) * 2) {}
+};
+
 __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
@@ -670,158 +698,273 @@ __device__ __forceinline__ int4 to_bf16x8(const float (&acc)[8]) {
   return v;
 }
 
+// Pushes received row i (one warp) into its origin's slot; returns the origin token (t) of the row.
+// `s_out`: the origin rank.
+__device__ __forceinline__ int combine_push_row(const Ctx& cx, const CombineParams& p, const CombineGeom& g, int i,
+                                                int& s_out) {
+  const int rank = cx.tr.rank, K = p.num_topk, lane = lane_id();
+  const int M = K + 2;
+  const char* xb = static_cast<const char*>(p.x);
+  const auto& tl = g.tl;
+  const int* meta = p.src_metadata + int64_t(i) * M;
+  const int gsrc = meta[0];
+  const int s = gsrc / p.num_max_tokens_per_rank, t = gsrc % p.num_max_tokens_per_rank;
+  const int m = meta[1] % K;
+  const int row_k = lane < K ? meta[2 + lane] : -1;
+  const unsigned lanes = __ballot_sync(kFull, row_k >= 0);
+  const uint64_t base = cx.buf + uint64_t(t) * g.slots * tl.bytes;
+  s_out = s;
+  if (!p.use_expanded_layout) {
+    const uint64_t dst = base + uint64_t(g.per_rank ? rank : m) * tl.bytes;
+    if (s != rank)
+      cx.tr.put_warp(s, dst + tl.x.offset, xb + int64_t(i) * g.row_bytes, g.row_bytes, lane);
+    else if (lane == 0)  // own row: the reduce reads it from x; the slot holds its index
+      cx.tr.put_u32(s, dst + tl.x.offset, uint32_t(i));
+    if (lane < K) {
+      const float w = p.topk_weights != nullptr ? p.topk_weights[int64_t(i) * K + lane] : 0.f;
+      cx.tr.put_u32(s, dst + tl.topk_weights.offset + 4ull * lane, __float_as_uint(w));
+    }
+  } else if (p.allow_multiple_reduction) {
+    const uint64_t dst = base + uint64_t(g.per_rank ? rank : m) * tl.bytes;
+    if (__popc(lanes) == 1) {
+      const int r0 = __shfl_sync(kFull, row_k, __ffs(lanes) - 1);
+      cx.tr.put_warp(s, dst + tl.x.offset, xb + int64_t(r0) * g.row_bytes, g.row_bytes, lane);
+    } else {
+      // Every lane runs every round so the shuffles see the whole warp.
+      for (int q0 = 0; q0 < g.n16; q0 += 32) {
+        const int q = q0 + lane;
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (unsigned d = lanes; d; d &= d - 1) {
+          const int rk = __shfl_sync(kFull, row_k, __ffs(d) - 1);
+          if (q < g.n16) add_bf16x8(acc, ld_nc_v4(reinterpret_cast<const int4*>(xb + int64_t(rk) * g.row_bytes) + q));
+        }
+        if (q < g.n16) cx.tr.put_v4(s, dst + tl.x.offset + 16ull * q, to_bf16x8(acc));
+      }
+    }
+    if (lane < K) {
+      const float w = (p.topk_weights != nullptr && row_k >= 0) ? p.topk_weights[row_k] : 0.f;
+      cx.tr.put_u32(s, dst + tl.topk_weights.offset + 4ull * lane, __float_as_uint(w));
+    }
+  } else {
+    for (unsigned d = lanes; d; d &= d - 1) {
+      const int k = __ffs(d) - 1;
+      const int rk = __shfl_sync(kFull, row_k, k);
+      const uint64_t dst = base + uint64_t(k) * tl.bytes;
+      if (s != rank)
+        cx.tr.put_warp(s, dst + tl.x.offset, xb + int64_t(rk) * g.row_bytes, g.row_bytes, lane);
+      else if (lane == k)
+        cx.tr.put_u32(s, dst + tl.x.offset, uint32_t(rk));
+      if (lane == k) {
+        const float w = p.topk_weights != nullptr ? p.topk_weights[rk] : 0.f;
+        cx.tr.put_u32(s, dst + tl.topk_weights.offset + 4ull * k, __float_as_uint(w));
+      }
+    }
+  }
+  return t;
+}
+
+// Sums token t's slots (one warp) into combined_x and routes its weights back.
+// kInFlight: the slots may have been written during this kernel (overlapped combine), so slot data
+// is read from L2 (ld.cg): an L1 line filled earlier for a neighbouring record could be stale.
+// own_row: this warp's [32] shared scratch.
+template <bool kInFlight>
+__device__ __forceinline__ void combine_reduce_token(const Ctx& cx, const CombineParams& p, const CombineGeom& g,
+                                                     int t, int* own_row) {
+  const int R = cx.tr.num_ranks, rank = cx.tr.rank, K = p.num_topk, lane = lane_id();
+  const int L = p.num_experts / R;
+  const auto& tl = g.tl;
+  const bool per_lane = !p.allow_multiple_reduction && p.use_expanded_layout;
+  // Slots filled by this rank itself hold the index of the row in x instead of the row, except in the
+  // expanded multiple-reduction layout, where the push may have summed several rows into one slot.
+  const bool own_by_index = !(p.use_expanded_layout && p.allow_multiple_reduction);
+  const char* xb = static_cast<const char*>(p.x);
+  const int64_t e = lane < K ? p.combined_topk_idx[int64_t(t) * K + lane] : -1;
+  const int owner = owner_of(e, p.num_experts, L);
+  const bool master = is_master_lane(owner, K);
+  // First lane with the same owner (the slot of a reduced row in the per-lane layouts).
+  int master_of = -1;
+  for (int j = K - 1; j >= 0; --j)
+    if (__shfl_sync(kFull, owner, j) == owner && owner >= 0) master_of = j;
+  unsigned order;  // bits = slot indices, summed in ascending order
+  if (g.per_rank)
+    order = __reduce_or_sync(kFull, owner >= 0 ? (1u << owner) : 0u);
+  else if (per_lane)
+    order = __ballot_sync(kFull, owner >= 0);
+  else
+    order = __ballot_sync(kFull, master);
+  const char* base = cx.tr.local(cx.buf + uint64_t(t) * g.slots * tl.bytes);
+  unsigned own_slots = 0;
+  if (own_by_index) {
+    own_slots = g.per_rank ? (order & (1u << rank)) : (order & __ballot_sync(kFull, owner == rank));
+    if ((own_slots >> lane) & 1u)
+      own_row[lane] = *reinterpret_cast<const volatile int*>(base + uint64_t(lane) * tl.bytes + tl.x.offset);
+    __syncwarp();
+  }
+  const int4* b0 = p.bias0 ? reinterpret_cast<const int4*>(static_cast<const char*>(p.bias0) + int64_t(t) * g.row_bytes)
+                           : nullptr;
+  const int4* b1 = p.bias1 ? reinterpret_cast<const int4*>(static_cast<const char*>(p.bias1) + int64_t(t) * g.row_bytes)
+                           : nullptr;
+  int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.combined_x) + int64_t(t) * g.row_bytes);
+  // One 16-byte chunk per lane at a time. Keeping 4 in flight (all slot loads before the adds) was
+  // measured slower at all SMs (42.8 -> 47.9 us, EP 1, 5eb8983): at 64 registers it spilled.
+  for (int q = lane; q < g.n16; q += 32) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (unsigned d = order; d; d &= d - 1) {
+      const int sl = __ffs(d) - 1;
+      if ((own_slots >> sl) & 1u) {
+        add_bf16x8(acc, ld_nc_v4(reinterpret_cast<const int4*>(xb + int64_t(own_row[sl]) * g.row_bytes) + q));
+      } else {
+        const int4* src = reinterpret_cast<const int4*>(base + uint64_t(sl) * tl.bytes + tl.x.offset) + q;
+        add_bf16x8(acc, kInFlight ? ld_cg_v4(src) : ld_v4(src));
+      }
+    }
+    if (b0) add_bf16x8(acc, ld_nc_v4(b0 + q));
+    if (b1) add_bf16x8(acc, ld_nc_v4(b1 + q));
+    out[q] = to_bf16x8(acc);
+  }
+  if (p.combined_topk_weights != nullptr && lane < K) {
+    float w = 0.f;
+    if (owner >= 0) {
+      const int sl = g.per_rank ? owner : (per_lane ? lane : master_of);
+      w = *reinterpret_cast<const volatile float*>(base + uint64_t(sl) * tl.bytes + tl.topk_weights.offset + 4 * lane);
+    }
+    p.combined_topk_weights[int64_t(t) * K + lane] = w;
+  }
+  __syncwarp();  // own_row is rewritten by the warp's next token
+}
+
 __global__ void __launch_bounds__(kThreads, 1) combine_push_kernel(CommView c, CombineParams p) {
   Ctx cx(c);
   const uint64_t E = cx.epoch();
-  const int R = c.num_ranks, rank = c.rank, K = p.num_topk;
-  const int lane = lane_id();
+  const int R = c.num_ranks, rank = c.rank;
   if (!entry_barrier(cx, E, kOpCombine, blockIdx.x == 0)) return;
-  const auto tl = combine_token_layout(p.hidden, 2, K);
-  const int slots = combine_num_slots(R, K, p.allow_multiple_reduction);
-  const bool per_rank = combine_slot_per_rank(R, K, p.allow_multiple_reduction);
-  const int n16 = p.hidden / 8;
-  const int M = K + 2;
+  const CombineGeom g(p, R);
   const int N = p.psum_rank[R - 1];
   const int gw = blockIdx.x * kWarps + threadIdx.x / 32, nw = gridDim.x * kWarps;
-  const char* xb = static_cast<const char*>(p.x);
-  const int64_t row_bytes = int64_t(p.hidden) * 2;
   for (int i = gw; i < N; i += nw) {
-    const int* meta = p.src_metadata + int64_t(i) * M;
-    const int g = meta[0];
-    const int s = g / p.num_max_tokens_per_rank, t = g % p.num_max_tokens_per_rank;
-    const int m = meta[1] % K;
-    const int row_k = lane < K ? meta[2 + lane] : -1;
-    const unsigned lanes = __ballot_sync(kFull, row_k >= 0);
-    const uint64_t base = cx.buf + uint64_t(t) * slots * tl.bytes;
-    if (!p.use_expanded_layout) {
-      const uint64_t dst = base + uint64_t(per_rank ? rank : m) * tl.bytes;
-      if (s != rank)
-        cx.tr.put_warp(s, dst + tl.x.offset, xb + int64_t(i) * row_bytes, row_bytes, lane);
-      else if (lane == 0)  // own row: the reduce reads it from x; the slot holds its index
-        cx.tr.put_u32(s, dst + tl.x.offset, uint32_t(i));
-      if (lane < K) {
-        const float w = p.topk_weights != nullptr ? p.topk_weights[int64_t(i) * K + lane] : 0.f;
-        cx.tr.put_u32(s, dst + tl.topk_weights.offset + 4ull * lane, __float_as_uint(w));
-      }
-    } else if (p.allow_multiple_reduction) {
-      const uint64_t dst = base + uint64_t(per_rank ? rank : m) * tl.bytes;
-      if (__popc(lanes) == 1) {
-        const int r0 = __shfl_sync(kFull, row_k, __ffs(lanes) - 1);
-        cx.tr.put_warp(s, dst + tl.x.offset, xb + int64_t(r0) * row_bytes, row_bytes, lane);
-      } else {
-        // Every lane runs every round so the shuffles see the whole warp.
-        for (int q0 = 0; q0 < n16; q0 += 32) {
-          const int q = q0 + lane;
-          float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-          for (unsigned d = lanes; d; d &= d - 1) {
-            const int rk = __shfl_sync(kFull, row_k, __ffs(d) - 1);
-            if (q < n16) add_bf16x8(acc, ld_nc_v4(reinterpret_cast<const int4*>(xb + int64_t(rk) * row_bytes) + q));
-          }
-          if (q < n16) cx.tr.put_v4(s, dst + tl.x.offset + 16ull * q, to_bf16x8(acc));
-        }
-      }
-      if (lane < K) {
-        const float w = (p.topk_weights != nullptr && row_k >= 0) ? p.topk_weights[row_k] : 0.f;
-        cx.tr.put_u32(s, dst + tl.topk_weights.offset + 4ull * lane, __float_as_uint(w));
-      }
-    } else {
-      for (unsigned d = lanes; d; d &= d - 1) {
-        const int k = __ffs(d) - 1;
-        const int rk = __shfl_sync(kFull, row_k, k);
-        const uint64_t dst = base + uint64_t(k) * tl.bytes;
-        if (s != rank)
-          cx.tr.put_warp(s, dst + tl.x.offset, xb + int64_t(rk) * row_bytes, row_bytes, lane);
-        else if (lane == k)
-          cx.tr.put_u32(s, dst + tl.x.offset, uint32_t(rk));
-        if (lane == k) {
-          const float w = p.topk_weights != nullptr ? p.topk_weights[rk] : 0.f;
-          cx.tr.put_u32(s, dst + tl.topk_weights.offset + 4ull * k, __float_as_uint(w));
-        }
-      }
-    }
+    int s;
+    combine_push_row(cx, p, g, i, s);
   }
   grid_finish(cx, kCtrCombinePush, [&] {
     for (int r = 0; r < R; ++r) cx.tr.signal(r, cx.ws.combine_done.offset + 8ull * rank, E);
   });
 }
 
-// -------------------------------------------------------------------------------- combine: reduce
 __global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c, CombineParams p) {
   Ctx cx(c);
   const uint64_t E = cx.epoch();
-  const int R = c.num_ranks, rank = c.rank, K = p.num_topk, T = p.num_combined_tokens;
-  const int L = p.num_experts / R;
-  const int tid = threadIdx.x, lane = lane_id();
+  const int R = c.num_ranks, rank = c.rank, T = p.num_combined_tokens;
+  const int tid = threadIdx.x;
   bool ok = true;
   if (tid < R)
     ok = commkit::wait_ge(cx.local_u64(cx.ws.combine_done, tid), E, cx.timeout_ns, cx.rec, kOpCombineReduce, rank,
                           tid);
   if (__syncthreads_or(!ok)) return;
-  const auto tl = combine_token_layout(p.hidden, 2, K);
-  const int slots = combine_num_slots(R, K, p.allow_multiple_reduction);
-  const bool per_rank = combine_slot_per_rank(R, K, p.allow_multiple_reduction);
-  const bool per_lane = !p.allow_multiple_reduction && p.use_expanded_layout;
-  const int n16 = p.hidden / 8;
-  const int gw = blockIdx.x * kWarps + tid / 32, nw = gridDim.x * kWarps;
-  // Slots filled by this rank itself hold the index of the row in x instead of the row, except in the
-  // expanded multiple-reduction layout, where the push may have summed several rows into one slot.
-  const bool own_by_index = !(p.use_expanded_layout && p.allow_multiple_reduction);
+  const CombineGeom g(p, R);
   __shared__ int own_row[kWarps][32];  // [warp][slot]: row of x for this rank's own slots
-  const char* xb = static_cast<const char*>(p.x);
-  for (int t = gw; t < T; t += nw) {
-    const int64_t e = lane < K ? p.combined_topk_idx[int64_t(t) * K + lane] : -1;
-    const int owner = owner_of(e, p.num_experts, L);
-    const bool master = is_master_lane(owner, K);
-    // First lane with the same owner (the slot of a reduced row in the per-lane layouts).
-    int master_of = -1;
-    for (int j = K - 1; j >= 0; --j)
-      if (__shfl_sync(kFull, owner, j) == owner && owner >= 0) master_of = j;
-    unsigned order;  // bits = slot indices, summed in ascending order
-    if (per_rank)
-      order = __reduce_or_sync(kFull, owner >= 0 ? (1u << owner) : 0u);
-    else if (per_lane)
-      order = __ballot_sync(kFull, owner >= 0);
-    else
-      order = __ballot_sync(kFull, master);
-    const char* base = cx.tr.local(cx.buf + uint64_t(t) * slots * tl.bytes);
-    unsigned own_slots = 0;
-    if (own_by_index) {
-      own_slots = per_rank ? (order & (1u << rank)) : (order & __ballot_sync(kFull, owner == rank));
-      if ((own_slots >> lane) & 1u)
-        own_row[tid / 32][lane] = *reinterpret_cast<const volatile int*>(base + uint64_t(lane) * tl.bytes + tl.x.offset);
-      __syncwarp();
-    }
-    const int4* b0 = p.bias0 ? reinterpret_cast<const int4*>(static_cast<const char*>(p.bias0) + int64_t(t) * p.hidden * 2)
-                             : nullptr;
-    const int4* b1 = p.bias1 ? reinterpret_cast<const int4*>(static_cast<const char*>(p.bias1) + int64_t(t) * p.hidden * 2)
-                             : nullptr;
-    int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.combined_x) + int64_t(t) * p.hidden * 2);
-    // One 16-byte chunk per lane at a time. Keeping 4 in flight (all slot loads before the adds) was
-    // measured slower at all SMs (42.8 -> 47.9 us, EP 1, 5eb8983): at 64 registers it spilled.
-    for (int q = lane; q < n16; q += 32) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (unsigned d = order; d; d &= d - 1) {
-        const int sl = __ffs(d) - 1;
-        if ((own_slots >> sl) & 1u)
-          add_bf16x8(acc, ld_nc_v4(reinterpret_cast<const int4*>(xb + int64_t(own_row[tid / 32][sl]) * p.hidden * 2) + q));
-        else
-          add_bf16x8(acc, ld_v4(reinterpret_cast<const int4*>(base + uint64_t(sl) * tl.bytes + tl.x.offset) + q));
+  const int gw = blockIdx.x * kWarps + tid / 32, nw = gridDim.x * kWarps;
+  for (int t = gw; t < T; t += nw) combine_reduce_token<false>(cx, p, g, t, own_row[tid / 32]);
+  grid_finish(cx, kCtrCombineReduce, [&] { commkit::st_relaxed(&cx.counters[kCtrEpoch], uint32_t(E)); });
+}
+
+// The overlapped combine. Roles go by the order in which blocks start (a ticket), not blockIdx: the
+// reduce blocks spin on rows the push blocks deliver, so every push block must already be running,
+// whatever else occupies the GPU.
+//
+// Push order: token-chunk major. Virtual row v = (chunk c, origin j, slot q within the chunk), origin
+// s = rank + 1 + j (mod R), i.e. every pusher starts with a different peer and leaves its own rows
+// last; row i = psum[s - 1] + c * 32 + q. A grid-stride walk over v moves all pushers through the
+// origins' token chunks roughly in step (slots are in token order), so the reduce can follow.
+__global__ void __launch_bounds__(kThreads, 1) combine_overlapped_kernel(CommView c, CombineParams p) {
+  __shared__ int s_ticket, s_last, s_max_rows;
+  __shared__ int psum[kMaxRanks];
+  __shared__ int own_row[kWarps][32];
+  Ctx cx(c);
+  const uint64_t E = cx.epoch();
+  const int R = c.num_ranks, rank = c.rank, K = p.num_topk, T = p.num_combined_tokens;
+  const int L = p.num_experts / R;
+  const int tid = threadIdx.x, lane = lane_id(), warp = tid / 32;
+  const int P = p.overlap_push_blocks;
+  const int chunks = combine_arrive_chunks(p.num_max_tokens_per_rank);
+  uint32_t* arrive = cx.ws.combine_arrive.at<uint32_t>(c.window_base);
+  if (tid == 0) {
+    s_ticket = int(atomicAdd(&cx.counters[kCtrCombineTicket], 1u));
+    s_max_rows = 0;
+  }
+  __syncthreads();
+  const int ticket = s_ticket;
+  const CombineGeom g(p, R);
+  if (ticket < P) {
+    if (entry_barrier(cx, E, kOpCombine, ticket == 0)) {
+      for (int s = tid; s < R; s += kThreads) psum[s] = p.psum_rank[s];
+      __syncthreads();
+      for (int s = tid; s < R; s += kThreads) atomicMax(&s_max_rows, psum[s] - (s > 0 ? psum[s - 1] : 0));
+      __syncthreads();
+      constexpr int CH = kCombineArriveTokens;
+      const int64_t V = int64_t((s_max_rows + CH - 1) / CH) * R * CH;
+      const int gw = ticket * kWarps + warp, nw = P * kWarps;
+      for (int64_t v = gw; v < V; v += nw) {
+        const int ch = int(v / (R * CH));
+        const int rem = int(v - int64_t(ch) * R * CH);
+        int s = rank + 1 + rem / CH;
+        if (s >= R) s -= R;
+        const int slot = ch * CH + (rem % CH);
+        const int first = s > 0 ? psum[s - 1] : 0;
+        if (slot >= psum[s] - first) continue;  // warp-uniform
+        int origin;
+        const int t = combine_push_row(cx, p, g, first + slot, origin);
+        __syncwarp();  // the warp's stores before lane 0's release (see commkit::red_add_release)
+        if (lane == 0)
+          commkit::red_add_release(reinterpret_cast<uint32_t*>(cx.tr.remote(
+                                       origin, cx.ws.combine_arrive.offset + 4ull * (uint64_t(rank) * chunks + t / CH))),
+                                   1u);
       }
-      if (b0) add_bf16x8(acc, ld_nc_v4(b0 + q));
-      if (b1) add_bf16x8(acc, ld_nc_v4(b1 + q));
-      out[q] = to_bf16x8(acc);
     }
-    if (p.combined_topk_weights != nullptr && lane < K) {
-      float w = 0.f;
-      if (owner >= 0) {
-        const int sl = per_rank ? owner : (per_lane ? lane : master_of);
-        w = *reinterpret_cast<const volatile float*>(base + uint64_t(sl) * tl.bytes + tl.topk_weights.offset +
-                                                     4 * lane);
+  } else {
+    const int gw = (ticket - P) * kWarps + warp, nw = (int(gridDim.x) - P) * kWarps;
+    bool ok = true;
+    for (int t = gw; t < T && ok; t += nw) {
+      // Wait until every rank holding one of t's experts delivered its rows of t's chunk: as many as
+      // the chunk has tokens with an expert on that rank (the push sends one row per such token).
+      const int64_t e = lane < K ? p.combined_topk_idx[int64_t(t) * K + lane] : -1;
+      const int owner = owner_of(e, p.num_experts, L);
+      const unsigned masters = __ballot_sync(kFull, is_master_lane(owner, K));
+      const int ch = t / kCombineArriveTokens;
+      const int u = ch * kCombineArriveTokens + lane;  // this lane's token of the chunk
+      for (unsigned d = masters; d; d &= d - 1) {
+        const int r = __shfl_sync(kFull, owner, __ffs(d) - 1);
+        bool has = false;
+        if (u < T)
+          for (int k = 0; k < K && !has; ++k) has = owner_of(__ldg(reinterpret_cast<const long long*>(p.combined_topk_idx) + int64_t(u) * K + k),
+                           p.num_experts, L) == r;
+        const uint32_t expected = __popc(__ballot_sync(kFull, has));
+        if (lane == 0 && ok)
+          ok = commkit::wait_ge(&arrive[r * chunks + ch], expected, cx.timeout_ns, cx.rec, kOpCombineReduce, rank, r,
+                                10, 100);
       }
-      p.combined_topk_weights[int64_t(t) * K + lane] = w;
+      ok = __shfl_sync(kFull, ok ? 1 : 0, 0) != 0;
+      if (ok) combine_reduce_token<true>(cx, p, g, t, own_row[warp]);
     }
   }
-  grid_finish(cx, kCtrCombineReduce, [&] { commkit::st_relaxed(&cx.counters[kCtrEpoch], uint32_t(E)); });
+  // Whole grid: the last block to finish clears the arrival counters (every row that counts into
+  // them was awaited by some token, so none is still in flight) and ends the operation's epoch.
+  commkit::block_fence_system();
+  if (tid == 0) {
+    const uint32_t old = atomicAdd(&cx.counters[kCtrCombineOverlapDone], 1u);
+    s_last = old == gridDim.x - 1 ? 1 : 0;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  for (int i = tid; i < R * chunks; i += kThreads) arrive[i] = 0u;
+  __syncthreads();
+  if (tid == 0) {
+    cx.counters[kCtrCombineTicket] = 0u;
+    cx.counters[kCtrCombineOverlapDone] = 0u;
+    __threadfence_system();
+    // After a timeout the operation did not complete: its epoch is not recorded (as in the other
+    // kernels, which return before their last step), and the host reports the record.
+    if (!commkit::aborted(cx.rec)) commkit::st_relaxed(&cx.counters[kCtrEpoch], uint32_t(E));
+  }
 }
 
 int grid_of(int num_sms) { return num_sms > 0 ? num_sms : 1; }
@@ -908,6 +1051,10 @@ void launch_combine_push(const CommView& c, const CombineParams& p, void* stream
 
 void launch_combine_reduce(const CommView& c, const CombineParams& p, void* stream) {
   combine_reduce_kernel<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p);
+}
+
+void launch_combine_overlapped(const CommView& c, const CombineParams& p, void* stream) {
+  combine_overlapped_kernel<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p);
 }
 
 }  // namespace elastic_ep

@@ -89,6 +89,11 @@ struct CombineParams {
   int hidden, num_experts, num_topk;
   int use_expanded_layout, allow_multiple_reduction;
   int num_sms;
+  // 0: push and reduce are two kernels (the reduce starts when every peer finished pushing).
+  // > 0: one kernel of num_sms blocks; the first `overlap_push_blocks` blocks to start push, the
+  // others reduce each token chunk as soon as its rows have landed (combine_overlap_fits must hold,
+  // 0 < overlap_push_blocks < num_sms, and no event may gate the reduce).
+  int overlap_push_blocks;
 };
 
 #if COMMKIT_WITH_CUDA
@@ -109,6 +114,8 @@ void launch_dispatch_epilogue(const CommView& c, const EpilogueParams& p, void* 
 // stream wait for an event between the two (previous_event_before_epilogue).
 void launch_combine_push(const CommView& c, const CombineParams& p, void* stream);
 void launch_combine_reduce(const CommView& c, const CombineParams& p, void* stream);
+// The overlapped combine (p.overlap_push_blocks > 0): push and reduce in one kernel.
+void launch_combine_overlapped(const CommView& c, const CombineParams& p, void* stream);
 #endif
 
 }  // namespace elastic_ep

@@ -501,6 +501,17 @@ void Runtime::combine(const CombineParams& p, int64_t stream, uint64_t wait_even
   stream_wait(stream, wait_stream, event_in_);
   auto* s = reinterpret_cast<void*>(stream);
   entered_ = true;
+  if (p.overlap_push_blocks > 0) {
+    CK_CHECK(wait_event == 0, "combine: previous_event_before_epilogue cannot gate an overlapped reduce");
+    CK_CHECK(p.overlap_push_blocks < p.num_sms, "combine: overlap_push_blocks (", p.overlap_push_blocks,
+             ") must leave reduce blocks of num_sms (", p.num_sms, ")");
+    CK_CHECK(combine_overlap_fits(num_ranks_, p.num_max_tokens_per_rank), "combine: ", num_ranks_, " ranks x ",
+             p.num_max_tokens_per_rank, " tokens exceed the overlapped combine's arrival counters");
+    launch_combine_overlapped(view(), p, s);
+    CK_CUDA_CHECK(cudaGetLastError());
+    stream_wait(join_stream, stream, event_out_);
+    return;
+  }
   launch_combine_push(view(), p, s);
   CK_CUDA_CHECK(cudaGetLastError());
   if (wait_event != 0)

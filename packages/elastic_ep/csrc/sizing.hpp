@@ -55,6 +55,19 @@ CK_HD constexpr NotifySplit notify_split(int num_tokens) {
   const int per_block = (chunks + kMaxNotifyBlocks - 1) / kMaxNotifyBlocks;
   return NotifySplit{(chunks + per_block - 1) / per_block, per_block * kNotifyChunkTokens};
 }
+// Overlapped combine (one kernel: some blocks push rows back, the others reduce as rows land): the
+// pushing rank counts each row it finished into the origin's arrival counter of
+// [pushing rank][origin token / kCombineArriveTokens]; the origin's reduce waits per token chunk until
+// the count equals the number of its tokens in that chunk with an expert on the pushing rank.
+constexpr int kCombineArriveTokens = 32;
+constexpr int kCombineArriveWords = 1 << 16;  // u32 counters in the workspace (256 KiB)
+CK_HD constexpr int combine_arrive_chunks(int64_t num_max_tokens_per_rank) {
+  return int((num_max_tokens_per_rank + kCombineArriveTokens - 1) / kCombineArriveTokens);
+}
+// Whether the counters of R ranks x the token chunks fit; otherwise combine runs as two kernels.
+CK_HD constexpr bool combine_overlap_fits(int64_t num_ranks, int64_t num_max_tokens_per_rank) {
+  return num_ranks * combine_arrive_chunks(num_max_tokens_per_rank) <= kCombineArriveWords;
+}
 // TMA needs the column-major SF token dimension padded to 16 B (4 packs of 4 B).
 constexpr int kNumAlignedSFPacks = 4;
 // Top-k used for sizing when the caller passes num_topk == 0 (many paths allow K <= 32).
@@ -170,6 +183,9 @@ struct WorkspaceLayout {
                            //                    push adds it to notify's block-relative slots)
   Region notify_bad;       // u64[2]             local: ids outside [-1, E) notify's blocks found, one of
                            //                    them (reset by the last block)
+  Region combine_arrive;   // u32[kCombineArriveWords] [src rank][token chunk]: rows of this rank's tokens
+                           //                    a peer finished pushing in the overlapped combine
+                           //                    (counted up by the peers, reset by the combine's last block)
   uint64_t bytes;          // total, 2 MiB aligned
 };
 
@@ -187,6 +203,7 @@ CK_HD constexpr WorkspaceLayout workspace_layout() {
   w.notify_block_cnt = l.add(4ull * kMaxNotifyBlocks * kMaxRanks, 128);
   w.notify_block_base = l.add(4ull * kMaxNotifyBlocks * kMaxRanks, 128);
   w.notify_bad = l.add(16, 128);
+  w.combine_arrive = l.add(4ull * kCombineArriveWords, 128);
   w.bytes = l.total(uint64_t(kBufferAlignmentBytes));
   return w;
 }
@@ -234,6 +251,8 @@ static_assert(notify_split(1 << 24).blocks <= kMaxNotifyBlocks && notify_split(1
 static_assert(dispatch_token_layout(7168, 2, 0, 8).bytes % 16 == 0, "records stay 16 B aligned");
 static_assert(dispatch_token_layout(7168, 1, 56, 8).sf.offset == 7168, "SF follows the hidden bytes");
 static_assert(workspace_layout().bytes == uint64_t(kBufferAlignmentBytes), "workspace fits in 2 MiB");
+static_assert(combine_overlap_fits(2, 4096) && combine_overlap_fits(256, 8192) && !combine_overlap_fits(256, 8193),
+              "arrival counters: 256 ranks x 8192 tokens fit");
 static_assert(calculate_buffer_size(4096, 7168, 8, true, 1, 2, true, true) % kBufferAlignmentBytes == 0, "");
 
 }  // namespace elastic_ep

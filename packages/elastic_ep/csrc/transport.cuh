@@ -38,6 +38,16 @@ __device__ __forceinline__ int4 ld_v4(const int4* p) {
                : "memory");
   return v;
 }
+// 16-byte load from L2, skipping L1 (data that may land while the kernel runs: an L1 line filled
+// earlier, e.g. for a neighbouring record, could be stale).
+__device__ __forceinline__ int4 ld_cg_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
 __device__ __forceinline__ void st_na_v4(int4* p, const int4& v) {
   asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
                "r"(v.w)

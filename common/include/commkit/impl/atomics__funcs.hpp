@@ -68,6 +68,15 @@ CK_HD CK_INLINE T exchange(T* p, T value) {
     asm volatile("atom.exch.acq_rel.sys.global.b64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
   return static_cast<T>(old);
 }
+template <typename T>
+CK_HD CK_INLINE void red_add_release(T* p, T value) {
+  using U = typename atomics_detail::Bits<T>::U;
+  U v = static_cast<U>(value);
+  if constexpr (sizeof(T) == 4)
+    asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  else
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 CK_HD CK_INLINE void fence_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 #else  // host
@@ -92,6 +101,11 @@ CK_HD CK_INLINE void st_relaxed(T* p, T value) {
 template <typename T>
 CK_HD CK_INLINE T fetch_add(T* p, T value) {
   return __atomic_fetch_add(p, value, __ATOMIC_ACQ_REL);
+}
+template <typename T>
+CK_HD CK_INLINE void red_add_release(T* p, T value) {
+  (void)sizeof(typename atomics_detail::Bits<T>::U);
+  __atomic_fetch_add(p, value, __ATOMIC_RELEASE);
 }
 template <typename T>
 CK_HD CK_INLINE T cas(T* p, T expected, T value) {

@@ -215,6 +215,24 @@ def _current_raw_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
 
 
+def _combine_overlap_push_blocks(num_ranks: int, num_sms: int, num_max_tokens_per_rank: int) -> int:
+    """Push blocks of the overlapped combine, or 0 for the two-kernel combine.
+
+    ``ELASTIC_EP_COMBINE_OVERLAP=1`` selects the overlapped combine (one kernel: the first blocks to
+    start push rows back in token-chunk order while the others reduce each chunk as it lands);
+    ``ELASTIC_EP_COMBINE_PUSH_BLOCKS`` sets how many blocks push (default 3/8 of the grid). The
+    default stays the two-kernel combine until the overlapped one is measured faster on NVLink.
+    Read per call, so a process can compare both.
+    """
+    if os.environ.get("ELASTIC_EP_COMBINE_OVERLAP", "0") != "1" or num_sms < 2:
+        return 0
+    if not _C.combine_overlap_fits(num_ranks, num_max_tokens_per_rank):
+        return 0
+    env = os.environ.get("ELASTIC_EP_COMBINE_PUSH_BLOCKS")
+    push = int(env) if env else num_sms * 3 // 8
+    return min(max(push, 1), num_sms - 1)
+
+
 def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else int(t.data_ptr())
 
@@ -878,6 +896,8 @@ class ElasticBuffer:
         wait_event = 0
         if previous_event_before_epilogue is not None:
             wait_event = int(previous_event_before_epilogue.event.cuda_event)
+        overlap_push_blocks = 0 if wait_event else _combine_overlap_push_blocks(self.num_ranks, num_sms,
+                                                                                num_max_tokens_per_rank)
         self._rt.combine(dict(
             x=_ptr(x), topk_weights=_ptr(topk_weights), src_metadata=_ptr(src_metadata),
             psum_rank=_ptr(psum_num_recv_tokens_per_scaleup_rank), combined_topk_idx=_ptr(combined_topk_idx),
@@ -885,6 +905,7 @@ class ElasticBuffer:
             bias1=_ptr(bias_1), num_combined_tokens=T, num_max_tokens_per_rank=num_max_tokens_per_rank,
             hidden=hidden, num_experts=num_experts, num_topk=K, use_expanded_layout=int(use_expanded_layout),
             allow_multiple_reduction=int(self.allow_multiple_reduction), num_sms=num_sms,
+            overlap_push_blocks=overlap_push_blocks,
         ), self._comm_raw, wait_event, compute_raw, compute_raw)
         event = None
         if not fast_streams:
