@@ -8,6 +8,8 @@
 * A 1000-iteration soak with random routing and token counts, native vs torch backend.
 * CUDA-graph capture of dispatch + combine without CPU sync, replayed on new inputs.
 * A timeout: a peer that never dispatches makes the CPU wait raise TimeoutError naming the stage.
+* Bad expert ids on one rank in a CPU-synced dispatch: every rank raises ValueError at once and the
+  buffer keeps working.
 * With two ranks on one GPU (COMMKIT_TEST_SHARE_GPU=1): the matrix, a soak and the timeout at EP 2 on
   the CUDA-IPC window, against the oracle.
 * The overlapped combine (ELASTIC_EP_COMBINE_OVERLAP=1: one kernel whose first blocks push rows back
@@ -277,6 +279,65 @@ def combine_timeout_worker(rank, world, rdzv, window="auto"):
 def test_native_combine_timeout_ipc_window_overlapped(tmp_path):
     res = run_workers(combine_timeout_worker, 2, "ipc", tmp_path=tmp_path, timeout=60, env=OVERLAP)
     assert res[0] == "timeout"
+
+
+def refusal_worker(rank, world, rdzv, window="auto"):
+    """Rank 0 passes expert ids outside [-1, E) to a CPU-synced dispatch: every rank must raise
+    ValueError at once (rank 0 with the count, the others naming rank 0), count nothing into the
+    statistics, and then run a valid dispatch + combine bitwise equal to the oracle on the same buffer."""
+    import time
+
+    from tests.elastic_ep._common import import_elastic_ep, init_ep_group, make_inputs, raise_failures, run_case
+
+    ep = import_elastic_ep()
+    group = init_ep_group(rank, world, rdzv, window)
+    H, K, T = 256, 4, 48
+    E = 8 * world
+    buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, backend="native",
+                           num_cpu_timeout_secs=20, num_gpu_timeout_secs=20, explicitly_destroy=True, window=window)
+    inp = make_inputs(rank, T, H, K, E, "bf16", 7, "cuda")
+    stats = torch.zeros(E // world, dtype=torch.int32, device="cuda")
+    idx = inp["topk_idx"].clone()
+    if rank == 0:
+        idx[3, 1], idx[10, 0] = E + 2, -5
+    for attempt in range(2):  # refused twice in a row: the epochs stay in step
+        t0 = time.monotonic()
+        try:
+            buf.dispatch(inp["x"], topk_idx=idx, topk_weights=inp["topk_weights"], num_experts=E,
+                         cumulative_local_expert_recv_stats=stats)
+        except ValueError as e:
+            msg = str(e)
+        else:
+            raise AssertionError("a dispatch with bad expert ids was not refused")
+        assert time.monotonic() - t0 < 8, "the refusal waited for a deadline"
+        if rank == 0:
+            assert "expert ids must be in [-1," in msg and "got 2 outside" in msg, msg
+        else:
+            assert msg.startswith("dispatch refused") and "[0]" in msg, msg
+        assert int(stats.abs().sum()) == 0, "a refused dispatch counted tokens"
+    case = dict(dtype="bf16", expand=False, cpu_sync=True, alignment=1, zero_padding=False, num_bias=1,
+                cached=True, tma_sf=False, sf_strided_input=False, stream_opt="sync", handle_copy=False)
+    run_case(buf, None, group, rank, world, case, dict(hidden=H, topk=K, experts=E, max_tokens=T, tokens=T - rank),
+             seed=5, with_oracle=True)
+    buf.destroy()
+    raise_failures(rank)
+    return "refused"
+
+
+@pytest.mark.gpu
+def test_native_ep1_bad_ids_refused(tmp_path):
+    assert run_workers(refusal_worker, 1, tmp_path=tmp_path, timeout=120) == ["refused"]
+
+
+@pytest.mark.multigpu(2, shared_ok=True)
+def test_native_bad_ids_refused_ipc_window(tmp_path):
+    assert run_workers(refusal_worker, 2, "ipc", tmp_path=tmp_path, timeout=120) == ["refused"] * 2
+
+
+@pytest.mark.multigpu(2)
+def test_native_bad_ids_refused(tmp_path):
+    world = _world()
+    assert run_workers(refusal_worker, world, tmp_path=tmp_path, timeout=120) == ["refused"] * world
 
 
 def reuse_worker(rank, world, rdzv):

@@ -31,12 +31,6 @@ class _StubRuntime:
     def pending_health(self) -> int:
         return 0
 
-    def check_expert_ids_launch(self, *a) -> None:
-        pass
-
-    def check_expert_ids_wait(self):
-        return 0, 0, 0
-
     def dispatch(self, params, stream, wait_stream=-1) -> None:
         pass
 

@@ -56,6 +56,7 @@ DispatchParams dispatch_params(const py::dict& d) {
   p.expert_alignment = int(get_i(d, "expert_alignment"));
   p.cached = int(get_i(d, "cached"));
   p.num_sms = int(get_i(d, "num_sms"));
+  p.refuse_bad_ids = int(get_i(d, "refuse_bad_ids"));
   return p;
 }
 
@@ -293,9 +294,7 @@ PYBIND11_MODULE(_C, m) {
       .def("wait_dispatch_counts",
            [](Runtime& r, int n) { return without_gil([&] { return r.wait_dispatch_counts(n); }); },
            py::arg("num_local_experts"))
-      .def("check_expert_ids_launch", &Runtime::check_expert_ids_launch, py::arg("topk_idx"), py::arg("n"),
-           py::arg("num_experts"), py::arg("stream"))
-      .def("check_expert_ids_wait", [](Runtime& r) { return without_gil([&] { return r.check_expert_ids_wait(); }); })
+      .def("take_refusal", [](Runtime& r) { return without_gil([&] { return r.take_refusal(); }); })
       .def("take_masked_ids", &Runtime::take_masked_ids)
       .def("dispatch_epilogue",
            [](Runtime& r, const py::dict& d, int64_t stream, int64_t join_stream) {

@@ -26,10 +26,15 @@ namespace {
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
+// Count words exchanged by dispatch notify: (epoch << 32) | refused bit | count.
+constexpr uint64_t kRefusedBit = 1ull << 31;
+constexpr uint64_t kCountMask = kRefusedBit - 1ull;
 
 // Slots of the local grid-counter words (WorkspaceLayout::grid_counter, u32[16]).
-// kCtrDispatchAborted: set by dispatch notify (one block) when this dispatch must not push (a wait of
-// notify failed, or a timeout record is pending); the push kernel's blocks read it from device memory.
+// kCtrDispatchAborted: set by dispatch notify (one block) when this dispatch must not push: 1 when a
+// wait of notify failed or a timeout record is pending, 2 when the dispatch was refused (some rank
+// passed expert ids outside [-1, E) in CPU-sync mode); the push kernel's blocks read it from device
+// memory.
 // kCtrCombineTicket / kCtrCombineOverlapDone: block start tickets and finished blocks of the overlapped
 // combine (reset by its last block).
 enum CounterSlot { kCtrDispatchPush = 0, kCtrDispatchEpilogue = 1, kCtrCombinePush = 2, kCtrCombineReduce = 3,
@@ -141,41 +146,6 @@ __global__ void __launch_bounds__(kMaxRanks) barrier_kernel(CommView c) {
   const uint64_t E = cx.epoch();
   if (!entry_barrier(cx, E, kOpBarrier, true)) return;
   if (threadIdx.x == 0) commkit::st_relaxed(&cx.counters[kCtrEpoch], uint32_t(E));
-}
-
-// ------------------------------------------------------------------------ dispatch: id validation
-// One block: a [T, K] index is small (4096 x 8 int64 = 256 KB), and one block needs no cross-block
-// reduction or zeroed scratch. The host polls the tagged word instead of synchronising the stream.
-__global__ void __launch_bounds__(kThreads, 1) check_expert_ids_kernel(const int64_t* idx,  // [n]
-                                                                       int64_t n, int num_experts,
-                                                                       uint64_t* host,  // u64[2], host-mapped
-                                                                       uint32_t tag) {
-  __shared__ unsigned int s_bad;
-  __shared__ long long s_example;
-  if (threadIdx.x == 0) {
-    s_bad = 0u;
-    s_example = 0;
-  }
-  __syncthreads();
-  unsigned int bad = 0;
-  int64_t example = 0;
-#pragma unroll 8  // independent loads in flight: one block reads the whole [T, K] array
-  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
-    const int64_t e = idx[i];
-    if (e < -1 || e >= num_experts) {
-      ++bad;
-      example = e;
-    }
-  }
-  if (bad) {
-    atomicAdd(&s_bad, bad);
-    s_example = static_cast<long long>(example);  // any one offending id will do
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    host[1] = static_cast<uint64_t>(s_example);
-    commkit::st_release(&host[0], (uint64_t(tag) << 32) | uint64_t(s_bad));
-  }
 }
 
 // ------------------------------------------------------------------------------ dispatch: notify
@@ -361,12 +331,21 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
       expert_cnt[e] = int(__ldcg(&g_expert[e]));
       g_expert[e] = 0u;  // the workspace stays zeroed for the next dispatch
     }
-    // Ids outside [-1, E) were sent nowhere (as if masked). Without a CPU sync nothing checked them
-    // before the launch, so the host learns of them from a running total it compares with what it
-    // last saw (one writer: notify kernels run one after another on the communication stream).
+    // Ids outside [-1, E). With a CPU sync (refuse_bad_ids) the whole dispatch is refused: this rank
+    // flags its count words to the peers, every rank sees the flag after the count exchange, nobody
+    // pushes, and every host raises. Without a CPU sync such ids were sent nowhere (as if masked) and
+    // the host learns of them from a running total it compares with what it last saw (one writer:
+    // notify kernels run one after another on the communication stream).
+    __shared__ unsigned long long s_bad_total;
     if (tid == 0) {
       const unsigned long long bad = __ldcg(&g_bad[0]);
-      if (bad != 0ull) {
+      s_bad_total = bad;
+      if (bad != 0ull && p.refuse_bad_ids) {
+        uint64_t* ids = host_workspace_layout().ids.at<uint64_t>(c.host_workspace);
+        ids[1] = static_cast<uint64_t>(__ldcg(&g_bad[1]));
+        commkit::st_release(&ids[0], (uint64_t(p.host_tag) << 32) | uint64_t(bad & 0x7fffffffull));
+        g_bad[0] = 0ull;
+      } else if (bad != 0ull) {
         uint64_t* ids = host_workspace_layout().ids.at<uint64_t>(c.host_workspace);
         ids[3] = static_cast<uint64_t>(__ldcg(&g_bad[1]));
         commkit::st_release(&ids[2], commkit::ld_relaxed(&ids[2]) + uint64_t(bad));
@@ -378,8 +357,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
     // every word by its epoch tag and reads nothing else they would have to order, so plain stores
     // do; a release per word is not needed (replacing it changed nothing measurable at EP 1, where
     // the stores are local; over NVLink it saves one system fence per word).
+    const uint64_t refuse_bit = (p.refuse_bad_ids && s_bad_total != 0ull) ? kRefusedBit : 0ull;
     for (int r = tid; r < R; r += kThreads)
-      cx.tr.put_u64(r, cx.ws.rank_count.offset + 8ull * rank, (E << 32) | uint64_t(running[r]));
+      cx.tr.put_u64(r, cx.ws.rank_count.offset + 8ull * rank, (E << 32) | refuse_bit | uint64_t(running[r]));
     for (int e = tid; e < p.num_experts; e += kThreads) {
       const int r = e / L, l = e % L;
       cx.tr.put_u64(r, cx.ws.expert_count.offset + 8ull * (rank * L + l), (E << 32) | uint64_t(expert_cnt[e]));
@@ -409,7 +389,25 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
 
   // Reuse the shared arrays: running[] = tokens from each source, expert_cnt[] = aligned per local expert.
   const int A = p.expert_alignment;
-  for (int s = tid; s < R; s += kThreads) running[s] = int(*cx.local_u64(cx.ws.rank_count, s) & 0xffffffffu);
+  const auto hl = host_workspace_layout();
+  auto* host_rank = hl.rank_count.at<uint64_t>(c.host_workspace);
+  auto* host_expert = hl.expert_count.at<uint64_t>(c.host_workspace);
+  const uint64_t tag = uint64_t(p.host_tag) << 32;
+  bool refused = false;
+  for (int s = tid; s < R; s += kThreads) {
+    const uint64_t w = *cx.local_u64(cx.ws.rank_count, s);
+    running[s] = int(w & kCountMask);
+    refused |= (w & kRefusedBit) != 0ull;
+  }
+  if (__syncthreads_or(refused)) {
+    // Refused everywhere alike (every rank saw the same flags): no push, no counts, no statistics.
+    // The host learns which ranks refused from the flagged words and raises.
+    if (tid == 0) commkit::st_relaxed(&cx.counters[kCtrDispatchAborted], 2u);
+    for (int s = tid; s < R; s += kThreads)
+      commkit::st_relaxed(&host_rank[s], tag | (*cx.local_u64(cx.ws.rank_count, s) & kRefusedBit));
+    for (int l = tid; l < L; l += kThreads) commkit::st_relaxed(&host_expert[l], tag);
+    return;
+  }
   for (int l = tid; l < L; l += kThreads) {
     int u = 0;
     for (int s = 0; s < R; ++s) u += int(*cx.local_u64(cx.ws.expert_count, s * L + l) & 0xffffffffu);
@@ -431,10 +429,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
   // so the host validates every word on its own and no ordering between them is needed: relaxed
   // stores from many threads, not a serial loop of release stores (each a system-scope fence over
   // PCIe, ~1 us apiece: 0.25 ms for 256 experts).
-  const auto hl = host_workspace_layout();
-  auto* host_rank = hl.rank_count.at<uint64_t>(c.host_workspace);
-  auto* host_expert = hl.expert_count.at<uint64_t>(c.host_workspace);
-  const uint64_t tag = uint64_t(p.host_tag) << 32;
   for (int s = tid; s < R; s += kThreads) commkit::st_relaxed(&host_rank[s], tag | uint64_t(running[s]));
   for (int l = tid; l < L; l += kThreads) commkit::st_relaxed(&host_expert[l], tag | uint64_t(expert_cnt[l]));
 }
@@ -453,7 +447,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
   // cost ~4.5 ms per dispatch at 132 SMs when every thread read it, and still grew with the SM count
   // (~1 us per block) when one thread per block did.
   __shared__ int block_aborted;
-  if (threadIdx.x == 0) block_aborted = commkit::ld_relaxed(&cx.counters[kCtrDispatchAborted]) != 0u ? 1 : 0;
+  if (threadIdx.x == 0) block_aborted = int(commkit::ld_relaxed(&cx.counters[kCtrDispatchAborted]));
   __syncthreads();
   if (!block_aborted) {
     const int gw = blockIdx.x * kWarps + threadIdx.x / 32, nw = gridDim.x * kWarps;
@@ -524,6 +518,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
     }
   }
   grid_finish(cx, kCtrDispatchPush, [&] {
+    if (block_aborted == 2) {
+      // Refused: there is no epilogue (the host raises), so the operation ends here. No peer waits
+      // for this rank's records, so no done signal either.
+      commkit::st_relaxed(&cx.counters[kCtrEpoch], uint32_t(E));
+      return;
+    }
     for (int r = 0; r < R; ++r) cx.tr.signal(r, cx.ws.dispatch_done.offset + 8ull * rank, E);
   });
 }
@@ -805,22 +805,39 @@ __device__ __forceinline__ void combine_reduce_token(const Ctx& cx, const Combin
   const int4* b1 = p.bias1 ? reinterpret_cast<const int4*>(static_cast<const char*>(p.bias1) + int64_t(t) * g.row_bytes)
                            : nullptr;
   int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.combined_x) + int64_t(t) * g.row_bytes);
-  // One 16-byte chunk per lane at a time. Keeping 4 in flight (all slot loads before the adds) was
-  // measured slower at all SMs (42.8 -> 47.9 us, EP 1, 5eb8983): at 64 registers it spilled.
-  for (int q = lane; q < g.n16; q += 32) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  // Two 16-byte chunks per lane in flight (q and q + 32): a warp reduces one token at a time and the
+  // kernel is bound by load latency, not bandwidth (one chunk in flight: 38 us at EP 1 for 4096
+  // tokens). Four in flight spilled at the 64-register limit and was slower (5eb8983).
+  auto slot_src = [&](int sl) -> const int4* {
+    return ((own_slots >> sl) & 1u) ? reinterpret_cast<const int4*>(xb + int64_t(own_row[sl]) * g.row_bytes)
+                                    : reinterpret_cast<const int4*>(base + uint64_t(sl) * tl.bytes + tl.x.offset);
+  };
+  auto load = [&](int sl, const int4* src) -> int4 {
+    if ((own_slots >> sl) & 1u) return ld_nc_v4(src);
+    return kInFlight ? ld_cg_v4(src) : ld_v4(src);
+  };
+  for (int q = lane; q < g.n16; q += 64) {
+    const bool two = q + 32 < g.n16;
+    float acc0[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float acc1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (unsigned d = order; d; d &= d - 1) {
       const int sl = __ffs(d) - 1;
-      if ((own_slots >> sl) & 1u) {
-        add_bf16x8(acc, ld_nc_v4(reinterpret_cast<const int4*>(xb + int64_t(own_row[sl]) * g.row_bytes) + q));
-      } else {
-        const int4* src = reinterpret_cast<const int4*>(base + uint64_t(sl) * tl.bytes + tl.x.offset) + q;
-        add_bf16x8(acc, kInFlight ? ld_cg_v4(src) : ld_v4(src));
-      }
+      const int4* src = slot_src(sl);
+      const int4 v0 = load(sl, src + q);
+      const int4 v1 = two ? load(sl, src + q + 32) : make_int4(0, 0, 0, 0);
+      add_bf16x8(acc0, v0);
+      if (two) add_bf16x8(acc1, v1);
     }
-    if (b0) add_bf16x8(acc, ld_nc_v4(b0 + q));
-    if (b1) add_bf16x8(acc, ld_nc_v4(b1 + q));
-    out[q] = to_bf16x8(acc);
+    if (b0) {
+      add_bf16x8(acc0, ld_nc_v4(b0 + q));
+      if (two) add_bf16x8(acc1, ld_nc_v4(b0 + q + 32));
+    }
+    if (b1) {
+      add_bf16x8(acc0, ld_nc_v4(b1 + q));
+      if (two) add_bf16x8(acc1, ld_nc_v4(b1 + q + 32));
+    }
+    out[q] = to_bf16x8(acc0);
+    if (two) out[q + 32] = to_bf16x8(acc1);
   }
   if (p.combined_topk_weights != nullptr && lane < K) {
     float w = 0.f;
@@ -1033,12 +1050,6 @@ void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream) {
   }
   notify<<<p.cached ? 1 : notify_split(p.num_tokens).blocks, kThreads, smem, s>>>(c, p);
   dispatch_push_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
-}
-
-void launch_check_expert_ids(const int64_t* topk_idx, int64_t n, int num_experts, uint64_t* host_words,
-                             uint32_t tag, void* stream) {
-  check_expert_ids_kernel<<<1, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(topk_idx, n, num_experts,
-                                                                                 host_words, tag);
 }
 
 void launch_dispatch_epilogue(const CommView& c, const EpilogueParams& p, void* stream) {

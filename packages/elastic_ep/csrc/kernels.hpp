@@ -51,6 +51,10 @@ struct DispatchParams {
   // does above 32 ranks). Set by the runtime from ELASTIC_EP_TEST_NOTIFY_ATOMICS=1 so tests on 1-2
   // GPUs cover that path too.
   int notify_atomic_masks;
+  // CPU-sync mode: expert ids outside [-1, E) refuse the whole dispatch on every rank (flagged count
+  // words, nothing pushed, the host raises; see kernels.cu). Otherwise they are masked and reported
+  // through a running total (HostWorkspaceLayout::ids[2..3]).
+  int refuse_bad_ids;
 };
 
 struct EpilogueParams {
@@ -103,12 +107,6 @@ void devcomm_destroy(void* nccl_comm, void* devcomm);
 void launch_resolve_peers(void* window, int num_ranks, void** out_peer_bases, int* out_info, void* stream);
 void launch_barrier(const CommView& c, void* stream);
 void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream);
-// Pre-launch validation of a dispatch's expert ids (CPU-sync mode): one block counts the entries of
-// topk_idx [n] outside [-1, num_experts) and release-stores (tag << 32) | count into host_words[0]
-// (host-mapped, see HostWorkspaceLayout::ids) after one offending id in host_words[1]. Nothing is
-// sent to any peer, so the host can still refuse the call.
-void launch_check_expert_ids(const int64_t* topk_idx, int64_t n, int num_experts, uint64_t* host_words,
-                             uint32_t tag, void* stream);
 void launch_dispatch_epilogue(const CommView& c, const EpilogueParams& p, void* stream);
 // Combine = push (rows back to their origins) then reduce (the epilogue); the runtime may make the
 // stream wait for an event between the two (previous_event_before_epilogue).

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -421,7 +422,7 @@ std::tuple<int, int, int, std::vector<int>, int, int> Runtime::wait_dispatch_cou
   const uint64_t tag = host_tag_;
   int ready_ranks = 0, ready_experts = 0;
   int num_recv = 0, num_expanded = 0;
-  std::vector<int> per_expert;
+  std::vector<int> per_expert, refused;
   per_expert.reserve(num_local_experts);
   // Each word carries the dispatch's tag, so words are taken one by one as they land.
   const int status = poll_host(
@@ -429,7 +430,8 @@ std::tuple<int, int, int, std::vector<int>, int, int> Runtime::wait_dispatch_cou
         while (ready_ranks < num_ranks_) {
           const uint64_t w = commkit::ld_acquire(&rank_words[ready_ranks]);
           if ((w >> 32) != tag) return false;
-          num_recv += int(w & 0xffffffffu);
+          if (w & (1ull << 31)) refused.push_back(ready_ranks);  // see kernels.cu, kRefusedBit
+          num_recv += int(w & 0x7fffffffu);
           ++ready_ranks;
         }
         while (ready_experts < num_local_experts) {
@@ -446,34 +448,29 @@ std::tuple<int, int, int, std::vector<int>, int, int> Runtime::wait_dispatch_cou
     broken_ = true;
     broken_reason_ = "a dispatch CPU wait timed out";
   }
+  if (status == 0 && !refused.empty()) {
+    refused_ranks_ = refused;
+    return {3, 0, 0, {}, ready_ranks, ready_experts};
+  }
   return {status, num_recv, num_expanded, per_expert, ready_ranks, ready_experts};
 }
 
-void Runtime::check_expert_ids_launch(uint64_t topk_idx, int64_t n, int num_experts, int64_t stream) {
+std::tuple<std::vector<int>, int64_t, int64_t> Runtime::take_refusal() {
   CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
-  CK_CHECK_ARG(topk_idx != 0 && n > 0, "check_expert_ids: topk_idx must be a non-empty device array");
-  set_device();
-  auto* words_dev = host_workspace_layout().ids.at<uint64_t>(host_ws_dev_);
-  check_tag_ = (check_tag_ + 1u) & 0x7fffffffu;
-  if (check_tag_ == 0u) check_tag_ = 1u;
-  launch_check_expert_ids(reinterpret_cast<const int64_t*>(topk_idx), n, num_experts, words_dev, check_tag_,
-                          reinterpret_cast<void*>(stream));
-  CK_CUDA_CHECK(cudaGetLastError());
-}
-
-std::tuple<int, int64_t, int64_t> Runtime::check_expert_ids_wait() {
-  CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
-  CK_CHECK(check_tag_ != 0u, "check_expert_ids_wait without a launch");
+  std::vector<int> ranks = refused_ranks_;
+  refused_ranks_.clear();
+  const bool mine = std::find(ranks.begin(), ranks.end(), rank_) != ranks.end();
+  if (!mine) return {ranks, 0, 0};
   auto* words = host_workspace_layout().ids.at<uint64_t>(host_ws_);
   uint64_t w = 0;
   const int status = poll_host(
       [&] {
         w = commkit::ld_acquire(&words[0]);
-        return (w >> 32) == check_tag_;
+        return (w >> 32) == uint64_t(host_tag_);
       },
       [] { return 0; });
-  if (status != 0) return {status, 0, 0};
-  return {0, int64_t(w & 0xffffffffu), int64_t(words[1])};
+  if (status != 0) return {ranks, -1, 0};  // the report did not arrive: the count is unknown
+  return {ranks, int64_t(w & 0xffffffffu), int64_t(words[1])};
 }
 
 std::pair<int64_t, int64_t> Runtime::take_masked_ids() {

@@ -93,19 +93,16 @@ class Runtime {
   // CPU sync: waits (GIL released by the binding) for the counts of the last dispatch. Never throws on
   // a timeout: returns (status, num_recv_tokens, num_expanded_tokens, aligned tokens per local expert,
   // ranks ready, experts ready); status 0 = ready, 1 = a device wait expired (see take_timeout),
-  // 2 = the CPU wait expired (the buffer is then marked unusable).
+  // 2 = the CPU wait expired (the buffer is then marked unusable), 3 = the dispatch was refused (see
+  // take_refusal; the buffer stays usable).
   std::tuple<int, int, int, std::vector<int>, int, int> wait_dispatch_counts(int num_local_experts);
   // The copy epilogue; with `join_stream` (kNoStream for none) that stream then waits for `stream`.
   void dispatch_epilogue(const EpilogueParams& p, int64_t stream, int64_t join_stream = kNoStream);
-  // Pre-launch check of a dispatch's expert ids (CPU-sync mode), in two halves so the caller can do
-  // other host work while the kernel runs: the launch, on `stream` (where topk_idx is produced), of one
-  // small kernel that writes its answer to host-mapped memory; and the wait, which polls that answer
-  // (GIL released by the binding) instead of synchronising the stream. The wait returns (status, ids
-  // outside [-1, num_experts), one such id); status 0 = answered, 1 = a device wait of an earlier
-  // operation expired (see take_timeout), 2 = no answer within num_cpu_timeout_secs (nothing was
-  // launched to any peer).
-  void check_expert_ids_launch(uint64_t topk_idx, int64_t n, int num_experts, int64_t stream);
-  std::tuple<int, int64_t, int64_t> check_expert_ids_wait();
+  // After wait_dispatch_counts returned status 3 (the dispatch was refused on every rank because some
+  // rank passed expert ids outside [-1, E) in CPU-sync mode): (the ranks that did, ids outside
+  // [-1, E) of this rank, one such id). Polls this rank's report, which notify writes before the
+  // count exchange, with the CPU deadline; never launches anything.
+  std::tuple<std::vector<int>, int64_t, int64_t> take_refusal();
   // Ids outside [-1, E) that notify masked in dispatches launched without the check (no CPU sync)
   // since the last call: (count, the last such id). Never throws.
   std::pair<int64_t, int64_t> take_masked_ids();
@@ -150,7 +147,7 @@ class Runtime {
   void* host_ws_ = nullptr;       // cudaHostAlloc mapped
   void* host_ws_dev_ = nullptr;
   uint32_t host_tag_ = 0;
-  uint32_t check_tag_ = 0;
+  std::vector<int> refused_ranks_;  // of the last refused dispatch (see take_refusal)
   void* event_in_ = nullptr;   // cudaEvent_t of stream_wait before an operation's first launch
   void* event_out_ = nullptr;  // cudaEvent_t of stream_wait after its last launch
   uint64_t masked_ids_seen_ = 0;

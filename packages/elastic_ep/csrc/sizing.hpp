@@ -214,9 +214,9 @@ struct HostWorkspaceLayout {
   Region rank_count;    // u64[kMaxRanks]        (epoch<<32)|tokens received from each rank
   Region expert_count;  // u64[kMaxLocalExperts] (epoch<<32)|aligned tokens per local expert
   Region timeout;       // commkit::TimeoutRecord (64 B)
-  Region ids;           // u64[4]: [0] (tag<<32)|ids outside [-1, E) found by the pre-launch check,
-                        // [1] one such id; [2] running total of such ids notify masked (no CPU
-                        // sync), [3] the last one (see kernels.hpp)
+  Region ids;           // u64[4]: [0] (tag<<32)|ids outside [-1, E) that made notify refuse a
+                        // CPU-synced dispatch, [1] one such id; [2] running total of such ids notify
+                        // masked (no CPU sync), [3] the last one (see kernels.hpp)
   uint64_t bytes;
 };
 

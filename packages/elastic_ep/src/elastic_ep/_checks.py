@@ -7,8 +7,9 @@ from typing import Mapping, Optional
 
 
 def index_check_enabled() -> bool:
-    """The pre-launch expert-id check runs unless ``EP_SKIP_INDEX_CHECK=1`` (it costs one small
-    kernel and a host wait per CPU-synced dispatch)."""
+    """Expert ids outside ``[-1, E)`` raise unless ``EP_SKIP_INDEX_CHECK=1``: the native backend's
+    CPU-synced dispatch is then refused on every rank (the notify kernel counts them, free), the torch
+    backend checks with torch ops (one host sync). With the check off they are treated as masked."""
     return os.environ.get("EP_SKIP_INDEX_CHECK", "0") != "1"
 
 

@@ -405,6 +405,17 @@ class ElasticBuffer:
                              f"[-1, num_experts) (e.g. {example}); they were treated as masked (-1). The buffer is "
                              "fine; the routing is wrong")
 
+    def _refused_error(self, num_experts: int) -> ValueError:
+        """The ValueError of a CPU-synced dispatch that notify refused on every rank (bad expert ids)."""
+        ranks, num_bad, example = self._rt.take_refusal()
+        note = (f"rank(s) {ranks} passed top-k expert ids outside [-1, {num_experts}), so every rank refused "
+                "this dispatch: nothing was sent and the buffer stays usable")
+        if self.rank_idx in ranks:
+            if num_bad > 0:
+                return ValueError(f"{_checks.expert_ids_error(num_bad, example, num_experts)} ({note})")
+            return ValueError(f"topk_idx: expert ids must be in [-1, {num_experts}) ({note})")
+        return ValueError(f"dispatch refused: {note}")
+
     def _cpu_timeout(self, what: str, detail: str, expected: int, observed: int) -> CommTimeoutError:
         err = CommTimeoutError(f"elastic_ep {what} timed out after {self.num_cpu_timeout_secs} s "
                                f"[rank {self.rank_idx}]: {detail}")
@@ -637,13 +648,10 @@ class ElasticBuffer:
         # around its launches; the other modes go through the stream_control_* methods.
         fast_streams = previous_event is None and not allocate_on_comm_stream and not async_with_compute_stream
         compute_raw = _current_raw_stream(self.device)
-        check_ids = do_cpu_sync and T > 0 and not cached and _checks.index_check_enabled()
-        if check_ids:
-            # The CPU waits for this dispatch's counts anyway, so the ids are checked before anything
-            # reaches a peer: one small kernel on the stream that produced topk_idx, its answer polled
-            # in host memory after the host work below. Without a CPU sync the notify kernel masks such
-            # ids and the next call raises (take_masked_ids in _alive).
-            self._rt.check_expert_ids_launch(topk_idx.data_ptr(), T * K, num_experts, compute_raw)
+        # Expert ids outside [-1, E): with a CPU sync, notify counts them and the dispatch is refused on
+        # every rank (nothing is pushed, every host raises below, the buffer stays usable); without
+        # one, notify masks them and the next call raises (take_masked_ids in _alive).
+        refuse_bad_ids = do_cpu_sync and not cached and _checks.index_check_enabled()
 
         dev = x.device
 
@@ -660,15 +668,7 @@ class ElasticBuffer:
             return ints[:a], ints[a:b], ints[b:c], ints[c:].view(T, K), copied
 
         if fast_streams:
-            notify_outputs = allocate_notify_outputs()  # while the id check runs
-        if check_ids:
-            status, num_bad, example = self._rt.check_expert_ids_wait()
-            if status == 1:
-                self._alive()
-            elif status == 2:
-                raise self._cpu_timeout("expert-id check", "the stream producing topk_idx did not reach it", 1, 0)
-            if num_bad:
-                raise _checks.expert_ids_error(num_bad, example, num_experts)
+            notify_outputs = allocate_notify_outputs()
         compute_stream = None
         if not fast_streams:
             # Stream control; every allocation below happens after it (on the comm stream if asked).
@@ -688,6 +688,7 @@ class ElasticBuffer:
             slot_idx=_ptr(slot_idx), num_tokens=T, num_max_tokens_per_rank=num_max_tokens_per_rank,
             hidden_bytes=hidden_bytes, num_sf_packs=num_sf_packs, num_experts=num_experts, num_topk=K,
             expert_alignment=expert_alignment, cached=int(cached), num_sms=num_sms,
+            refuse_bad_ids=int(refuse_bad_ids),
         ), self._comm_raw, compute_raw if fast_streams else _NO_STREAM)
 
         if cached:
@@ -703,6 +704,8 @@ class ElasticBuffer:
                 raise self._cpu_timeout("dispatch CPU wait for the token counts",
                                         f"ranks whose counts arrived {nr}/{R}, local experts {ne}/{L}; destroy "
                                         "this buffer and create a new one", R + L, nr + ne)
+            elif status == 3:
+                raise self._refused_error(num_experts)
         else:
             num_recv_tokens = int(_C.worst_case_num_recv_tokens(R, num_max_tokens_per_rank))
             num_expanded_tokens = int(_C.worst_case_num_expanded_tokens(R, num_max_tokens_per_rank, K, L,
