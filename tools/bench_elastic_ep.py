@@ -7,9 +7,11 @@ Shape (DeepSeek-V3): 4096 tokens per rank, hidden 7168, top-8 of 256 experts, un
 routing (each token picks 8 distinct experts uniformly). Cases: BF16 dispatch, FP8 dispatch
 (float8_e4m3fn rows + FP32 scales per 128 elements), BF16 dispatch in cached mode (with the BF16
 dispatch's handle: no counting, no CPU sync; DeepEP's published figures are of this mode), BF16
-combine (of the BF16 dispatch's rows), as two kernels (push, then reduce) and overlapped (one kernel
-whose first blocks push while the others reduce each token chunk as it lands;
-``combine_bf16_overlap_pN``: N push blocks, ``--overlap-push-blocks``).
+combine (of the BF16 dispatch's rows). Each also overlapped (``<case>_overlap_pN``, N push blocks,
+``--overlap-push-blocks``): the dispatch copy epilogue beside the push on the other blocks, copying
+each chunk of slots as it lands; the combine as one kernel whose first blocks push while the others
+reduce each token chunk as it lands. For overlapped dispatch the kernel time is the span (first
+kernel start to last kernel end), since push and epilogue run at once.
 
 Measurements per case, over the iterations. Each iteration starts aligned on every GPU, as DeepEP's
 ``bench_kineto`` does with ``barrier_comm_profiling``: a 256 MiB L2 flush, a host barrier, then a tiny
@@ -128,9 +130,13 @@ def _e2e_stats(times_us):
 
 
 def _kernel_times(prof, iters: int):
-    """Average device time (us) per iteration of the elastic_ep kernels: (comm, epilogue, per kernel)."""
+    """Average device time (us) per iteration of the elastic_ep kernels: (comm, epilogue, per kernel,
+    span). The span is from the first kernel's start to the last one's end in each iteration (every
+    call launches the same number of kernels), which is the operation's device time when kernels
+    overlap (overlapped dispatch); it also contains host gaps between kernels (CPU sync)."""
     comm = epi = 0.0
     per_kernel = {}
+    ranges = []
     for e in prof.events():
         if getattr(e, "device_type", None) is None or "CUDA" not in str(e.device_type):
             continue
@@ -140,11 +146,22 @@ def _kernel_times(prof, iters: int):
         if key is None:
             continue
         per_kernel[key] = per_kernel.get(key, 0.0) + t / iters
+        ranges.append((e.time_range.start, e.time_range.end))
         if key in KERNEL_COMM:
             comm += t
         else:
             epi += t
-    return comm / iters, epi / iters, per_kernel
+    return comm / iters, epi / iters, per_kernel, _span_us(ranges, iters)
+
+
+def _span_us(ranges, iters: int):
+    """Mean over iterations of (last end - first start) of each iteration's kernels, or None."""
+    if not ranges or len(ranges) % iters:
+        return None
+    ranges = sorted(ranges)
+    n = len(ranges) // iters
+    groups = [ranges[i * n:(i + 1) * n] for i in range(iters)]
+    return sum(max(e for _, e in g) - g[0][0] for g in groups) / iters
 
 
 def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
@@ -200,9 +217,11 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                     if spec == "none":
                         continue
                     n = grid * 3 // 8 if spec == "default" else int(spec)
-                    cases[f"combine_bf16_overlap_p{n}"] = cases["combine_bf16"]
-                    case_env[f"combine_bf16_overlap_p{n}"] = {"ELASTIC_EP_COMBINE_OVERLAP": "1",
-                                                              "ELASTIC_EP_COMBINE_PUSH_BLOCKS": str(n)}
+                    for base in ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_cached", "combine_bf16"):
+                        op = "COMBINE" if base.startswith("combine") else "DISPATCH"
+                        cases[f"{base}_overlap_p{n}"] = cases[base]
+                        case_env[f"{base}_overlap_p{n}"] = {f"ELASTIC_EP_{op}_OVERLAP": "1",
+                                                            f"ELASTIC_EP_{op}_PUSH_BLOCKS": str(n)}
             for name, fn in cases.items():
                 saved = {k: os.environ.get(k) for k in case_env.get(name, {})}
                 os.environ.update(case_env.get(name, {}))
@@ -212,7 +231,7 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                 dist.barrier(group=group)
                 # end-to-end, CUDA events on the current stream
                 e2e = _timed_us(fn, iters, align)
-                comm_us = epi_us = None
+                comm_us = epi_us = span_us = None
                 per_kernel = {}
                 if backend == "native":
                     from torch.profiler import ProfilerActivity, profile
@@ -222,7 +241,7 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                             align()
                             fn()
                             torch.cuda.synchronize()
-                    comm_us, epi_us, per_kernel = _kernel_times(prof, iters)
+                    comm_us, epi_us, per_kernel, span_us = _kernel_times(prof, iters)
                 is_combine = name.startswith("combine")
                 if is_combine:
                     b = H * 2 + K * 4
@@ -233,9 +252,12 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                 stats = _e2e_stats(e2e)
                 e2e_us = stats["e2e_us"]
                 kern_us = (comm_us + epi_us) if comm_us is not None else None
+                if kern_us is not None and name.startswith("dispatch") and "_overlap" in name and span_us:
+                    kern_us = span_us  # push and epilogue run at once: the sum would count both
                 out["results"].append(dict(
                     backend=backend, case=name, num_sms=num_sms, **stats,
-                    comm_kernel_us=comm_us, epilogue_us=epi_us, kernel_us=kern_us, per_kernel_us=per_kernel,
+                    comm_kernel_us=comm_us, epilogue_us=epi_us, kernel_us=kern_us, span_us=span_us,
+                    per_kernel_us=per_kernel,
                     bytes_remote=remote, bytes_total=total,
                     e2e_gbps_excl_local=remote / e2e_us / 1e3, e2e_gbps_incl_local=total / e2e_us / 1e3,
                     kernel_gbps_excl_local=remote / kern_us / 1e3 if kern_us else None,
@@ -300,7 +322,7 @@ def _summarise(per_rank, meta):
     for (backend, case, sms), lst in rows.items():
         table.append(dict(backend=backend, case=case, num_sms=sms,
                           **{k: mean(lst, k) for k in ("e2e_us", "e2e_mean_us", "kernel_us", "comm_kernel_us",
-                                                        "epilogue_us",
+                                                        "epilogue_us", "span_us",
                                                         "e2e_gbps_excl_local", "e2e_gbps_incl_local",
                                                         "kernel_gbps_excl_local", "kernel_gbps_incl_local",
                                                         "comm_gbps_excl_local")},
@@ -332,14 +354,15 @@ def _markdown(table, meta) -> str:
              "",
              "| backend | case | SMs | kernel us | comm us | epilogue us | e2e us | kernel GB/s excl. local | "
              "kernel GB/s incl. local | comm-kernel GB/s excl. local | e2e GB/s excl. local | e2e speed-up vs torch "
-             "backend | e2e speed-up vs bare all_to_all |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "backend | e2e speed-up vs bare all_to_all | kernel span us |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in table:
         lines.append(f"| {t['backend']} | {t['case']} | {t['num_sms'] or 'all'} | {_fmt(t['kernel_us'])} | "
                      f"{_fmt(t['comm_kernel_us'])} | {_fmt(t['epilogue_us'])} | {_fmt(t['e2e_us'])} | "
                      f"{_fmt(t['kernel_gbps_excl_local'])} | {_fmt(t['kernel_gbps_incl_local'])} | "
                      f"{_fmt(t['comm_gbps_excl_local'])} | {_fmt(t['e2e_gbps_excl_local'])} | "
-                     f"{_fmt(t['speedup_vs_torch_e2e'], 2)} | {_fmt(t['speedup_vs_a2a_e2e'], 2)} |")
+                     f"{_fmt(t['speedup_vs_torch_e2e'], 2)} | {_fmt(t['speedup_vs_a2a_e2e'], 2)} | "
+                     f"{_fmt(t.get('span_us'))} |")
     kern = [t for t in table if t.get("per_kernel_us")]
     if kern:
         lines += ["", "Device time per kernel (us), per rank:", "",

@@ -43,6 +43,9 @@ def test_report_functions(tmp_path):
                                     _res(b, "torch_a2a", "combine_bf16", 0, [50.0])]}], {})
     t = next(t for t in ov if t["backend"] == "native")
     assert t["speedup_vs_torch_e2e"] == pytest.approx(4.0) and t["speedup_vs_a2a_e2e"] == pytest.approx(0.5)
+    # The span of overlapping kernels: per iteration, first start to last end.
+    assert b._span_us([(0, 10), (5, 30), (100, 110), (104, 140)], 2) == pytest.approx((30 + 40) / 2)
+    assert b._span_us([(0, 10)], 2) is None and b._span_us([], 1) is None
     pytest.importorskip("matplotlib")
     b._plot(table, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 0

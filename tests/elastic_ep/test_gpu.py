@@ -12,10 +12,11 @@
   buffer keeps working.
 * With two ranks on one GPU (COMMKIT_TEST_SHARE_GPU=1): the matrix, a soak and the timeout at EP 2 on
   the CUDA-IPC window, against the oracle.
-* The overlapped combine (ELASTIC_EP_COMBINE_OVERLAP=1: one kernel whose first blocks push rows back
-  while the others reduce each token chunk as it lands): the same matrices, a soak, the DeepSeek-V3
-  shape against the torch backend, one push block against many reducers, and a peer that never
-  combines.
+* The overlapped modes (ELASTIC_EP_DISPATCH_OVERLAP=1: the copy epilogue runs beside the push and
+  copies each chunk of slots as it lands; ELASTIC_EP_COMBINE_OVERLAP=1: one kernel whose first blocks
+  push rows back while the others reduce each token chunk as it lands): the same matrices, a soak,
+  CUDA graphs, the DeepSeek-V3 shape against the torch backend, one push block against many
+  receivers, and a peer that never combines.
 """
 import pytest
 import torch
@@ -26,10 +27,10 @@ from tests.elastic_ep._common import matrix_worker
 SMALL = dict(hidden=512, topk=8, experts=32, max_tokens=96, tokens=[96, 0, 61, 7])
 BUFFERS = [dict(allow_multiple_reduction=True, deterministic=False),
            dict(allow_multiple_reduction=False, deterministic=True)]
-# The overlapped combine, with the default split of the grid and with a single push block (every
-# reducer then waits on one block's progress through the token chunks).
-OVERLAP = {"ELASTIC_EP_COMBINE_OVERLAP": "1"}
-OVERLAP_ONE_PUSHER = {"ELASTIC_EP_COMBINE_OVERLAP": "1", "ELASTIC_EP_COMBINE_PUSH_BLOCKS": "1"}
+# The overlapped dispatch and combine, with the default split of the grid and with a single push
+# block (every receiving block then waits on one block's progress through the chunks).
+OVERLAP = {"ELASTIC_EP_DISPATCH_OVERLAP": "1", "ELASTIC_EP_COMBINE_OVERLAP": "1"}
+OVERLAP_ONE_PUSHER = dict(OVERLAP, ELASTIC_EP_DISPATCH_PUSH_BLOCKS="1", ELASTIC_EP_COMBINE_PUSH_BLOCKS="1")
 
 
 def _world() -> int:
@@ -45,7 +46,7 @@ def test_native_ep1_matrix(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("env", [OVERLAP, OVERLAP_ONE_PUSHER], ids=["split3of8", "onepusher"])
-def test_native_ep1_matrix_overlapped_combine(tmp_path, env):
+def test_native_ep1_matrix_overlapped(tmp_path, env):
     shape = dict(SMALL, tokens=[61])
     cfg = dict(device="cuda", backend="native", kind="gpu", shape=shape, buffers=BUFFERS, compare_torch=True)
     assert run_workers(matrix_worker, 1, cfg, tmp_path=tmp_path, timeout=120, env=env) == [2 * 12]
@@ -53,7 +54,7 @@ def test_native_ep1_matrix_overlapped_combine(tmp_path, env):
 
 @pytest.mark.multigpu(2, shared_ok=True)
 @pytest.mark.parametrize("env", [OVERLAP, OVERLAP_ONE_PUSHER], ids=["split3of8", "onepusher"])
-def test_native_matrix_ipc_window_overlapped_combine(tmp_path, env):
+def test_native_matrix_ipc_window_overlapped(tmp_path, env):
     cfg = dict(device="cuda", backend="native", kind="gpu", shape=SMALL, buffers=BUFFERS, compare_torch=False,
                window="ipc")
     assert run_workers(matrix_worker, 2, cfg, tmp_path=tmp_path, timeout=300, env=env) == [2 * 12] * 2
@@ -114,14 +115,14 @@ def test_native_matrix(tmp_path):
 
 
 @pytest.mark.multigpu(2)
-def test_native_matrix_overlapped_combine(tmp_path):
+def test_native_matrix_overlapped(tmp_path):
     world = _world()
     cfg = dict(device="cuda", backend="native", kind="gpu", shape=SMALL, buffers=BUFFERS, compare_torch=True)
     assert run_workers(matrix_worker, world, cfg, tmp_path=tmp_path, timeout=120, env=OVERLAP) == [2 * 12] * world
 
 
 @pytest.mark.multigpu(2)
-@pytest.mark.parametrize("env", [None, OVERLAP], ids=["two_kernel_combine", "overlapped_combine"])
+@pytest.mark.parametrize("env", [None, OVERLAP], ids=["sequential", "overlapped"])
 def test_native_deepseek_shape(tmp_path, env):
     world = _world()
     shape = dict(hidden=7168, topk=8, experts=256, max_tokens=4096, tokens=[4096, 4095, 4000, 1])
@@ -185,14 +186,14 @@ def graph_worker(rank, world, rdzv):
 
 
 @pytest.mark.multigpu(2)
-@pytest.mark.parametrize("env", [None, OVERLAP], ids=["two_kernel_combine", "overlapped_combine"])
+@pytest.mark.parametrize("env", [None, OVERLAP], ids=["sequential", "overlapped"])
 def test_native_cuda_graph(tmp_path, env):
     world = _world()
     assert run_workers(graph_worker, world, tmp_path=tmp_path, timeout=90, env=env) == [True] * world
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("env", [None, OVERLAP], ids=["two_kernel_combine", "overlapped_combine"])
+@pytest.mark.parametrize("env", [None, OVERLAP], ids=["sequential", "overlapped"])
 def test_native_ep1_cuda_graph(tmp_path, env):
     # One GPU: capture joins the communication stream to torch's capture stream and back inside the
     # native runtime (event record + stream wait), which a graph must accept. The overlapped combine's
@@ -237,8 +238,9 @@ def test_native_timeout(tmp_path):
 
 
 @pytest.mark.multigpu(2, shared_ok=True)  # the CUDA-IPC window needs no NCCL: ranks may share a GPU
-def test_native_timeout_ipc_window(tmp_path):
-    res = run_workers(timeout_worker, 2, "ipc", tmp_path=tmp_path, timeout=60)
+@pytest.mark.parametrize("env", [None, OVERLAP], ids=["sequential", "overlapped"])
+def test_native_timeout_ipc_window(tmp_path, env):
+    res = run_workers(timeout_worker, 2, "ipc", tmp_path=tmp_path, timeout=60, env=env)
     assert res[0] == "timeout"
 
 
@@ -330,8 +332,9 @@ def test_native_ep1_bad_ids_refused(tmp_path):
 
 
 @pytest.mark.multigpu(2, shared_ok=True)
-def test_native_bad_ids_refused_ipc_window(tmp_path):
-    assert run_workers(refusal_worker, 2, "ipc", tmp_path=tmp_path, timeout=120) == ["refused"] * 2
+@pytest.mark.parametrize("env", [None, OVERLAP], ids=["sequential", "overlapped"])
+def test_native_bad_ids_refused_ipc_window(tmp_path, env):
+    assert run_workers(refusal_worker, 2, "ipc", tmp_path=tmp_path, timeout=120, env=env) == ["refused"] * 2
 
 
 @pytest.mark.multigpu(2)
@@ -415,5 +418,5 @@ def test_native_soak_ipc_window(tmp_path):
 
 
 @pytest.mark.multigpu(2, shared_ok=True)
-def test_native_soak_ipc_window_overlapped_combine(tmp_path):
+def test_native_soak_ipc_window_overlapped(tmp_path):
     assert run_workers(soak_worker, 2, 150, "ipc", tmp_path=tmp_path, timeout=300, env=OVERLAP) == [150] * 2

@@ -395,6 +395,33 @@ def test_lowlevel_ep2_ipc_window(tmp_path):
     assert run_workers(_worker_modes, 2, cases, "ipc", tmp_path=tmp_path, timeout=400) == [len(cases)] * 2
 
 
+# The overlapped dispatch and combine (see tests/elastic_ep/test_gpu.py), over the whole low-level
+# matrix: 2 push blocks, so most chunks are awaited while the push is still running.
+_OVERLAP = {"ELASTIC_EP_DISPATCH_OVERLAP": "1", "ELASTIC_EP_COMBINE_OVERLAP": "1",
+            "ELASTIC_EP_DISPATCH_PUSH_BLOCKS": "2", "ELASTIC_EP_COMBINE_PUSH_BLOCKS": "2"}
+
+
+@pytest.mark.gpu
+def test_lowlevel_ep1_modes_overlapped(tmp_path):
+    assert run_workers(_worker_modes, 1, _cases(1), tmp_path=tmp_path, timeout=150,
+                       env=_OVERLAP) == [len(_cases(1))]
+
+
+@pytest.mark.multigpu(2, shared_ok=True)
+def test_lowlevel_ep2_ipc_window_overlapped(tmp_path):
+    cases = _cases(2)
+    assert run_workers(_worker_modes, 2, cases, "ipc", tmp_path=tmp_path, timeout=400,
+                       env=_OVERLAP) == [len(cases)] * 2
+
+
+@pytest.mark.multigpu(2)
+def test_lowlevel_ep2_modes_overlapped(tmp_path):
+    n = torch.cuda.device_count()
+    R = 2 if n < 4 else n
+    assert run_workers(_worker_modes, R, _cases(R), tmp_path=tmp_path, timeout=200,
+                       env=_OVERLAP) == [len(_cases(R))] * R
+
+
 def _worker_stream_order(rank, world_size, rdzv):
     """Default stream setup (no events): the communication stream must wait for the caller's stream
     before reading the inputs, and the caller's stream must wait for the outputs. Both are forced

@@ -126,21 +126,24 @@ def test_window_kind_checked_first():
         ll.ElasticBuffer(0, 1, 0, None, MIB2, window="shm")
 
 
-def test_combine_overlap_capacity_and_policy(monkeypatch):
-    # 65536 u32 arrival counters in the workspace, one per (rank, 32-token chunk of the origin).
+@pytest.mark.parametrize("op", ["DISPATCH", "COMBINE"])
+def test_overlap_capacity_and_policy(monkeypatch, op):
+    # 65536 u32 arrival counters in the workspace, one per (rank, 32-token chunk).
     for ranks, tokens in ((1, 1), (2, 4096), (8, 65536), (256, 8192), (64, 32768)):
-        assert _C.combine_overlap_fits(ranks, tokens) == (ranks * ((tokens + 31) // 32) <= 65536)
-    assert not _C.combine_overlap_fits(256, 8193) and not _C.combine_overlap_fits(2, 32 * 32768 + 1)
-    pick = ll._combine_overlap_push_blocks
-    monkeypatch.delenv("ELASTIC_EP_COMBINE_OVERLAP", raising=False)
-    monkeypatch.delenv("ELASTIC_EP_COMBINE_PUSH_BLOCKS", raising=False)
-    assert pick(2, 132, 4096) == 0  # the two-kernel combine by default
-    monkeypatch.setenv("ELASTIC_EP_COMBINE_OVERLAP", "1")
-    assert pick(2, 132, 4096) == 132 * 3 // 8
-    assert pick(2, 1, 4096) == 0  # one block cannot both push and reduce
-    assert pick(2, 2, 4096) == 1
-    assert pick(256, 132, 8193) == 0  # counters do not fit: two kernels
-    monkeypatch.setenv("ELASTIC_EP_COMBINE_PUSH_BLOCKS", "500")
-    assert pick(2, 132, 4096) == 131  # at least one reduce block stays
-    monkeypatch.setenv("ELASTIC_EP_COMBINE_PUSH_BLOCKS", "0")
-    assert pick(2, 132, 4096) == 1
+        assert _C.overlap_fits(ranks, tokens) == (ranks * ((tokens + 31) // 32) <= 65536)
+    assert not _C.overlap_fits(256, 8193) and not _C.overlap_fits(2, 32 * 32768 + 1)
+    pick = ll._overlap_push_blocks
+    monkeypatch.delenv(f"ELASTIC_EP_{op}_OVERLAP", raising=False)
+    monkeypatch.delenv(f"ELASTIC_EP_{op}_PUSH_BLOCKS", raising=False)
+    assert pick(op, 2, 132, 4096) == 0  # sequential kernels by default
+    monkeypatch.setenv(f"ELASTIC_EP_{op}_OVERLAP", "1")
+    assert pick(op, 2, 132, 4096) == 132 * 3 // 8
+    other = "COMBINE" if op == "DISPATCH" else "DISPATCH"
+    assert pick(other, 2, 132, 4096) == 0  # each operation has its own switch
+    assert pick(op, 2, 1, 4096) == 0  # one block cannot both push and receive
+    assert pick(op, 2, 2, 4096) == 1
+    assert pick(op, 256, 132, 8193) == 0  # counters do not fit: sequential kernels
+    monkeypatch.setenv(f"ELASTIC_EP_{op}_PUSH_BLOCKS", "500")
+    assert pick(op, 2, 132, 4096) == 131  # at least one receiving block stays
+    monkeypatch.setenv(f"ELASTIC_EP_{op}_PUSH_BLOCKS", "0")
+    assert pick(op, 2, 132, 4096) == 1

@@ -57,6 +57,7 @@ DispatchParams dispatch_params(const py::dict& d) {
   p.cached = int(get_i(d, "cached"));
   p.num_sms = int(get_i(d, "num_sms"));
   p.refuse_bad_ids = int(get_i(d, "refuse_bad_ids"));
+  p.overlap = int(get_i(d, "overlap"));
   return p;
 }
 
@@ -86,6 +87,7 @@ EpilogueParams epilogue_params(const py::dict& d) {
   p.cached = int(get_i(d, "cached"));
   p.do_zero_padding = int(get_i(d, "do_zero_padding"));
   p.num_sms = int(get_i(d, "num_sms"));
+  p.overlap = int(get_i(d, "overlap"));
   return p;
 }
 
@@ -215,8 +217,8 @@ PYBIND11_MODULE(_C, m) {
                                        allow_multiple_reduction);
         });
   m.def("worst_case_num_recv_tokens", &worst_case_num_recv_tokens);
-  m.def("combine_overlap_fits", [](int64_t num_ranks, int64_t num_max_tokens_per_rank) {
-    return combine_overlap_fits(num_ranks, num_max_tokens_per_rank);
+  m.def("overlap_fits", [](int64_t num_ranks, int64_t num_max_tokens_per_rank) {
+    return overlap_fits(num_ranks, num_max_tokens_per_rank);
   });
   m.def("worst_case_num_expanded_tokens", &worst_case_num_expanded_tokens);
   m.def("workspace_bytes", [] { return int64_t(workspace_layout().bytes); });

@@ -515,6 +515,16 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
         }
         if (lane == 0) cx.tr.put_u32(r, off + tl.src_meta.offset, uint32_t(rank * p.num_max_tokens_per_rank + t));
       }
+      if (p.overlap) {
+        // Every destination's record is complete: count it into the receiver's arrival counter of
+        // its slot chunk (the release covers the whole warp's stores after the __syncwarp).
+        __syncwarp();
+        if (master)
+          commkit::red_add_release(reinterpret_cast<uint32_t*>(cx.tr.remote(
+                                       owner, cx.ws.arrive.offset + 4ull * (uint64_t(rank) * arrive_chunks(p.num_max_tokens_per_rank) +
+                                                                            uint64_t(slot / kArriveTokens)))),
+                                   1u);
+      }
     }
   }
   grid_finish(cx, kCtrDispatchPush, [&] {
@@ -524,6 +534,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
       commkit::st_relaxed(&cx.counters[kCtrEpoch], uint32_t(E));
       return;
     }
+    if (p.overlap) return;  // the epilogues wait for arrival counts, not for dispatch_done
     for (int r = 0; r < R; ++r) cx.tr.signal(r, cx.ws.dispatch_done.offset + 8ull * rank, E);
   });
 }
@@ -541,7 +552,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
   const int tid = threadIdx.x, lane = lane_id();
   const int A = p.expert_alignment;
   bool ok = true;
-  if (tid < R)
+  // Overlapped: no wait here; each chunk of 32 slots is awaited below as it lands.
+  if (tid < R && !p.overlap)
     ok = commkit::wait_ge(cx.local_u64(cx.ws.dispatch_done, tid), E, cx.timeout_ns, cx.rec, kOpDispatchEpilogue,
                           rank, tid);
   if (tid < R) psum[tid] = p.psum_rank[tid];
@@ -560,10 +572,43 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
   const int M = K + 2;
   int* cursor = cx.ws.expert_cursor.at<int>(c.window_base);
   const int gw = blockIdx.x * kWarps + tid / 32, nw = gridDim.x * kWarps;
-  for (int i = gw; i < N; i += nw) {
-    int s = 0;
-    while (psum[s] <= i) ++s;
-    const int slot = i - (s > 0 ? psum[s - 1] : 0);
+  // Row order. Two kernels: row i = psum[s - 1] + slot, grid-stride. Overlapped: slot-chunk major,
+  // v = (chunk, source j, slot within the chunk) with source s = rank + 1 + j (mod R), so the
+  // epilogue follows every sender's push (each fills its slots in token order) and does its own rows
+  // (whose push only writes metadata) last in each chunk.
+  constexpr int CH = kArriveTokens;
+  const int chunks = arrive_chunks(p.num_max_tokens_per_rank);
+  const uint32_t* arrive = cx.ws.arrive.at<uint32_t>(c.window_base);
+  int64_t V = N;
+  if (p.overlap) {
+    int max_rows = 0;
+    for (int r = 0; r < R; ++r) max_rows = max(max_rows, psum[r] - (r > 0 ? psum[r - 1] : 0));
+    V = int64_t((max_rows + CH - 1) / CH) * R * CH;
+  }
+  for (int64_t v = gw; v < V; v += nw) {
+    int s, slot, i;
+    if (!p.overlap) {
+      i = int(v);
+      s = 0;
+      while (psum[s] <= i) ++s;
+      slot = i - (s > 0 ? psum[s - 1] : 0);
+    } else {
+      const int ch = int(v / (R * CH));
+      const int rem = int(v - int64_t(ch) * R * CH);
+      s = rank + 1 + rem / CH;
+      if (s >= R) s -= R;
+      slot = ch * CH + rem % CH;
+      const int first = s > 0 ? psum[s - 1] : 0, n_s = psum[s] - first;
+      if (slot >= n_s) continue;  // warp-uniform
+      i = first + slot;
+      int arrived = 1;
+      if (lane == 0)
+        arrived = commkit::wait_ge(&arrive[s * chunks + ch], uint32_t(min(CH, n_s - ch * CH)), cx.timeout_ns, cx.rec,
+                                   kOpDispatchEpilogue, rank, s, 10, 100)
+                      ? 1
+                      : 0;
+      if (!__shfl_sync(kFull, arrived, 0)) break;
+    }
     const char* rec = cx.tr.local(cx.buf + (uint64_t(s) * p.num_max_tokens_per_rank + slot) * tl.bytes);
     // A row of this rank's own comes from x (the push sent only its metadata); a peer's from the record.
     const bool own = s == rank;
@@ -578,12 +623,18 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
       sf = static_cast<const uint32_t*>(p.sf) + t * p.sf_token_stride;
       sf_step = p.sf_hidden_stride;
     }
+    // A peer's record may have landed during this kernel (overlapped): read it from L2, since an L1
+    // line filled earlier for a neighbouring record could be stale.
+    const bool in_flight = p.overlap && !own;
     auto copy_row = [&](int64_t dst) {
       int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + dst * p.hidden_bytes);
-      warp_copy_v4<4, false>(out, reinterpret_cast<const int4*>(row), n16, lane);
+      if (in_flight)
+        warp_copy_v4<4, false, true>(out, reinterpret_cast<const int4*>(row), n16, lane);
+      else
+        warp_copy_v4<4, false>(out, reinterpret_cast<const int4*>(row), n16, lane);
       for (int j = lane; j < p.num_sf_packs; j += 32)
         static_cast<uint32_t*>(p.recv_sf)[dst * p.recv_sf_token_stride + int64_t(j) * p.recv_sf_hidden_stride] =
-            sf[j * sf_step];
+            in_flight ? __ldcg(sf + j) : sf[j * sf_step];
     };
     // The row's place does not depend on its metadata: start the copy before those loads, so their
     // latency overlaps it instead of preceding it.
@@ -649,10 +700,25 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
   if (p.do_expand && !p.cached && blockIdx.x == 0 && p.psum_expert != nullptr)
     for (int l = tid; l < L; l += kThreads) p.psum_expert[l] = start[l] + unal[l];
 
-  grid_finish(cx, kCtrDispatchEpilogue, [&] {
-    for (int l = 0; l < L; ++l) cursor[l] = 0;
-    commkit::st_relaxed(&cx.counters[kCtrEpoch], uint32_t(E));
-  });
+  // The last block to finish clears the scratch (expand cursors; overlapped: the arrival counters,
+  // every one of which was awaited, so no count is still in flight) and ends the epoch.
+  __shared__ int s_last;
+  commkit::block_fence_system();
+  if (tid == 0) {
+    const uint32_t old = atomicAdd(&cx.counters[kCtrDispatchEpilogue], 1u);
+    s_last = old == gridDim.x - 1 ? 1 : 0;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  for (int l = tid; l < L; l += kThreads) cursor[l] = 0;
+  if (p.overlap)
+    for (int j = tid; j < R * chunks; j += kThreads) const_cast<uint32_t*>(arrive)[j] = 0u;
+  __syncthreads();
+  if (tid == 0) {
+    cx.counters[kCtrDispatchEpilogue] = 0u;
+    __threadfence_system();
+    if (!commkit::aborted(cx.rec)) commkit::st_relaxed(&cx.counters[kCtrEpoch], uint32_t(E));
+  }
 }
 
 // ------------------------------------------------------------------------------------ combine
@@ -663,7 +729,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
 //     only one when an event must gate the reduce);
 //   * overlapped (p.overlap_push_blocks > 0): one kernel; its first blocks push rows in token-chunk
 //     order and count each finished row into the origin's arrival counter of
-//     [pushing rank][token / kCombineArriveTokens]; the other blocks reduce a token once every rank
+//     [pushing rank][token / kArriveTokens]; the other blocks reduce a token once every rank
 //     holding one of its experts has delivered the whole chunk, so the reduce runs under the push.
 
 // Geometry of one combine, shared by push and reduce.
@@ -902,8 +968,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_overlapped_kernel(CommVie
   const int L = p.num_experts / R;
   const int tid = threadIdx.x, lane = lane_id(), warp = tid / 32;
   const int P = p.overlap_push_blocks;
-  const int chunks = combine_arrive_chunks(p.num_max_tokens_per_rank);
-  uint32_t* arrive = cx.ws.combine_arrive.at<uint32_t>(c.window_base);
+  const int chunks = arrive_chunks(p.num_max_tokens_per_rank);
+  uint32_t* arrive = cx.ws.arrive.at<uint32_t>(c.window_base);
   if (tid == 0) {
     s_ticket = int(atomicAdd(&cx.counters[kCtrCombineTicket], 1u));
     s_max_rows = 0;
@@ -917,7 +983,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_overlapped_kernel(CommVie
       __syncthreads();
       for (int s = tid; s < R; s += kThreads) atomicMax(&s_max_rows, psum[s] - (s > 0 ? psum[s - 1] : 0));
       __syncthreads();
-      constexpr int CH = kCombineArriveTokens;
+      constexpr int CH = kArriveTokens;
       const int64_t V = int64_t((s_max_rows + CH - 1) / CH) * R * CH;
       const int gw = ticket * kWarps + warp, nw = P * kWarps;
       for (int64_t v = gw; v < V; v += nw) {
@@ -933,7 +999,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_overlapped_kernel(CommVie
         __syncwarp();  // the warp's stores before lane 0's release (see commkit::red_add_release)
         if (lane == 0)
           commkit::red_add_release(reinterpret_cast<uint32_t*>(cx.tr.remote(
-                                       origin, cx.ws.combine_arrive.offset + 4ull * (uint64_t(rank) * chunks + t / CH))),
+                                       origin, cx.ws.arrive.offset + 4ull * (uint64_t(rank) * chunks + t / CH))),
                                    1u);
       }
     }
@@ -946,8 +1012,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_overlapped_kernel(CommVie
       const int64_t e = lane < K ? p.combined_topk_idx[int64_t(t) * K + lane] : -1;
       const int owner = owner_of(e, p.num_experts, L);
       const unsigned masters = __ballot_sync(kFull, is_master_lane(owner, K));
-      const int ch = t / kCombineArriveTokens;
-      const int u = ch * kCombineArriveTokens + lane;  // this lane's token of the chunk
+      const int ch = t / kArriveTokens;
+      const int u = ch * kArriveTokens + lane;  // this lane's token of the chunk
       for (unsigned d = masters; d; d &= d - 1) {
         const int r = __shfl_sync(kFull, owner, __ffs(d) - 1);
         bool has = false;
@@ -1035,7 +1101,7 @@ void launch_barrier(const CommView& c, void* stream) {
   barrier_kernel<<<1, kMaxRanks, 0, static_cast<cudaStream_t>(stream)>>>(c);
 }
 
-void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream) {
+void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream, void* notify_done_event) {
   auto s = static_cast<cudaStream_t>(stream);
   static_assert(kMaxTopk == 32, "the notify instantiations below cover num_topk up to 32");
   // notify's per-warp rank masks and slot bases live in dynamic shared memory sized by the rank count
@@ -1049,6 +1115,8 @@ void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream) {
     if (err != cudaSuccess) return;  // the caller's cudaGetLastError() reports it
   }
   notify<<<p.cached ? 1 : notify_split(p.num_tokens).blocks, kThreads, smem, s>>>(c, p);
+  if (notify_done_event != nullptr && cudaEventRecord(static_cast<cudaEvent_t>(notify_done_event), s) != cudaSuccess)
+    return;  // the caller's cudaGetLastError() reports it
   dispatch_push_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
 }
 

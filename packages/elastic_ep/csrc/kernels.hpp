@@ -55,6 +55,10 @@ struct DispatchParams {
   // words, nothing pushed, the host raises; see kernels.cu). Otherwise they are masked and reported
   // through a running total (HostWorkspaceLayout::ids[2..3]).
   int refuse_bad_ids;
+  // Overlapped dispatch: the push counts every token it finished into the receiver's arrival
+  // counters (sizing.hpp) and signals no dispatch_done; the epilogue (overlap = 1 there too) runs on
+  // the runtime's second stream beside it. num_sms is then the push's share of the grid.
+  int overlap;
 };
 
 struct EpilogueParams {
@@ -77,6 +81,9 @@ struct EpilogueParams {
   int num_experts, num_topk, expert_alignment;
   int do_expand, cached, do_zero_padding;
   int num_sms;
+  // Overlapped dispatch: wait per chunk of 32 slots for the senders' arrival counts instead of for
+  // their dispatch_done, and clear the counters at the end. num_sms is the epilogue's share.
+  int overlap;
 };
 
 struct CombineParams {
@@ -95,7 +102,7 @@ struct CombineParams {
   int num_sms;
   // 0: push and reduce are two kernels (the reduce starts when every peer finished pushing).
   // > 0: one kernel of num_sms blocks; the first `overlap_push_blocks` blocks to start push, the
-  // others reduce each token chunk as soon as its rows have landed (combine_overlap_fits must hold,
+  // others reduce each token chunk as soon as its rows have landed (overlap_fits must hold,
   // 0 < overlap_push_blocks < num_sms, and no event may gate the reduce).
   int overlap_push_blocks;
 };
@@ -106,7 +113,9 @@ int devcomm_create(void* nccl_comm, void** out_devcomm, int* out_lsa_rank, int* 
 void devcomm_destroy(void* nccl_comm, void* devcomm);
 void launch_resolve_peers(void* window, int num_ranks, void** out_peer_bases, int* out_info, void* stream);
 void launch_barrier(const CommView& c, void* stream);
-void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream);
+// Notify then push on `stream`; with `notify_done_event` (a cudaEvent_t, may be null) recorded between
+// the two, so an overlapped epilogue on another stream can start with the push.
+void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream, void* notify_done_event = nullptr);
 void launch_dispatch_epilogue(const CommView& c, const EpilogueParams& p, void* stream);
 // Combine = push (rows back to their origins) then reduce (the epilogue); the runtime may make the
 // stream wait for an event between the two (previous_event_before_epilogue).

@@ -233,6 +233,14 @@ void Runtime::finish_setup() {
   CK_CUDA_CHECK(cudaEventCreateWithFlags(&ev_out, cudaEventDisableTiming));
   event_in_ = ev_in;
   event_out_ = ev_out;
+  cudaEvent_t ev_notify = nullptr, ev_epi = nullptr;
+  CK_CUDA_CHECK(cudaEventCreateWithFlags(&ev_notify, cudaEventDisableTiming));
+  CK_CUDA_CHECK(cudaEventCreateWithFlags(&ev_epi, cudaEventDisableTiming));
+  notify_done_ = ev_notify;
+  epi_done_ = ev_epi;
+  cudaStream_t epi = nullptr;
+  CK_CUDA_CHECK(cudaStreamCreateWithFlags(&epi, cudaStreamNonBlocking));
+  epi_stream_ = epi;
   CK_CUDA_CHECK(cudaDeviceSynchronize());
   EP_DEBUG("rank %d: window and workspace ready\n", rank_);
   // The caller runs a process-group barrier next, before any peer writes into this window.
@@ -257,11 +265,15 @@ void Runtime::destroy() {
   destroyed_ = true;
   EP_DEBUG("rank %d: destroy (broken=%d)\n", rank_, int(broken_));
   // Events are local and may be destroyed with work pending on them (CUDA frees them once it completes).
-  for (void** ev : {&event_in_, &event_out_})
+  for (void** ev : {&event_in_, &event_out_, &notify_done_, &epi_done_})
     if (*ev != nullptr) {
       cudaEventDestroy(static_cast<cudaEvent_t>(*ev));
       *ev = nullptr;
     }
+  if (epi_stream_ != nullptr) {  // released once its pending work completes
+    cudaStreamDestroy(static_cast<cudaStream_t>(epi_stream_));
+    epi_stream_ = nullptr;
+  }
   if (broken_ && peer_bases_ != nullptr) {
     // After a timeout the peers are out of step (or gone): NCCL's window/devcomm teardown is collective
     // and kernels may still be spinning towards their device deadline, so nothing is freed here. The
@@ -389,7 +401,7 @@ void Runtime::dispatch(const DispatchParams& p, int64_t stream, int64_t wait_str
   const char* atomics = std::getenv("ELASTIC_EP_TEST_NOTIFY_ATOMICS");  // read per call: tests toggle it
   q.notify_atomic_masks = (atomics != nullptr && std::strcmp(atomics, "1") == 0) ? 1 : 0;
   entered_ = true;
-  launch_dispatch(view(), q, reinterpret_cast<void*>(stream));
+  launch_dispatch(view(), q, reinterpret_cast<void*>(stream), q.overlap ? notify_done_ : nullptr);
   CK_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -486,8 +498,18 @@ std::pair<int64_t, int64_t> Runtime::take_masked_ids() {
 void Runtime::dispatch_epilogue(const EpilogueParams& p, int64_t stream, int64_t join_stream) {
   CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
   set_device();
-  launch_dispatch_epilogue(view(), p, reinterpret_cast<void*>(stream));
-  CK_CUDA_CHECK(cudaGetLastError());
+  if (p.overlap) {
+    // Beside the push (still running on `stream`): start once notify finished, then join back.
+    auto epi = static_cast<cudaStream_t>(epi_stream_);
+    CK_CUDA_CHECK(cudaStreamWaitEvent(epi, static_cast<cudaEvent_t>(notify_done_), 0));
+    launch_dispatch_epilogue(view(), p, epi);
+    CK_CUDA_CHECK(cudaGetLastError());
+    CK_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(epi_done_), epi));
+    CK_CUDA_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(epi_done_), 0));
+  } else {
+    launch_dispatch_epilogue(view(), p, reinterpret_cast<void*>(stream));
+    CK_CUDA_CHECK(cudaGetLastError());
+  }
   stream_wait(join_stream, stream, event_out_);
 }
 
@@ -502,7 +524,7 @@ void Runtime::combine(const CombineParams& p, int64_t stream, uint64_t wait_even
     CK_CHECK(wait_event == 0, "combine: previous_event_before_epilogue cannot gate an overlapped reduce");
     CK_CHECK(p.overlap_push_blocks < p.num_sms, "combine: overlap_push_blocks (", p.overlap_push_blocks,
              ") must leave reduce blocks of num_sms (", p.num_sms, ")");
-    CK_CHECK(combine_overlap_fits(num_ranks_, p.num_max_tokens_per_rank), "combine: ", num_ranks_, " ranks x ",
+    CK_CHECK(overlap_fits(num_ranks_, p.num_max_tokens_per_rank), "combine: ", num_ranks_, " ranks x ",
              p.num_max_tokens_per_rank, " tokens exceed the overlapped combine's arrival counters");
     launch_combine_overlapped(view(), p, s);
     CK_CUDA_CHECK(cudaGetLastError());

@@ -150,6 +150,11 @@ class Runtime {
   std::vector<int> refused_ranks_;  // of the last refused dispatch (see take_refusal)
   void* event_in_ = nullptr;   // cudaEvent_t of stream_wait before an operation's first launch
   void* event_out_ = nullptr;  // cudaEvent_t of stream_wait after its last launch
+  // Overlapped dispatch: the copy epilogue runs on epi_stream_, which waits for notify_done_ (recorded
+  // between notify and push) and is joined back into the communication stream through epi_done_.
+  void* epi_stream_ = nullptr;  // cudaStream_t, created with the window
+  void* notify_done_ = nullptr;
+  void* epi_done_ = nullptr;
   uint64_t masked_ids_seen_ = 0;
   bool destroyed_ = false;
   bool broken_ = false;

@@ -55,18 +55,22 @@ CK_HD constexpr NotifySplit notify_split(int num_tokens) {
   const int per_block = (chunks + kMaxNotifyBlocks - 1) / kMaxNotifyBlocks;
   return NotifySplit{(chunks + per_block - 1) / per_block, per_block * kNotifyChunkTokens};
 }
-// Overlapped combine (one kernel: some blocks push rows back, the others reduce as rows land): the
-// pushing rank counts each row it finished into the origin's arrival counter of
-// [pushing rank][origin token / kCombineArriveTokens]; the origin's reduce waits per token chunk until
-// the count equals the number of its tokens in that chunk with an expert on the pushing rank.
-constexpr int kCombineArriveTokens = 32;
-constexpr int kCombineArriveWords = 1 << 16;  // u32 counters in the workspace (256 KiB)
-CK_HD constexpr int combine_arrive_chunks(int64_t num_max_tokens_per_rank) {
-  return int((num_max_tokens_per_rank + kCombineArriveTokens - 1) / kCombineArriveTokens);
+// Arrival counters of the overlapped modes, u32 words [sending rank][chunk of kArriveTokens]:
+//   * overlapped combine (one kernel: some blocks push rows back, the others reduce as rows land):
+//     chunk = origin token / kArriveTokens; the origin's reduce waits per token chunk until the count
+//     equals the number of its tokens in that chunk with an expert on the pushing rank;
+//   * overlapped dispatch (the copy epilogue runs beside the push, on its own stream and blocks):
+//     chunk = receive slot / kArriveTokens; the receiver's epilogue waits until the count equals the
+//     slots of that chunk the sender filled (its psum tells how many).
+// Senders count one per finished token (release), the operation's last block zeroes them.
+constexpr int kArriveTokens = 32;
+constexpr int kArriveWords = 1 << 16;  // in the workspace (256 KiB)
+CK_HD constexpr int arrive_chunks(int64_t num_max_tokens_per_rank) {
+  return int((num_max_tokens_per_rank + kArriveTokens - 1) / kArriveTokens);
 }
-// Whether the counters of R ranks x the token chunks fit; otherwise combine runs as two kernels.
-CK_HD constexpr bool combine_overlap_fits(int64_t num_ranks, int64_t num_max_tokens_per_rank) {
-  return num_ranks * combine_arrive_chunks(num_max_tokens_per_rank) <= kCombineArriveWords;
+// Whether the counters of R ranks x the token chunks fit; otherwise nothing overlaps.
+CK_HD constexpr bool overlap_fits(int64_t num_ranks, int64_t num_max_tokens_per_rank) {
+  return num_ranks * arrive_chunks(num_max_tokens_per_rank) <= kArriveWords;
 }
 // TMA needs the column-major SF token dimension padded to 16 B (4 packs of 4 B).
 constexpr int kNumAlignedSFPacks = 4;
@@ -183,9 +187,9 @@ struct WorkspaceLayout {
                            //                    push adds it to notify's block-relative slots)
   Region notify_bad;       // u64[2]             local: ids outside [-1, E) notify's blocks found, one of
                            //                    them (reset by the last block)
-  Region combine_arrive;   // u32[kCombineArriveWords] [src rank][token chunk]: rows of this rank's tokens
-                           //                    a peer finished pushing in the overlapped combine
-                           //                    (counted up by the peers, reset by the combine's last block)
+  Region arrive;           // u32[kArriveWords] [src rank][chunk]: tokens a peer finished pushing in an
+                           //                    overlapped dispatch or combine (counted up by the
+                           //                    peers, reset by the operation's last block)
   uint64_t bytes;          // total, 2 MiB aligned
 };
 
@@ -203,7 +207,7 @@ CK_HD constexpr WorkspaceLayout workspace_layout() {
   w.notify_block_cnt = l.add(4ull * kMaxNotifyBlocks * kMaxRanks, 128);
   w.notify_block_base = l.add(4ull * kMaxNotifyBlocks * kMaxRanks, 128);
   w.notify_bad = l.add(16, 128);
-  w.combine_arrive = l.add(4ull * kCombineArriveWords, 128);
+  w.arrive = l.add(4ull * kArriveWords, 128);
   w.bytes = l.total(uint64_t(kBufferAlignmentBytes));
   return w;
 }
@@ -251,7 +255,7 @@ static_assert(notify_split(1 << 24).blocks <= kMaxNotifyBlocks && notify_split(1
 static_assert(dispatch_token_layout(7168, 2, 0, 8).bytes % 16 == 0, "records stay 16 B aligned");
 static_assert(dispatch_token_layout(7168, 1, 56, 8).sf.offset == 7168, "SF follows the hidden bytes");
 static_assert(workspace_layout().bytes == uint64_t(kBufferAlignmentBytes), "workspace fits in 2 MiB");
-static_assert(combine_overlap_fits(2, 4096) && combine_overlap_fits(256, 8192) && !combine_overlap_fits(256, 8193),
+static_assert(overlap_fits(2, 4096) && overlap_fits(256, 8192) && !overlap_fits(256, 8193),
               "arrival counters: 256 ranks x 8192 tokens fit");
 static_assert(calculate_buffer_size(4096, 7168, 8, true, 1, 2, true, true) % kBufferAlignmentBytes == 0, "");
 

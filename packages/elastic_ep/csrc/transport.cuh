@@ -54,18 +54,20 @@ __device__ __forceinline__ void st_na_v4(int4* p, const int4& v) {
                : "memory");
 }
 
-// Warp copy of n16 16-byte words with kUnroll loads in flight per lane.
-template <int kUnroll, bool kNcSrc>
+// Warp copy of n16 16-byte words with kUnroll loads in flight per lane. Source loads: kNcSrc = the
+// read-only path (inputs), kCgSrc = L2 only (data that may land while the kernel runs), else plain.
+template <int kUnroll, bool kNcSrc, bool kCgSrc = false>
 __device__ __forceinline__ void warp_copy_v4(int4* dst, const int4* src, int n16, int lane) {
+  auto ld = [](const int4* q) { return kNcSrc ? ld_nc_v4(q) : (kCgSrc ? ld_cg_v4(q) : ld_v4(q)); };
   int i = lane;
   for (; i + 32 * (kUnroll - 1) < n16; i += 32 * kUnroll) {
     int4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = kNcSrc ? ld_nc_v4(src + i + 32 * u) : ld_v4(src + i + 32 * u);
+    for (int u = 0; u < kUnroll; ++u) v[u] = ld(src + i + 32 * u);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) st_na_v4(dst + i + 32 * u, v[u]);
   }
-  for (; i < n16; i += 32) st_na_v4(dst + i, kNcSrc ? ld_nc_v4(src + i) : ld_v4(src + i));
+  for (; i < n16; i += 32) st_na_v4(dst + i, ld(src + i));
 }
 
 struct LsaTransport {

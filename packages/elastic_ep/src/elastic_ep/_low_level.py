@@ -215,20 +215,22 @@ def _current_raw_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
 
 
-def _combine_overlap_push_blocks(num_ranks: int, num_sms: int, num_max_tokens_per_rank: int) -> int:
-    """Push blocks of the overlapped combine, or 0 for the two-kernel combine.
+def _overlap_push_blocks(op: str, num_ranks: int, num_sms: int, num_max_tokens_per_rank: int) -> int:
+    """Push blocks of an overlapped dispatch or combine (``op``), or 0 for the sequential kernels.
 
-    ``ELASTIC_EP_COMBINE_OVERLAP=1`` selects the overlapped combine (one kernel: the first blocks to
-    start push rows back in token-chunk order while the others reduce each chunk as it lands);
-    ``ELASTIC_EP_COMBINE_PUSH_BLOCKS`` sets how many blocks push (default 3/8 of the grid). The
-    default stays the two-kernel combine until the overlapped one is measured faster on NVLink.
-    Read per call, so a process can compare both.
+    ``ELASTIC_EP_DISPATCH_OVERLAP=1``: the copy epilogue runs beside the push, on the runtime's second
+    stream and the rest of the grid, copying each chunk of 32 slots as its senders' counts arrive.
+    ``ELASTIC_EP_COMBINE_OVERLAP=1``: one kernel, whose first blocks to start push rows back in
+    token-chunk order while the others reduce each chunk as it lands.
+    ``ELASTIC_EP_{DISPATCH,COMBINE}_PUSH_BLOCKS``: how many of the ``num_sms`` blocks push (default
+    3/8). Both stay off by default until they are measured faster on NVLink; read per call, so one
+    process can compare both ways.
     """
-    if os.environ.get("ELASTIC_EP_COMBINE_OVERLAP", "0") != "1" or num_sms < 2:
+    if os.environ.get(f"ELASTIC_EP_{op}_OVERLAP", "0") != "1" or num_sms < 2:
         return 0
-    if not _C.combine_overlap_fits(num_ranks, num_max_tokens_per_rank):
+    if not _C.overlap_fits(num_ranks, num_max_tokens_per_rank):
         return 0
-    env = os.environ.get("ELASTIC_EP_COMBINE_PUSH_BLOCKS")
+    env = os.environ.get(f"ELASTIC_EP_{op}_PUSH_BLOCKS")
     push = int(env) if env else num_sms * 3 // 8
     return min(max(push, 1), num_sms - 1)
 
@@ -644,6 +646,12 @@ class ElasticBuffer:
             raise ValueError(f"at most {_MAX_LOCAL_EXPERTS} experts per rank, got {L}")
         num_sf_packs = sf.shape[1] if sf is not None else 0
         num_sms = self._num_sms(num_sms)
+        # Overlapped dispatch: the push gets `push_sms` blocks, the epilogue (on the runtime's second
+        # stream, beside the push) the rest. Not when an event must gate the epilogue.
+        push_sms = 0 if previous_event_before_epilogue is not None else _overlap_push_blocks(
+            "DISPATCH", R, num_sms, num_max_tokens_per_rank)
+        overlap = push_sms > 0
+        epilogue_sms = num_sms - push_sms if overlap else num_sms
         # The default stream setup (no events, outputs on the compute stream) is done by the runtime
         # around its launches; the other modes go through the stream_control_* methods.
         fast_streams = previous_event is None and not allocate_on_comm_stream and not async_with_compute_stream
@@ -687,8 +695,8 @@ class ElasticBuffer:
             psum_rank=_ptr(psum_rank), psum_expert=_ptr(psum_expert_full), unaligned_expert=_ptr(unaligned),
             slot_idx=_ptr(slot_idx), num_tokens=T, num_max_tokens_per_rank=num_max_tokens_per_rank,
             hidden_bytes=hidden_bytes, num_sf_packs=num_sf_packs, num_experts=num_experts, num_topk=K,
-            expert_alignment=expert_alignment, cached=int(cached), num_sms=num_sms,
-            refuse_bad_ids=int(refuse_bad_ids),
+            expert_alignment=expert_alignment, cached=int(cached), num_sms=push_sms if overlap else num_sms,
+            refuse_bad_ids=int(refuse_bad_ids), overlap=int(overlap),
         ), self._comm_raw, compute_raw if fast_streams else _NO_STREAM)
 
         if cached:
@@ -742,7 +750,7 @@ class ElasticBuffer:
             unaligned_expert=_ptr(unaligned), num_max_tokens_per_rank=num_max_tokens_per_rank,
             hidden_bytes=hidden_bytes, num_sf_packs=num_sf_packs, num_experts=num_experts, num_topk=K,
             expert_alignment=expert_alignment, do_expand=int(do_expand), cached=int(cached),
-            do_zero_padding=int(do_zero_padding), num_sms=num_sms,
+            do_zero_padding=int(do_zero_padding), num_sms=epilogue_sms, overlap=int(overlap),
         ), self._comm_raw, compute_raw if fast_streams else _NO_STREAM)
         event = None
         if not fast_streams:
@@ -899,8 +907,8 @@ class ElasticBuffer:
         wait_event = 0
         if previous_event_before_epilogue is not None:
             wait_event = int(previous_event_before_epilogue.event.cuda_event)
-        overlap_push_blocks = 0 if wait_event else _combine_overlap_push_blocks(self.num_ranks, num_sms,
-                                                                                num_max_tokens_per_rank)
+        overlap_push_blocks = 0 if wait_event else _overlap_push_blocks("COMBINE", self.num_ranks, num_sms,
+                                                                        num_max_tokens_per_rank)
         self._rt.combine(dict(
             x=_ptr(x), topk_weights=_ptr(topk_weights), src_metadata=_ptr(src_metadata),
             psum_rank=_ptr(psum_num_recv_tokens_per_scaleup_rank), combined_topk_idx=_ptr(combined_topk_idx),
