@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The prioritised 2-GPU call: what every open issue still needs from a machine with two NVLinked GPUs,
+# in one device call of at most 10 minutes, most important first, each step under its own limit.
+#
+#   COMMKIT_GIT_REV=<hash> bash tools/gpu_x2.sh OUT_DIR
+#
+# Steps (seconds are the limits; a step that runs out is cut and the next one starts):
+#   1. build elastic_ep, ipc_all2all and fp8_layerwise (tools/gpu.sh --no-tests --no-bench)       ~40
+#   2. elastic_ep benchmark, aligned starts, every case sequential and overlapped (49 / 33 / 66
+#      push blocks): the issue-5 table and whether the overlapped modes pay                      150
+#   3. ipc_all2all benchmark with 264 blocks (two per SM): does it reach 330 GB/s at 64 MiB       60
+#   4. elastic_ep low-level EP 2 tests on the NCCL window, sequential and overlapped              150
+#   5. elastic_ep high-level EP 2 tests added since the last 2-GPU run (overlapped, refusal)      120
+# Everything lands under OUT_DIR (logs, JSON, plots, junit XML); tar it into $OUT afterwards.
+set -u
+OUT=${1:?usage: bash tools/gpu_x2.sh OUT_DIR}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+step() {  # step NAME LIMIT_S CMD...: run from /tmp (the installed packages, not the sources)
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s) $(date -u +%T) ==="
+  (cd /tmp && timeout "$limit" "$@") > "$OUT/$name.log" 2>&1
+  echo "rc=$? after $name $(date -u +%T)"
+  tail -n 25 "$OUT/$name.log"
+}
+bash "$ROOT/tools/gpu.sh" "$OUT/build" --no-tests --no-bench > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+tail -n 3 "$OUT/build.log"
+step bench_elastic_ep 150 $PY "$ROOT/tools/bench_elastic_ep.py" --out "$OUT/ep" --overlap-push-blocks default,33,66
+step bench_ipc_264 60 $PY "$ROOT/tools/bench_ipc_all2all.py" --out "$OUT/ipc264" --num-blocks 264
+PYTEST=($PY -m pytest -c "$ROOT/pytest.ini" --rootdir "$ROOT" -q -rfE -m "gpu or multigpu")
+step tests_ep_lowlevel 150 "${PYTEST[@]}" --junitxml="$OUT/junit_lowlevel.xml" "$ROOT/tests/elastic_ep/test_lowlevel_gpu.py"
+step tests_ep_new 120 "${PYTEST[@]}" --junitxml="$OUT/junit_new.xml" "$ROOT/tests/elastic_ep/test_gpu.py" \
+  -k "overlapped or refused or deepseek"
+echo "gpu_x2.sh done $(date -u +%T)"
