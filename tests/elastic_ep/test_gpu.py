@@ -214,20 +214,29 @@ def timeout_worker(rank, world, rdzv, window="auto"):
         time.sleep(15)  # never joins the dispatch
         return "idle"
     inp = make_inputs(rank, 32, 256, 2, 8 * world, "bf16", 0, "cuda")
+    return _expect_timeout(buf, "dispatch",
+                           lambda: buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], num_experts=8 * world,
+                                                do_cpu_sync=True))
+
+
+def _expect_timeout(buf, stage, call):
+    """Rank 0's side of a timeout test: `call` must raise TimeoutError naming `stage`, rank 0 and peer 1
+    (the device record names who waited for whom) within 14 s, and CUDA must stay usable."""
+    import time
+
     t0 = time.monotonic()
     try:
-        buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], num_experts=8 * world, do_cpu_sync=True)
+        call()
         torch.cuda.synchronize()
         buf.barrier(with_cpu_sync=True)
     except TimeoutError as e:
         msg = str(e)
         assert time.monotonic() - t0 < 14, "the timeout took too long"
-        assert "dispatch" in msg.lower(), msg
-        assert "rank 0" in msg and "peer 1" in msg, msg  # the device record names who waited for whom
-        # The process and its CUDA context stay usable.
+        assert stage in msg.lower(), msg
+        assert "rank 0" in msg and "peer 1" in msg, msg
         assert int(torch.arange(10, device="cuda").sum()) == 45
         return "timeout"
-    raise AssertionError("dispatch without a peer did not time out")
+    raise AssertionError(f"{stage} without a peer did not time out")
 
 
 @pytest.mark.multigpu(2)
@@ -262,19 +271,7 @@ def combine_timeout_worker(rank, world, rdzv, window="auto"):
     if rank != 0:
         time.sleep(15)  # never joins the combine
         return "idle"
-    t0 = time.monotonic()
-    try:
-        buf.combine(recv, handle, topk_weights=rw)
-        torch.cuda.synchronize()
-        buf.barrier(with_cpu_sync=True)
-    except TimeoutError as e:
-        msg = str(e)
-        assert time.monotonic() - t0 < 14, "the timeout took too long"
-        assert "combine" in msg.lower(), msg
-        assert "rank 0" in msg and "peer 1" in msg, msg
-        assert int(torch.arange(10, device="cuda").sum()) == 45
-        return "timeout"
-    raise AssertionError("combine without a peer did not time out")
+    return _expect_timeout(buf, "combine", lambda: buf.combine(recv, handle, topk_weights=rw))
 
 
 @pytest.mark.multigpu(2, shared_ok=True)

@@ -880,7 +880,7 @@ __device__ __forceinline__ void combine_reduce_token(const Ctx& cx, const Combin
   };
   auto load = [&](int sl, const int4* src) -> int4 {
     if ((own_slots >> sl) & 1u) return ld_nc_v4(src);
-    return kInFlight ? ld_cg_v4(src) : ld_v4(src);
+    return ld_v4<kInFlight>(src);
   };
   for (int q = lane; q < g.n16; q += 64) {
     const bool two = q + 32 < g.n16;

@@ -29,23 +29,22 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
                : "l"(p));
   return v;
 }
-// Coherent 16-byte load (data written by peers during this operation).
+// Coherent 16-byte load (data peers wrote before this kernel, e.g. behind a done signal); kL2Only
+// skips L1 (ld.global.cg) for data that may land while the kernel runs: an L1 line filled earlier,
+// e.g. for a neighbouring record, could be stale.
+template <bool kL2Only = false>
 __device__ __forceinline__ int4 ld_v4(const int4* p) {
   int4 v;
-  asm volatile("ld.global.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
-  return v;
-}
-// 16-byte load from L2, skipping L1 (data that may land while the kernel runs: an L1 line filled
-// earlier, e.g. for a neighbouring record, could be stale).
-__device__ __forceinline__ int4 ld_cg_v4(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
+  if (kL2Only)
+    asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+  else
+    asm volatile("ld.global.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
   return v;
 }
 __device__ __forceinline__ void st_na_v4(int4* p, const int4& v) {
@@ -58,7 +57,7 @@ __device__ __forceinline__ void st_na_v4(int4* p, const int4& v) {
 // read-only path (inputs), kCgSrc = L2 only (data that may land while the kernel runs), else plain.
 template <int kUnroll, bool kNcSrc, bool kCgSrc = false>
 __device__ __forceinline__ void warp_copy_v4(int4* dst, const int4* src, int n16, int lane) {
-  auto ld = [](const int4* q) { return kNcSrc ? ld_nc_v4(q) : (kCgSrc ? ld_cg_v4(q) : ld_v4(q)); };
+  auto ld = [](const int4* q) { return kNcSrc ? ld_nc_v4(q) : ld_v4<kCgSrc>(q); };
   int i = lane;
   for (; i + 32 * (kUnroll - 1) < n16; i += 32 * kUnroll) {
     int4 v[kUnroll];
