@@ -4,10 +4,13 @@
 // The work of one expert (tp ranks x 4 kinds x chunks, each `rows` rows) is split into row
 // ranges of roughly equal bytes and spread over `threads` threads, because one core's memcpy
 // (~10 GB/s) is slower than a PCIe Gen5 link (~55 GB/s). The threads are persistent (a
-// per-expert spawn costs ~30 us per thread, comparable to copying a 5 MB shard).
+// per-expert spawn costs ~30 us per thread, comparable to copying a 5 MB shard) and spin between
+// the experts of a layer (see WriterPool).
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -20,73 +23,100 @@
 
 namespace fp8lw {
 
+// Persistent workers that hand-off jobs by a generation counter. Between the experts of a layer
+// (one job every ~100 us) they spin on it for up to kSpinNs and so start within a microsecond; only
+// an idle pool sleeps on a condition variable. Waking 11 sleeping threads and joining them through
+// condition variables cost ~30 us per expert on the GPU machine: 68 us for a 5.5 MB expert that a
+// plain parallel copy moves in 36 us (BENCHMARKS.md, "Writer alone").
 class WriterPool {
  public:
-  explicit WriterPool(int n) : n_(n), errors_(n) {
+  explicit WriterPool(int n) : n_(n), errors_(n), spin_ns_(spin_ns_from_env()) {
     for (int t = 1; t < n; ++t) threads_.emplace_back([this, t] { loop(t); });
   }
   ~WriterPool() {
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
+    stop_.store(true, std::memory_order_release);
+    wake(cv_);
     for (auto& th : threads_) th.join();
   }
   // Runs job(t) for t in 0..n-1 (t = 0 on the calling thread); rethrows the first error.
   void run(const std::function<void(int)>& job) {
     std::lock_guard<std::mutex> serial(run_mu_);
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      job_ = &job;
-      std::fill(errors_.begin(), errors_.end(), nullptr);
-      remaining_ = n_ - 1;
-      ++gen_;
-    }
-    cv_.notify_all();
+    std::fill(errors_.begin(), errors_.end(), nullptr);
+    job_ = &job;
+    remaining_.store(n_ - 1, std::memory_order_relaxed);
+    gen_.fetch_add(1, std::memory_order_release);  // publishes job_ and errors_
+    wake(cv_);
     try {
       job(0);
     } catch (...) {
       errors_[0] = std::current_exception();
     }
-    {
-      std::unique_lock<std::mutex> l(mu_);
-      done_cv_.wait(l, [this] { return remaining_ == 0; });
-      job_ = nullptr;
-    }
+    await([this] { return remaining_.load(std::memory_order_acquire) == 0; }, done_cv_);
+    job_ = nullptr;
     for (auto& e : errors_)
       if (e) std::rethrow_exception(e);
   }
 
  private:
+  // How long a worker spins for the next job before it sleeps: 200 us (about two experts' worth of
+  // copying), or FP8LW_WRITER_SPIN_US (0: sleep at once, the condition-variable pool of before;
+  // for measuring the difference in one build).
+  static int64_t spin_ns_from_env() {
+    const char* v = std::getenv("FP8LW_WRITER_SPIN_US");
+    return v != nullptr && *v != '\0' ? std::max<int64_t>(0, std::atoll(v)) * 1000 : 200000;
+  }
+
+  static void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+  // Spins on `ready` for up to spin_ns_, then sleeps on `cv` until it holds. A waker changes the state
+  // first and then calls wake(cv), which takes the mutex: a sleeper checks `ready` under it, so no
+  // wake-up is lost.
+  template <typename Ready>
+  void await(Ready ready, std::condition_variable& cv) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (uint32_t i = 0; !ready(); ++i) {
+      cpu_relax();
+      if ((i & 255u) == 0u &&
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count() >= spin_ns_) {
+        std::unique_lock<std::mutex> l(mu_);
+        cv.wait(l, ready);
+        return;
+      }
+    }
+  }
+  void wake(std::condition_variable& cv) {
+    { std::lock_guard<std::mutex> g(mu_); }
+    cv.notify_all();
+  }
   void loop(int t) {
     uint64_t seen = 0;
-    std::unique_lock<std::mutex> l(mu_);
     for (;;) {
-      cv_.wait(l, [&] { return stop_ || gen_ != seen; });
-      if (stop_) return;
-      seen = gen_;
-      const std::function<void(int)>* job = job_;
-      l.unlock();
+      await([&] { return stop_.load(std::memory_order_acquire) || gen_.load(std::memory_order_acquire) != seen; },
+            cv_);
+      if (stop_.load(std::memory_order_acquire)) return;
+      seen = gen_.load(std::memory_order_acquire);
       try {
-        (*job)(t);
+        (*job_)(t);
       } catch (...) {
         errors_[t] = std::current_exception();
       }
-      l.lock();
-      if (--remaining_ == 0) done_cv_.notify_all();
+      if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) wake(done_cv_);
     }
   }
 
   int n_;
   std::vector<std::thread> threads_;
-  std::vector<std::exception_ptr> errors_;
+  std::vector<std::exception_ptr> errors_;  // written by worker t only, read by run() after the join
   std::mutex mu_, run_mu_;
   std::condition_variable cv_, done_cv_;
   const std::function<void(int)>* job_ = nullptr;
-  uint64_t gen_ = 0;
-  int remaining_ = 0;
-  bool stop_ = false;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int> remaining_{0};
+  std::atomic<bool> stop_{false};
+  int64_t spin_ns_;
 };
 
 ShardWriter::~ShardWriter() = default;
