@@ -210,7 +210,9 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
             cases["dispatch_bf16_cached"] = lambda: buf.dispatch(inp["xb"], topk_weights=inp["w"], handle=handle,
                                                                  num_sms=num_sms)
             cases["combine_bf16"] = lambda: buf.combine(recv, handle, topk_weights=rw, num_sms=num_sms)
-            case_env = {}
+            # Overlapped variants: the same calls with the low-level buffer's OverlapConfig switched on
+            # for the case (and back off after it).
+            case_overlap = {}
             if backend == "native":
                 grid = num_sms or torch.cuda.get_device_properties(rank).multi_processor_count
                 for spec in args.overlap_push_blocks.split(","):
@@ -218,13 +220,13 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                         continue
                     n = grid * 3 // 8 if spec == "default" else int(spec)
                     for base in ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_cached", "combine_bf16"):
-                        op = "COMBINE" if base.startswith("combine") else "DISPATCH"
+                        cfg = buf.runtime.combine_overlap if base.startswith("combine") else buf.runtime.dispatch_overlap
                         cases[f"{base}_overlap_p{n}"] = cases[base]
-                        case_env[f"{base}_overlap_p{n}"] = {f"ELASTIC_EP_{op}_OVERLAP": "1",
-                                                            f"ELASTIC_EP_{op}_PUSH_BLOCKS": str(n)}
+                        case_overlap[f"{base}_overlap_p{n}"] = (cfg, n)
             for name, fn in cases.items():
-                saved = {k: os.environ.get(k) for k in case_env.get(name, {})}
-                os.environ.update(case_env.get(name, {}))
+                if name in case_overlap:
+                    cfg, n = case_overlap[name]
+                    cfg.enabled, cfg.push_blocks = True, n
                 for _ in range(2):
                     fn()
                 torch.cuda.synchronize()
@@ -263,11 +265,8 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                     kernel_gbps_excl_local=remote / kern_us / 1e3 if kern_us else None,
                     kernel_gbps_incl_local=total / kern_us / 1e3 if kern_us else None,
                     comm_gbps_excl_local=remote / comm_us / 1e3 if comm_us else None))
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+                if name in case_overlap:
+                    case_overlap[name][0].enabled = False
             buf.destroy()
           except Exception as e:  # noqa: BLE001 - report and keep measuring the other configurations
             import traceback

@@ -132,18 +132,21 @@ def test_overlap_capacity_and_policy(monkeypatch, op):
     for ranks, tokens in ((1, 1), (2, 4096), (8, 65536), (256, 8192), (64, 32768)):
         assert _C.overlap_fits(ranks, tokens) == (ranks * ((tokens + 31) // 32) <= 65536)
     assert not _C.overlap_fits(256, 8193) and not _C.overlap_fits(2, 32 * 32768 + 1)
-    pick = ll._overlap_push_blocks
     monkeypatch.delenv(f"ELASTIC_EP_{op}_OVERLAP", raising=False)
     monkeypatch.delenv(f"ELASTIC_EP_{op}_PUSH_BLOCKS", raising=False)
-    assert pick(op, 2, 132, 4096) == 0  # sequential kernels by default
+    cfg = ll.OverlapConfig.from_env(op)
+    assert not cfg.enabled and cfg.push_blocks is None  # sequential kernels by default
+    pick = ll._overlap_push_blocks
+    assert pick(cfg, 2, 132, 4096) == 0
     monkeypatch.setenv(f"ELASTIC_EP_{op}_OVERLAP", "1")
-    assert pick(op, 2, 132, 4096) == 132 * 3 // 8
     other = "COMBINE" if op == "DISPATCH" else "DISPATCH"
-    assert pick(other, 2, 132, 4096) == 0  # each operation has its own switch
-    assert pick(op, 2, 1, 4096) == 0  # one block cannot both push and receive
-    assert pick(op, 2, 2, 4096) == 1
-    assert pick(op, 256, 132, 8193) == 0  # counters do not fit: sequential kernels
+    assert not ll.OverlapConfig.from_env(other).enabled  # each operation has its own switch
+    cfg = ll.OverlapConfig.from_env(op)
+    assert pick(cfg, 2, 132, 4096) == 132 * 3 // 8
+    assert pick(cfg, 2, 1, 4096) == 0  # one block cannot both push and receive
+    assert pick(cfg, 2, 2, 4096) == 1
+    assert pick(cfg, 256, 132, 8193) == 0  # counters do not fit: sequential kernels
     monkeypatch.setenv(f"ELASTIC_EP_{op}_PUSH_BLOCKS", "500")
-    assert pick(op, 2, 132, 4096) == 131  # at least one receiving block stays
-    monkeypatch.setenv(f"ELASTIC_EP_{op}_PUSH_BLOCKS", "0")
-    assert pick(op, 2, 132, 4096) == 1
+    assert pick(ll.OverlapConfig.from_env(op), 2, 132, 4096) == 131  # at least one receiving block stays
+    assert pick(ll.OverlapConfig(True, 0), 2, 132, 4096) == 1
+    assert repr(ll.OverlapConfig(True, 7)) == "OverlapConfig(enabled=True, push_blocks=7)"

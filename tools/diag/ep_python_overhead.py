@@ -63,11 +63,14 @@ def main() -> None:
     low.allow_multiple_reduction, low._destroyed = True, False
     low.num_cpu_timeout_secs, low.device, low.num_device_sms = 100, 0, 132
     low._rt, low._comm_raw, low.comm_stream = _StubRuntime(T, E), 1, None
+    low.dispatch_overlap, low.combine_overlap = ll.OverlapConfig(), ll.OverlapConfig()
+    low._refuse_bad_ids = True
     ll._current_raw_stream = lambda device: 0  # no CUDA here
     buf = object.__new__(fe.ElasticBuffer)
     buf.backend, buf._prechecked, buf.device = "native", {"_validated": True}, torch.device("cpu")
     buf.num_ranks, buf.rank, buf.num_bytes, buf.num_max_tokens_per_rank = 1, 0, 1 << 30, T
     buf.deterministic, buf.allow_multiple_reduction, buf.destroyed = False, True, False
+    buf._env_num_sms = 0
     buf.runtime = low
     buf._capturing = lambda: False
 

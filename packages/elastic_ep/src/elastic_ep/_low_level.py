@@ -215,23 +215,41 @@ def _current_raw_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
 
 
-def _overlap_push_blocks(op: str, num_ranks: int, num_sms: int, num_max_tokens_per_rank: int) -> int:
-    """Push blocks of an overlapped dispatch or combine (``op``), or 0 for the sequential kernels.
+class OverlapConfig:
+    """Whether an operation runs overlapped, and how many blocks push (see ``_overlap_push_blocks``).
 
-    ``ELASTIC_EP_DISPATCH_OVERLAP=1``: the copy epilogue runs beside the push, on the runtime's second
-    stream and the rest of the grid, copying each chunk of 32 slots as its senders' counts arrive.
-    ``ELASTIC_EP_COMBINE_OVERLAP=1``: one kernel, whose first blocks to start push rows back in
-    token-chunk order while the others reduce each chunk as it lands.
-    ``ELASTIC_EP_{DISPATCH,COMBINE}_PUSH_BLOCKS``: how many of the ``num_sms`` blocks push (default
-    3/8). Both stay off by default until they are measured faster on NVLink; read per call, so one
-    process can compare both ways.
+    ``enabled`` and ``push_blocks`` (None: 3/8 of the grid) start from ``ELASTIC_EP_{DISPATCH,COMBINE}_OVERLAP``
+    and ``ELASTIC_EP_{DISPATCH,COMBINE}_PUSH_BLOCKS`` when the buffer is created, and may be changed on
+    the buffer afterwards (``buf.dispatch_overlap.enabled = True``), e.g. to compare both ways in one
+    process.
     """
-    if os.environ.get(f"ELASTIC_EP_{op}_OVERLAP", "0") != "1" or num_sms < 2:
+
+    __slots__ = ("enabled", "push_blocks")
+
+    def __init__(self, enabled: bool = False, push_blocks: Optional[int] = None) -> None:
+        self.enabled = bool(enabled)
+        self.push_blocks = push_blocks
+
+    @classmethod
+    def from_env(cls, op: str) -> "OverlapConfig":
+        blocks = os.environ.get(f"ELASTIC_EP_{op}_PUSH_BLOCKS")
+        return cls(os.environ.get(f"ELASTIC_EP_{op}_OVERLAP", "0") == "1", int(blocks) if blocks else None)
+
+    def __repr__(self) -> str:
+        return f"OverlapConfig(enabled={self.enabled}, push_blocks={self.push_blocks})"
+
+
+def _overlap_push_blocks(cfg: OverlapConfig, num_ranks: int, num_sms: int, num_max_tokens_per_rank: int) -> int:
+    """Push blocks of an overlapped dispatch or combine, or 0 for the sequential kernels.
+
+    Overlapped dispatch: the copy epilogue runs beside the push, on the runtime's second stream and
+    the rest of the grid, copying each chunk of 32 slots as its senders' counts arrive. Overlapped
+    combine: one kernel, whose first blocks to start push rows back in token-chunk order while the
+    others reduce each chunk as it lands. Off by default until measured faster on NVLink.
+    """
+    if not cfg.enabled or num_sms < 2 or not _C.overlap_fits(num_ranks, num_max_tokens_per_rank):
         return 0
-    if not _C.overlap_fits(num_ranks, num_max_tokens_per_rank):
-        return 0
-    env = os.environ.get(f"ELASTIC_EP_{op}_PUSH_BLOCKS")
-    push = int(env) if env else num_sms * 3 // 8
+    push = cfg.push_blocks if cfg.push_blocks is not None else num_sms * 3 // 8
     return min(max(push, 1), num_sms - 1)
 
 
@@ -333,6 +351,10 @@ class ElasticBuffer:
             self._rt = _C.Runtime(self.rank_idx, self.num_ranks, int(nccl_comm), self.num_buffer_bytes,
                                   self.num_cpu_timeout_secs, self.num_gpu_timeout_secs)
         self.num_device_sms = int(self._rt.num_device_sms)
+        # Read once here (environment lookups cost microseconds per call on the critical path).
+        self.dispatch_overlap = OverlapConfig.from_env("DISPATCH")
+        self.combine_overlap = OverlapConfig.from_env("COMBINE")
+        self._refuse_bad_ids = _checks.index_check_enabled()
         self.comm_stream = torch.cuda.Stream(device=self.device)
         self._comm_raw = int(self.comm_stream.cuda_stream)
         # The caller runs a process-group barrier next (the seed does too): no peer may write into this
@@ -649,7 +671,7 @@ class ElasticBuffer:
         # Overlapped dispatch: the push gets `push_sms` blocks, the epilogue (on the runtime's second
         # stream, beside the push) the rest. Not when an event must gate the epilogue.
         push_sms = 0 if previous_event_before_epilogue is not None else _overlap_push_blocks(
-            "DISPATCH", R, num_sms, num_max_tokens_per_rank)
+            self.dispatch_overlap, R, num_sms, num_max_tokens_per_rank)
         overlap = push_sms > 0
         epilogue_sms = num_sms - push_sms if overlap else num_sms
         # The default stream setup (no events, outputs on the compute stream) is done by the runtime
@@ -659,7 +681,7 @@ class ElasticBuffer:
         # Expert ids outside [-1, E): with a CPU sync, notify counts them and the dispatch is refused on
         # every rank (nothing is pushed, every host raises below, the buffer stays usable); without
         # one, notify masks them and the next call raises (take_masked_ids in _alive).
-        refuse_bad_ids = do_cpu_sync and not cached and _checks.index_check_enabled()
+        refuse_bad_ids = do_cpu_sync and not cached and self._refuse_bad_ids
 
         dev = x.device
 
@@ -907,8 +929,8 @@ class ElasticBuffer:
         wait_event = 0
         if previous_event_before_epilogue is not None:
             wait_event = int(previous_event_before_epilogue.event.cuda_event)
-        overlap_push_blocks = 0 if wait_event else _overlap_push_blocks("COMBINE", self.num_ranks, num_sms,
-                                                                        num_max_tokens_per_rank)
+        overlap_push_blocks = 0 if wait_event else _overlap_push_blocks(self.combine_overlap, self.num_ranks,
+                                                                        num_sms, num_max_tokens_per_rank)
         self._rt.combine(dict(
             x=_ptr(x), topk_weights=_ptr(topk_weights), src_metadata=_ptr(src_metadata),
             psum_rank=_ptr(psum_num_recv_tokens_per_scaleup_rank), combined_topk_idx=_ptr(combined_topk_idx),

@@ -349,6 +349,9 @@ class ElasticBuffer:
                 allow_multiple_reduction, prefer_overlap_with_compute, sl_idx, num_allocated_qps,
                 num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy)
         self.comm_source = None
+        # Read once: an environment lookup costs microseconds on every call otherwise.
+        env_sms = os.environ.get("EP_NUM_SMS")
+        self._env_num_sms = int(env_sms) if env_sms else 0
         if backend == "native":
             self.runtime = self._create_native(ll, group, args)
         else:
@@ -501,8 +504,8 @@ class ElasticBuffer:
     def _resolve_sms(self, num_sms: int) -> int:
         if num_sms < 0:
             raise ValueError(f"num_sms: expected >= 0 (0 = automatic), got {num_sms}")
-        if num_sms == 0 and os.environ.get("EP_NUM_SMS"):
-            return int(os.environ["EP_NUM_SMS"])
+        if num_sms == 0 and self._env_num_sms:
+            return self._env_num_sms  # EP_NUM_SMS, read when the buffer was created
         if self.backend == "native":
             return num_sms  # 0: the native runtime picks (all SMs of the device)
         return num_sms or self.get_theoretical_num_sms()
