@@ -150,3 +150,16 @@ def test_overlap_capacity_and_policy(monkeypatch, op):
     assert pick(ll.OverlapConfig.from_env(op), 2, 132, 4096) == 131  # at least one receiving block stays
     assert pick(ll.OverlapConfig(True, 0), 2, 132, 4096) == 1
     assert repr(ll.OverlapConfig(True, 7)) == "OverlapConfig(enabled=True, push_blocks=7)"
+
+
+@pytest.mark.parametrize("R,rank,rows", [(1, 0, [70]), (2, 0, [4096, 4090]), (2, 1, [0, 33]), (3, 2, [5, 64, 0]),
+                                         (8, 5, [random.Random(s).randint(0, 300) for s in range(8)])])
+def test_chunk_order_visits_every_row_once_chunk_major(R, rank, rows):
+    """The walk of the overlapped kernels: every (source, slot < rows[source]) exactly once; chunks of 32
+    slots in increasing order; within a chunk the sources rank+1, rank+2, ... and this rank last."""
+    order = _C.chunk_order(R, rank, rows)
+    assert sorted(order) == sorted((s, q) for s in range(R) for q in range(rows[s]))
+    keys = [(q // 32, (s - rank - 1) % R, q % 32) for s, q in order]
+    assert keys == sorted(keys)
+    with pytest.raises(ValueError):
+        _C.chunk_order(R, R, rows)

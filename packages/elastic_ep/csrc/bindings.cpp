@@ -217,6 +217,19 @@ PYBIND11_MODULE(_C, m) {
                                        allow_multiple_reduction);
         });
   m.def("worst_case_num_recv_tokens", &worst_case_num_recv_tokens);
+  m.def("chunk_order", [](int num_ranks, int rank, const std::vector<int>& rows_per_source) {
+    // The walk of the overlapped kernels (sizing.hpp), as (source, slot) pairs, invalid ones skipped.
+    CK_CHECK_ARG(num_ranks >= 1 && rank >= 0 && rank < num_ranks && int(rows_per_source.size()) == num_ranks,
+                 "chunk_order: bad rank / count arguments");
+    int max_rows = 0;
+    for (int n : rows_per_source) max_rows = n > max_rows ? n : max_rows;
+    std::vector<std::pair<int, int>> out;
+    for (int64_t v = 0; v < chunk_order_size(num_ranks, max_rows); ++v) {
+      const ChunkPos pos = chunk_order_at(v, num_ranks, rank);
+      if (pos.slot < rows_per_source[pos.source]) out.emplace_back(pos.source, pos.slot);
+    }
+    return out;
+  });
   m.def("overlap_fits", [](int64_t num_ranks, int64_t num_max_tokens_per_rank) {
     return overlap_fits(num_ranks, num_max_tokens_per_rank);
   });

@@ -572,10 +572,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
   const int M = K + 2;
   int* cursor = cx.ws.expert_cursor.at<int>(c.window_base);
   const int gw = blockIdx.x * kWarps + tid / 32, nw = gridDim.x * kWarps;
-  // Row order. Two kernels: row i = psum[s - 1] + slot, grid-stride. Overlapped: slot-chunk major,
-  // v = (chunk, source j, slot within the chunk) with source s = rank + 1 + j (mod R), so the
-  // epilogue follows every sender's push (each fills its slots in token order) and does its own rows
-  // (whose push only writes metadata) last in each chunk.
+  // Row order. Two kernels: row i = psum[s - 1] + slot, grid-stride. Overlapped: chunk_order_at
+  // (sizing.hpp), so the epilogue follows every sender's push and does its own rows (whose push only
+  // writes metadata) last in each chunk.
   constexpr int CH = kArriveTokens;
   const int chunks = arrive_chunks(p.num_max_tokens_per_rank);
   const uint32_t* arrive = cx.ws.arrive.at<uint32_t>(c.window_base);
@@ -583,7 +582,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
   if (p.overlap) {
     int max_rows = 0;
     for (int r = 0; r < R; ++r) max_rows = max(max_rows, psum[r] - (r > 0 ? psum[r - 1] : 0));
-    V = int64_t((max_rows + CH - 1) / CH) * R * CH;
+    V = chunk_order_size(R, max_rows);
   }
   for (int64_t v = gw; v < V; v += nw) {
     int s, slot, i;
@@ -593,11 +592,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
       while (psum[s] <= i) ++s;
       slot = i - (s > 0 ? psum[s - 1] : 0);
     } else {
-      const int ch = int(v / (R * CH));
-      const int rem = int(v - int64_t(ch) * R * CH);
-      s = rank + 1 + rem / CH;
-      if (s >= R) s -= R;
-      slot = ch * CH + rem % CH;
+      const ChunkPos pos = chunk_order_at(v, R, rank);
+      const int ch = pos.chunk;
+      s = pos.source;
+      slot = pos.slot;
       const int first = s > 0 ? psum[s - 1] : 0, n_s = psum[s] - first;
       if (slot >= n_s) continue;  // warp-uniform
       i = first + slot;
@@ -954,10 +952,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c,
 // reduce blocks spin on rows the push blocks deliver, so every push block must already be running,
 // whatever else occupies the GPU.
 //
-// Push order: token-chunk major. Virtual row v = (chunk c, origin j, slot q within the chunk), origin
-// s = rank + 1 + j (mod R), i.e. every pusher starts with a different peer and leaves its own rows
-// last; row i = psum[s - 1] + c * 32 + q. A grid-stride walk over v moves all pushers through the
-// origins' token chunks roughly in step (slots are in token order), so the reduce can follow.
+// Push order: chunk_order_at (sizing.hpp) over the received rows, row i = psum[s - 1] + slot: every
+// pusher starts with a different peer and leaves its own rows last, and a grid-stride walk moves all
+// pushers through the origins' token chunks roughly in step (slots are in token order), so the
+// reduce can follow.
 __global__ void __launch_bounds__(kThreads, 1) combine_overlapped_kernel(CommView c, CombineParams p) {
   __shared__ int s_ticket, s_last, s_max_rows;
   __shared__ int psum[kMaxRanks];
@@ -984,14 +982,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_overlapped_kernel(CommVie
       for (int s = tid; s < R; s += kThreads) atomicMax(&s_max_rows, psum[s] - (s > 0 ? psum[s - 1] : 0));
       __syncthreads();
       constexpr int CH = kArriveTokens;
-      const int64_t V = int64_t((s_max_rows + CH - 1) / CH) * R * CH;
+      const int64_t V = chunk_order_size(R, s_max_rows);
       const int gw = ticket * kWarps + warp, nw = P * kWarps;
       for (int64_t v = gw; v < V; v += nw) {
-        const int ch = int(v / (R * CH));
-        const int rem = int(v - int64_t(ch) * R * CH);
-        int s = rank + 1 + rem / CH;
-        if (s >= R) s -= R;
-        const int slot = ch * CH + (rem % CH);
+        const ChunkPos pos = chunk_order_at(v, R, rank);
+        const int s = pos.source, slot = pos.slot;
         const int first = s > 0 ? psum[s - 1] : 0;
         if (slot >= psum[s] - first) continue;  // warp-uniform
         int origin;

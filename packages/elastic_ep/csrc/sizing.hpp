@@ -72,6 +72,26 @@ CK_HD constexpr int arrive_chunks(int64_t num_max_tokens_per_rank) {
 CK_HD constexpr bool overlap_fits(int64_t num_ranks, int64_t num_max_tokens_per_rank) {
   return num_ranks * arrive_chunks(num_max_tokens_per_rank) <= kArriveWords;
 }
+// The order in which the overlapped kernels walk the rows of several sources (the combine push over
+// its received rows, the dispatch epilogue over its receive slots): chunk-major, v = (chunk c,
+// source j, slot q within the chunk), source s = rank + 1 + j (mod R), slot = c * 32 + q. A
+// grid-stride walk over v then moves through every source's slots in step (the pushes fill slots in
+// token order, so the receiving side follows them), each sender starts with a different peer, and a
+// rank's own rows come last in each chunk. `max_rows` is the largest per-source row count; positions
+// whose slot is beyond that source's count are skipped (ChunkPos::valid false).
+struct ChunkPos {
+  int source, slot, chunk;
+};
+CK_HD constexpr int64_t chunk_order_size(int num_ranks, int max_rows) {
+  return int64_t((max_rows + kArriveTokens - 1) / kArriveTokens) * num_ranks * kArriveTokens;
+}
+CK_HD constexpr ChunkPos chunk_order_at(int64_t v, int num_ranks, int rank) {
+  const int chunk = int(v / (int64_t(num_ranks) * kArriveTokens));
+  const int rem = int(v - int64_t(chunk) * num_ranks * kArriveTokens);
+  int source = rank + 1 + rem / kArriveTokens;
+  if (source >= num_ranks) source -= num_ranks;
+  return ChunkPos{source, chunk * kArriveTokens + rem % kArriveTokens, chunk};
+}
 // TMA needs the column-major SF token dimension padded to 16 B (4 packs of 4 B).
 constexpr int kNumAlignedSFPacks = 4;
 // Top-k used for sizing when the caller passes num_topk == 0 (many paths allow K <= 32).
@@ -255,6 +275,9 @@ static_assert(notify_split(1 << 24).blocks <= kMaxNotifyBlocks && notify_split(1
 static_assert(dispatch_token_layout(7168, 2, 0, 8).bytes % 16 == 0, "records stay 16 B aligned");
 static_assert(dispatch_token_layout(7168, 1, 56, 8).sf.offset == 7168, "SF follows the hidden bytes");
 static_assert(workspace_layout().bytes == uint64_t(kBufferAlignmentBytes), "workspace fits in 2 MiB");
+static_assert(chunk_order_at(0, 2, 0).source == 1 && chunk_order_at(32, 2, 0).source == 0 &&
+                  chunk_order_at(64, 2, 0).slot == 32 && chunk_order_at(64, 2, 0).chunk == 1,
+              "chunk order: peers first, own rows last in each chunk");
 static_assert(overlap_fits(2, 4096) && overlap_fits(256, 8192) && !overlap_fits(256, 8193),
               "arrival counters: 256 ranks x 8192 tokens fit");
 static_assert(calculate_buffer_size(4096, 7168, 8, true, 1, 2, true, true) % kBufferAlignmentBytes == 0, "");
