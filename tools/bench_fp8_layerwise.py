@@ -14,6 +14,7 @@ For each configuration, in the same processes and with the same number of GPUs c
   * seed     the original design: 2 slots, one expert in flight, 4 separate copies, each waited;
   * slotsN   this package with N host slots (N experts in flight, coalesced copies, 2 copy streams);
   * "-wait"   the same with coalesce_wait=True (a short run of ready slots waits for the next ones);
+  * "-batch"  the same with batch_small_kinds=True (the scales copied once per layer, not per expert);
   each with the native shard writer (rank 0 cuts every rank's shard out of whole-layer tensors)
   and "prestaged" (the writer does nothing, so the transport itself is measured).
 Per rank it reports h2d GB/s (bytes over copy-engine busy time), effective GB/s (bytes over the
@@ -116,7 +117,7 @@ def _run_rank(rank, tp, cfg, tmp):
         rows = []
         with F.Transport(rank, tp, E, nb, num_slots=slots, backend=backend, exchange=ex, timeout_ms=60000,
                          max_inflight=inflight, coalesce=coalesce, copy_streams=mode.get("streams", 2),
-                         coalesce_wait=mode.get("wait", False)) as t:
+                         coalesce_wait=mode.get("wait", False), batch_small_kinds=mode.get("batch", False)) as t:
             for layer in range(cfg["layers"] + 1):
                 with t.layer(layer + 1, layer, E) as L:
                     if rank == 0:
@@ -211,7 +212,13 @@ def main(argv=None):
              dict(name="slots4-prestaged", slots=4, inflight=0, coalesce=True, prestaged=True, streams=2),
              dict(name="slots8-prestaged", slots=8, inflight=0, coalesce=True, prestaged=True, streams=2),
              dict(name="slots4-prestaged-wait", slots=4, inflight=0, coalesce=True, prestaged=True, streams=2,
-                  wait=True)]
+                  wait=True),
+             dict(name="slots4-batch", slots=4, inflight=0, coalesce=True, prestaged=False, streams=2, batch=True),
+             dict(name="slots8-batch", slots=8, inflight=0, coalesce=True, prestaged=False, streams=2, batch=True),
+             dict(name="slots4-prestaged-batch", slots=4, inflight=0, coalesce=True, prestaged=True, streams=2,
+                  batch=True),
+             dict(name="slots8-prestaged-batch", slots=8, inflight=0, coalesce=True, prestaged=True, streams=2,
+                  batch=True)]
     results = []
     for name, tp, shard_tp in configs:
         I_eff = I * tp // shard_tp  # cut by tp ranks, each shard is what shard_tp would give

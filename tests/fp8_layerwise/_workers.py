@@ -37,7 +37,7 @@ def _check_delivery(t, sources, tp, rank, n):
 
 
 def delivery(rank, ws, rdzv, tmp, slot_counts, expert_counts, use_gloo, backend, stream_counts=(2,),
-             coalesce_wait=False):
+             coalesce_wait=False, batch_small_kinds=False):
     """Byte-exact delivery of native-writer shards for several slot, expert and copy-stream counts."""
     exchange = None
     if use_gloo:
@@ -52,7 +52,8 @@ def delivery(rank, ws, rdzv, tmp, slot_counts, expert_counts, use_gloo, backend,
         if not use_gloo:
             exchange = _exchange(tmp, f"x{slots}_{streams}", rank, ws)
         with F.Transport(rank, ws, E, nb, num_slots=slots, backend=backend, timeout_ms=20000,
-                         exchange=exchange, copy_streams=streams, coalesce_wait=coalesce_wait) as t:
+                         exchange=exchange, copy_streams=streams, coalesce_wait=coalesce_wait,
+                         batch_small_kinds=batch_small_kinds) as t:
             writer = F.make_shard_writer(sources, ws, threads=2) if rank == 0 else None
             epoch = 0
             for n in expert_counts:

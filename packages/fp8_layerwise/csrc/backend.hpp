@@ -30,6 +30,9 @@ class CopyBackend {
   virtual uint64_t busy_ns(int slot) = 0;
   // Block until everything submitted has finished (used before parking after a poison).
   virtual void drain() noexcept = 0;
+  // Host memory a batch may copy from (CUDA: page-locked, so the copy stays asynchronous).
+  virtual void* alloc_host(size_t bytes) = 0;
+  virtual void free_host(void* p) noexcept = 0;
 };
 
 std::unique_ptr<CopyBackend> make_cpu_backend(int num_slots);

@@ -1,5 +1,6 @@
 // backend_cpu.cpp -- the CPU copy backend (memcpy into host "device" buffers) and the
 // host-only stand-ins for the CUDA entry points, so the whole protocol runs without a GPU.
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -21,6 +22,12 @@ class CpuBackend final : public CopyBackend {
   bool poll(int) override { return true; }  // memcpy finished inside submit()
   uint64_t busy_ns(int slot) override { return busy_[slot]; }
   void drain() noexcept override {}
+  void* alloc_host(size_t bytes) override {
+    void* p = std::malloc(bytes);
+    CK_CHECK(p != nullptr, "could not allocate ", bytes, " bytes of staging memory");
+    return p;
+  }
+  void free_host(void* p) noexcept override { std::free(p); }
 
  private:
   std::vector<uint64_t> busy_;

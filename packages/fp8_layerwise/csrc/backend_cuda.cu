@@ -86,6 +86,16 @@ class CudaBackend final : public CopyBackend {
       if (streams_[i]) cudaStreamSynchronize(streams_[i]);
     (void)cudaGetLastError();
   }
+  void* alloc_host(size_t bytes) override {
+    void* p = nullptr;
+    CK_CUDA_CHECK(cudaSetDevice(device_));
+    CK_CUDA_CHECK(cudaHostAlloc(&p, bytes, cudaHostAllocPortable));
+    return p;
+  }
+  void free_host(void* p) noexcept override {
+    if (p != nullptr) cudaFreeHost(p);
+    (void)cudaGetLastError();
+  }
 
  private:
   int device_;

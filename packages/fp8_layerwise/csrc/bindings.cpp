@@ -138,7 +138,8 @@ PYBIND11_MODULE(_C, m) {
                        const std::vector<uintptr_t>& local_host_ptrs, const std::vector<uintptr_t>& local_gpu_ptrs,
                        const std::vector<uintptr_t>& all_rank_host_ptrs, const std::vector<size_t>& expert_nbytes,
                        int num_experts, uint64_t timeout_ms, const std::string& backend, int max_inflight,
-                       bool coalesce, uint64_t liveness_ms, int copy_streams, bool coalesce_wait) {
+                       bool coalesce, uint64_t liveness_ms, int copy_streams, bool coalesce_wait,
+                       bool batch_small_kinds) {
              Options o;
              o.backend = backend;
              o.max_inflight = max_inflight;
@@ -146,6 +147,7 @@ PYBIND11_MODULE(_C, m) {
              o.liveness_ms = liveness_ms;
              o.copy_streams = copy_streams;
              o.coalesce_wait = coalesce_wait;
+             o.batch_small_kinds = batch_small_kinds;
              py::gil_scoped_release nogil;
              return new Transport(control_ptr, control_size, rank, tp_size, cuda_device, local_host_ptrs,
                                   local_gpu_ptrs, all_rank_host_ptrs, expert_nbytes, num_experts, timeout_ms, o);
@@ -155,7 +157,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("all_rank_host_ptrs"), py::arg("expert_nbytes"), py::arg("num_experts"),
            py::arg("timeout_ms") = 60000, py::arg("backend") = "auto", py::arg("max_inflight") = 0,
            py::arg("coalesce") = true, py::arg("liveness_ms") = 20, py::arg("copy_streams") = 2,
-           py::arg("coalesce_wait") = false)
+           py::arg("coalesce_wait") = false, py::arg("batch_small_kinds") = false)
       .def("join", &Transport::join, py::arg("epoch"), py::arg("layer_id"), py::arg("expert_count"),
            py::call_guard<py::gil_scoped_release>())
       .def(

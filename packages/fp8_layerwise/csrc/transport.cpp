@@ -576,7 +576,11 @@ class Transport::Impl {
   void consumer_main() noexcept {
     try {
       backend_ = opt_.backend == "cuda" ? make_cuda_backend(device_, slots_, opt_.copy_streams) : make_cpu_backend(slots_);
+      for (int k = 0; k < kKinds; ++k)
+        if (opt_.batch_small_kinds && nb_[k] <= kBatchedKindMaxBytes)
+          staging_[k] = static_cast<char*>(backend_->alloc_host(nb_[k] * static_cast<uint64_t>(num_experts_)));
     } catch (const std::exception& e) {
+      free_staging();
       std::lock_guard<std::mutex> g(init_mu_);
       init_error_ = e.what();
       init_done_ = true;
@@ -618,7 +622,14 @@ class Transport::Impl {
       }
     }
     backend_->drain();
+    free_staging();
     backend_.reset();
+  }
+  void free_staging() noexcept {
+    for (auto& p : staging_) {
+      if (p != nullptr && backend_) backend_->free_host(p);
+      p = nullptr;
+    }
   }
 
   // After a poison: finish in-flight copies (so nothing lands after a reset), report parked,
@@ -695,6 +706,16 @@ class Transport::Impl {
           break;
         ops.clear();
         for (int k = 0; k < kKinds; ++k) {
+          if (staging_[k] != nullptr) {
+            // A batched small kind: out of the slots now (they are acked when this batch lands),
+            // onto the GPU with the layer's last batch.
+            for (int i = 0; i < run.count; ++i)
+              std::memcpy(staging_[k] + static_cast<uint64_t>(next_issue + i) * nb_[k],
+                          reinterpret_cast<const void*>(host_[(run.first_slot + i) * kKinds + k]), nb_[k]);
+            if (next_issue + run.count == n)
+              ops.push_back({reinterpret_cast<void*>(dst_[k]), staging_[k], static_cast<size_t>(n) * nb_[k]});
+            continue;
+          }
           auto* dst = reinterpret_cast<char*>(dst_[k] + static_cast<uint64_t>(next_issue) * nb_[k]);
           int i = 0;
           while (i < run.count) {
@@ -851,6 +872,7 @@ class Transport::Impl {
   std::array<uint64_t, kMaxSlots> last_seq_{};
   std::deque<Inflight> inflight_;
   std::unique_ptr<CopyBackend> backend_;
+  std::array<char*, kKinds> staging_{};  // batch_small_kinds: [expert][nb_[k]] page-locked, or null
   std::atomic<bool> stopping_{false}, closed_{false};
   std::thread worker_;
   std::mutex init_mu_;

@@ -64,7 +64,14 @@ struct Options {
   // On one H200: +2-3 points of the pinned peak for TP8-sized shards, neutral for larger experts
   // (fp8_layerwise/BENCHMARKS.md, run 4). 1 is the seed's single stream.
   int copy_streams = 2;
+  // Kinds of at most kBatchedKindMaxBytes per expert (the FP32 block scales: 0.4-3 KB) are not
+  // copied per expert: the consumer memcpy's them out of the slot into its own page-locked
+  // [expert][bytes] staging buffer and copies each such kind for the whole layer once, with the
+  // layer's last batch. A TP8-sized expert is then 2 copies instead of 4 (each ~2.5 us of copy
+  // engine, whatever its size).
+  bool batch_small_kinds = false;
 };
+constexpr uint64_t kBatchedKindMaxBytes = 64 * 1024;
 
 // writer(expert, w13[rank], w13_scale[rank], w2[rank], w2_scale[rank]): fill every rank's slot.
 using Writer = std::function<void(int, const std::vector<uintptr_t>&, const std::vector<uintptr_t>&,

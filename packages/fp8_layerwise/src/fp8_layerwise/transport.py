@@ -377,6 +377,10 @@ class Transport:
             for the next ones (fewer, larger copies). Pays when the slots fill faster than the link
             (prestaged data, a fast writer: +2-3 points for small shards); with a writer slower than
             the link it cost 3-8 points end to end (BENCHMARKS.md, run 5), hence off by default.
+        batch_small_kinds: kinds of at most 64 KiB per expert (the FP32 block scales) are copied for
+            the whole layer at once, with its last batch, from a page-locked staging copy the consumer
+            takes out of each slot, instead of one copy per expert: 2 copies per expert instead of 4.
+            The layer's data is complete when ``wait()`` returns either way.
 
     Raises:
         ValueError: bad arguments, before anything is created.
@@ -386,7 +390,7 @@ class Transport:
                  num_slots: Optional[int] = None, backend: str = "auto", device: Optional[int] = None,
                  timeout_ms: int = 60000, group=None, exchange: Optional[Callable[[Any], List[Any]]] = None,
                  max_inflight: int = 0, coalesce: bool = True, liveness_ms: int = 20, copy_streams: int = 2,
-                 coalesce_wait: bool = False):
+                 coalesce_wait: bool = False, batch_small_kinds: bool = False):
         _check(1 <= tp_size <= MAX_TP, f"tp_size must be in 1..{MAX_TP}, got {tp_size}")
         _check(0 <= rank < tp_size, f"rank must be in 0..{tp_size - 1}, got {rank}")
         _check(num_experts >= 1, f"num_experts must be positive, got {num_experts}")
@@ -417,12 +421,14 @@ class Transport:
         self._native = None
         self._closed = False
         try:
-            self._setup(timeout_ms, max_inflight, coalesce, liveness_ms, copy_streams, coalesce_wait)
+            self._setup(timeout_ms, max_inflight, coalesce, liveness_ms, copy_streams, coalesce_wait,
+                        batch_small_kinds)
         except BaseException:
             self._release()
             raise
 
-    def _setup(self, timeout_ms, max_inflight, coalesce, liveness_ms, copy_streams, coalesce_wait):
+    def _setup(self, timeout_ms, max_inflight, coalesce, liveness_ms, copy_streams, coalesce_wait,
+               batch_small_kinds):
         if self.rank == 0:
             self._control = ControlRegion.create(self.tp_size, self.num_slots)
         self._slots = HostSlots.create(self.expert_nbytes, self.num_slots)
@@ -455,7 +461,7 @@ class Transport:
             self.device if self.backend == "cuda" else -1, self._slots.ptrs(),
             [b.data_ptr() for b in self.buffers], all_ptrs, self.expert_nbytes, self.num_experts,
             timeout_ms, backend=self.backend, max_inflight=max_inflight, coalesce=coalesce, liveness_ms=liveness_ms,
-            copy_streams=copy_streams, coalesce_wait=coalesce_wait)
+            copy_streams=copy_streams, coalesce_wait=coalesce_wait, batch_small_kinds=bool(batch_small_kinds))
         if self.rank == 0:
             self._views = [[[self._peer_slots[r].view(s, k) for k in range(4)] for r in range(self.tp_size)]
                            for s in range(self.num_slots)]
