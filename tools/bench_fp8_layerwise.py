@@ -14,7 +14,8 @@ For each configuration, in the same processes and with the same number of GPUs c
   * seed     the original design: 2 slots, one expert in flight, 4 separate copies, each waited;
   * slotsN   this package with N host slots (N experts in flight, coalesced copies, 2 copy streams);
   * "-wait"   the same with coalesce_wait=True (a short run of ready slots waits for the next ones);
-  * "-batch"  the same with batch_small_kinds=True (the scales copied once per layer, not per expert);
+  * "-perexpert" the same with batch_small_kinds=False (every kind copied per expert; the default
+              copies the scales once per layer);
   each with the native shard writer (rank 0 cuts every rank's shard out of whole-layer tensors)
   and "prestaged" (the writer does nothing, so the transport itself is measured).
 Per rank it reports h2d GB/s (bytes over copy-engine busy time), effective GB/s (bytes over the
@@ -117,7 +118,7 @@ def _run_rank(rank, tp, cfg, tmp):
         rows = []
         with F.Transport(rank, tp, E, nb, num_slots=slots, backend=backend, exchange=ex, timeout_ms=60000,
                          max_inflight=inflight, coalesce=coalesce, copy_streams=mode.get("streams", 2),
-                         coalesce_wait=mode.get("wait", False), batch_small_kinds=mode.get("batch", False)) as t:
+                         coalesce_wait=mode.get("wait", False), batch_small_kinds=mode.get("batch", True)) as t:
             for layer in range(cfg["layers"] + 1):
                 with t.layer(layer + 1, layer, E) as L:
                     if rank == 0:
@@ -202,23 +203,22 @@ def main(argv=None):
         configs = [configs[0], ("TP4-sized shard, 1 rank", 1, 4), ("TP8-sized shard, 1 rank", 1, 8)]
     # streams: CUDA copy streams per consumer (the seed design has one). wait: coalesce_wait (off by
     # default); the "-wait" rows turn it on (what waiting for longer runs buys or costs).
-    modes = [dict(name="seed", slots=2, inflight=1, coalesce=False, prestaged=False, streams=1),
+    # batch: batch_small_kinds (the default; the scales copied once per layer); "-perexpert" rows turn it
+    # off (4 copies per expert). The seed design copies every kind per expert.
+    modes = [dict(name="seed", slots=2, inflight=1, coalesce=False, prestaged=False, streams=1, batch=False),
              dict(name="slots2", slots=2, inflight=0, coalesce=True, prestaged=False, streams=2),
              dict(name="slots4", slots=4, inflight=0, coalesce=True, prestaged=False, streams=2),
              dict(name="slots4-wait", slots=4, inflight=0, coalesce=True, prestaged=False, streams=2, wait=True),
+             dict(name="slots4-perexpert", slots=4, inflight=0, coalesce=True, prestaged=False, streams=2, batch=False),
              dict(name="slots8", slots=8, inflight=0, coalesce=True, prestaged=False, streams=2),
-             dict(name="seed-prestaged", slots=2, inflight=1, coalesce=False, prestaged=True, streams=1),
+             dict(name="seed-prestaged", slots=2, inflight=1, coalesce=False, prestaged=True, streams=1, batch=False),
              dict(name="slots2-prestaged", slots=2, inflight=0, coalesce=True, prestaged=True, streams=2),
              dict(name="slots4-prestaged", slots=4, inflight=0, coalesce=True, prestaged=True, streams=2),
              dict(name="slots8-prestaged", slots=8, inflight=0, coalesce=True, prestaged=True, streams=2),
              dict(name="slots4-prestaged-wait", slots=4, inflight=0, coalesce=True, prestaged=True, streams=2,
                   wait=True),
-             dict(name="slots4-batch", slots=4, inflight=0, coalesce=True, prestaged=False, streams=2, batch=True),
-             dict(name="slots8-batch", slots=8, inflight=0, coalesce=True, prestaged=False, streams=2, batch=True),
-             dict(name="slots4-prestaged-batch", slots=4, inflight=0, coalesce=True, prestaged=True, streams=2,
-                  batch=True),
-             dict(name="slots8-prestaged-batch", slots=8, inflight=0, coalesce=True, prestaged=True, streams=2,
-                  batch=True)]
+             dict(name="slots4-prestaged-perexpert", slots=4, inflight=0, coalesce=True, prestaged=True, streams=2,
+                  batch=False)]
     results = []
     for name, tp, shard_tp in configs:
         I_eff = I * tp // shard_tp  # cut by tp ranks, each shard is what shard_tp would give

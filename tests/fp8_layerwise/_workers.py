@@ -240,7 +240,8 @@ def legacy_vs_default(rank, ws, rdzv, tmp, backend):
     sources = _sources(E, 99)
     nb = F.block_fp8_expert_nbytes(H, I, ws)
     out = []
-    for name, kw in (("seed", dict(num_slots=2, max_inflight=1, coalesce=False)), ("default", {})):
+    for name, kw in (("seed", dict(num_slots=2, max_inflight=1, coalesce=False, batch_small_kinds=False)),
+                     ("default", {})):
         ex = _exchange(tmp, name, rank, ws)
         with F.Transport(rank, ws, E, nb, backend=backend, timeout_ms=20000, exchange=ex, **kw) as t:
             w = F.make_shard_writer(sources, ws) if rank == 0 else None

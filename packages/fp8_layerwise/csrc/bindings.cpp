@@ -157,7 +157,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("all_rank_host_ptrs"), py::arg("expert_nbytes"), py::arg("num_experts"),
            py::arg("timeout_ms") = 60000, py::arg("backend") = "auto", py::arg("max_inflight") = 0,
            py::arg("coalesce") = true, py::arg("liveness_ms") = 20, py::arg("copy_streams") = 2,
-           py::arg("coalesce_wait") = false, py::arg("batch_small_kinds") = false)
+           py::arg("coalesce_wait") = false, py::arg("batch_small_kinds") = true)
       .def("join", &Transport::join, py::arg("epoch"), py::arg("layer_id"), py::arg("expert_count"),
            py::call_guard<py::gil_scoped_release>())
       .def(

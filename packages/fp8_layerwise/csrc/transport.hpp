@@ -68,8 +68,10 @@ struct Options {
   // copied per expert: the consumer memcpy's them out of the slot into its own page-locked
   // [expert][bytes] staging buffer and copies each such kind for the whole layer once, with the
   // layer's last batch. A TP8-sized expert is then 2 copies instead of 4 (each ~2.5 us of copy
-  // engine, whatever its size).
-  bool batch_small_kinds = false;
+  // engine, whatever its size). On by default: transport alone +2 to +6 points of the pinned peak
+  // for TP4/TP8-sized shards on one H200, neutral with the writer in the loop
+  // (fp8_layerwise/BENCHMARKS.md, run 9).
+  bool batch_small_kinds = true;
 };
 constexpr uint64_t kBatchedKindMaxBytes = 64 * 1024;
 
