@@ -174,7 +174,7 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="fewer experts and layers")
     ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "cpu"))
-    ap.add_argument("--writer-threads", type=int, default=0, help="native writer threads (0: min(12, cpus - 2*tp))")
+    ap.add_argument("--writer-threads", type=int, default=0, help="native writer threads (0: the library's default_writer_threads)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     import torch
@@ -232,7 +232,7 @@ def main(argv=None):
         if not use_modes:
             continue
         cfg = dict(backend=backend, hidden=H, intermediate_eff=I_eff, experts=E, layers=layers, peak_mb=peak_mb,
-                   peak_iters=peak_iters, modes=use_modes, writer_threads=args.writer_threads or max(1, min(12, cpus - 2 * tp)))
+                   peak_iters=peak_iters, modes=use_modes, writer_threads=args.writer_threads or F.default_writer_threads(tp, cpus))
         t0 = time.monotonic()
         ranks = run_config(cfg, tp)
         print(f"  ran {name} (tp={tp}, {per_rank / 1e6:.2f} MB per rank and expert, {E} experts/layer, "

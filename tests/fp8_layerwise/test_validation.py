@@ -115,6 +115,20 @@ def test_block_fp8_sizes_and_128_multiple():
         F.make_shard_writer(src, 2)
 
 
+def test_default_writer_threads():
+    # 8 per rank, two CPUs left per rank, at least 1, at most 64.
+    assert F.default_writer_threads(1, cpus=16) == 8
+    assert F.default_writer_threads(2, cpus=16) == 12
+    assert F.default_writer_threads(8, cpus=16) == 1
+    assert F.default_writer_threads(2, cpus=10) == 6
+    assert F.default_writer_threads(1, cpus=2) == 1
+    assert F.default_writer_threads(8, cpus=192) == 64
+    assert 1 <= F.default_writer_threads(2) <= 16
+    src = F.make_block_fp8_sources(2, 256, 256)
+    with pytest.raises(ValueError, match="threads must be an int in 1..64"):
+        F.make_shard_writer(src, 2, threads=0)
+
+
 def test_shard_writer_validation():
     with pytest.raises(ValueError, match="exactly 4"):
         _C.ShardWriter([], 1)

@@ -17,8 +17,8 @@ from .errors import (ErrorCode, PeerDied, ProtocolError, TransportError, Transpo
                      TransportTimeout)
 from .transport import (CONTROL_BYTES, DEFAULT_SLOTS, KINDS, MAX_COPY_STREAMS, MAX_SLOTS, MAX_TP, SMALL_EXPERT_BYTES,
                         SMALL_EXPERT_SLOTS, ControlRegion, FileExchange, HostSlots, Layer, LayerStats, Transport,
-                        block_fp8_expert_nbytes, default_num_slots, group_exchange, make_block_fp8_sources,
-                        make_shard_writer, reference_shard)
+                        block_fp8_expert_nbytes, default_num_slots, default_writer_threads, group_exchange,
+                        make_block_fp8_sources, make_shard_writer, reference_shard)
 
 __version__ = "0.1.0"
 FP8LayerwiseTransport = _C.FP8LayerwiseTransport
@@ -33,7 +33,8 @@ def built_with_cuda() -> bool:
 
 
 __all__ = [
-    "CONTROL_BYTES", "DEFAULT_SLOTS", "SMALL_EXPERT_BYTES", "SMALL_EXPERT_SLOTS", "default_num_slots", "KINDS",
+    "CONTROL_BYTES", "DEFAULT_SLOTS", "SMALL_EXPERT_BYTES", "SMALL_EXPERT_SLOTS", "default_num_slots",
+    "default_writer_threads", "KINDS",
     "MAX_COPY_STREAMS", "MAX_SLOTS", "MAX_TP", "ControlRegion", "ErrorCode",
     "FP8LayerwiseTransport", "FP8_LAYERWISE_CONTROL_BYTES", "FP8_LAYERWISE_MAX_TP_SIZE", "FileExchange",
     "HostSlots", "Layer", "LayerStats", "PeerDied", "ProtocolError", "Transport", "TransportError",

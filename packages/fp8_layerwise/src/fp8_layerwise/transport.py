@@ -144,7 +144,19 @@ def reference_shard(sources: Sequence[torch.Tensor], tp_size: int, rank: int, ex
     return [t.contiguous().view(-1).view(torch.uint8) for t in (out13, out13s, out2, out2s)]
 
 
-def make_shard_writer(sources: Sequence[torch.Tensor], tp_size: int, threads: int = 1) -> "_C.ShardWriter":
+def default_writer_threads(tp_size: int, cpus: Optional[int] = None) -> int:
+    """Writer threads when none are given: 8 per rank it fills (one core copies ~10 GB/s, a PCIe Gen5
+    link takes ~55 GB/s per rank), leaving two CPUs per rank for its consumer and the CUDA driver,
+    at most 64. More threads per rank than that only make the writer outrun the link in bursts,
+    which slows the copy engines' reads of host memory (BENCHMARKS.md, run 10: with one rank on the
+    16-CPU H200 machine, 8 threads did as well as 12 and 4 fell behind)."""
+    cpus = cpus if cpus is not None else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                          else (os.cpu_count() or 1))
+    return max(1, min(8 * tp_size, cpus - 2 * tp_size, 64))
+
+
+def make_shard_writer(sources: Sequence[torch.Tensor], tp_size: int,
+                      threads: Optional[int] = None) -> "_C.ShardWriter":
     """Native writer that cuts each rank's shard out of whole-layer CPU source tensors.
 
     Arguments:
@@ -152,7 +164,7 @@ def make_shard_writer(sources: Sequence[torch.Tensor], tp_size: int, threads: in
             w2 [E, H, I], w2_scale fp32 [E, H/128, I/128]]``, contiguous CPU tensors. They must
             stay alive while the writer is used.
         tp_size: tensor-parallel size.
-        threads: memcpy threads per expert.
+        threads: memcpy threads per expert (1..64); None: ``default_writer_threads(tp_size)``.
 
     Returns:
         A ``_C.ShardWriter`` to pass to ``Transport.run`` / ``layer.run``: no Python runs per expert.
@@ -181,6 +193,9 @@ def make_shard_writer(sources: Sequence[torch.Tensor], tp_size: int, threads: in
         _C.ShardSpec(w2.data_ptr(), H * I, I, H, s, rank_col_step=s),
         _C.ShardSpec(w2s.data_ptr(), Hb * Ib * 4, Ib * 4, Hb, sb * 4, rank_col_step=sb * 4),
     ]
+    if threads is None:
+        threads = default_writer_threads(tp_size)
+    _check(isinstance(threads, int) and 1 <= threads <= 64, f"threads must be an int in 1..64, got {threads!r}")
     return _C.ShardWriter(specs, threads)
 
 
