@@ -669,9 +669,12 @@ class ElasticBuffer:
         num_sf_packs = sf.shape[1] if sf is not None else 0
         num_sms = self._num_sms(num_sms)
         # Overlapped dispatch: the push gets `push_sms` blocks, the epilogue (on the runtime's second
-        # stream, beside the push) the rest. Not when an event must gate the epilogue.
-        push_sms = 0 if previous_event_before_epilogue is not None else _overlap_push_blocks(
-            self.dispatch_overlap, R, num_sms, num_max_tokens_per_rank)
+        # stream, beside the push) the rest. Not when an event must gate the epilogue, nor with a
+        # grid larger than the GPU: the epilogue's blocks wait for the push's, so both kernels must
+        # fit on the SMs at once (the overlapped combine is one kernel and orders its blocks itself).
+        push_sms = 0
+        if previous_event_before_epilogue is None and num_sms <= self.num_device_sms:
+            push_sms = _overlap_push_blocks(self.dispatch_overlap, R, num_sms, num_max_tokens_per_rank)
         overlap = push_sms > 0
         epilogue_sms = num_sms - push_sms if overlap else num_sms
         # The default stream setup (no events, outputs on the compute stream) is done by the runtime
