@@ -141,6 +141,16 @@ def _worker(rank, world, rdzv, sizes, sweep, q, num_blocks=0):
             def nccl_rt():
                 return nccl_gather(nccl_send())
 
+            # fp8 on the wire (e4m3 + a scale per head vector; lossy, always a fresh bf16 output)
+            def ours_fp8_send():
+                return a2a.send_recv_heads(x, fp8_wire=True)
+
+            def ours_fp8_gather():
+                return a2a.gather_heads(y_in, fp8_wire=True)
+
+            def ours_fp8_rt():
+                return a2a.gather_heads(a2a.send_recv_heads(x, fp8_wire=True), fp8_wire=True)
+
             equal = bool(torch.equal(ours_send(), nccl_send()))
             equal &= bool(torch.equal(ours_gather(), nccl_gather()))
             equal &= bool(torch.equal(ours_rt(), x))
@@ -148,7 +158,9 @@ def _worker(rank, world, rdzv, sizes, sweep, q, num_blocks=0):
             iters = int(max(10, min(200, 4e9 / max(bytes_rank, 1))))
             row = {"world": world, "total_tokens": total, "bytes_per_rank": bytes_rank, "bitwise_equal": equal}
             for name, fn in (("ours_send", ours_send), ("ours_gather", ours_gather), ("ours_rt", ours_rt),
-                             ("nccl_send", nccl_send), ("nccl_gather", nccl_gather), ("nccl_rt", nccl_rt)):
+                             ("nccl_send", nccl_send), ("nccl_gather", nccl_gather), ("nccl_rt", nccl_rt),
+                             ("ours_fp8_send", ours_fp8_send), ("ours_fp8_gather", ours_fp8_gather),
+                             ("ours_fp8_rt", ours_fp8_rt)):
                 row[f"{name}_eager_us"] = mx(_time_eager(fn, iters))
                 try:
                     row[f"{name}_graph_us"] = mx(_time_graph(fn, iters))
@@ -239,6 +251,21 @@ def _table(rows):
                 f"{f(g('ours_gather'))} | {f(g('ours_rt'))} | {f(g('nccl_send'))} | {f(g('nccl_gather'))} | "
                 f"{f(g('nccl_rt'))} | {'n/a' if ratio is None else f'{ratio:.2f}'} | "
                 f"{f(r.get(f'ours_send_{mode}_busbw'))} | {f(r.get(f'nccl_send_{mode}_busbw'))} | {r['bitwise_equal']} |")
+    fp8 = [r for r in rows if r.get("ours_fp8_send_eager_us")]
+    if fp8:
+        lines += ["", "fp8 on the wire (e4m3 + one fp32 scale per head vector, bf16 in and out; busbw counts the "
+                  "bf16 bytes the call stands for):", "",
+                  "| W | tokens | mode | fp8 send us | fp8 gather us | fp8 RT us | exact RT us | fp8 RT / exact RT "
+                  "| fp8 send effective busbw GB/s |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in fp8:
+            for mode in ("eager", "graph"):
+                g = lambda k: r.get(f"{k}_{mode}_us")  # noqa: E731
+                f = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
+                ratio = (g("ours_fp8_rt") / g("ours_rt")) if g("ours_fp8_rt") and g("ours_rt") else None
+                lines.append(f"| {r['world']} | {r['total_tokens']} | {mode} | {f(g('ours_fp8_send'))} | "
+                             f"{f(g('ours_fp8_gather'))} | {f(g('ours_fp8_rt'))} | {f(g('ours_rt'))} | "
+                             f"{'n/a' if ratio is None else f'{ratio:.2f}'} | "
+                             f"{f(r.get(f'ours_fp8_send_{mode}_busbw'))} |")
     return "\n".join(lines)
 
 

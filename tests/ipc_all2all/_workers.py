@@ -371,3 +371,74 @@ def worker_leak(rank, world, rdzv, loops):
     assert free0 - free1 < per_instance, f"device memory shrank by {free0 - free1} bytes over {loops} loops"
     assert fd1 - fd0 <= 2, f"{fd1 - fd0} file descriptors leaked"
     return free0 - free1
+
+
+def qdq_e4m3(x):
+    """The fp8-on-the-wire round trip in plain torch: per head vector (last dim) s = amax / 448 (1 when
+    amax is 0), q = e4m3(x / s), back = bf16(float(q) * s)."""
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return ((xf / scale).to(torch.float8_e4m3fn).float() * scale).to(torch.bfloat16)
+
+
+def _normal_bf16(shape, device, seed):
+    """Finite bf16 values over many magnitudes, with some all-zero head vectors and subnormal scales."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    x = torch.randn(shape, device=device, generator=g)
+    mag = torch.exp2(torch.randint(-30, 20, tuple(shape[:-1]) + (1,), device=device, generator=g).float())
+    x = x * mag
+    if x.numel():
+        x.view(-1, shape[-1])[::7] = 0  # amax == 0: scale 1
+    return x.to(torch.bfloat16)
+
+
+def worker_fp8_wire(rank, world, rdzv):
+    """fp8 on the wire: send_recv_heads and gather_heads equal the exact path applied to the plain-torch
+    e4m3 round trip of their input, bitwise; the compilable op too; bad arguments raise before launch."""
+    import ipc_all2all
+    from ipc_all2all import ops
+
+    dev = _setup(rank, world, rdzv)
+    H = 8 * world
+    checked = 0
+    with ipc_all2all.All2All.from_group(num_tokens=2 * 48 * world * 2, hidden_dim=H * 256,
+                                        tensor_dtype=torch.bfloat16, timeout_seconds=10) as a2a:
+        for b in (1, 2):
+            for D in (16, 64, 128, 256):
+                for name, counts in _count_sets(world).items():
+                    a2a.set_rank_tokens(counts)
+                    seed = hash((b, D, name)) % (1 << 30)
+                    x = _normal_bf16((b, counts[rank], H, D), dev, seed + rank)
+                    what = f"fp8 wire b={b} D={D} {name}"
+                    y = a2a.send_recv_heads(x, fp8_wire=True)
+                    _assert_same(y, ref_send_recv_heads(qdq_e4m3(x), counts, world, rank), "send_recv_heads " + what)
+                    z = a2a.gather_heads(y, fp8_wire=True)
+                    _assert_same(z, ref_gather_heads(qdq_e4m3(y), counts, world, rank), "gather_heads " + what)
+                    checked += 1
+        counts = _count_sets(world)["uneven"]
+        a2a.set_rank_tokens(counts)
+        x = _normal_bf16((1, counts[rank], H, 128), dev, 99 + rank)
+        _assert_same(ops.send_recv_heads(x, a2a, fp8_wire=True),
+                     ref_send_recv_heads(qdq_e4m3(x), counts, world, rank), "ops.send_recv_heads fp8 wire")
+        for bad, match in ((lambda: a2a.send_recv_heads(_normal_bf16((1, counts[rank], H, 48), dev, 1), fp8_wire=True),
+                            "head_dim"),
+                           (lambda: a2a.allgather(x, fp8_wire=True), "fp8_wire")):
+            try:
+                bad()
+            except (ValueError, TypeError) as e:
+                assert match in str(e), e
+            else:
+                raise AssertionError(f"no error for {match}")
+        a2a.synchronize()
+    with ipc_all2all.All2All.from_group(num_tokens=2 * 48 * world, hidden_dim=H * 128,
+                                        tensor_dtype=torch.float16) as a2a:
+        a2a.set_rank_tokens([48] * world)
+        try:
+            a2a.send_recv_heads(torch.zeros((1, 48, H, 128), dtype=torch.float16, device=dev), fp8_wire=True)
+        except ValueError as e:
+            assert "bfloat16" in str(e), e
+        else:
+            raise AssertionError("fp8_wire on a float16 instance did not raise")
+    return checked

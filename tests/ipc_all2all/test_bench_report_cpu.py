@@ -36,6 +36,15 @@ def test_report_functions(tmp_path):
     assert any("131072 tokens eager" in t and "MISSED" in t for t in targets), targets
     assert any("send busbw 268" in t and "MISSED" in t for t in targets), targets  # >= 64 MiB per rank
     assert not any(t.startswith("W=4") for t in targets)
+    # the fp8-on-the-wire table appears when its timings exist (busbw on the bf16 bytes it stands for)
+    f8 = _row(2, 4096, 60.0, 166.0)
+    for mode in ("eager", "graph"):
+        f8.update({f"ours_fp8_send_{mode}_us": 20.0, f"ours_fp8_gather_{mode}_us": 20.0,
+                   f"ours_fp8_rt_{mode}_us": 45.0})
+    f8 = b._derive(f8)
+    t8 = b._table([f8])
+    assert "| 2 | 4096 | eager | 20.0 | 20.0 | 45.0 | 60.0 | 0.75 |" in t8, t8
+    assert f8["ours_fp8_send_eager_busbw"] == pytest.approx(f8["bytes_per_rank"] / 20e-6 / 1e9 / 2)
     data = {"meta": {"gpu": "synthetic"}, "rows": rows}
     (tmp_path / "bench_ipc_all2all.json").write_text(json.dumps(data))
     pytest.importorskip("matplotlib")

@@ -221,11 +221,11 @@ class _FakeComm:
     def rank_tokens(self):
         return list(self._counts)
 
-    def send_recv_heads(self, x, copy_output=False):
+    def send_recv_heads(self, x, copy_output=False, fp8_wire=False):
         hpr = x.shape[2] // self.world_size
         return torch.cat([x[:, :, :hpr]] * self.world_size, dim=1)
 
-    def gather_heads(self, y, copy_output=False):
+    def gather_heads(self, y, copy_output=False, fp8_wire=False):
         n = self._counts[0]
         return torch.cat([y[:, r * n:(r + 1) * n] for r in range(self.world_size)], dim=2)
 
@@ -254,6 +254,9 @@ def test_custom_ops_trace_under_fullgraph_compile(backend):
     a = torch.randn(1, 8, 2, 16, generator=g)
     want = block(q, k, v, a)
     assert want[0].shape == (1, 8, 4, 16) and want[1].shape == (1, 16, 2, 16)
+    # the fp8-on-the-wire flag is part of the ops' schema (a constant for dynamo)
+    assert "bool fp8_wire=False" in str(torch.ops.ipc_all2all.send_recv_heads.default._schema)
+    assert "bool fp8_wire=False" in str(torch.ops.ipc_all2all.gather_heads.default._schema)
     torch._dynamo.reset()
     got = torch.compile(block, fullgraph=True, backend=backend)(q, k, v, a)
     torch.testing.assert_close(got[0], want[0])

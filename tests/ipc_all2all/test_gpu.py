@@ -71,3 +71,11 @@ def test_create_destroy_loop_leaks_nothing(tmp_path):
 def test_torch_compile_fullgraph(tmp_path):
     run_workers(w.worker_compile, _world(), tmp_path=tmp_path, timeout=240,
                 env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
+
+
+@MULTI
+def test_fp8_wire_matches_reference(tmp_path):
+    """fp8 on the wire (e4m3 + one fp32 scale per head vector): bitwise equal to the exact path applied
+    to the plain-torch e4m3 round trip, head_dim 16-256, batch 1-2, even and uneven counts."""
+    res = run_workers(w.worker_fp8_wire, _world(), tmp_path=tmp_path, timeout=200)
+    assert res == [2 * 4 * 3] * _world()

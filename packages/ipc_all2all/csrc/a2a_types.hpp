@@ -36,6 +36,9 @@ constexpr uint64_t kSignalBytes = 4096;
 constexpr uint64_t kSlotAlign = 256;
 constexpr int kThreads = 512;
 constexpr int kUnroll = 4;
+// fp8 on the wire: a head vector of D bf16 elements travels as D e4m3 bytes + a 16-byte scale field.
+constexpr int kFp8RecordPad = 16;
+CK_HD constexpr bool fp8_wire_head_dim_ok(int64_t d) { return d == 16 || d == 32 || d == 64 || d == 128 || d == 256; }
 
 // Operation codes, also the `op` of a TimeoutRecord (op = kind * 4 + phase).
 enum Op : int { kSendRecvHeads = 0, kGatherHeads = 1, kAllGather = 2 };

@@ -18,6 +18,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "Native core of ipc_all2all (raw pointers; use the ipc_all2all Python package).";
   commkit::register_python_errors(m);
   m.def("built_with_cuda", [] { return bool(COMMKIT_WITH_CUDA); });
+  m.attr("FP8_RECORD_PAD") = ipc_all2all::kFp8RecordPad;
   m.attr("MAX_WORLD_SIZE") = ipc_all2all::kMaxWorld;
   m.attr("NUM_SLOTS") = ipc_all2all::kNumSlots;
   m.attr("THREADS_PER_BLOCK") = ipc_all2all::kThreads;
@@ -120,6 +121,10 @@ PYBIND11_MODULE(_C, m) {
       .def("launch", &Core::launch, py::arg("op"), py::arg("x_ptr"), py::arg("stream"), py::arg("batch"),
            py::arg("x_rows"), py::arg("out_rows"), py::arg("cap_rows"), py::arg("chunk_bytes"),
            py::arg("wide_bytes"), py::arg("counts"), py::arg("counts_ptr"))
+      .def("fp8_pack", &Core::fp8_pack, py::arg("x_ptr"), py::arg("out_ptr"), py::arg("groups"), py::arg("head_dim"),
+           py::arg("stream"))
+      .def("fp8_unpack", &Core::fp8_unpack, py::arg("in_ptr"), py::arg("out_ptr"), py::arg("groups"),
+           py::arg("head_dim"), py::arg("stream"))
       .def("check", &Core::check)
       .def("synchronize", &Core::synchronize, py::arg("stream"), py::call_guard<py::gil_scoped_release>())
       .def("set_timeout_seconds", &Core::set_timeout_seconds)

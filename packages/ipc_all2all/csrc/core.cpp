@@ -20,6 +20,8 @@ namespace ipc_all2all {
 
 #if COMMKIT_WITH_CUDA
 void launch_a2a(const KernelArgs& args, int grid, cudaStream_t stream);
+void launch_fp8_pack(const void* x, void* out, int64_t groups, int head_dim, cudaStream_t stream);
+void launch_fp8_unpack(const void* in, void* out, int64_t groups, int head_dim, cudaStream_t stream);
 
 namespace {
 // Every CUDA call runs on the instance's device, whatever the caller's current device is (the rank
@@ -181,6 +183,36 @@ int Core::launch(int op, uint64_t x_ptr, uint64_t stream, int batch, int64_t x_r
 #endif
   ++calls_;
   return slot;
+}
+
+namespace {
+void check_fp8_args(const char* what, uint64_t a, uint64_t b, int64_t groups, int head_dim) {
+  CK_CHECK_ARG(fp8_wire_head_dim_ok(head_dim), what, ": head_dim must be 16, 32, 64, 128 or 256 for fp8 on the wire, got ",
+               head_dim);
+  CK_CHECK_ARG(groups >= 0, what, ": groups must be >= 0, got ", groups);
+  CK_CHECK_ARG(groups == 0 || (a != 0 && b != 0 && a % 16 == 0 && b % 16 == 0), what,
+               ": pointers must be non-null and 16-byte aligned");
+}
+}  // namespace
+
+void Core::fp8_pack(uint64_t x_ptr, uint64_t out_ptr, int64_t groups, int head_dim, uint64_t stream) {
+  require_usable("fp8_pack");
+  check_fp8_args("fp8_pack", x_ptr, out_ptr, groups, head_dim);
+#if COMMKIT_WITH_CUDA
+  DeviceGuard g(device_);
+  launch_fp8_pack(reinterpret_cast<const void*>(x_ptr), reinterpret_cast<void*>(out_ptr), groups, head_dim,
+                  reinterpret_cast<cudaStream_t>(stream));
+#endif
+}
+
+void Core::fp8_unpack(uint64_t in_ptr, uint64_t out_ptr, int64_t groups, int head_dim, uint64_t stream) {
+  require_usable("fp8_unpack");
+  check_fp8_args("fp8_unpack", in_ptr, out_ptr, groups, head_dim);
+#if COMMKIT_WITH_CUDA
+  DeviceGuard g(device_);
+  launch_fp8_unpack(reinterpret_cast<const void*>(in_ptr), reinterpret_cast<void*>(out_ptr), groups, head_dim,
+                    reinterpret_cast<cudaStream_t>(stream));
+#endif
 }
 
 void Core::check() {

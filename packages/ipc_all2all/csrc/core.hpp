@@ -39,6 +39,11 @@ class Core {
              int64_t cap_rows, int64_t chunk_bytes, int64_t wide_bytes, const std::vector<int64_t>& counts,
              uint64_t counts_ptr);
 
+  // fp8 on the wire (see kernels.cu): bf16 [groups, head_dim] <-> records [groups, head_dim + 16] on
+  // `stream`, on this instance's device. Pointers 16-byte aligned, head_dim in {16, ..., 256}.
+  void fp8_pack(uint64_t x_ptr, uint64_t out_ptr, int64_t groups, int head_dim, uint64_t stream);
+  void fp8_unpack(uint64_t in_ptr, uint64_t out_ptr, int64_t groups, int head_dim, uint64_t stream);
+
   void check();                       // raises a TimeoutError if a kernel recorded one (non-blocking)
   void synchronize(uint64_t stream);  // waits for `stream`, then check()
   void set_timeout_seconds(double s);

@@ -17,6 +17,8 @@
 // hidden size works (no "one token per thread group" limit) and every store is a full 16 B vector.
 // Stores go straight to the peer over NVLink (push): posted writes need no round trip, where a pull
 // would wait a full NVLink latency per load.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include "a2a_geometry.hpp"
@@ -143,10 +145,113 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const KernelArgs a) {
   }
 }
 
+// ------------------------------------------------------------------------------ fp8 on the wire
+// A head vector of D bf16 elements travels as one record of D + 16 bytes (kFp8RecordPad):
+//   [ D bytes e4m3 | fp32 scale | 12 zero bytes ],  scale = amax / 448 (1 when amax == 0),
+//   q[i] = e4m3_rn_satfinite(x[i] / scale);  back: bf16_rn(float(q[i]) * scale).
+// Every division and product is IEEE round-to-nearest (__fdiv_rn, __fmul_rn), so a plain torch
+// implementation of the same formula gives the same bits. The records are moved by the byte push
+// above like any 1-byte tensor [b, rows, heads, D + 16]. One group of L = D / 8 lanes handles one
+// vector (8 elements, 16 bytes of bf16, per lane); D in {16, 32, 64, 128, 256}.
+__device__ __forceinline__ float group_max(float v, int L) {
+  for (int o = L / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o, L));
+  return v;
+}
+
+__global__ void __launch_bounds__(256) fp8_pack_kernel(const int4* __restrict__ x,  // [groups, D] bf16
+                                                       char* __restrict__ out,      // [groups, D + 16]
+                                                       int64_t groups, int D) {
+  const int L = D / 8, per_warp = 32 / L;
+  const int lane = threadIdx.x & 31, sub = lane / L, li = lane % L;
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
+  for (int64_t g0 = warp * per_warp; g0 < groups; g0 += warps * per_warp) {  // warp-uniform
+    const int64_t g = g0 + sub;
+    const bool valid = g < groups;
+    float v[8];
+    float amax = 0.f;
+    if (valid) {
+      const int4 raw = x[g * L + li];
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        v[2 * i] = f.x;
+        v[2 * i + 1] = f.y;
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    }
+    amax = group_max(amax, L);
+    const float scale = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
+    if (valid) {
+      uint32_t lo = 0, hi = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t q = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], scale), __NV_SATFINITE, __NV_E4M3);
+        if (i < 4)
+          lo |= q << (8 * i);
+        else
+          hi |= q << (8 * (i - 4));
+      }
+      char* rec = out + g * (D + kFp8RecordPad);
+      *reinterpret_cast<uint2*>(rec + 8 * li) = make_uint2(lo, hi);
+      if (li == 0) *reinterpret_cast<int4*>(rec + D) = make_int4(__float_as_int(scale), 0, 0, 0);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(256) fp8_unpack_kernel(const char* __restrict__ in,  // [groups, D + 16]
+                                                         int4* __restrict__ out,       // [groups, D] bf16
+                                                         int64_t groups, int D) {
+  const int L = D / 8, per_warp = 32 / L;
+  const int lane = threadIdx.x & 31, sub = lane / L, li = lane % L;
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
+  for (int64_t g = warp * per_warp + sub; g < groups + sub; g += warps * per_warp) {
+    if (g >= groups) continue;
+    const char* rec = in + g * (D + kFp8RecordPad);
+    const uint2 q = *reinterpret_cast<const uint2*>(rec + 8 * li);
+    const float scale = *reinterpret_cast<const float*>(rec + D);
+    int4 r;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&r);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t word = i < 2 ? q.x : q.y;
+      const int sh = 16 * (i & 1);
+      const __half_raw a = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>((word >> sh) & 0xffu), __NV_E4M3);
+      const __half_raw b = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>((word >> (sh + 8)) & 0xffu),
+                                                   __NV_E4M3);
+      h[i] = __floats2bfloat162_rn(__fmul_rn(__half2float(__half(a)), scale), __fmul_rn(__half2float(__half(b)), scale));
+    }
+    out[g * L + li] = r;
+  }
+}
+
+int fp8_grid(int64_t groups, int D) {
+  const int64_t threads = groups * (D / 8);
+  const int64_t blocks = (threads + 255) / 256;
+  return static_cast<int>(blocks < 1 ? 1 : (blocks > 8192 ? 8192 : blocks));
+}
+
 }  // namespace
 
 void launch_a2a(const KernelArgs& args, int grid, cudaStream_t stream) {
   a2a_kernel<<<grid, kThreads, 0, stream>>>(args);
+  CK_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_fp8_pack(const void* x, void* out, int64_t groups, int head_dim, cudaStream_t stream) {
+  if (groups <= 0) return;
+  fp8_pack_kernel<<<fp8_grid(groups, head_dim), 256, 0, stream>>>(static_cast<const int4*>(x), static_cast<char*>(out),
+                                                                   groups, head_dim);
+  CK_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_fp8_unpack(const void* in, void* out, int64_t groups, int head_dim, cudaStream_t stream) {
+  if (groups <= 0) return;
+  fp8_unpack_kernel<<<fp8_grid(groups, head_dim), 256, 0, stream>>>(static_cast<const char*>(in),
+                                                                     static_cast<int4*>(out), groups, head_dim);
   CK_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -83,11 +83,14 @@ __all__ = [
     "CommError",
     "CommTimeoutError",
     "DEFAULT_TIMEOUT_SECONDS",
+    "FP8_WIRE_HEAD_DIMS",
     "MAX_WORLD_SIZE",
     "built_with_cuda",
 ]
 
 __version__ = "0.1.0"
+#: head_dim values the fp8-on-the-wire mode takes (one group of D / 8 lanes per head vector).
+FP8_WIRE_HEAD_DIMS = (16, 32, 64, 128, 256)
 CommError = _C.CommError
 CommTimeoutError = _C.CommTimeoutError
 DEFAULT_TIMEOUT_SECONDS = 10.0
@@ -307,27 +310,31 @@ class All2All:
         return None if self._counts is None else prefix_sums(self._counts)
 
     # ----------------------------------------------------------------------------- operations
-    def plan(self, op: int, shape: Sequence[int]) -> Plan:
-        """Validates shapes for ``op`` against the current token counts and returns the launch plan."""
+    def plan(self, op: int, shape: Sequence[int], itemsize: Optional[int] = None) -> Plan:
+        """Validates shapes for ``op`` against the current token counts and returns the launch plan
+        (``itemsize``: bytes per element of what moves; default the instance's dtype)."""
         if self._counts is None and self._counts_dev is None:
             raise ValueError(f"{OP_NAMES[op]}: call set_rank_tokens() first")
-        key = (op, tuple(shape))
+        itemsize = self.itemsize if itemsize is None else itemsize
+        key = (op, tuple(shape), itemsize)
         plan = self._plans.get(key)
         if plan is None:  # planning is pure, so a step's repeated shapes skip it (host overhead per call)
-            plan = PLANNERS[op](key[1], self.itemsize, self.world_size, self.rank, self._counts, self.capacity)
+            plan = PLANNERS[op](key[1], itemsize, self.world_size, self.rank, self._counts, self.capacity)
             self._plans[key] = plan
         return plan
 
     def _check_input(self, x: torch.Tensor, what: str) -> None:
         validate_input(x, self.tensor_dtype, self.device, what)
 
-    def _run(self, op: int, x: torch.Tensor, copy_output: bool) -> torch.Tensor:
+    def _run(self, op: int, x: torch.Tensor, copy_output: bool, fp8_wire: bool = False) -> torch.Tensor:
         what = OP_NAMES[op]
         if self._core.destroyed:
             raise CommError(f"{what}: this All2All instance was destroyed")
         if self._buf is None:
             raise CommError(f"{what}: call sync() (or use All2All.from_group) before the first operation")
         self._check_input(x, what)
+        if fp8_wire:
+            return self._run_fp8(op, x, what)
         p = self.plan(op, x.shape)
         slot = self._core.next_slot
         off = self._core.slot_offset(slot)
@@ -343,30 +350,62 @@ class All2All:
         out = self._buf[off:off + p.out_bytes].view(self.tensor_dtype).view(p.out_shape)
         return out.clone() if copy_output else out
 
-    def send_recv_heads(self, x: torch.Tensor, copy_output: bool = False) -> torch.Tensor:
+    def _run_fp8(self, op: int, x: torch.Tensor, what: str) -> torch.Tensor:
+        """fp8 on the wire: pack every head vector into an e4m3 record, move the records with the byte
+        push, unpack them into a fresh bf16 output (the kernels are described in csrc/kernels.cu)."""
+        if op not in (OP_SEND_RECV_HEADS, OP_GATHER_HEADS):
+            raise ValueError(f"{what}: fp8_wire applies to send_recv_heads and gather_heads only")
+        if self.tensor_dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+            raise ValueError(f"{what}: fp8_wire needs a bfloat16 instance and input, got instance "
+                             f"{self.tensor_dtype} and x {x.dtype}")
+        b, rows, heads, D = x.shape
+        if D not in FP8_WIRE_HEAD_DIMS:
+            raise ValueError(f"{what}: fp8_wire needs head_dim (x.shape[3]) in {FP8_WIRE_HEAD_DIMS}, got {D}")
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        rec = torch.empty((b, rows, heads, D + _C.FP8_RECORD_PAD), dtype=torch.uint8, device=self.device)
+        self._core.fp8_pack(x.data_ptr(), rec.data_ptr(), b * rows * heads, D, stream)
+        p = self.plan(op, rec.shape, itemsize=1)
+        slot = self._core.next_slot
+        off = self._core.slot_offset(slot)
+        counts_ptr = 0 if self._counts_dev is None else self._counts_dev.data_ptr()
+        got = self._core.launch(op, rec.data_ptr(), stream, p.batch, p.x_rows, p.out_rows, p.cap_rows,
+                                p.chunk_bytes, p.wide_bytes, self._counts or [], counts_ptr)
+        assert got == slot
+        ob, orows, oheads, _ = p.out_shape
+        out = torch.empty((ob, orows, oheads, D), dtype=torch.bfloat16, device=self.device)
+        self._core.fp8_unpack(self._core.buffer_ptr + off, out.data_ptr(), ob * orows * oheads, D, stream)
+        return out
+
+    def send_recv_heads(self, x: torch.Tensor, copy_output: bool = False, fp8_wire: bool = False) -> torch.Tensor:
         """Scatters heads, gathers tokens: ``x[b, local_tokens, H, D] -> [b, total_tokens, H/W, D]``.
 
         Arguments:
             x: contiguous, 16-byte aligned, ``tensor_dtype``, on this instance's device; ``H`` divisible
                 by ``world_size`` and ``H/W * D * element size`` a multiple of 16 bytes.
             copy_output: return a fresh tensor instead of a view into the shared buffer.
+            fp8_wire: send e4m3 plus one fp32 scale per head vector instead of bf16 (bf16 instance
+                and input, ``D`` in 16..256, a power of two): about half the bytes on NVLink, lossy
+                (each head vector is scaled to its own maximum, 448). The output is always a fresh
+                bf16 tensor, bitwise equal to ``bf16(e4m3(x / s) * s)`` with ``s = amax / 448``
+                moved by the exact path.
 
         Returns:
             Rank ``r``'s heads ``[r*H/W, (r+1)*H/W)`` of every rank's tokens, in rank order.
         """
-        return self._run(OP_SEND_RECV_HEADS, x, copy_output)
+        return self._run(OP_SEND_RECV_HEADS, x, copy_output, fp8_wire)
 
-    def gather_heads(self, x: torch.Tensor, copy_output: bool = False) -> torch.Tensor:
+    def gather_heads(self, x: torch.Tensor, copy_output: bool = False, fp8_wire: bool = False) -> torch.Tensor:
         """Inverse of :meth:`send_recv_heads`: ``x[b, total_tokens, H/W, D] -> [b, local_tokens, H, D]``.
 
         Arguments:
             x: as for :meth:`send_recv_heads`; may be the previous call's zero-copy output.
             copy_output: return a fresh tensor instead of a view into the shared buffer.
+            fp8_wire: as for :meth:`send_recv_heads`.
 
         Returns:
             This rank's tokens with all heads.
         """
-        return self._run(OP_GATHER_HEADS, x, copy_output)
+        return self._run(OP_GATHER_HEADS, x, copy_output, fp8_wire)
 
     def allgather(self, x: torch.Tensor, copy_output: bool = False) -> torch.Tensor:
         """Concatenates every rank's tokens: ``x[b, local_tokens, h, d] -> [b, total_tokens, h, d]``.

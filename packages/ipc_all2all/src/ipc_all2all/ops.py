@@ -26,23 +26,25 @@ def _lookup(comm_id: int):
 
 
 @torch.library.custom_op("ipc_all2all::send_recv_heads", mutates_args=())
-def _send_recv_heads(x: torch.Tensor, comm_id: int, out_tokens: int, world_size: int) -> torch.Tensor:
-    return _lookup(comm_id).send_recv_heads(x, copy_output=True)
+def _send_recv_heads(x: torch.Tensor, comm_id: int, out_tokens: int, world_size: int,
+                     fp8_wire: bool = False) -> torch.Tensor:
+    return _lookup(comm_id).send_recv_heads(x, copy_output=True, fp8_wire=fp8_wire)
 
 
 @_send_recv_heads.register_fake
-def _(x, comm_id, out_tokens, world_size):
+def _(x, comm_id, out_tokens, world_size, fp8_wire=False):
     b, _, h, d = x.shape
     return x.new_empty((b, out_tokens, h // world_size, d))
 
 
 @torch.library.custom_op("ipc_all2all::gather_heads", mutates_args=())
-def _gather_heads(x: torch.Tensor, comm_id: int, out_tokens: int, world_size: int) -> torch.Tensor:
-    return _lookup(comm_id).gather_heads(x, copy_output=True)
+def _gather_heads(x: torch.Tensor, comm_id: int, out_tokens: int, world_size: int,
+                  fp8_wire: bool = False) -> torch.Tensor:
+    return _lookup(comm_id).gather_heads(x, copy_output=True, fp8_wire=fp8_wire)
 
 
 @_gather_heads.register_fake
-def _(x, comm_id, out_tokens, world_size):
+def _(x, comm_id, out_tokens, world_size, fp8_wire=False):
     b, _, h, d = x.shape
     return x.new_empty((b, out_tokens, h * world_size, d))
 
@@ -67,30 +69,34 @@ def _out_tokens(comm, op: int, x: torch.Tensor) -> int:
     return counts[comm.rank] if op == _shapes.OP_GATHER_HEADS else sum(counts)
 
 
-def send_recv_heads(x: torch.Tensor, comm) -> torch.Tensor:
-    """``comm.send_recv_heads(x, copy_output=True)`` as a compilable op.
+def send_recv_heads(x: torch.Tensor, comm, fp8_wire: bool = False) -> torch.Tensor:
+    """``comm.send_recv_heads(x, copy_output=True, fp8_wire=fp8_wire)`` as a compilable op.
 
     Arguments:
         x: ``[b, local_tokens, H, D]``.
         comm: a synced :class:`ipc_all2all.All2All`.
+        fp8_wire: e4m3 plus scales on the wire (see ``All2All.send_recv_heads``).
 
     Returns:
         ``[b, total_tokens, H/W, D]``, a fresh tensor.
     """
-    return _send_recv_heads(x, comm.comm_id, _out_tokens(comm, _shapes.OP_SEND_RECV_HEADS, x), comm.world_size)
+    return _send_recv_heads(x, comm.comm_id, _out_tokens(comm, _shapes.OP_SEND_RECV_HEADS, x), comm.world_size,
+                            fp8_wire)
 
 
-def gather_heads(x: torch.Tensor, comm) -> torch.Tensor:
-    """``comm.gather_heads(x, copy_output=True)`` as a compilable op.
+def gather_heads(x: torch.Tensor, comm, fp8_wire: bool = False) -> torch.Tensor:
+    """``comm.gather_heads(x, copy_output=True, fp8_wire=fp8_wire)`` as a compilable op.
 
     Arguments:
         x: ``[b, total_tokens, H/W, D]``.
         comm: a synced :class:`ipc_all2all.All2All`.
+        fp8_wire: e4m3 plus scales on the wire (see ``All2All.send_recv_heads``).
 
     Returns:
         ``[b, local_tokens, H, D]``, a fresh tensor.
     """
-    return _gather_heads(x, comm.comm_id, _out_tokens(comm, _shapes.OP_GATHER_HEADS, x), comm.world_size)
+    return _gather_heads(x, comm.comm_id, _out_tokens(comm, _shapes.OP_GATHER_HEADS, x), comm.world_size,
+                         fp8_wire)
 
 
 def allgather(x: torch.Tensor, comm) -> torch.Tensor:
