@@ -378,7 +378,9 @@ def qdq_e4m3(x):
     amax is 0), q = e4m3(x / s), back = bf16(float(q) * s)."""
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    # A tensor divisor: torch turns division by a Python scalar into a multiply by its reciprocal,
+    # which rounds differently from the IEEE division the kernel does.
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, 448.0), torch.ones_like(amax))
     return ((xf / scale).to(torch.float8_e4m3fn).float() * scale).to(torch.bfloat16)
 
 
