@@ -434,6 +434,32 @@ def worker_fp8_wire(rank, world, rdzv):
             else:
                 raise AssertionError(f"no error for {match}")
         a2a.synchronize()
+    # CUDA graph with device-side counts that change between replays
+    L, D = 64, 128
+    hpr = H // world
+    with ipc_all2all.All2All.from_group(num_tokens=L * world, hidden_dim=H * D, tensor_dtype=torch.bfloat16,
+                                        timeout_seconds=10) as a2a:
+        counts_dev = torch.full((world,), L, dtype=torch.int32, device=dev)
+        a2a.set_rank_tokens(counts_dev)
+        x = torch.zeros(1, L, H, D, dtype=torch.bfloat16, device=dev)
+        a2a.gather_heads(a2a.send_recv_heads(x, fp8_wire=True), fp8_wire=True)  # warm-up, same on every rank
+        a2a.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = a2a.send_recv_heads(x, fp8_wire=True)
+            z = a2a.gather_heads(y, fp8_wire=True)
+        rng = random.Random(7)
+        for step in range(4):
+            counts = [L] * world if step == 0 else [rng.randint(0, L) for _ in range(world)]
+            xs = [_normal_bf16((1, L, H, D), dev, 77 * step + r) for r in range(world)]
+            x.copy_(xs[rank])
+            counts_dev.copy_(torch.tensor(counts, dtype=torch.int32))
+            g.replay()
+            total, n = sum(counts), counts[rank]
+            want = torch.cat([qdq_e4m3(xs[r][:, :counts[r], rank * hpr:(rank + 1) * hpr]) for r in range(world)], 1)
+            _assert_same(y[:, :total], want, f"fp8 wire graph replay {step} counts={counts}")
+            _assert_same(z[:, :n], qdq_e4m3(qdq_e4m3(xs[rank][:, :n])), f"fp8 wire graph replay {step} round trip")
+        a2a.synchronize()
     with ipc_all2all.All2All.from_group(num_tokens=2 * 48 * world, hidden_dim=H * 128,
                                         tensor_dtype=torch.float16) as a2a:
         a2a.set_rank_tokens([48] * world)
