@@ -219,6 +219,21 @@ def worker_stress(rank, world, rdzv, iters, copy_output):
     return iters
 
 
+def _graph_instance(world, L, H, D):
+    """A bf16 instance for L tokens per rank of H heads x D (the CUDA-graph tests)."""
+    import ipc_all2all
+
+    return ipc_all2all.All2All.from_group(num_tokens=L * world, hidden_dim=H * D, tensor_dtype=torch.bfloat16,
+                                          timeout_seconds=10)
+
+
+def _device_counts(a2a, world, L, H, D, dev):
+    """Device-side token counts (all L) and a static input [1, L, H, D] for graph capture."""
+    counts_dev = torch.full((world,), L, dtype=torch.int32, device=dev)
+    a2a.set_rank_tokens(counts_dev)
+    return counts_dev, torch.zeros(1, L, H, D, dtype=torch.bfloat16, device=dev)
+
+
 def worker_cuda_graph(rank, world, rdzv):
     """One captured send+gather replayed with token counts changed on the device between replays."""
     import ipc_all2all
@@ -226,11 +241,8 @@ def worker_cuda_graph(rank, world, rdzv):
     dev = _setup(rank, world, rdzv)
     H, D, L = 8 * world, 128, 96
     hpr = H // world
-    with ipc_all2all.All2All.from_group(num_tokens=L * world, hidden_dim=H * D, tensor_dtype=torch.bfloat16,
-                                        timeout_seconds=10) as a2a:
-        counts_dev = torch.full((world,), L, dtype=torch.int32, device=dev)
-        a2a.set_rank_tokens(counts_dev)
-        x = torch.zeros(1, L, H, D, dtype=torch.bfloat16, device=dev)
+    with _graph_instance(world, L, H, D) as a2a:
+        counts_dev, x = _device_counts(a2a, world, L, H, D, dev)
         # warm-up in eager mode (same number of calls on every rank)
         y = a2a.send_recv_heads(x)
         a2a.gather_heads(y)
@@ -437,11 +449,8 @@ def worker_fp8_wire(rank, world, rdzv):
     # CUDA graph with device-side counts that change between replays
     L, D = 64, 128
     hpr = H // world
-    with ipc_all2all.All2All.from_group(num_tokens=L * world, hidden_dim=H * D, tensor_dtype=torch.bfloat16,
-                                        timeout_seconds=10) as a2a:
-        counts_dev = torch.full((world,), L, dtype=torch.int32, device=dev)
-        a2a.set_rank_tokens(counts_dev)
-        x = torch.zeros(1, L, H, D, dtype=torch.bfloat16, device=dev)
+    with _graph_instance(world, L, H, D) as a2a:
+        counts_dev, x = _device_counts(a2a, world, L, H, D, dev)
         a2a.gather_heads(a2a.send_recv_heads(x, fp8_wire=True), fp8_wire=True)  # warm-up, same on every rank
         a2a.synchronize()
         g = torch.cuda.CUDAGraph()

@@ -196,22 +196,21 @@ void check_fp8_args(const char* what, uint64_t a, uint64_t b, int64_t groups, in
 }  // namespace
 
 void Core::fp8_pack(uint64_t x_ptr, uint64_t out_ptr, int64_t groups, int head_dim, uint64_t stream) {
-  require_usable("fp8_pack");
-  check_fp8_args("fp8_pack", x_ptr, out_ptr, groups, head_dim);
-#if COMMKIT_WITH_CUDA
-  DeviceGuard g(device_);
-  launch_fp8_pack(reinterpret_cast<const void*>(x_ptr), reinterpret_cast<void*>(out_ptr), groups, head_dim,
-                  reinterpret_cast<cudaStream_t>(stream));
-#endif
+  fp8_convert(true, x_ptr, out_ptr, groups, head_dim, stream);
 }
 
 void Core::fp8_unpack(uint64_t in_ptr, uint64_t out_ptr, int64_t groups, int head_dim, uint64_t stream) {
-  require_usable("fp8_unpack");
-  check_fp8_args("fp8_unpack", in_ptr, out_ptr, groups, head_dim);
+  fp8_convert(false, in_ptr, out_ptr, groups, head_dim, stream);
+}
+
+void Core::fp8_convert(bool pack, uint64_t src, uint64_t dst, int64_t groups, int head_dim, uint64_t stream) {
+  const char* what = pack ? "fp8_pack" : "fp8_unpack";
+  require_usable(what);
+  check_fp8_args(what, src, dst, groups, head_dim);
 #if COMMKIT_WITH_CUDA
   DeviceGuard g(device_);
-  launch_fp8_unpack(reinterpret_cast<const void*>(in_ptr), reinterpret_cast<void*>(out_ptr), groups, head_dim,
-                    reinterpret_cast<cudaStream_t>(stream));
+  (pack ? launch_fp8_pack : launch_fp8_unpack)(reinterpret_cast<const void*>(src), reinterpret_cast<void*>(dst), groups,
+                                               head_dim, reinterpret_cast<cudaStream_t>(stream));
 #endif
 }
 

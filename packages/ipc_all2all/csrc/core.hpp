@@ -56,6 +56,7 @@ class Core {
 
  private:
   void require_usable(const char* what) const;
+  void fp8_convert(bool pack, uint64_t src, uint64_t dst, int64_t groups, int head_dim, uint64_t stream);
 
   int rank_, world_, device_ = -1;
   int64_t capacity_;
