@@ -1,0 +1,27 @@
+"""Every shell script of the repository parses (`bash -n`): the GPU-machine scripts (tools/gpu.sh,
+tools/gpu_x2.sh, ...) only run on a device call, where a syntax error would cost the whole call."""
+import glob
+import os
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "tools", "*.sh")) + glob.glob(os.path.join(ROOT, "packages", "*", "scripts", "*.sh"))
+                 + glob.glob(os.path.join(ROOT, ".ci", "*")))
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=[os.path.relpath(p, ROOT) for p in SCRIPTS])
+def test_script_parses(path):
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if path.endswith(".sh") or head.startswith(b"#!") and b"sh" in head.split(b"\n")[0]:
+        out = subprocess.run(["bash", "-n", path], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+
+
+def test_gpu_x2_runs_the_steps_the_status_names():
+    text = open(os.path.join(ROOT, "tools", "gpu_x2.sh")).read()
+    for needle in ("bench_elastic_ep.py", "--overlap-push-blocks", "bench_ipc_all2all.py", "--num-blocks 264",
+                   "test_lowlevel_gpu.py", "overlapped or refused", "tests/fp8_layerwise"):
+        assert needle in text, needle
