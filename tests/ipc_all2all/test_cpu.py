@@ -327,6 +327,53 @@ def test_python_layer_slots_views_and_aliasing(monkeypatch):
     assert core.launches[-1][5:7] == (12, 6) and core.launches[-1][10] == counts_dev.data_ptr()
 
 
+def test_python_layer_fp8_wire_plans_records(monkeypatch):
+    """fp8_wire: pack [b*rows*H] head vectors into records of D + 16 bytes, move them as a 1-byte
+    tensor with the record geometry, unpack the output's vectors into a fresh bf16 tensor; bad
+    arguments raise before anything launches (recording stand-in for the core, no GPU)."""
+    import types
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=7))
+    cap = 1000 * 256 * 2
+    buf = torch.zeros(_C.buffer_layout(cap)["total"], dtype=torch.uint8)
+    core = _RecordingCore(cap, buf)
+    conv = []
+    core.fp8_pack = lambda *a: conv.append(("pack",) + a)
+    core.fp8_unpack = lambda *a: conv.append(("unpack",) + a)
+    a = ipc_all2all.All2All.__new__(ipc_all2all.All2All)
+    a.__dict__.update(_plans={}, rank=1, world_size=2, tensor_dtype=torch.bfloat16, itemsize=2,
+                      device=torch.device("cpu"), capacity=cap, _core=core, _counts=None, _counts_dev=None,
+                      _group=None, _collective=False, comm_id=-1, _buf=buf)
+    a.set_rank_tokens([3, 5])
+    x = torch.zeros(2, 5, 8, 64, dtype=torch.bfloat16)
+    y = a.send_recv_heads(x, fp8_wire=True)
+    assert y.shape == (2, 8, 4, 64) and y.dtype == torch.bfloat16
+    assert not (buf.data_ptr() <= y.data_ptr() < buf.data_ptr() + buf.numel())  # always a fresh tensor
+    pack, unpack = conv
+    assert pack[0] == "pack" and pack[1] == x.data_ptr() and pack[3:] == (2 * 5 * 8, 64, 7)
+    assert unpack[0] == "unpack" and unpack[2] == y.data_ptr() and unpack[3:] == (2 * 8 * 4, 64, 7)
+    assert unpack[1] == buf.data_ptr() + _C.buffer_layout(cap)["slots"][0][0]
+    rec = 64 + _C.FP8_RECORD_PAD
+    op, x_ptr, stream, batch, x_rows, out_rows, cap_rows, chunk, wide, counts, counts_ptr = core.launches[-1]
+    assert (op, x_ptr, batch, x_rows, chunk, wide) == (0, pack[2], 2, 5, 4 * rec, 8 * rec)
+    z = a.gather_heads(y, fp8_wire=True)
+    assert z.shape == (2, 5, 8, 64) and z.dtype == torch.bfloat16
+    assert core.launches[-1][0] == 1 and core.launches[-1][7:9] == (4 * rec, 8 * rec)
+    n = core.calls
+    for call, match in ((lambda: a.send_recv_heads(torch.zeros(1, 5, 8, 48, dtype=torch.bfloat16), fp8_wire=True),
+                         "head_dim"),
+                        (lambda: a.gather_heads(torch.zeros(1, 8, 4, 64, dtype=torch.float16), fp8_wire=True),
+                         "dtype")):
+        with pytest.raises(ValueError, match=match):
+            call()
+    a.tensor_dtype, a.itemsize = torch.float16, 2
+    with pytest.raises(ValueError, match="bfloat16"):
+        a.send_recv_heads(torch.zeros(1, 5, 8, 64, dtype=torch.float16), fp8_wire=True)
+    with pytest.raises(ValueError, match="fp8_wire applies"):
+        a._run(2, torch.zeros(1, 5, 1, 64, dtype=torch.float16), False, True)
+    assert core.calls == n and len(conv) == 4, "a refused call must not launch"
+
+
 @pytest.mark.parametrize("group", [None, "a group"], ids=["default-group", "explicit-group"])
 def test_destroy_of_a_from_group_instance_is_collective(monkeypatch, group):
     """from_group's instances wait for every rank in destroy(), with the default group (None = WORLD)
