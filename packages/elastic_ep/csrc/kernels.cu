@@ -26,9 +26,6 @@ namespace {
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
-// Count words exchanged by dispatch notify: (epoch << 32) | refused bit | count.
-constexpr uint64_t kRefusedBit = 1ull << 31;
-constexpr uint64_t kCountMask = kRefusedBit - 1ull;
 
 // Slots of the local grid-counter words (WorkspaceLayout::grid_counter, u32[16]).
 // kCtrDispatchAborted: set by dispatch notify (one block) when this dispatch must not push: 1 when a

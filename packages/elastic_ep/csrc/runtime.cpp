@@ -442,8 +442,8 @@ std::tuple<int, int, int, std::vector<int>, int, int> Runtime::wait_dispatch_cou
         while (ready_ranks < num_ranks_) {
           const uint64_t w = commkit::ld_acquire(&rank_words[ready_ranks]);
           if ((w >> 32) != tag) return false;
-          if (w & (1ull << 31)) refused.push_back(ready_ranks);  // see kernels.cu, kRefusedBit
-          num_recv += int(w & 0x7fffffffu);
+          if (w & kRefusedBit) refused.push_back(ready_ranks);
+          num_recv += int(w & kCountMask);
           ++ready_ranks;
         }
         while (ready_experts < num_local_experts) {

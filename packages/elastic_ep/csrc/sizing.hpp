@@ -191,6 +191,12 @@ CK_HD constexpr int64_t calculate_buffer_size(int64_t num_max_tokens_per_rank, i
   return int64_t(align_up(uint64_t(d > c ? d : c), uint64_t(kBufferAlignmentBytes)));
 }
 
+// Per-rank count words of dispatch notify, to the peers (tag = epoch) and to the host (tag = the
+// call's host tag): (tag << 32) | refused bit | token count. The refused bit says the rank passed
+// expert ids outside [-1, E) to a CPU-synced dispatch, which every rank then refuses.
+constexpr uint64_t kRefusedBit = 1ull << 31;
+constexpr uint64_t kCountMask = kRefusedBit - 1ull;
+
 // Workspace: signal words are u64 "(epoch << 32) | payload" or plain epochs; see kernels.cu.
 struct WorkspaceLayout {
   Region barrier_signal;   // u64[kMaxRanks]     epoch a peer has entered (written by the peer)
