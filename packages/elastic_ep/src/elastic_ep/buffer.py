@@ -564,9 +564,11 @@ class ElasticBuffer:
             ``(recv_x | (recv_x, recv_sf), recv_topk_idx, recv_topk_weights, handle, event)``.
 
         Raises:
-            ValueError: any bad input, before anything is launched. Exception: without a CPU sync,
-                expert ids outside ``[-1, num_experts)`` cannot be checked before the launch; they are
-                treated as masked and the next call on this buffer raises with their count.
+            ValueError: any bad input, before anything is launched, except expert ids outside
+                ``[-1, num_experts)``, which only the GPU reads: with a CPU sync the notify kernel finds
+                them before any token moves, the dispatch is refused on every rank and every rank raises
+                (the buffer stays usable); without one they are treated as masked and the next call on
+                this buffer raises with their count.
         """
         self._check_alive()
         R = self.num_ranks
