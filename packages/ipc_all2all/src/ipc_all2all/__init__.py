@@ -342,13 +342,15 @@ class All2All:
         if ranges_overlap(x.data_ptr(), x.numel() * self.itemsize, self._core.buffer_ptr + off, self.capacity):
             raise ValueError(f"{what}: x lies in the output slot this call writes (a zero-copy output from two "
                              "calls ago); pass copy_output=True to that call or clone x")
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        counts_ptr = 0 if self._counts_dev is None else self._counts_dev.data_ptr()
-        got = self._core.launch(op, x.data_ptr(), stream, p.batch, p.x_rows, p.out_rows, p.cap_rows,
-                                p.chunk_bytes, p.wide_bytes, self._counts or [], counts_ptr)
-        assert got == slot
+        self._launch(op, x.data_ptr(), p, slot, torch.cuda.current_stream(self.device).cuda_stream)
         out = self._buf[off:off + p.out_bytes].view(self.tensor_dtype).view(p.out_shape)
         return out.clone() if copy_output else out
+
+    def _launch(self, op: int, x_ptr: int, p: Plan, slot: int, stream: int) -> None:
+        counts_ptr = 0 if self._counts_dev is None else self._counts_dev.data_ptr()
+        got = self._core.launch(op, x_ptr, stream, p.batch, p.x_rows, p.out_rows, p.cap_rows,
+                                p.chunk_bytes, p.wide_bytes, self._counts or [], counts_ptr)
+        assert got == slot
 
     def _run_fp8(self, op: int, x: torch.Tensor, what: str) -> torch.Tensor:
         """fp8 on the wire: pack every head vector into an e4m3 record, move the records with the byte
@@ -361,16 +363,14 @@ class All2All:
         b, rows, heads, D = x.shape
         if D not in FP8_WIRE_HEAD_DIMS:
             raise ValueError(f"{what}: fp8_wire needs head_dim (x.shape[3]) in {FP8_WIRE_HEAD_DIMS}, got {D}")
+        rec_shape = (b, rows, heads, D + _C.FP8_RECORD_PAD)
+        p = self.plan(op, rec_shape, itemsize=1)  # every check before the first launch
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        rec = torch.empty((b, rows, heads, D + _C.FP8_RECORD_PAD), dtype=torch.uint8, device=self.device)
+        rec = torch.empty(rec_shape, dtype=torch.uint8, device=self.device)
         self._core.fp8_pack(x.data_ptr(), rec.data_ptr(), b * rows * heads, D, stream)
-        p = self.plan(op, rec.shape, itemsize=1)
         slot = self._core.next_slot
         off = self._core.slot_offset(slot)
-        counts_ptr = 0 if self._counts_dev is None else self._counts_dev.data_ptr()
-        got = self._core.launch(op, rec.data_ptr(), stream, p.batch, p.x_rows, p.out_rows, p.cap_rows,
-                                p.chunk_bytes, p.wide_bytes, self._counts or [], counts_ptr)
-        assert got == slot
+        self._launch(op, rec.data_ptr(), p, slot, stream)
         ob, orows, oheads, _ = p.out_shape
         out = torch.empty((ob, orows, oheads, D), dtype=torch.bfloat16, device=self.device)
         self._core.fp8_unpack(self._core.buffer_ptr + off, out.data_ptr(), ob * orows * oheads, D, stream)
