@@ -107,7 +107,7 @@ def _run_rank(rank, tp, cfg, tmp):
         for e in range(E):  # distinct, cheap content per expert (pages are touched here, not in the run)
             sources[0][e].fill_(e % 251)
             sources[2][e].fill_((e * 3 + 1) % 251)
-        writer = F.make_shard_writer(sources, tp, threads=cfg["writer_threads"])
+        writer = F.make_shard_writer(sources, tp, threads=cfg["writer_threads"], cache_hint=cfg["cache_hint"])
 
     def noop(expert, slots):
         return None
@@ -175,6 +175,11 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer experts and layers")
     ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "cpu"))
     ap.add_argument("--writer-threads", type=int, default=0, help="native writer threads (0: the library's default_writer_threads)")
+    ap.add_argument("--cache-hint", default=None,
+                    help="native writer cache hint (none, demote, writeback, flush; default: the library's default_cache_hint)")
+    ap.add_argument("--configs", default=None,
+                    help="comma-separated substrings: run only the configurations whose name contains one")
+    ap.add_argument("--modes", default=None, help="comma-separated mode names to run (default: all)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     import torch
@@ -219,6 +224,16 @@ def main(argv=None):
                   wait=True),
              dict(name="slots4-prestaged-perexpert", slots=4, inflight=0, coalesce=True, prestaged=True, streams=2,
                   batch=False)]
+    if args.configs:
+        configs = [c for c in configs if any(k.strip() in c[0] for k in args.configs.split(","))]
+    if args.modes:
+        wanted = [m.strip() for m in args.modes.split(",")]
+        unknown = [m for m in wanted if m not in {x["name"] for x in modes}]
+        if unknown:
+            ap.error(f"unknown --modes {unknown}; known: {[x['name'] for x in modes]}")
+        modes = [m for m in modes if m["name"] in wanted]
+    cache_hint = args.cache_hint or F.default_cache_hint()
+    print(f"  native writer cache hint: {cache_hint}")
     results = []
     for name, tp, shard_tp in configs:
         I_eff = I * tp // shard_tp  # cut by tp ranks, each shard is what shard_tp would give
@@ -232,7 +247,8 @@ def main(argv=None):
         if not use_modes:
             continue
         cfg = dict(backend=backend, hidden=H, intermediate_eff=I_eff, experts=E, layers=layers, peak_mb=peak_mb,
-                   peak_iters=peak_iters, modes=use_modes, writer_threads=args.writer_threads or F.default_writer_threads(tp, cpus))
+                   peak_iters=peak_iters, modes=use_modes, writer_threads=args.writer_threads or F.default_writer_threads(tp, cpus),
+                   cache_hint=cache_hint)
         t0 = time.monotonic()
         ranks = run_config(cfg, tp)
         print(f"  ran {name} (tp={tp}, {per_rank / 1e6:.2f} MB per rank and expert, {E} experts/layer, "
@@ -301,7 +317,7 @@ def main(argv=None):
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), host=platform.node(), backend=backend,
                 note=note, gpus=[torch.cuda.get_device_name(i) for i in range(ngpu)], cpus=cpus, git_rev=rev,
                 command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])), torch=torch.__version__,
-                recommended_slots=best[0] if best else None, default_slots=default_of)
+                recommended_slots=best[0] if best else None, default_slots=default_of, cache_hint=cache_hint)
     with open(os.path.join(args.out, "bench_fp8_layerwise.json"), "w") as f:
         json.dump(dict(meta=meta, results=results, table=table, targets=targets), f, indent=1)
     with open(os.path.join(args.out, "bench_fp8_layerwise.md"), "w") as f:

@@ -35,12 +35,17 @@ def test_bench_runs_on_cpu_backend(tmp_path):
 def test_writer_speed_diag_runs(tmp_path):
     # tools/diag/writer_speed.py on small block-FP8 shapes: every cut and thread count prints a row.
     pytest.importorskip("fp8_layerwise._C", reason="needs the built fp8_layerwise package")
+    from fp8_layerwise import _C
+
+    hints = ["none", "flush"]
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "diag", "writer_speed.py"), "--threads", "1,2",
-                          "--seconds", "0.02", "--hidden", "512", "--intermediate", "1024"],
+                          "--seconds", "0.02", "--hidden", "512", "--intermediate", "1024",
+                          "--cache-hints", ",".join(hints)],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "GB/s" not in line]
-    assert len(rows) == 5 * 2, out.stdout  # 5 cuts x 2 thread counts
+    n_hints = sum(_C.cache_hint_supported(h) for h in hints)
+    assert len(rows) == 5 * 2 * n_hints, out.stdout  # 5 cuts x 2 thread counts x supported hints
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert float(cells[4]) > 0 and float(cells[6]) > 0, row
+        assert cells[4] in hints and float(cells[5]) > 0 and float(cells[7]) > 0, row

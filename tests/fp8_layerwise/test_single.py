@@ -63,16 +63,20 @@ def test_native_shard_writer_matches_torch_reference(threads):
                 assert torch.equal(t.expert_view(k, e), ref[k])
 
 
-@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("threads,hint", [(1, "none"), (4, "none"), (4, "demote"), (1, "writeback"), (4, "flush")])
 @pytest.mark.parametrize("misalign", [0, 8, 3], ids=["aligned", "dst_off_by_8", "dst_off_by_3"])
-def test_native_writer_splits_ranks_like_reference(threads, misalign):
+def test_native_writer_splits_ranks_like_reference(threads, hint, misalign):
     # The native writer's per-rank cut (gate/up halves, w2 columns, block scales) against torch,
-    # into destinations at any byte offset; the bytes after each shard stay untouched.
+    # into destinations at any byte offset; the bytes after each shard stay untouched. Every cache
+    # hint must leave the bytes as plain stores do (hints on lines shared with a neighbour included).
+    if not F._C.cache_hint_supported(hint):
+        pytest.skip(f"this CPU lacks the instruction of cache hint {hint!r}")
     E, H, I = 2, 1024, 768  # 2.4 MB per expert: above the 1 MB threshold of the threaded path
     src = F.make_block_fp8_sources(E, H, I, generator=torch.Generator().manual_seed(3))
     for tp in (2, 3, 6):
         nb = F.block_fp8_expert_nbytes(H, I, tp)
-        w = F.make_shard_writer(src, tp, threads=threads)
+        w = F.make_shard_writer(src, tp, threads=threads, cache_hint=hint)
+        assert w.cache_hint == hint
         for e in range(E):
             backing = [[torch.zeros(nb[k] + 64, dtype=torch.uint8) for _ in range(tp)] for k in range(4)]
             base = [[b[(-b.data_ptr()) % 16 + misalign:] for b in row] for row in backing]

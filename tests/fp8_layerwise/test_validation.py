@@ -129,6 +129,29 @@ def test_default_writer_threads():
         F.make_shard_writer(src, 2, threads=0)
 
 
+def test_cache_hint_choice(monkeypatch):
+    src = F.make_block_fp8_sources(2, 256, 256)
+    with pytest.raises(ValueError, match="cache_hint must be one of"):
+        F.make_shard_writer(src, 1, cache_hint="evict")
+    with pytest.raises(ValueError, match="cache_hint must be one of"):
+        _C.ShardWriter([_C.ShardSpec(1, 0, 16, 1, 16)] * 4, 1, "evict")
+    monkeypatch.setenv("FP8LW_WRITER_HINT", "bogus")
+    with pytest.raises(ValueError, match="FP8LW_WRITER_HINT must be one of"):
+        F.default_cache_hint()
+    for name in F.CACHE_HINTS:
+        monkeypatch.setenv("FP8LW_WRITER_HINT", name)
+        want = name if _C.cache_hint_supported(name) else "none"
+        assert F.default_cache_hint() == want
+        assert F.make_shard_writer(src, 1).cache_hint == want
+    monkeypatch.delenv("FP8LW_WRITER_HINT")
+    assert F.default_cache_hint() in (F.DEFAULT_CACHE_HINT, "none")
+    assert _C.cache_hint_supported("none")
+    unsupported = [h for h in F.CACHE_HINTS if not _C.cache_hint_supported(h)]
+    for h in unsupported:  # a CPU without the instruction refuses it instead of faulting
+        with pytest.raises(ValueError, match="instruction"):
+            F.make_shard_writer(src, 1, cache_hint=h)
+
+
 def test_shard_writer_validation():
     with pytest.raises(ValueError, match="exactly 4"):
         _C.ShardWriter([], 1)

@@ -37,12 +37,19 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=1.0)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--intermediate", type=int, default=2048, help="a multiple of 1024 (TP8-sized cuts)")
+    ap.add_argument("--cache-hints", default="none",
+                    help="comma-separated ShardWriter cache hints to time (none, demote, writeback, flush)")
     args = ap.parse_args()
     H, I, E = args.hidden, args.intermediate, 4
     print(f"{torch.get_num_threads()} torch intra-op threads")
-    print("| cut | ranks | MB per expert (all ranks) | writer threads | writer GB/s | us per expert | "
+    hints = [h for h in args.cache_hints.split(",") if h]
+    for h in hints:
+        if not F._C.cache_hint_supported(h):
+            print(f"cache hint {h}: not supported by this CPU, skipped")
+    hints = [h for h in hints if F._C.cache_hint_supported(h)]
+    print("| cut | ranks | MB per expert (all ranks) | writer threads | cache hint | writer GB/s | us per expert | "
           "plain copy GB/s (same bytes) |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, tp, shard_tp in (("DSV3 TP1", 1, 1), ("TP4-sized", 1, 4), ("TP4-sized", 2, 4),
                                ("TP8-sized", 1, 8), ("TP8-sized", 2, 8)):
         I_eff = I * tp // shard_tp
@@ -58,16 +65,18 @@ def main() -> None:
                 t.zero_()
         plain, _ = _rate(lambda: b.copy_(a), total, args.seconds)
         for th in (int(x) for x in args.threads.split(",")):
-            w = F.make_shard_writer(src, tp, threads=th)
-            e = [0]
+            for hint in hints:
+                w = F.make_shard_writer(src, tp, threads=th, cache_hint=hint)
+                e = [0]
 
-            def one():
-                w.write(e[0] % E, ptrs)
-                e[0] += 1
+                def one():
+                    w.write(e[0] % E, ptrs)
+                    e[0] += 1
 
-            gbs, us = _rate(one, total, args.seconds)
-            # 3 significant digits: a loaded machine may copy a small shard at well under 0.1 GB/s.
-            print(f"| {name} | {tp} | {total / 1e6:.2f} | {th} | {gbs:.3g} | {us:.0f} | {plain:.3g} |", flush=True)
+                gbs, us = _rate(one, total, args.seconds)
+                # 3 significant digits: a loaded machine may copy a small shard at well under 0.1 GB/s.
+                print(f"| {name} | {tp} | {total / 1e6:.2f} | {th} | {hint} | {gbs:.3g} | {us:.0f} | {plain:.3g} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

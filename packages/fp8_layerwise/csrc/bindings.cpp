@@ -117,9 +117,17 @@ PYBIND11_MODULE(_C, m) {
            py::arg("chunk_row_step") = 0)
       .def_property_readonly("shard_bytes", &ShardSpec::shard_bytes);
 
+  m.def(
+      "cache_hint_supported", [](const std::string& name) { return cache_hint_supported(parse_cache_hint(name)); },
+      py::arg("name"), "Whether this CPU has the instruction behind a ShardWriter cache_hint.");
+
   py::class_<ShardWriter>(m, "ShardWriter")
-      .def(py::init<std::vector<ShardSpec>, int>(), py::arg("kinds"), py::arg("threads") = 1)
+      .def(py::init([](std::vector<ShardSpec> kinds, int threads, const std::string& cache_hint) {
+             return std::make_unique<ShardWriter>(std::move(kinds), threads, parse_cache_hint(cache_hint));
+           }),
+           py::arg("kinds"), py::arg("threads") = 1, py::arg("cache_hint") = "none")
       .def_property_readonly("threads", &ShardWriter::threads)
+      .def_property_readonly("cache_hint", [](const ShardWriter& w) { return std::string(cache_hint_name(w.cache_hint())); })
       .def(
           "write",
           [](const ShardWriter& w, int expert, const std::vector<std::vector<uintptr_t>>& dst) {

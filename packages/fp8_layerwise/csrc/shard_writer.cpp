@@ -21,6 +21,11 @@
 #include "commkit/check.hpp"
 #include "transport.hpp"
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
 namespace fp8lw {
 
 // Persistent workers that hand-off jobs by a generation counter. Between the experts of a layer
@@ -119,9 +124,77 @@ class WriterPool {
   int64_t spin_ns_;
 };
 
+// ---- cache hints -----------------------------------------------------------------------------
+CacheHint parse_cache_hint(const std::string& name) {
+  if (name == "none") return CacheHint::kNone;
+  if (name == "demote") return CacheHint::kDemote;
+  if (name == "writeback") return CacheHint::kWriteBack;
+  if (name == "flush") return CacheHint::kFlush;
+  CK_CHECK_ARG(false, "cache_hint must be one of none, demote, writeback, flush; got '", name, "'");
+  return CacheHint::kNone;
+}
+
+const char* cache_hint_name(CacheHint h) {
+  switch (h) {
+    case CacheHint::kDemote: return "demote";
+    case CacheHint::kWriteBack: return "writeback";
+    case CacheHint::kFlush: return "flush";
+    default: return "none";
+  }
+}
+
+bool cache_hint_supported(CacheHint h) {
+  if (h == CacheHint::kNone) return true;
+#if defined(__x86_64__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  switch (h) {
+    case CacheHint::kDemote: return (c >> 25) & 1u;     // CPUID.7.0:ECX[25] CLDEMOTE
+    case CacheHint::kWriteBack: return (b >> 24) & 1u;  // CPUID.7.0:EBX[24] CLWB
+    case CacheHint::kFlush: return (b >> 23) & 1u;      // CPUID.7.0:EBX[23] CLFLUSHOPT
+    default: return false;
+  }
+#else
+  return false;
+#endif
+}
+
+namespace {
+// The hints are performance hints only: x86 DMA is cache coherent, so the copy engine reads the
+// right bytes whatever state the lines are in, and no fence is needed for correctness.
+#if defined(__x86_64__)
+// Every line that holds a byte of [p, p + n), including a partial first and last line.
+#define FP8LW_FOR_LINES(p, n, op)                                                  \
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63},              \
+                 end = reinterpret_cast<uintptr_t>(p) + (n);                       \
+       a < end; a += 64)                                                          \
+  op(reinterpret_cast<void*>(a))
+__attribute__((target("cldemote"))) void demote_lines(char* p, uint64_t n) { FP8LW_FOR_LINES(p, n, _cldemote); }
+__attribute__((target("clwb"))) void writeback_lines(char* p, uint64_t n) { FP8LW_FOR_LINES(p, n, _mm_clwb); }
+__attribute__((target("clflushopt"))) void flush_lines(char* p, uint64_t n) { FP8LW_FOR_LINES(p, n, _mm_clflushopt); }
+#undef FP8LW_FOR_LINES
+#endif
+
+void apply_hint(CacheHint h, char* p, uint64_t n) {
+#if defined(__x86_64__)
+  switch (h) {
+    case CacheHint::kDemote: demote_lines(p, n); break;
+    case CacheHint::kWriteBack: writeback_lines(p, n); break;
+    case CacheHint::kFlush: flush_lines(p, n); break;
+    default: break;
+  }
+#else
+  (void)h, (void)p, (void)n;
+#endif
+}
+}  // namespace
+
 ShardWriter::~ShardWriter() = default;
 
-ShardWriter::ShardWriter(std::vector<ShardSpec> kinds, int threads) : kinds_(std::move(kinds)), threads_(threads) {
+ShardWriter::ShardWriter(std::vector<ShardSpec> kinds, int threads, CacheHint hint)
+    : kinds_(std::move(kinds)), threads_(threads), hint_(hint) {
+  CK_CHECK_ARG(cache_hint_supported(hint_), "cache_hint '", cache_hint_name(hint_),
+               "' needs an instruction this CPU does not have");
   CK_CHECK_ARG(kinds_.size() == kKinds, "ShardWriter needs exactly 4 kind specs, got ", kinds_.size());
   CK_CHECK_ARG(threads_ >= 1 && threads_ <= 64, "ShardWriter threads must be in 1..64, got ", threads_);
   for (size_t k = 0; k < kinds_.size(); ++k) {
@@ -142,12 +215,14 @@ struct Piece {
   uint64_t rows, row_bytes, row_stride;
 };
 
-void run_piece(const Piece& p) {
+void run_piece(const Piece& p, CacheHint hint) {
   if (p.row_bytes == p.row_stride) {
     std::memcpy(p.dst, p.src, p.rows * p.row_bytes);
-    return;
+  } else {
+    for (uint64_t i = 0; i < p.rows; ++i) std::memcpy(p.dst + i * p.row_bytes, p.src + i * p.row_stride, p.row_bytes);
   }
-  for (uint64_t i = 0; i < p.rows; ++i) std::memcpy(p.dst + i * p.row_bytes, p.src + i * p.row_stride, p.row_bytes);
+  // The piece (~100 KB) is still in this core's L1/L2: hinting now costs the least.
+  apply_hint(hint, p.dst, p.rows * p.row_bytes);
 }
 }  // namespace
 
@@ -168,7 +243,7 @@ void ShardWriter::write(int expert, const std::vector<uintptr_t>* dst[kKinds]) c
     }
   }
   if (threads_ == 1 || total < (1u << 20)) {
-    for (const auto& p : pieces) run_piece(p);
+    for (const auto& p : pieces) run_piece(p, hint_);
     return;
   }
   // Split pieces into row ranges of about total/(4*threads) bytes; threads take them in turn
@@ -186,7 +261,7 @@ void ShardWriter::write(int expert, const std::vector<uintptr_t>* dst[kKinds]) c
   }
   std::atomic<size_t> next{0};
   pool_->run([&](int) {
-    for (size_t i = next.fetch_add(1); i < split.size(); i = next.fetch_add(1)) run_piece(split[i]);
+    for (size_t i = next.fetch_add(1); i < split.size(); i = next.fetch_add(1)) run_piece(split[i], hint_);
   });
 }
 

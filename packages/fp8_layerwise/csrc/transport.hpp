@@ -93,9 +93,19 @@ struct ShardSpec {
 
 class WriterPool;  // persistent memcpy threads of a ShardWriter (shard_writer.cpp)
 
+// What the writer does with the cache lines of a slot once it has written them. The copy engine
+// reads a slot right after it is filled; lines still modified in a core's private cache must be
+// snooped out of it, which on the H200 host's Xeon halves the DMA read rate for 5.5 MB slots
+// (BENCHMARKS.md, "H2D under host traffic"). kDemote moves them to the shared L3 (CLDEMOTE),
+// kWriteBack writes them back (CLWB), kFlush evicts them (CLFLUSHOPT).
+enum class CacheHint : int { kNone = 0, kDemote = 1, kWriteBack = 2, kFlush = 3 };
+CacheHint parse_cache_hint(const std::string& name);  // "none" | "demote" | "writeback" | "flush"
+const char* cache_hint_name(CacheHint h);
+bool cache_hint_supported(CacheHint h);  // this CPU has the instruction
+
 class ShardWriter {
  public:
-  ShardWriter(std::vector<ShardSpec> kinds, int threads);
+  ShardWriter(std::vector<ShardSpec> kinds, int threads, CacheHint hint = CacheHint::kNone);
   ~ShardWriter();
   ShardWriter(const ShardWriter&) = delete;
   ShardWriter& operator=(const ShardWriter&) = delete;
@@ -103,10 +113,12 @@ class ShardWriter {
   void write(int expert, const std::vector<uintptr_t>* dst[kKinds]) const;
   const std::vector<ShardSpec>& kinds() const { return kinds_; }
   int threads() const { return threads_; }
+  CacheHint cache_hint() const { return hint_; }
 
  private:
   std::vector<ShardSpec> kinds_;
   int threads_;
+  CacheHint hint_;
   std::unique_ptr<WriterPool> pool_;  // threads_ - 1 workers; the caller is worker 0
 };
 

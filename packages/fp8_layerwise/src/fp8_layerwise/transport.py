@@ -155,8 +155,21 @@ def default_writer_threads(tp_size: int, cpus: Optional[int] = None) -> int:
     return max(1, min(8 * tp_size, cpus - 2 * tp_size, 64))
 
 
+CACHE_HINTS = ("none", "demote", "writeback", "flush")
+DEFAULT_CACHE_HINT = "none"
+
+
+def default_cache_hint() -> str:
+    """The writer's cache hint when none is given: ``FP8LW_WRITER_HINT`` if set (for measuring every
+    hint from one build), else ``DEFAULT_CACHE_HINT``, falling back to ``"none"`` on a CPU without
+    the instruction."""
+    name = os.environ.get("FP8LW_WRITER_HINT", "") or DEFAULT_CACHE_HINT
+    _check(name in CACHE_HINTS, f"FP8LW_WRITER_HINT must be one of {CACHE_HINTS}, got {name!r}")
+    return name if _C.cache_hint_supported(name) else "none"
+
+
 def make_shard_writer(sources: Sequence[torch.Tensor], tp_size: int,
-                      threads: Optional[int] = None) -> "_C.ShardWriter":
+                      threads: Optional[int] = None, cache_hint: Optional[str] = None) -> "_C.ShardWriter":
     """Native writer that cuts each rank's shard out of whole-layer CPU source tensors.
 
     Arguments:
@@ -165,6 +178,11 @@ def make_shard_writer(sources: Sequence[torch.Tensor], tp_size: int,
             stay alive while the writer is used.
         tp_size: tensor-parallel size.
         threads: memcpy threads per expert (1..64); None: ``default_writer_threads(tp_size)``.
+        cache_hint: what the writer does with a slot's cache lines after writing them, so the
+            copy engine does not have to snoop them out of a core's private cache: ``"none"``,
+            ``"demote"`` (CLDEMOTE to the shared L3), ``"writeback"`` (CLWB) or ``"flush"``
+            (CLFLUSHOPT). None: :func:`default_cache_hint`. A hint the CPU lacks raises
+            ValueError (x86-64 only; elsewhere only ``"none"``).
 
     Returns:
         A ``_C.ShardWriter`` to pass to ``Transport.run`` / ``layer.run``: no Python runs per expert.
@@ -196,7 +214,11 @@ def make_shard_writer(sources: Sequence[torch.Tensor], tp_size: int,
     if threads is None:
         threads = default_writer_threads(tp_size)
     _check(isinstance(threads, int) and 1 <= threads <= 64, f"threads must be an int in 1..64, got {threads!r}")
-    return _C.ShardWriter(specs, threads)
+    if cache_hint is None:
+        cache_hint = default_cache_hint()
+    _check(cache_hint in CACHE_HINTS, f"cache_hint must be one of {CACHE_HINTS}, got {cache_hint!r}")
+    _check(_C.cache_hint_supported(cache_hint), f"cache_hint {cache_hint!r} needs an instruction this CPU lacks")
+    return _C.ShardWriter(specs, threads, cache_hint)
 
 
 def _host_view(ptr: int, nbytes: int) -> torch.Tensor:
