@@ -94,10 +94,11 @@ struct ShardSpec {
 class WriterPool;  // persistent memcpy threads of a ShardWriter (shard_writer.cpp)
 
 // What the writer does with the cache lines of a slot once it has written them. The copy engine
-// reads a slot right after it is filled; lines still modified in a core's private cache must be
-// snooped out of it, which on the H200 host's Xeon halves the DMA read rate for 5.5 MB slots
-// (BENCHMARKS.md, "H2D under host traffic"). kDemote moves them to the shared L3 (CLDEMOTE),
-// kWriteBack writes them back (CLWB), kFlush evicts them (CLFLUSHOPT).
+// reads a slot soon after it is filled, and reading lines still modified in the CPU's caches cut a
+// 5.5 MB H2D stream from 53 to 29-36 GB/s on the H200 host's Xeon (BENCHMARKS.md, "H2D under host
+// traffic"). kDemote moves them to the shared L3 (CLDEMOTE), kWriteBack writes them back (CLWB),
+// kFlush evicts them (CLFLUSHOPT). Measured (run 11): demote restores the copy rate but costs the
+// writer more than that gains end to end, so the default is kNone.
 enum class CacheHint : int { kNone = 0, kDemote = 1, kWriteBack = 2, kFlush = 3 };
 CacheHint parse_cache_hint(const std::string& name);  // "none" | "demote" | "writeback" | "flush"
 const char* cache_hint_name(CacheHint h);

@@ -156,7 +156,7 @@ def default_writer_threads(tp_size: int, cpus: Optional[int] = None) -> int:
 
 
 CACHE_HINTS = ("none", "demote", "writeback", "flush")
-DEFAULT_CACHE_HINT = "none"
+DEFAULT_CACHE_HINT = "none"  # BENCHMARKS.md run 11: every hint costs the writer more than the copies gain
 
 
 def default_cache_hint() -> str:
