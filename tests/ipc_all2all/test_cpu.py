@@ -309,9 +309,9 @@ def test_python_layer_slots_views_and_aliasing(monkeypatch):
     x = torch.zeros(1, 5, 8, 32, dtype=torch.bfloat16)
     y = a.send_recv_heads(x)
     assert y.shape == (1, 8, 4, 32) and y.data_ptr() - buf.data_ptr() == lay["slots"][0][0]
-    op, x_ptr, stream, batch, x_rows, out_rows, cap_rows, chunk, wide, counts, counts_ptr = core.launches[-1]
+    op, x_ptr, stream, batch, x_rows, out_rows, cap_rows, chunk, wide, counts, counts_ptr, pack_d = core.launches[-1]
     assert (op, x_ptr, stream, batch, x_rows, out_rows, cap_rows) == (0, x.data_ptr(), 7, 1, 5, -1, -1)
-    assert (chunk, wide, counts, counts_ptr) == (4 * 32 * 2, 8 * 32 * 2, [3, 5], 0)
+    assert (chunk, wide, counts, counts_ptr, pack_d) == (4 * 32 * 2, 8 * 32 * 2, [3, 5], 0, 0)
     z = a.gather_heads(y)  # the previous view as input: allowed, it lies in the other slot
     assert z.shape == (1, 5, 8, 32) and z.data_ptr() - buf.data_ptr() == lay["slots"][1][0]
     with pytest.raises(ValueError, match="output slot"):
@@ -328,9 +328,9 @@ def test_python_layer_slots_views_and_aliasing(monkeypatch):
 
 
 def test_python_layer_fp8_wire_plans_records(monkeypatch):
-    """fp8_wire: pack [b*rows*H] head vectors into records of D + 16 bytes, move them as a 1-byte
-    tensor with the record geometry, unpack the output's vectors into a fresh bf16 tensor; bad
-    arguments raise before anything launches (recording stand-in for the core, no GPU)."""
+    """fp8_wire: one push launch that packs x's bf16 head vectors into records of D + 16 bytes with the
+    record geometry, then an unpack of the output's vectors into a fresh bf16 tensor; bad arguments
+    raise before anything launches (recording stand-in for the core, no GPU)."""
     import types
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=7))
@@ -338,7 +338,6 @@ def test_python_layer_fp8_wire_plans_records(monkeypatch):
     buf = torch.zeros(_C.buffer_layout(cap)["total"], dtype=torch.uint8)
     core = _RecordingCore(cap, buf)
     conv = []
-    core.fp8_pack = lambda *a: conv.append(("pack",) + a)
     core.fp8_unpack = lambda *a: conv.append(("unpack",) + a)
     a = ipc_all2all.All2All.__new__(ipc_all2all.All2All)
     a.__dict__.update(_plans={}, rank=1, world_size=2, tensor_dtype=torch.bfloat16, itemsize=2,
@@ -349,16 +348,20 @@ def test_python_layer_fp8_wire_plans_records(monkeypatch):
     y = a.send_recv_heads(x, fp8_wire=True)
     assert y.shape == (2, 8, 4, 64) and y.dtype == torch.bfloat16
     assert not (buf.data_ptr() <= y.data_ptr() < buf.data_ptr() + buf.numel())  # always a fresh tensor
-    pack, unpack = conv
-    assert pack[0] == "pack" and pack[1] == x.data_ptr() and pack[3:] == (2 * 5 * 8, 64, 7)
+    (unpack,) = conv
     assert unpack[0] == "unpack" and unpack[2] == y.data_ptr() and unpack[3:] == (2 * 8 * 4, 64, 7)
     assert unpack[1] == buf.data_ptr() + _C.buffer_layout(cap)["slots"][0][0]
     rec = 64 + _C.FP8_RECORD_PAD
-    op, x_ptr, stream, batch, x_rows, out_rows, cap_rows, chunk, wide, counts, counts_ptr = core.launches[-1]
-    assert (op, x_ptr, batch, x_rows, chunk, wide) == (0, pack[2], 2, 5, 4 * rec, 8 * rec)
+    op, x_ptr, stream, batch, x_rows, out_rows, cap_rows, chunk, wide, counts, counts_ptr, pack_d = core.launches[-1]
+    assert (op, x_ptr, batch, x_rows, chunk, wide, pack_d) == (0, x.data_ptr(), 2, 5, 4 * rec, 8 * rec, 64)
     z = a.gather_heads(y, fp8_wire=True)
     assert z.shape == (2, 5, 8, 64) and z.dtype == torch.bfloat16
-    assert core.launches[-1][0] == 1 and core.launches[-1][7:9] == (4 * rec, 8 * rec)
+    assert core.launches[-1][0] == 1 and core.launches[-1][7:9] == (4 * rec, 8 * rec) and core.launches[-1][11] == 64
+    assert conv[-1][1] == buf.data_ptr() + _C.buffer_layout(cap)["slots"][1][0]  # the second call's slot
+    # an input lying in the slot being written is refused, as on the exact path
+    alias = buf[_C.buffer_layout(cap)["slots"][0][0]:].view(torch.bfloat16)[:8 * 4 * 64].view(1, 8, 4, 64)
+    with pytest.raises(ValueError, match="lies in the output slot"):
+        a.gather_heads(alias, fp8_wire=True)
     n = core.calls
     for call, match in ((lambda: a.send_recv_heads(torch.zeros(1, 5, 8, 48, dtype=torch.bfloat16), fp8_wire=True),
                          "head_dim"),
@@ -371,7 +374,7 @@ def test_python_layer_fp8_wire_plans_records(monkeypatch):
         a.send_recv_heads(torch.zeros(1, 5, 8, 64, dtype=torch.float16), fp8_wire=True)
     with pytest.raises(ValueError, match="fp8_wire applies"):
         a._run(2, torch.zeros(1, 5, 1, 64, dtype=torch.float16), False, True)
-    assert core.calls == n and len(conv) == 4, "a refused call must not launch"
+    assert core.calls == n and len(conv) == 2, "a refused call must not launch"
 
 
 @pytest.mark.parametrize("group", [None, "a group"], ids=["default-group", "explicit-group"])

@@ -114,6 +114,9 @@ struct KernelArgs {
   uint32_t wide_bytes;          // bytes of a full token row with all heads (H * D * elem)
   int32_t rank, world, batch, op;
   int32_t self_blocks, per_peer;
+  int32_t pack_head_dim;        // 0: move x's bytes as they are; D: x holds bf16 head vectors of D
+                                // elements, packed on the fly into fp8 records of D + 16 bytes (the
+                                // geometry above is then in record bytes)
 };
 
 // The geometry part of KernelArgs (no pointers, counts or grid split), shared by the launch path and

@@ -120,9 +120,7 @@ PYBIND11_MODULE(_C, m) {
       .def("slot_offset", &Core::slot_offset)
       .def("launch", &Core::launch, py::arg("op"), py::arg("x_ptr"), py::arg("stream"), py::arg("batch"),
            py::arg("x_rows"), py::arg("out_rows"), py::arg("cap_rows"), py::arg("chunk_bytes"),
-           py::arg("wide_bytes"), py::arg("counts"), py::arg("counts_ptr"))
-      .def("fp8_pack", &Core::fp8_pack, py::arg("x_ptr"), py::arg("out_ptr"), py::arg("groups"), py::arg("head_dim"),
-           py::arg("stream"))
+           py::arg("wide_bytes"), py::arg("counts"), py::arg("counts_ptr"), py::arg("pack_head_dim") = 0)
       .def("fp8_unpack", &Core::fp8_unpack, py::arg("in_ptr"), py::arg("out_ptr"), py::arg("groups"),
            py::arg("head_dim"), py::arg("stream"))
       .def("check", &Core::check)

@@ -20,7 +20,6 @@ namespace ipc_all2all {
 
 #if COMMKIT_WITH_CUDA
 void launch_a2a(const KernelArgs& args, int grid, cudaStream_t stream);
-void launch_fp8_pack(const void* x, void* out, int64_t groups, int head_dim, cudaStream_t stream);
 void launch_fp8_unpack(const void* in, void* out, int64_t groups, int head_dim, cudaStream_t stream);
 
 namespace {
@@ -131,7 +130,7 @@ void Core::open_peers(const std::vector<std::string>& handles) {
 
 int Core::launch(int op, uint64_t x_ptr, uint64_t stream, int batch, int64_t x_rows, int64_t out_rows,
                  int64_t cap_rows, int64_t chunk_bytes, int64_t wide_bytes, const std::vector<int64_t>& counts,
-                 uint64_t counts_ptr) {
+                 uint64_t counts_ptr, int pack_head_dim) {
   require_usable(op_name(static_cast<uint32_t>(op) * 4));
   CK_CHECK(opened_, "call sync() with every rank's handle before the first operation");
   check();
@@ -146,7 +145,16 @@ int Core::launch(int op, uint64_t x_ptr, uint64_t stream, int batch, int64_t x_r
   CK_CHECK_ARG(x_ptr % 16 == 0, "input must be 16-byte aligned");
   CK_CHECK_ARG(counts_ptr != 0 || static_cast<int>(counts.size()) == world_, "expected ", world_,
                " token counts, got ", counts.size());
+  if (pack_head_dim != 0) {
+    const int64_t rec = int64_t(pack_head_dim) + kFp8RecordPad;
+    CK_CHECK_ARG(fp8_wire_head_dim_ok(pack_head_dim), "fp8 on the wire: head_dim must be 16, 32, 64, 128 or 256, got ",
+                 pack_head_dim);
+    CK_CHECK_ARG(op != kAllGather, "fp8 on the wire applies to send_recv_heads and gather_heads only");
+    CK_CHECK_ARG(chunk_bytes % rec == 0 && wide_bytes % rec == 0, "fp8 on the wire: chunk_bytes ", chunk_bytes,
+                 " and wide_bytes ", wide_bytes, " must be whole records of ", rec, " bytes");
+  }
   KernelArgs a = geometry_args(op, world_, rank_, batch, x_rows, out_rows, cap_rows, chunk_bytes, wide_bytes);
+  a.pack_head_dim = pack_head_dim;
   const int slot = next_slot();
   for (int i = 0; i < world_; ++i) {
     a.dst[i] = base_[i] + layout_.slot[slot].offset;
@@ -195,22 +203,13 @@ void check_fp8_args(const char* what, uint64_t a, uint64_t b, int64_t groups, in
 }
 }  // namespace
 
-void Core::fp8_pack(uint64_t x_ptr, uint64_t out_ptr, int64_t groups, int head_dim, uint64_t stream) {
-  fp8_convert(true, x_ptr, out_ptr, groups, head_dim, stream);
-}
-
 void Core::fp8_unpack(uint64_t in_ptr, uint64_t out_ptr, int64_t groups, int head_dim, uint64_t stream) {
-  fp8_convert(false, in_ptr, out_ptr, groups, head_dim, stream);
-}
-
-void Core::fp8_convert(bool pack, uint64_t src, uint64_t dst, int64_t groups, int head_dim, uint64_t stream) {
-  const char* what = pack ? "fp8_pack" : "fp8_unpack";
-  require_usable(what);
-  check_fp8_args(what, src, dst, groups, head_dim);
+  require_usable("fp8_unpack");
+  check_fp8_args("fp8_unpack", in_ptr, out_ptr, groups, head_dim);
 #if COMMKIT_WITH_CUDA
   DeviceGuard g(device_);
-  (pack ? launch_fp8_pack : launch_fp8_unpack)(reinterpret_cast<const void*>(src), reinterpret_cast<void*>(dst), groups,
-                                               head_dim, reinterpret_cast<cudaStream_t>(stream));
+  launch_fp8_unpack(reinterpret_cast<const void*>(in_ptr), reinterpret_cast<void*>(out_ptr), groups, head_dim,
+                    reinterpret_cast<cudaStream_t>(stream));
 #endif
 }
 

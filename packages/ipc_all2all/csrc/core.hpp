@@ -34,14 +34,16 @@ class Core {
   int next_slot() const { return static_cast<int>(calls_ % kNumSlots); }
   uint64_t calls() const { return calls_; }
 
-  // Enqueues one operation on `stream` and returns the slot its output lands in.
+  // Enqueues one operation on `stream` and returns the slot its output lands in. pack_head_dim D > 0:
+  // x holds bf16 head vectors of D elements that the push packs into fp8 records of D + 16 bytes
+  // (kernels.cu); chunk_bytes and wide_bytes are then in record bytes.
   int launch(int op, uint64_t x_ptr, uint64_t stream, int batch, int64_t x_rows, int64_t out_rows,
              int64_t cap_rows, int64_t chunk_bytes, int64_t wide_bytes, const std::vector<int64_t>& counts,
-             uint64_t counts_ptr);
+             uint64_t counts_ptr, int pack_head_dim = 0);
 
-  // fp8 on the wire (see kernels.cu): bf16 [groups, head_dim] <-> records [groups, head_dim + 16] on
-  // `stream`, on this instance's device. Pointers 16-byte aligned, head_dim in {16, ..., 256}.
-  void fp8_pack(uint64_t x_ptr, uint64_t out_ptr, int64_t groups, int head_dim, uint64_t stream);
+  // fp8 on the wire, receiving side (see kernels.cu): records [groups, head_dim + 16] -> bf16
+  // [groups, head_dim] on `stream`, on this instance's device. Pointers 16-byte aligned, head_dim in
+  // {16, ..., 256}.
   void fp8_unpack(uint64_t in_ptr, uint64_t out_ptr, int64_t groups, int head_dim, uint64_t stream);
 
   void check();                       // raises a TimeoutError if a kernel recorded one (non-blocking)
@@ -56,7 +58,6 @@ class Core {
 
  private:
   void require_usable(const char* what) const;
-  void fp8_convert(bool pack, uint64_t src, uint64_t dst, int64_t groups, int head_dim, uint64_t stream);
 
   int rank_, world_, device_ = -1;
   int64_t capacity_;

@@ -16,7 +16,8 @@
 // with a grid stride, kUnroll 16-byte loads in flight per thread before the stores, so any head or
 // hidden size works (no "one token per thread group" limit) and every store is a full 16 B vector.
 // Stores go straight to the peer over NVLink (push): posted writes need no round trip, where a pull
-// would wait a full NVLink latency per load.
+// would wait a full NVLink latency per load. With fp8 on the wire (pack_head_dim > 0) the same push
+// packs bf16 head vectors into e4m3 records as it moves them (pack_records, below).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -66,6 +67,105 @@ __device__ __forceinline__ void copy_rows(const RowMap& m, const char* x, char* 
   }
 }
 
+// ------------------------------------------------------------------------------ fp8 on the wire
+// A head vector of D bf16 elements travels as one record of D + 16 bytes (kFp8RecordPad):
+//   [ D bytes e4m3 | fp32 scale | 12 zero bytes ],  scale = amax / 448 (1 when amax == 0),
+//   q[i] = e4m3_rn_satfinite(x[i] / scale);  back: bf16_rn(float(q[i]) * scale).
+// Every division and product is IEEE round-to-nearest (__fdiv_rn, __fmul_rn), so a plain torch
+// implementation of the same formula gives the same bits. The push packs while it moves
+// (pack_records: bf16 read locally, records stored to the target), so the wire carries
+// (D + 16) / 2D of the bf16 bytes and no packed copy is written first; the receiver unpacks its slot
+// into a fresh bf16 output (fp8_unpack_kernel). D in {16, 32, 64, 128, 256}.
+__device__ __forceinline__ float group_max(float v, int L) {
+  for (int o = L / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o, L));
+  return v;
+}
+
+// 16 bf16 values (two 16-byte vectors) -> 16 e4m3 bytes with the record's scale.
+__device__ __forceinline__ int4 quantize16(const int4 (&raw)[2], float scale) {
+  uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw[h]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(p[i]);
+      const uint32_t a = __nv_cvt_float_to_fp8(__fdiv_rn(f.x, scale), __NV_SATFINITE, __NV_E4M3);
+      const uint32_t b = __nv_cvt_float_to_fp8(__fdiv_rn(f.y, scale), __NV_SATFINITE, __NV_E4M3);
+      w[h * 2 + i / 2] |= (a | (b << 8)) << (16 * (i & 1));
+    }
+  }
+  return make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
+}
+
+__device__ __forceinline__ float absmax16(const int4 (&raw)[2]) {
+  float m = 0.f;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw[h]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(p[i]);
+      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+  }
+  return m;
+}
+
+// The fused pack + push of one target: the RowMap is in record bytes (records of R = D + 16 bytes,
+// rpr per row); record r's bf16 source sits at (its record offset / R) * 2D in x. A group of
+// L = D / 16 lanes handles one record, 16 elements (32 bytes of bf16 in, 16 bytes of e4m3 out) per
+// lane, kPackUnroll records per group in flight; lane 0 of the group also stores the scale field.
+// Loop bounds are warp-uniform (the amax reduction shuffles across the warp).
+constexpr int kPackUnroll = 2;
+
+__device__ __forceinline__ void pack_records(const RowMap& m, int batch, const char* x, char* slot, int D,
+                                             uint32_t first_thread, uint32_t nthreads) {
+  const uint64_t R = uint64_t(D) + kFp8RecordPad, src_rec = 2u * uint64_t(D);
+  const uint32_t rpr = static_cast<uint32_t>(uint64_t(m.vpr) * 16u / R);
+  const uint32_t total = static_cast<uint32_t>(batch) * m.rpb * rpr;
+  // Source strides in bf16 bytes: every record-space source offset is a whole number of records.
+  const uint64_t s0 = m.src0 / R * src_rec, sb = m.sbs / R * src_rec, st = m.sts / R * src_rec;
+  const int L = D / 16, per_warp = 32 / L;
+  const int lane = threadIdx.x & 31, sub = lane / L, li = lane % L;
+  const uint32_t warp = first_thread / 32u, nwarps = nthreads / 32u;
+  const uint32_t step = nwarps * per_warp * kPackUnroll;
+  for (uint32_t base = warp * per_warp * kPackUnroll; base < total; base += step) {
+    int4 raw[kPackUnroll][2];
+    uint64_t dof[kPackUnroll];
+    bool valid[kPackUnroll];
+#pragma unroll
+    for (int u = 0; u < kPackUnroll; ++u) {
+      const uint32_t r = base + u * per_warp + sub;
+      valid[u] = r < total;
+      dof[u] = 0;
+      if (valid[u]) {
+        const uint32_t row = r / rpr, col = r - row * rpr;
+        const uint32_t b = row / m.rpb, t = row - b * m.rpb;
+        const uint64_t so = s0 + b * sb + t * st + col * src_rec + 32u * li;
+        dof[u] = m.dst0 + b * m.dbs + t * m.dts + col * R;
+        raw[u][0] = ld_stream(reinterpret_cast<const int4*>(x + so));
+        raw[u][1] = ld_stream(reinterpret_cast<const int4*>(x + so + 16));
+      } else {
+        raw[u][0] = raw[u][1] = make_int4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kPackUnroll; ++u) {
+      const float amax = group_max(absmax16(raw[u]), L);
+      const float scale = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
+      if (valid[u]) {
+        char* rec = slot + dof[u];
+        st_stream(reinterpret_cast<int4*>(rec + 16 * li), quantize16(raw[u], scale));
+        if (li == 0) st_stream(reinterpret_cast<int4*>(rec + D), make_int4(__float_as_int(scale), 0, 0, 0));
+      }
+    }
+  }
+}
+
+// kPack: the fp8-on-the-wire push (pack_records); a separate instantiation so that the exact path
+// keeps its register count (46, two blocks per SM) whatever the packing code needs.
+template <bool kPack>
 __global__ void __launch_bounds__(kThreads) a2a_kernel(const KernelArgs a) {
   __shared__ int64_t s_n[kMaxWorld];
   __shared__ int64_t s_prefix[kMaxWorld + 1];
@@ -116,7 +216,10 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const KernelArgs a) {
 
   if (s_ok) {
     const RowMap m = row_map(a, s_n, s_prefix, target);
-    copy_rows(m, a.x, a.dst[target], m.total_vecs(a.batch), blk * blockDim.x + threadIdx.x, nb * blockDim.x);
+    if constexpr (kPack)
+      pack_records(m, a.batch, a.x, a.dst[target], a.pack_head_dim, blk * blockDim.x + threadIdx.x, nb * blockDim.x);
+    else
+      copy_rows(m, a.x, a.dst[target], m.total_vecs(a.batch), blk * blockDim.x + threadIdx.x, nb * blockDim.x);
   }
 
   // Completion: the block's stores are made visible system-wide before thread 0 counts the block.
@@ -142,62 +245,6 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const KernelArgs a) {
     }
     __threadfence();
     commkit::st_relaxed(&me->epoch, e);
-  }
-}
-
-// ------------------------------------------------------------------------------ fp8 on the wire
-// A head vector of D bf16 elements travels as one record of D + 16 bytes (kFp8RecordPad):
-//   [ D bytes e4m3 | fp32 scale | 12 zero bytes ],  scale = amax / 448 (1 when amax == 0),
-//   q[i] = e4m3_rn_satfinite(x[i] / scale);  back: bf16_rn(float(q[i]) * scale).
-// Every division and product is IEEE round-to-nearest (__fdiv_rn, __fmul_rn), so a plain torch
-// implementation of the same formula gives the same bits. The records are moved by the byte push
-// above like any 1-byte tensor [b, rows, heads, D + 16]. One group of L = D / 8 lanes handles one
-// vector (8 elements, 16 bytes of bf16, per lane); D in {16, 32, 64, 128, 256}.
-__device__ __forceinline__ float group_max(float v, int L) {
-  for (int o = L / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o, L));
-  return v;
-}
-
-__global__ void __launch_bounds__(256) fp8_pack_kernel(const int4* __restrict__ x,  // [groups, D] bf16
-                                                       char* __restrict__ out,      // [groups, D + 16]
-                                                       int64_t groups, int D) {
-  const int L = D / 8, per_warp = 32 / L;
-  const int lane = threadIdx.x & 31, sub = lane / L, li = lane % L;
-  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
-  for (int64_t g0 = warp * per_warp; g0 < groups; g0 += warps * per_warp) {  // warp-uniform
-    const int64_t g = g0 + sub;
-    const bool valid = g < groups;
-    float v[8];
-    float amax = 0.f;
-    if (valid) {
-      const int4 raw = x[g * L + li];
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        v[2 * i] = f.x;
-        v[2 * i + 1] = f.y;
-      }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-    }
-    amax = group_max(amax, L);
-    const float scale = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
-    if (valid) {
-      uint32_t lo = 0, hi = 0;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const uint32_t q = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], scale), __NV_SATFINITE, __NV_E4M3);
-        if (i < 4)
-          lo |= q << (8 * i);
-        else
-          hi |= q << (8 * (i - 4));
-      }
-      char* rec = out + g * (D + kFp8RecordPad);
-      *reinterpret_cast<uint2*>(rec + 8 * li) = make_uint2(lo, hi);
-      if (li == 0) *reinterpret_cast<int4*>(rec + D) = make_int4(__float_as_int(scale), 0, 0, 0);
-    }
   }
 }
 
@@ -237,14 +284,10 @@ int fp8_grid(int64_t groups, int D) {
 }  // namespace
 
 void launch_a2a(const KernelArgs& args, int grid, cudaStream_t stream) {
-  a2a_kernel<<<grid, kThreads, 0, stream>>>(args);
-  CK_CUDA_CHECK(cudaGetLastError());
-}
-
-void launch_fp8_pack(const void* x, void* out, int64_t groups, int head_dim, cudaStream_t stream) {
-  if (groups <= 0) return;
-  fp8_pack_kernel<<<fp8_grid(groups, head_dim), 256, 0, stream>>>(static_cast<const int4*>(x), static_cast<char*>(out),
-                                                                   groups, head_dim);
+  if (args.pack_head_dim > 0)
+    a2a_kernel<true><<<grid, kThreads, 0, stream>>>(args);
+  else
+    a2a_kernel<false><<<grid, kThreads, 0, stream>>>(args);
   CK_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -336,25 +336,32 @@ class All2All:
         if fp8_wire:
             return self._run_fp8(op, x, what)
         p = self.plan(op, x.shape)
-        slot = self._core.next_slot
-        off = self._core.slot_offset(slot)
-        # Peers write this slot during the call; an input inside it would be overwritten while read.
-        if ranges_overlap(x.data_ptr(), x.numel() * self.itemsize, self._core.buffer_ptr + off, self.capacity):
-            raise ValueError(f"{what}: x lies in the output slot this call writes (a zero-copy output from two "
-                             "calls ago); pass copy_output=True to that call or clone x")
+        slot = self._check_slot(x, what)
         self._launch(op, x.data_ptr(), p, slot, torch.cuda.current_stream(self.device).cuda_stream)
+        off = self._core.slot_offset(slot)
         out = self._buf[off:off + p.out_bytes].view(self.tensor_dtype).view(p.out_shape)
         return out.clone() if copy_output else out
 
-    def _launch(self, op: int, x_ptr: int, p: Plan, slot: int, stream: int) -> None:
+    def _check_slot(self, x: torch.Tensor, what: str) -> int:
+        """The slot the next call writes; refuses an input that lies in it."""
+        slot = self._core.next_slot
+        # Peers write this slot during the call; an input inside it would be overwritten while read.
+        if ranges_overlap(x.data_ptr(), x.numel() * x.element_size(), self._core.buffer_ptr + self._core.slot_offset(slot),
+                          self.capacity):
+            raise ValueError(f"{what}: x lies in the output slot this call writes (a zero-copy output from two "
+                             "calls ago); pass copy_output=True to that call or clone x")
+        return slot
+
+    def _launch(self, op: int, x_ptr: int, p: Plan, slot: int, stream: int, pack_head_dim: int = 0) -> None:
         counts_ptr = 0 if self._counts_dev is None else self._counts_dev.data_ptr()
         got = self._core.launch(op, x_ptr, stream, p.batch, p.x_rows, p.out_rows, p.cap_rows,
-                                p.chunk_bytes, p.wide_bytes, self._counts or [], counts_ptr)
+                                p.chunk_bytes, p.wide_bytes, self._counts or [], counts_ptr, pack_head_dim)
         assert got == slot
 
     def _run_fp8(self, op: int, x: torch.Tensor, what: str) -> torch.Tensor:
-        """fp8 on the wire: pack every head vector into an e4m3 record, move the records with the byte
-        push, unpack them into a fresh bf16 output (the kernels are described in csrc/kernels.cu)."""
+        """fp8 on the wire: the push packs every head vector into an e4m3 record as it moves it (the
+        geometry is planned in record bytes), and the receiver unpacks its slot into a fresh bf16
+        output (the kernels are described in csrc/kernels.cu)."""
         if op not in (OP_SEND_RECV_HEADS, OP_GATHER_HEADS):
             raise ValueError(f"{what}: fp8_wire applies to send_recv_heads and gather_heads only")
         if self.tensor_dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
@@ -363,17 +370,14 @@ class All2All:
         b, rows, heads, D = x.shape
         if D not in FP8_WIRE_HEAD_DIMS:
             raise ValueError(f"{what}: fp8_wire needs head_dim (x.shape[3]) in {FP8_WIRE_HEAD_DIMS}, got {D}")
-        rec_shape = (b, rows, heads, D + _C.FP8_RECORD_PAD)
-        p = self.plan(op, rec_shape, itemsize=1)  # every check before the first launch
+        p = self.plan(op, (b, rows, heads, D + _C.FP8_RECORD_PAD), itemsize=1)  # every check before the launch
+        slot = self._check_slot(x, what)
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        rec = torch.empty(rec_shape, dtype=torch.uint8, device=self.device)
-        self._core.fp8_pack(x.data_ptr(), rec.data_ptr(), b * rows * heads, D, stream)
-        slot = self._core.next_slot
-        off = self._core.slot_offset(slot)
-        self._launch(op, rec.data_ptr(), p, slot, stream)
+        self._launch(op, x.data_ptr(), p, slot, stream, pack_head_dim=D)
         ob, orows, oheads, _ = p.out_shape
         out = torch.empty((ob, orows, oheads, D), dtype=torch.bfloat16, device=self.device)
-        self._core.fp8_unpack(self._core.buffer_ptr + off, out.data_ptr(), ob * orows * oheads, D, stream)
+        self._core.fp8_unpack(self._core.buffer_ptr + self._core.slot_offset(slot), out.data_ptr(),
+                              ob * orows * oheads, D, stream)
         return out
 
     def send_recv_heads(self, x: torch.Tensor, copy_output: bool = False, fp8_wire: bool = False) -> torch.Tensor:
