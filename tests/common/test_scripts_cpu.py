@@ -25,3 +25,9 @@ def test_gpu_x2_runs_the_steps_the_status_names():
     for needle in ("bench_elastic_ep.py", "--overlap-push-blocks", "bench_ipc_all2all.py", "--num-blocks 264",
                    "test_lowlevel_gpu.py", "overlapped or refused", "tests/fp8_layerwise"):
         assert needle in text, needle
+
+
+def test_gpu_x2b_runs_the_follow_up_steps():
+    text = open(os.path.join(ROOT, "tools", "gpu_x2b.sh")).read()
+    for needle in ("tests/ipc_all2all", "-k soak", "bench_fp8_layerwise.py"):
+        assert needle in text, needle
