@@ -1,6 +1,7 @@
 """Helpers for tests of the scripts in tools/ (which are not packages)."""
 import importlib.util
 import os
+import sys
 from types import ModuleType
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -11,5 +12,6 @@ def load_tool(name: str) -> ModuleType:
     path = os.path.join(ROOT, "tools", f"{name}.py")
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses (and pickling) look their module up there
     spec.loader.exec_module(mod)
     return mod

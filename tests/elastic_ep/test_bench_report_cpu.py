@@ -22,13 +22,22 @@ def test_report_functions(tmp_path):
     s = b._e2e_stats([100.0, 110.0, 400.0])
     assert (s["e2e_us"], s["e2e_mean_us"], s["e2e_min_us"]) == (110.0, 610.0 / 3, 100.0)
     ranks = [{"results": [_res(b, "native", "dispatch_bf16", 0, [200.0, 210.0, 900.0], kernel=150.0),
+                          _res(b, "native", "dispatch_bf16_cached", 0, [100.0], kernel=90.0),
+                          _res(b, "torch_ref", "dispatch_bf16", 0, [400.0, 400.0, 400.0]),
                           _res(b, "torch", "dispatch_bf16", 0, [600.0, 630.0, 660.0]),
                           _res(b, "torch_a2a", "dispatch_bf16", 0, [100.0, 100.0, 100.0])]},
              {"results": [_res(b, "native", "dispatch_bf16", 0, [190.0, 190.0, 190.0], kernel=170.0),
+                          _res(b, "native", "dispatch_bf16_cached", 0, [100.0], kernel=90.0),
+                          _res(b, "torch_ref", "dispatch_bf16", 0, [400.0, 400.0, 400.0]),
                           _res(b, "torch", "dispatch_bf16", 0, [600.0, 600.0, 600.0]),
                           _res(b, "torch_a2a", "dispatch_bf16", 0, [120.0, 120.0, 120.0])]}]
     table = b._summarise(ranks, {})
     native = next(t for t in table if t["backend"] == "native")
+    # the torch reference path is the target's reference; the cached dispatch is read against its full
+    # (uncached) dispatch
+    assert native["speedup_vs_ref_e2e"] == pytest.approx(400.0 / 200.0)
+    cached = next(t for t in table if t["case"] == "dispatch_bf16_cached")
+    assert cached["speedup_vs_ref_e2e"] == pytest.approx(4.0)
     assert native["e2e_us"] == pytest.approx(200.0)  # mean over ranks of the per-rank medians 210 and 190
     assert native["kernel_us"] == pytest.approx(160.0)
     assert native["speedup_vs_torch_e2e"] == pytest.approx(615.0 / 200.0)
@@ -36,7 +45,7 @@ def test_report_functions(tmp_path):
     meta = dict(date="d", gpus=2, gpu_name="synthetic", git="r", torch="t", nccl="n", tokens=4096)
     md = b._markdown(table, meta)
     assert "| native | dispatch_bf16 | all | 160.0 | 80.0 | 80.0 | 200.0 |" in md
-    assert "| 3.08 | 0.55 |" in md
+    assert "| 2.00 | 3.08 | 0.55 |" in md
     # The overlapped combine's cases are compared with the plain combine's references.
     ov = b._summarise([{"results": [_res(b, "native", "combine_bf16_overlap_p49", 0, [100.0], kernel=90.0),
                                     _res(b, "torch", "combine_bf16", 0, [400.0]),
