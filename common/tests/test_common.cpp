@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -172,6 +173,33 @@ int main() {
     const uint64_t t1 = commkit::monotonic_ns();
     EXPECT(commkit::poll_until([&] { return commkit::monotonic_ns() - t1 > 40ull * 1000000ull; }, d3,
                                [&] { return ++moves; }, [] { return false; }) == commkit::PollResult::kReady);
+  });
+  run("deadline: Backoff yields within its window and sleeps after it", [] {
+    // Within the yield window a pause costs about a yield; past it, at least the sleep.
+    commkit::Backoff spin(uint64_t(1) << 40, 1000000);
+    for (int i = 0; i < 64; ++i) spin.pause();
+    uint64_t t0 = commkit::monotonic_ns();
+    for (int i = 0; i < 10; ++i) spin.pause();
+    EXPECT(commkit::monotonic_ns() - t0 < 5ull * 1000000ull);  // ten yields, far below ten 1 ms sleeps
+    commkit::Backoff sleepy(0, 1000000);
+    for (int i = 0; i < 64; ++i) sleepy.pause();
+    t0 = commkit::monotonic_ns();
+    sleepy.pause();
+    EXPECT(commkit::monotonic_ns() - t0 >= 1000000ull);
+    sleepy.reset();  // a reset starts with the spin rounds again
+    t0 = commkit::monotonic_ns();
+    sleepy.pause();
+    EXPECT(commkit::monotonic_ns() - t0 < 1000000ull);
+    // poll_until takes the caller's backoff.
+    commkit::ProgressDeadline d(1000);
+    std::atomic<int> flag{0};
+    std::thread t([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      flag.store(1);
+    });
+    EXPECT(commkit::poll_until([&] { return flag.load() == 1; }, d, [] { return 0; }, [] { return false; },
+                               commkit::Backoff(uint64_t(1) << 40)) == commkit::PollResult::kReady);
+    t.join();
   });
   run("atomics: cas returns old value, exactly one winner among threads", [] {
     uint32_t word = 0;

@@ -8,11 +8,17 @@
 //     d.reset()             restart the window explicitly.
 //     d.elapsed_ms()        time since the window (re)started.
 //     timeout_ms == 0 means "never expires" only when explicitly built with ProgressDeadline::infinite().
-//   Backoff b; b.pause();   spin with cpu-relax for a few hundred rounds, then yield, then sleep
-//                           (up to 50 us), so a waiting thread costs little CPU on a 2-core box.
-//   poll_until(pred, deadline, progress_fn, aborted_fn) -> PollResult
+//   Backoff b(yield_ns = 200 us, sleep_ns = 20 us); b.pause(); b.reset();
+//                           spin with cpu-relax for 64 rounds, then yield until `yield_ns` have
+//                           passed since construction or the last reset (a waiter wakes within a
+//                           yield, ~1 us), then sleep `sleep_ns` per round so a long wait costs little
+//                           CPU. A nanosleep costs ~50-60 us of timer slack on Linux, so a sleeping
+//                           waiter wakes that late: give waits on a latency-critical path (a host
+//                           waiting for a kernel's result) a yield window longer than they last.
+//   poll_until(pred, deadline, progress_fn, aborted_fn[, backoff]) -> PollResult
 //     spins until pred() is true (kReady), aborted() is true (kAborted: e.g. a device timeout record
-//     appeared), or the deadline expires without progress (kExpired). Never throws by itself.
+//     appeared), or the deadline expires without progress (kExpired). A change of progress_fn()
+//     also resets the backoff. Never throws by itself.
 //   wait_until(pred, deadline, progress_fn, on_timeout)
 //     poll_until without abort; on expiry calls on_timeout() (which must throw).
 //   monotonic_ns()          CLOCK_MONOTONIC in nanoseconds.
@@ -69,28 +75,31 @@ class ProgressDeadline {
 
 class Backoff {
  public:
+  explicit Backoff(uint64_t yield_ns = 200000, long sleep_ns = 20000)
+      : yield_ns_(yield_ns), sleep_ns_(sleep_ns), since_(monotonic_ns()) {}
   void pause() {
-    if (rounds_ < 256) {
+    if (rounds_ < 64) {
 #if defined(__x86_64__) || defined(__i386__)
       __builtin_ia32_pause();
 #endif
-    } else if (rounds_ < 1024) {
+      ++rounds_;
+    } else if (monotonic_ns() - since_ < yield_ns_) {
       sched_yield();
     } else {
       timespec ts{0, sleep_ns_};
       nanosleep(&ts, nullptr);
-      if (sleep_ns_ < 50000) sleep_ns_ *= 2;
     }
-    ++rounds_;
   }
   void reset() {
     rounds_ = 0;
-    sleep_ns_ = 1000;
+    since_ = monotonic_ns();
   }
 
  private:
+  uint64_t yield_ns_;
+  long sleep_ns_;
+  uint64_t since_;
   uint32_t rounds_ = 0;
-  long sleep_ns_ = 1000;
 };
 
 enum class PollResult { kReady = 0, kAborted = 1, kExpired = 2 };
@@ -98,11 +107,17 @@ enum class PollResult { kReady = 0, kAborted = 1, kExpired = 2 };
 // Spins until pred() holds, aborted() holds, or the deadline expires. progress() returns a value
 // that changes whenever the watched state moves (it restarts the deadline's window).
 template <typename Pred, typename Progress, typename Aborted>
-inline PollResult poll_until(Pred&& pred, ProgressDeadline& deadline, Progress&& progress, Aborted&& aborted) {
-  Backoff backoff;
+inline PollResult poll_until(Pred&& pred, ProgressDeadline& deadline, Progress&& progress, Aborted&& aborted,
+                             Backoff backoff = Backoff()) {
+  uint64_t last = static_cast<uint64_t>(progress());
   while (!pred()) {
     if (aborted()) return PollResult::kAborted;
-    if (deadline.expired(static_cast<uint64_t>(progress()))) return PollResult::kExpired;
+    const uint64_t now = static_cast<uint64_t>(progress());
+    if (now != last) {
+      last = now;
+      backoff.reset();
+    }
+    if (deadline.expired(now)) return PollResult::kExpired;
     backoff.pause();
   }
   return PollResult::kReady;

@@ -109,6 +109,9 @@ uint64_t Runtime::begin_setup(int rank, int num_ranks, int64_t num_buffer_bytes,
                "num_buffer_bytes must be a positive multiple of ", kBufferAlignmentBytes, " (2 MiB), got ",
                num_buffer_bytes);
   CK_CHECK_ARG(num_cpu_timeout_secs > 0, "num_cpu_timeout_secs must be positive");
+  // ELASTIC_EP_HOST_WAIT_YIELD_US: how long a host wait yields before it sleeps (see poll_host).
+  if (const char* v = std::getenv("ELASTIC_EP_HOST_WAIT_YIELD_US"); v != nullptr && *v != '\0')
+    host_wait_yield_ns_ = uint64_t(std::max(0ll, std::atoll(v))) * 1000ull;
   CK_CUDA_CHECK(cudaGetDevice(&device_));
   CK_CUDA_CHECK(cudaDeviceGetAttribute(&num_device_sms_, cudaDevAttrMultiProcessorCount, device_));
   workspace_bytes_ = workspace_layout().bytes;
@@ -385,7 +388,11 @@ template <typename Pred, typename Progress>
 int Runtime::poll_host(Pred&& pred, Progress&& progress) {
   auto* rec = host_workspace_layout().timeout.at<commkit::TimeoutRecord>(host_ws_);
   commkit::ProgressDeadline deadline(uint64_t(num_cpu_timeout_secs_) * 1000ull);
-  return int(commkit::poll_until(pred, deadline, progress, [&] { return commkit::ld_acquire(&rec->flag) == 1u; }));
+  // The host waits here for a kernel of the call it is inside (the counts of a CPU-synced dispatch):
+  // it yields for up to 20 ms (ELASTIC_EP_HOST_WAIT_YIELD_US) before it sleeps, as a sleeping
+  // waiter wakes ~50-100 us late (timer slack) and every dispatch would pay that. DeepEP spins.
+  return int(commkit::poll_until(pred, deadline, progress, [&] { return commkit::ld_acquire(&rec->flag) == 1u; },
+                                 commkit::Backoff(host_wait_yield_ns_)));
 }
 
 void Runtime::dispatch(const DispatchParams& p, int64_t stream, int64_t wait_stream) {

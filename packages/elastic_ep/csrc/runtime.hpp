@@ -135,6 +135,7 @@ class Runtime {
   uint64_t workspace_bytes_ = 0;
   int num_cpu_timeout_secs_;
   uint64_t gpu_timeout_ns_;
+  uint64_t host_wait_yield_ns_ = 20ull * 1000000ull;  // poll_host: yield this long, then sleep
   void* comm_ = nullptr;          // ncclComm_t (not owned)
   void* window_ = nullptr;        // ncclWindow_t
   void* devcomm_ = nullptr;       // heap ncclDevComm

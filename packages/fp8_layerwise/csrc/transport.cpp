@@ -46,34 +46,6 @@ using commkit::st_relaxed;
 
 struct Stopping {};  // thrown inside waits when close() runs concurrently
 
-// Spin briefly, then yield for up to 200 us since the last progress (a copy of a few MB takes
-// ~100 us, and a nanosleep costs ~60 us of timer slack), then sleep 20 us per round so idle
-// waiters cost little CPU on a small box.
-class WaitBackoff {
- public:
-  void pause() {
-    if (rounds_ < 64) {
-#if defined(__x86_64__) || defined(__i386__)
-      __builtin_ia32_pause();
-#endif
-    } else if (monotonic_ns() - since_ < 200000ull) {
-      sched_yield();
-    } else {
-      timespec ts{0, 20000};
-      nanosleep(&ts, nullptr);
-    }
-    ++rounds_;
-  }
-  void reset() {
-    rounds_ = 0;
-    since_ = monotonic_ns();
-  }
-
- private:
-  uint32_t rounds_ = 0;
-  uint64_t since_ = monotonic_ns();
-};
-
 // /proc/<pid>/stat start time (field 22); 0 when the process is gone or a zombie.
 uint64_t live_start_time(uint64_t pid) {
   char path[64];
@@ -312,7 +284,8 @@ class Transport::Impl {
   template <typename Pred, typename Progress>
   void wait_for(const char* what, Pred&& pred, Progress&& progress, uint32_t mask, bool honor_poison = true) {
     commkit::ProgressDeadline deadline(timeout_ms_);
-    WaitBackoff backoff;
+    // Yield for up to 200 us since the last progress (a copy of a few MB takes ~100 us), then sleep.
+    commkit::Backoff backoff;
     uint64_t next_live = monotonic_ns() + opt_.liveness_ms * 1000000ull;
     uint64_t last_progress = progress();
     while (!pred()) {
@@ -678,7 +651,8 @@ class Transport::Impl {
     std::vector<CopyOp> ops;
     ops.reserve(kKinds * kMaxSlots);
     commkit::ProgressDeadline deadline(timeout_ms_);
-    WaitBackoff backoff;
+    // Yield for up to 200 us since the last progress (a copy of a few MB takes ~100 us), then sleep.
+    commkit::Backoff backoff;
     uint64_t next_live = monotonic_ns() + opt_.liveness_ms * 1000000ull;
     // Keep at least two batches in flight when the window allows it, so the copy engine always
     // has queued work while the oldest batch is being acknowledged and its slot refilled.
