@@ -18,22 +18,10 @@
 set -u
 OUT=${1:?usage: bash tools/gpu_x2.sh OUT_DIR}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-step() {  # step NAME LIMIT_S CMD...: run from /tmp (the installed packages, not the sources)
-  local name=$1 limit=$2
-  shift 2
-  echo "=== $name (limit ${limit}s) $(date -u +%T) ==="
-  (cd /tmp && timeout "$limit" "$@") > "$OUT/$name.log" 2>&1
-  echo "rc=$? after $name $(date -u +%T)"
-  tail -n 25 "$OUT/$name.log"
-}
-bash "$ROOT/tools/gpu.sh" "$OUT/build" --no-tests --no-bench > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-tail -n 3 "$OUT/build.log"
+source "$ROOT/tools/_gpu_steps.sh"
+build_all
 step bench_elastic_ep 130 $PY "$ROOT/tools/bench_elastic_ep.py" --out "$OUT/ep" --overlap-push-blocks default,33,66
 step bench_ipc_264 60 $PY "$ROOT/tools/bench_ipc_all2all.py" --out "$OUT/ipc264" --num-blocks 264
-PYTEST=($PY -m pytest -c "$ROOT/pytest.ini" --rootdir "$ROOT" -q -rfE -m "gpu or multigpu")
 step tests_ep_lowlevel 160 "${PYTEST[@]}" --junitxml="$OUT/junit_lowlevel.xml" "$ROOT/tests/elastic_ep/test_lowlevel_gpu.py"
 step tests_ep_new 90 "${PYTEST[@]}" --junitxml="$OUT/junit_new.xml" "$ROOT/tests/elastic_ep/test_gpu.py" \
   -k "overlapped or refused"

@@ -13,20 +13,8 @@
 set -u
 OUT=${1:?usage: bash tools/gpu_x2b.sh OUT_DIR}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-step() {  # step NAME LIMIT_S CMD...: run from /tmp (the installed packages, not the sources)
-  local name=$1 limit=$2
-  shift 2
-  echo "=== $name (limit ${limit}s) $(date -u +%T) ==="
-  (cd /tmp && timeout "$limit" "$@") > "$OUT/$name.log" 2>&1
-  echo "rc=$? after $name $(date -u +%T)"
-  tail -n 25 "$OUT/$name.log"
-}
-bash "$ROOT/tools/gpu.sh" "$OUT/build" --no-tests --no-bench > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-tail -n 3 "$OUT/build.log"
-PYTEST=($PY -m pytest -c "$ROOT/pytest.ini" --rootdir "$ROOT" -q -rfE -m "gpu or multigpu")
+source "$ROOT/tools/_gpu_steps.sh"
+build_all
 step tests_ipc 120 "${PYTEST[@]}" --junitxml="$OUT/junit_ipc.xml" "$ROOT/tests/ipc_all2all"
 step tests_ep_soak 230 "${PYTEST[@]}" --junitxml="$OUT/junit_soak.xml" "$ROOT/tests/elastic_ep/test_gpu.py" -k soak
 step bench_fp8 170 $PY "$ROOT/tools/bench_fp8_layerwise.py" --out "$OUT/fp8"

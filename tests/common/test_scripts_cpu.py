@@ -31,3 +31,17 @@ def test_gpu_x2b_runs_the_follow_up_steps():
     text = open(os.path.join(ROOT, "tools", "gpu_x2b.sh")).read()
     for needle in ("tests/ipc_all2all", "-k soak", "bench_fp8_layerwise.py"):
         assert needle in text, needle
+
+
+def test_gpu_step_helper_logs_and_limits_each_step(tmp_path):
+    # tools/_gpu_steps.sh's step(): the command's output goes to OUT/NAME.log, a step past its limit is
+    # cut (rc 124) and the next one still runs.
+    script = (f'OUT={tmp_path}; ROOT={ROOT}; source "$ROOT/tools/_gpu_steps.sh"; '
+              'step hello 5 echo hi; step slow 1 sleep 5; step after 5 pwd')
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "rc=0 after hello" in out.stdout and "rc=124 after slow" in out.stdout and "rc=0 after after" in out.stdout
+    assert (tmp_path / "hello.log").read_text() == "hi\n"
+    assert (tmp_path / "after.log").read_text().strip() == "/tmp"  # steps run from /tmp
+    for name in ("gpu_x2.sh", "gpu_x2b.sh"):
+        assert 'source "$ROOT/tools/_gpu_steps.sh"' in open(os.path.join(ROOT, "tools", name)).read()

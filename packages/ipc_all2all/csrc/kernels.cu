@@ -81,35 +81,30 @@ __device__ __forceinline__ float group_max(float v, int L) {
   return v;
 }
 
-// 16 bf16 values (two 16-byte vectors) -> 16 e4m3 bytes with the record's scale.
-__device__ __forceinline__ int4 quantize16(const int4 (&raw)[2], float scale) {
-  uint32_t w[4] = {0u, 0u, 0u, 0u};
+// The 16 bf16 values of two 16-byte vectors, as floats (exact).
+__device__ __forceinline__ void bf16x16_to_float(const int4 (&raw)[2], float (&v)[16]) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw[h]);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(p[i]);
-      const uint32_t a = __nv_cvt_float_to_fp8(__fdiv_rn(f.x, scale), __NV_SATFINITE, __NV_E4M3);
-      const uint32_t b = __nv_cvt_float_to_fp8(__fdiv_rn(f.y, scale), __NV_SATFINITE, __NV_E4M3);
-      w[h * 2 + i / 2] |= (a | (b << 8)) << (16 * (i & 1));
-    }
+  for (int i = 0; i < 8; ++i) {
+    const float2 f = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(raw)[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
   }
-  return make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
 }
 
-__device__ __forceinline__ float absmax16(const int4 (&raw)[2]) {
+__device__ __forceinline__ float absmax16(const float (&v)[16]) {
   float m = 0.f;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw[h]);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(p[i]);
-      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
-    }
-  }
+  for (int i = 0; i < 16; ++i) m = fmaxf(m, fabsf(v[i]));
   return m;
+}
+
+// 16 values -> 16 e4m3 bytes with the record's scale.
+__device__ __forceinline__ int4 quantize16(const float (&v)[16], float scale) {
+  uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+    w[i / 4] |= uint32_t(__nv_cvt_float_to_fp8(__fdiv_rn(v[i], scale), __NV_SATFINITE, __NV_E4M3)) << (8 * (i % 4));
+  return make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
 }
 
 // The fused pack + push of one target: the RowMap is in record bytes (records of R = D + 16 bytes,
@@ -152,11 +147,13 @@ __device__ __forceinline__ void pack_records(const RowMap& m, int batch, const c
     }
 #pragma unroll
     for (int u = 0; u < kPackUnroll; ++u) {
-      const float amax = group_max(absmax16(raw[u]), L);
+      float v[16];
+      bf16x16_to_float(raw[u], v);
+      const float amax = group_max(absmax16(v), L);
       const float scale = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
       if (valid[u]) {
         char* rec = slot + dof[u];
-        st_stream(reinterpret_cast<int4*>(rec + 16 * li), quantize16(raw[u], scale));
+        st_stream(reinterpret_cast<int4*>(rec + 16 * li), quantize16(v, scale));
         if (li == 0) st_stream(reinterpret_cast<int4*>(rec + D), make_int4(__float_as_int(scale), 0, 0, 0));
       }
     }
