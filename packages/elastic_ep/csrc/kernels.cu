@@ -52,6 +52,13 @@ struct Ctx {
         rec(host_workspace_layout().timeout.at<commkit::TimeoutRecord>(c.host_workspace)),
         counters(ws.grid_counter.at<uint32_t>(c.window_base)),
         timeout_ns(c.timeout_ns) {}
+  // Deadline of a wait for rows that `source` pushes while this kernel runs (the overlapped modes).
+  // This rank's own rows come from its own push blocks, which may themselves be waiting for an
+  // absent peer: that wait gets twice the deadline, so the push's wait expires first and the
+  // timeout names the absent peer, not this rank.
+  __device__ uint64_t arrival_timeout(int source) const {
+    return source == tr.rank ? 2 * timeout_ns : timeout_ns;
+  }
   __device__ uint64_t* local_u64(const Region& r, int i) const {
     return reinterpret_cast<uint64_t*>(tr.local(r.offset)) + i;
   }
@@ -598,8 +605,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
       i = first + slot;
       int arrived = 1;
       if (lane == 0)
-        arrived = commkit::wait_ge(&arrive[s * chunks + ch], uint32_t(min(CH, n_s - ch * CH)), cx.timeout_ns, cx.rec,
-                                   kOpDispatchEpilogue, rank, s, 10, 100)
+        arrived = commkit::wait_ge(&arrive[s * chunks + ch], uint32_t(min(CH, n_s - ch * CH)),
+                                   cx.arrival_timeout(s), cx.rec, kOpDispatchEpilogue, rank, s, 10, 100)
                       ? 1
                       : 0;
       if (!__shfl_sync(kFull, arrived, 0)) break;
@@ -1010,12 +1017,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_overlapped_kernel(CommVie
         const int r = __shfl_sync(kFull, owner, __ffs(d) - 1);
         bool has = false;
         if (u < T)
-          for (int k = 0; k < K && !has; ++k) has = owner_of(__ldg(reinterpret_cast<const long long*>(p.combined_topk_idx) + int64_t(u) * K + k),
+          for (int k = 0; k < K && !has; ++k)
+            has = owner_of(__ldg(reinterpret_cast<const long long*>(p.combined_topk_idx) + int64_t(u) * K + k),
                            p.num_experts, L) == r;
         const uint32_t expected = __popc(__ballot_sync(kFull, has));
         if (lane == 0 && ok)
-          ok = commkit::wait_ge(&arrive[r * chunks + ch], expected, cx.timeout_ns, cx.rec, kOpCombineReduce, rank, r,
-                                10, 100);
+          ok = commkit::wait_ge(&arrive[r * chunks + ch], expected, cx.arrival_timeout(r), cx.rec, kOpCombineReduce,
+                                rank, r, 10, 100);
       }
       ok = __shfl_sync(kFull, ok ? 1 : 0, 0) != 0;
       if (ok) combine_reduce_token<true>(cx, p, g, t, own_row[warp]);
