@@ -170,6 +170,15 @@ def _span_us(ranges, iters: int):
     return sum(max(e for _, e in g) - g[0][0] for g in groups) / iters
 
 
+def _e2e_only_result(backend: str, case: str, times_us, remote: int, total: int) -> dict:
+    """The result row of a backend timed end to end only (no elastic_ep kernels to profile)."""
+    stats = _e2e_stats(times_us)
+    return dict(backend=backend, case=case, num_sms=0, **stats, comm_kernel_us=None, epilogue_us=None,
+                kernel_us=None, bytes_remote=remote, bytes_total=total,
+                e2e_gbps_excl_local=remote / stats["e2e_us"] / 1e3, e2e_gbps_incl_local=total / stats["e2e_us"] / 1e3,
+                kernel_gbps_excl_local=None, kernel_gbps_incl_local=None, comm_gbps_excl_local=None)
+
+
 def _row_checksums(rows: torch.Tensor) -> torch.Tensor:
     """Sorted per-row checksums (fp32 dot products with a fixed vector) of ``rows[N, H]``: equal
     multisets of rows give equal results, whatever their order."""
@@ -204,6 +213,15 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
 
     def tok_bytes(elem: int, sf: bool) -> int:
         return H * elem + (P * 4 if sf else 0) + K * 8 + K * 4
+
+    def case_bytes(name: str):
+        """(bytes per row, bytes received from other ranks, bytes received in all) of case ``name``:
+        a combine receives back a row per token it sent; a dispatch receives one token record per row."""
+        if name.startswith("combine"):
+            b = H * 2 + K * 4
+            return b, n_sent_remote * b, sum(sent) * b
+        b = tok_bytes(1 if "fp8" in name else 2, "fp8" in name)
+        return b, n_recv_remote * b, n_recv_all * b
 
     native_rows = None  # checksums of the native BF16 dispatch's rows, to check the torch reference path
     for backend in backends:
@@ -260,13 +278,7 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                             fn()
                             torch.cuda.synchronize()
                     comm_us, epi_us, per_kernel, span_us = _kernel_times(prof, iters)
-                is_combine = name.startswith("combine")
-                if is_combine:
-                    b = H * 2 + K * 4
-                    remote, total = n_sent_remote * b, sum(sent) * b
-                else:
-                    b = tok_bytes(1 if "fp8" in name else 2, "fp8" in name)
-                    remote, total = n_recv_remote * b, n_recv_all * b
+                _, remote, total = case_bytes(name)
                 stats = _e2e_stats(e2e)
                 e2e_us = stats["e2e_us"]
                 kern_us = (comm_us + epi_us) if comm_us is not None else None
@@ -308,23 +320,14 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
             fn()
         torch.cuda.synchronize()
         dist.barrier(group=group)
-        stats = _e2e_stats(_timed_us(fn, iters, align))
-        if name.startswith("combine"):
-            remote, total = n_sent_remote * (H * 2 + K * 4), sum(sent) * (H * 2 + K * 4)
-        else:
-            b = tok_bytes(1 if "fp8" in name else 2, "fp8" in name)
-            remote, total = n_recv_remote * b, n_recv_all * b
-        out["results"].append(dict(
-            backend="torch_ref", case=name, num_sms=0, **stats, comm_kernel_us=None, epilogue_us=None,
-            kernel_us=None, bytes_remote=remote, bytes_total=total,
-            e2e_gbps_excl_local=remote / stats["e2e_us"] / 1e3, e2e_gbps_incl_local=total / stats["e2e_us"] / 1e3,
-            kernel_gbps_excl_local=None, kernel_gbps_incl_local=None, comm_gbps_excl_local=None))
+        _, remote, total = case_bytes(name)
+        out["results"].append(_e2e_only_result("torch_ref", name, _timed_us(fn, iters, align), remote, total))
     del tref, rx, rw_ref, rh
 
     # The issue's reference: one bare all_to_all_single of exactly the bytes that cross ranks (plus the
     # local copy), i.e. what a plain torch implementation cannot avoid; no packing or index work.
-    for name, b in (("dispatch_bf16", tok_bytes(2, False)), ("dispatch_fp8", tok_bytes(1, True)),
-                    ("combine_bf16", H * 2 + K * 4)):
+    for name in ("dispatch_bf16", "dispatch_fp8", "combine_bf16"):
+        b, remote, total = case_bytes(name)
         is_combine = name.startswith("combine")
         in_splits = recv_counts if is_combine else sent
         out_splits = sent if is_combine else recv_counts
@@ -336,16 +339,7 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
 
         for _ in range(2):
             a2a()
-        e2e = _timed_us(a2a, iters, align)
-        remote = (n_sent_remote if is_combine else n_recv_remote) * b
-        total = (sum(sent) if is_combine else n_recv_all) * b
-        stats = _e2e_stats(e2e)
-        e2e_us = stats["e2e_us"]
-        out["results"].append(dict(
-            backend="torch_a2a", case=name, num_sms=0, **stats,
-            comm_kernel_us=None, epilogue_us=None, kernel_us=None, bytes_remote=remote, bytes_total=total,
-            e2e_gbps_excl_local=remote / e2e_us / 1e3, e2e_gbps_incl_local=total / e2e_us / 1e3,
-            kernel_gbps_excl_local=None, kernel_gbps_incl_local=None, comm_gbps_excl_local=None))
+        out["results"].append(_e2e_only_result("torch_a2a", name, _timed_us(a2a, iters, align), remote, total))
     all_out = [None] * world
     dist.all_gather_object(all_out, out, group=group)
     if rank == 0:

@@ -52,6 +52,11 @@ def test_report_functions(tmp_path):
                                     _res(b, "torch_a2a", "combine_bf16", 0, [50.0])]}], {})
     t = next(t for t in ov if t["backend"] == "native")
     assert t["speedup_vs_torch_e2e"] == pytest.approx(4.0) and t["speedup_vs_a2a_e2e"] == pytest.approx(0.5)
+    # A backend timed end to end only (the torch paths): GB/s from its median, no kernel figures.
+    r = b._e2e_only_result("torch_ref", "dispatch_fp8", [100.0, 200.0, 300.0], 50e6, 100e6)
+    assert (r["backend"], r["case"], r["num_sms"], r["e2e_us"]) == ("torch_ref", "dispatch_fp8", 0, 200.0)
+    assert r["e2e_gbps_excl_local"] == pytest.approx(250.0) and r["e2e_gbps_incl_local"] == pytest.approx(500.0)
+    assert r["kernel_us"] is None and r["kernel_gbps_excl_local"] is None
     # The span of overlapping kernels: per iteration, first start to last end.
     assert b._span_us([(0, 10), (5, 30), (100, 110), (104, 140)], 2) == pytest.approx((30 + 40) / 2)
     assert b._span_us([(0, 10)], 2) is None and b._span_us([], 1) is None
