@@ -127,7 +127,8 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("kinds"), py::arg("threads") = 1, py::arg("cache_hint") = "none")
       .def_property_readonly("threads", &ShardWriter::threads)
-      .def_property_readonly("cache_hint", [](const ShardWriter& w) { return std::string(cache_hint_name(w.cache_hint())); })
+      .def_property_readonly("cache_hint",
+                             [](const ShardWriter& w) { return std::string(cache_hint_name(w.cache_hint())); })
       .def(
           "write",
           [](const ShardWriter& w, int expert, const std::vector<std::vector<uintptr_t>>& dst) {

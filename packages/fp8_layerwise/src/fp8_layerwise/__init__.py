@@ -15,10 +15,11 @@ import torch  # noqa: F401  (loads the CUDA runtime before _C)
 from . import _C
 from .errors import (ErrorCode, PeerDied, ProtocolError, TransportError, TransportPoisoned,
                      TransportTimeout)
-from .transport import (CACHE_HINTS, CONTROL_BYTES, DEFAULT_CACHE_HINT, DEFAULT_SLOTS, KINDS, MAX_COPY_STREAMS, MAX_SLOTS, MAX_TP, SMALL_EXPERT_BYTES,
-                        SMALL_EXPERT_SLOTS, ControlRegion, FileExchange, HostSlots, Layer, LayerStats, Transport,
-                        block_fp8_expert_nbytes, default_cache_hint, default_num_slots, default_writer_threads, group_exchange,
-                        make_block_fp8_sources, make_shard_writer, reference_shard)
+from .transport import (CACHE_HINTS, CONTROL_BYTES, DEFAULT_CACHE_HINT, DEFAULT_SLOTS, KINDS, MAX_COPY_STREAMS,
+                        MAX_SLOTS, MAX_TP, SMALL_EXPERT_BYTES, SMALL_EXPERT_SLOTS, ControlRegion, FileExchange,
+                        HostSlots, Layer, LayerStats, Transport, block_fp8_expert_nbytes, default_cache_hint,
+                        default_num_slots, default_writer_threads, group_exchange, make_block_fp8_sources,
+                        make_shard_writer, reference_shard)
 
 __version__ = "0.1.0"
 FP8LayerwiseTransport = _C.FP8LayerwiseTransport
@@ -33,7 +34,8 @@ def built_with_cuda() -> bool:
 
 
 __all__ = [
-    "CACHE_HINTS", "CONTROL_BYTES", "DEFAULT_CACHE_HINT", "DEFAULT_SLOTS", "default_cache_hint", "SMALL_EXPERT_BYTES", "SMALL_EXPERT_SLOTS", "default_num_slots",
+    "CACHE_HINTS", "CONTROL_BYTES", "DEFAULT_CACHE_HINT", "DEFAULT_SLOTS", "default_cache_hint",
+    "SMALL_EXPERT_BYTES", "SMALL_EXPERT_SLOTS", "default_num_slots",
     "default_writer_threads", "KINDS",
     "MAX_COPY_STREAMS", "MAX_SLOTS", "MAX_TP", "ControlRegion", "ErrorCode",
     "FP8LayerwiseTransport", "FP8_LAYERWISE_CONTROL_BYTES", "FP8_LAYERWISE_MAX_TP_SIZE", "FileExchange",
