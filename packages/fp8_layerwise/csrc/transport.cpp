@@ -280,32 +280,28 @@ class Transport::Impl {
 
   uint32_t all_mask() const { return (1u << tp_) - 1u; }
 
-  // Waits for pred(); poison, close, dead peers (mask) and a stalled deadline all throw.
+  // Waits for pred(); poison, close, dead peers (mask) and a stalled deadline all throw. The checks
+  // that end a wait early throw from inside the poll, so it never reports kAborted.
   template <typename Pred, typename Progress>
   void wait_for(const char* what, Pred&& pred, Progress&& progress, uint32_t mask, bool honor_poison = true) {
     commkit::ProgressDeadline deadline(timeout_ms_);
-    // Yield for up to 200 us since the last progress (a copy of a few MB takes ~100 us), then sleep.
-    commkit::Backoff backoff;
     uint64_t next_live = monotonic_ns() + opt_.liveness_ms * 1000000ull;
-    uint64_t last_progress = progress();
-    while (!pred()) {
+    auto interrupted = [&] {
       if (honor_poison) check_poison();
       if (stopping_.load(std::memory_order_acquire)) throw Stopping{};
-      const uint64_t now_progress = static_cast<uint64_t>(progress());
-      if (now_progress != last_progress) {
-        last_progress = now_progress;
-        backoff.reset();
-      }
-      if (deadline.expired(now_progress)) {
-        if (!honor_poison) CK_THROW_TIMEOUT(what, rank_, -1, 1, 0, " after ", timeout_ms_, " ms without progress");
-        poison_and_throw(kErrTimeout,
-                         commkit::str("timed out after ", timeout_ms_, " ms without progress waiting for ", what));
-      }
       if (mask != 0 && monotonic_ns() >= next_live) {
         check_peers(mask, what);
         next_live = monotonic_ns() + opt_.liveness_ms * 1000000ull;
       }
-      backoff.pause();
+      return false;
+    };
+    // The default backoff yields for 200 us since the last progress (a copy of a few MB takes
+    // ~100 us), then sleeps.
+    if (commkit::poll_until(pred, deadline, [&] { return static_cast<uint64_t>(progress()); }, interrupted) ==
+        commkit::PollResult::kExpired) {
+      if (!honor_poison) CK_THROW_TIMEOUT(what, rank_, -1, 1, 0, " after ", timeout_ms_, " ms without progress");
+      poison_and_throw(kErrTimeout,
+                       commkit::str("timed out after ", timeout_ms_, " ms without progress waiting for ", what));
     }
     if (honor_poison) check_poison();
   }
