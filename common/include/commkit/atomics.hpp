@@ -19,6 +19,12 @@
 //                        (to local, peer or host memory) are ordered before every later store or
 //                        atomic of thread 0, system-wide. One fence per block, not one per thread
 //                        (a per-thread system fence cost ~1 us per block at 132 SMs).
+//   grid_arrive_last<kSystemScope>(counter) device only, called once, at its end, by every thread
+//                        of every block of a grid: true (in every thread) in the block that arrived
+//                        last, which then sees every other block's earlier stores and finds
+//                        *counter reset to 0 for the next launch. kSystemScope orders the blocks'
+//                        stores to peer or host memory too; false orders GPU memory only (cheaper).
+//                        `counter` starts at 0 and counts this grid's blocks only.
 // On the host these map to the GCC __atomic builtins, which are lock-free on x86-64 for 4 and
 // 8 bytes and so work on process-shared and cudaHostRegister'ed memory. On the device they are
 // PTX ld.acquire.sys / st.release.sys / atom.*.acq_rel.sys.

@@ -79,17 +79,13 @@ __device__ bool entry_barrier(const Ctx& cx, uint64_t E, uint32_t op, bool publi
   return !__syncthreads_or(!ok);
 }
 
-// Called by every block at its end: the last block to finish runs `last` (thread 0 only).
+// Called by every block at its end: the last block to finish runs `last` (thread 0 only). Arrivals
+// are ordered at system scope: the blocks' stores include remote ones.
 template <typename Last>
 __device__ void grid_finish(const Ctx& cx, CounterSlot slot, Last&& last) {
-  commkit::block_fence_system();  // the block's stores (also remote ones) before its arrival
-  if (threadIdx.x == 0) {
-    const uint32_t old = atomicAdd(&cx.counters[slot], 1u);
-    if (old == gridDim.x - 1) {
-      cx.counters[slot] = 0;  // leave the scratch at zero for the next operation
-      __threadfence_system();
-      last();
-    }
+  if (commkit::grid_arrive_last<true>(&cx.counters[slot]) && threadIdx.x == 0) {
+    __threadfence_system();
+    last();
   }
 }
 
@@ -171,7 +167,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
   __shared__ unsigned int s_bad_ids;
   __shared__ long long s_bad_example;
   __shared__ int scan_scratch[kWarps];
-  __shared__ int s_last;
   extern __shared__ uint32_t notify_dyn[];
   Ctx cx(c);
   const uint64_t E = cx.epoch();
@@ -312,16 +307,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
       g_bad[1] = static_cast<unsigned long long>(s_bad_example);  // any block's example will do
       atomicAdd(&g_bad[0], static_cast<unsigned long long>(s_bad_ids));
     }
-    __threadfence();  // the stores and atomics above before this block's arrival
-    __syncthreads();
-    if (tid == 0) {
-      const uint32_t old = atomicAdd(&cx.counters[kCtrDispatchNotify], 1u);
-      s_last = old == gridDim.x - 1 ? 1 : 0;
-      if (s_last) cx.counters[kCtrDispatchNotify] = 0;
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
+    // The stores and atomics above are GPU-local: GPU-scope arrival.
+    if (!commkit::grid_arrive_last<false>(&cx.counters[kCtrDispatchNotify])) return;
     // L2 reads (__ldcg): the other blocks' data never passed through this SM's L1.
     for (int r = tid; r < R; r += kThreads) {
       uint32_t acc = 0;
@@ -704,20 +691,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
 
   // The last block to finish clears the scratch (expand cursors; overlapped: the arrival counters,
   // every one of which was awaited, so no count is still in flight) and ends the epoch.
-  __shared__ int s_last;
-  commkit::block_fence_system();
-  if (tid == 0) {
-    const uint32_t old = atomicAdd(&cx.counters[kCtrDispatchEpilogue], 1u);
-    s_last = old == gridDim.x - 1 ? 1 : 0;
-  }
-  __syncthreads();
-  if (!s_last) return;
+  if (!commkit::grid_arrive_last<true>(&cx.counters[kCtrDispatchEpilogue])) return;
   for (int l = tid; l < L; l += kThreads) cursor[l] = 0;
   if (p.overlap)
     for (int j = tid; j < R * chunks; j += kThreads) const_cast<uint32_t*>(arrive)[j] = 0u;
   __syncthreads();
   if (tid == 0) {
-    cx.counters[kCtrDispatchEpilogue] = 0u;
     __threadfence_system();
     if (!commkit::aborted(cx.rec)) commkit::st_relaxed(&cx.counters[kCtrEpoch], uint32_t(E));
   }
@@ -961,7 +940,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c,
 // pushers through the origins' token chunks roughly in step (slots are in token order), so the
 // reduce can follow.
 __global__ void __launch_bounds__(kThreads, 1) combine_overlapped_kernel(CommView c, CombineParams p) {
-  __shared__ int s_ticket, s_last, s_max_rows;
+  __shared__ int s_ticket, s_max_rows;
   __shared__ int psum[kMaxRanks];
   __shared__ int own_row[kWarps][32];
   Ctx cx(c);
@@ -1031,18 +1010,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_overlapped_kernel(CommVie
   }
   // Whole grid: the last block to finish clears the arrival counters (every row that counts into
   // them was awaited by some token, so none is still in flight) and ends the operation's epoch.
-  commkit::block_fence_system();
-  if (tid == 0) {
-    const uint32_t old = atomicAdd(&cx.counters[kCtrCombineOverlapDone], 1u);
-    s_last = old == gridDim.x - 1 ? 1 : 0;
-  }
-  __syncthreads();
-  if (!s_last) return;
+  if (!commkit::grid_arrive_last<true>(&cx.counters[kCtrCombineOverlapDone])) return;
   for (int i = tid; i < R * chunks; i += kThreads) arrive[i] = 0u;
   __syncthreads();
   if (tid == 0) {
     cx.counters[kCtrCombineTicket] = 0u;
-    cx.counters[kCtrCombineOverlapDone] = 0u;
     __threadfence_system();
     // After a timeout the operation did not complete: its epoch is not recorded (as in the other
     // kernels, which return before their last step), and the host reports the record.

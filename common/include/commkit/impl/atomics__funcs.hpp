@@ -147,6 +147,30 @@ CK_DEVICE CK_INLINE void block_fence_system() {
   __syncthreads();
   if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) fence_system();
 }
+// One arrival per block on a grid-wide counter. The block's fence before thread 0's atomic releases
+// the block's stores; the last block's fence after seeing the full count acquires every other
+// block's (the "last block" pattern of the CUDA threadFenceReduction sample). Resetting the counter
+// at once is safe: every block of this launch has already counted, and the next launch on the
+// stream starts after this one.
+template <bool kSystemScope>
+CK_DEVICE CK_INLINE bool grid_arrive_last(uint32_t* counter) {
+  __shared__ uint32_t s_last;
+  const bool leader = threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0;
+  __syncthreads();
+  if (leader) {
+    if constexpr (kSystemScope)
+      fence_system();
+    else
+      __threadfence();
+    const uint32_t blocks = gridDim.x * gridDim.y * gridDim.z;
+    s_last = atomicAdd(counter, 1u) == blocks - 1u ? 1u : 0u;
+    if (s_last != 0u) *counter = 0u;
+  }
+  __syncthreads();
+  const bool last = s_last != 0u;
+  if (last) __threadfence();
+  return last;
+}
 
 #endif
 // NOLINTEND
