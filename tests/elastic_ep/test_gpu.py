@@ -253,6 +253,44 @@ def test_native_timeout_ipc_window(tmp_path, env):
     assert res[0] == "timeout"
 
 
+def late_peer_worker(rank, world, rdzv, window="auto"):
+    """Rank 1 reaches the dispatch only after rank 0's notify gave up on it. Rank 1's notify then sees
+    everything rank 0 published before it gave up (barrier, counts), but rank 0 pushed nothing: rank 1
+    must time out too (naming the dispatch and peer 0), not return rows that were never written."""
+    import time
+
+    from tests.elastic_ep._common import import_elastic_ep, init_ep_group, make_inputs
+
+    ep = import_elastic_ep()
+    group = init_ep_group(rank, world, rdzv, window)
+    buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=32, hidden=256, num_topk=2, backend="native",
+                           num_cpu_timeout_secs=3, num_gpu_timeout_secs=3, explicitly_destroy=True, window=window)
+    inp = make_inputs(rank, 32, 256, 2, 8 * world, "bf16", 0, "cuda")
+    if rank != 0:
+        time.sleep(6)  # rank 0's notify has timed out by now
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], num_experts=8 * world, do_cpu_sync=True)
+        torch.cuda.synchronize()
+        buf.barrier(with_cpu_sync=True)
+    except TimeoutError as e:
+        msg = str(e)
+        assert time.monotonic() - t0 < 14, "the timeout took too long"
+        assert "dispatch" in msg.lower() and f"rank {rank}" in msg and f"peer {1 - rank}" in msg, msg
+        assert int(torch.arange(10, device="cuda").sum()) == 45
+        if rank == 0:
+            time.sleep(10)  # keep this rank's window mapped while rank 1 still writes into it
+        return "timeout"
+    raise AssertionError(f"rank {rank}: a dispatch whose peer had given up returned without an error")
+
+
+@pytest.mark.multigpu(2, shared_ok=True)
+@pytest.mark.parametrize("env", [None, OVERLAP], ids=["sequential", "overlapped"])
+def test_native_late_peer_times_out_ipc_window(tmp_path, env):
+    res = run_workers(late_peer_worker, 2, "ipc", tmp_path=tmp_path, timeout=90, env=env)
+    assert res == ["timeout", "timeout"]
+
+
 def combine_timeout_worker(rank, world, rdzv, window="auto"):
     """Every rank dispatches; rank 1 then never combines. Rank 0's overlapped combine must raise a
     TimeoutError naming the combine, rank 0 and peer 1, within the deadline, and leave CUDA usable."""
@@ -370,8 +408,10 @@ def test_native_on_torch_communicator(tmp_path):
     assert len(set(res)) == 1 and res[0] is not None
 
 
-def soak_worker(rank, world, rdzv, iters, window="auto"):
-    """Random cases against the torch backend; window="ipc": on the CUDA-IPC window, against the oracle."""
+def soak_worker(rank, world, rdzv, iters, window="auto", seed_epoch=0):
+    """Random cases against the torch backend; window="ipc": on the CUDA-IPC window, against the oracle.
+    seed_epoch: start as if that many operations had run (the 32-bit tags of the count words wrap at
+    2^32 operations; the kernels' u64 epoch must carry on across it)."""
     import random
 
     from tests.elastic_ep._common import import_elastic_ep, init_ep_group, raise_failures, run_case
@@ -383,6 +423,9 @@ def soak_worker(rank, world, rdzv, iters, window="auto"):
                            backend="native", window=window)
     ref = None if window == "ipc" else ep.ElasticBuffer(group, num_max_tokens_per_rank=64, hidden=256, num_topk=4,
                                                          use_fp8_dispatch=True, backend="torch")
+    if seed_epoch:
+        buf.runtime._rt.debug_seed_epoch(seed_epoch)
+        group.barrier()  # every rank seeded before any kernel of the next operation runs
     rng = random.Random(1234)  # same sequence of cases on every rank
     for it in range(iters):
         tokens = [rng.randint(0, 64) for _ in range(world)]
@@ -412,6 +455,17 @@ def test_native_soak_ipc_window(tmp_path):
     # 300 random cases (token counts 0..64 per rank, bf16/fp8, expand, alignment, CPU sync on/off,
     # cached, async) at EP 2 on the CUDA-IPC window, each against the oracle.
     assert run_workers(soak_worker, 2, 300, "ipc", tmp_path=tmp_path, timeout=300) == [300] * 2
+
+
+@pytest.mark.gpu
+def test_native_ep1_epoch_wrap(tmp_path):
+    # Starts 6 operations before the count words' 32-bit tags wrap; each case is several operations.
+    assert run_workers(soak_worker, 1, 12, "auto", 2**32 - 6, tmp_path=tmp_path, timeout=120) == [12]
+
+
+@pytest.mark.multigpu(2, shared_ok=True)
+def test_native_epoch_wrap_ipc_window(tmp_path):
+    assert run_workers(soak_worker, 2, 12, "ipc", 2**32 - 6, tmp_path=tmp_path, timeout=180) == [12] * 2
 
 
 @pytest.mark.multigpu(2, shared_ok=True)

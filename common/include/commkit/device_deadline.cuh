@@ -11,7 +11,11 @@
 //       recorded a timeout (rec->flag != 0), so every waiter of a failed operation leaves fast.
 //       The caller must leave the kernel (return) on false; the host then raises via
 //       CK_RAISE_IF_TIMED_OUT. timeout_ns == 0 disables the deadline.
-//   Both take two optional last arguments: poll_log2 (default 6): the abort flag (host memory, a
+//   wait_tag_ge(ptr, tag, timeout_ns, rec, op, rank, peer)
+//       the same for u64 words "(tag << 32) | payload": until the high half is at or past `tag` in
+//       32-bit serial-number order, (int32_t)(high - tag) >= 0, so the tag may wrap around 2^32
+//       (a plain >= on the word would accept every stale word once it had).
+//   All three take two optional last arguments: poll_log2 (default 6): the abort flag (host memory, a
 //   PCIe read) and the timer are checked every 2^poll_log2 spins; sleep_ns (default 0): a
 //   __nanosleep between spins. Waits that thousands of warps run at once (per-chunk arrival
 //   counters) pass larger values so the waiters flood neither PCIe nor L2.
@@ -53,7 +57,20 @@ __device__ __forceinline__ void report_timeout(TimeoutRecord* rec, uint32_t op, 
 }
 
 namespace deadline_detail {
-template <bool kEq, typename T>
+enum class Cmp { kGe, kEq, kTagGe };
+
+template <Cmp kCmp, typename T>
+__device__ __forceinline__ bool reached(T seen, T expected) {
+  if constexpr (kCmp == Cmp::kEq) {
+    return seen == expected;
+  } else if constexpr (kCmp == Cmp::kGe) {
+    return seen >= expected;
+  } else {
+    return static_cast<int32_t>(static_cast<uint32_t>(seen >> 32) - static_cast<uint32_t>(expected)) >= 0;
+  }
+}
+
+template <Cmp kCmp, typename T>
 __device__ __forceinline__ bool wait_impl(const T* ptr, T expected, uint64_t timeout_ns,
                                           TimeoutRecord* rec, uint32_t op, int rank, int peer,
                                           uint32_t poll_log2, uint32_t sleep_ns) {
@@ -61,7 +78,7 @@ __device__ __forceinline__ bool wait_impl(const T* ptr, T expected, uint64_t tim
   T seen = ld_acquire(ptr);
   uint64_t start = globaltimer_ns();
   uint32_t spins = 0;
-  while (kEq ? (seen != expected) : (seen < expected)) {
+  while (!reached<kCmp>(seen, expected)) {
     if ((++spins & poll_mask) == 0u) {
       if (aborted(rec)) return false;
       uint64_t now = globaltimer_ns();
@@ -86,16 +103,25 @@ template <typename T>
 __device__ __forceinline__ bool wait_ge(const T* ptr, T expected, uint64_t timeout_ns,
                                         TimeoutRecord* rec, uint32_t op, int rank, int peer,
                                         uint32_t poll_log2 = 6, uint32_t sleep_ns = 0) {
-  return deadline_detail::wait_impl<false>(ptr, expected, timeout_ns, rec, op, rank, peer, poll_log2,
-                                          sleep_ns);
+  return deadline_detail::wait_impl<deadline_detail::Cmp::kGe>(ptr, expected, timeout_ns, rec, op, rank, peer,
+                                                               poll_log2, sleep_ns);
 }
 
 template <typename T>
 __device__ __forceinline__ bool wait_eq(const T* ptr, T expected, uint64_t timeout_ns,
                                         TimeoutRecord* rec, uint32_t op, int rank, int peer,
                                         uint32_t poll_log2 = 6, uint32_t sleep_ns = 0) {
-  return deadline_detail::wait_impl<true>(ptr, expected, timeout_ns, rec, op, rank, peer, poll_log2,
-                                          sleep_ns);
+  return deadline_detail::wait_impl<deadline_detail::Cmp::kEq>(ptr, expected, timeout_ns, rec, op, rank, peer,
+                                                               poll_log2, sleep_ns);
+}
+
+// `tag` is compared with the word's high 32 bits; a timeout record reports the tag as expected and
+// the whole word as observed.
+__device__ __forceinline__ bool wait_tag_ge(const uint64_t* ptr, uint32_t tag, uint64_t timeout_ns,
+                                            TimeoutRecord* rec, uint32_t op, int rank, int peer,
+                                            uint32_t poll_log2 = 6, uint32_t sleep_ns = 0) {
+  return deadline_detail::wait_impl<deadline_detail::Cmp::kTagGe>(ptr, uint64_t{tag}, timeout_ns, rec, op, rank,
+                                                                  peer, poll_log2, sleep_ns);
 }
 
 }  // namespace commkit

@@ -300,6 +300,8 @@ PYBIND11_MODULE(_C, m) {
       .def("pending_health", &Runtime::pending_health)
       .def_property_readonly("broken", &Runtime::broken)
       .def_property_readonly("broken_reason", &Runtime::broken_reason)
+      .def("mark_broken", &Runtime::mark_broken, py::arg("reason"))
+      .def("debug_seed_epoch", &Runtime::debug_seed_epoch, py::arg("last_epoch"))
       .def("barrier", &Runtime::barrier, py::arg("stream"))
       .def("dispatch",
            [](Runtime& r, const py::dict& d, int64_t stream, int64_t wait_stream) {

@@ -34,9 +34,13 @@ constexpr unsigned kFull = 0xffffffffu;
 // memory.
 // kCtrCombineTicket / kCtrCombineOverlapDone: block start tickets and finished blocks of the overlapped
 // combine (reset by its last block).
+// kCtrEpoch: slots 8 and 9 together, the u64 epoch of the last completed operation (64 bits: a 32-bit
+// one wraps after 2^32 operations, a few days of a busy server, and then every ">= epoch" wait
+// would pass at once).
 enum CounterSlot { kCtrDispatchPush = 0, kCtrDispatchEpilogue = 1, kCtrCombinePush = 2, kCtrCombineReduce = 3,
                    kCtrDispatchAborted = 4, kCtrDispatchNotify = 5, kCtrCombineTicket = 6, kCtrCombineOverlapDone = 7,
-                   kCtrEpoch = 8 };
+                   kCtrEpoch = kGridCounterEpochSlot };
+static_assert(kCtrEpoch % 2 == 0, "the u64 epoch needs an 8-byte aligned pair of slots");
 
 struct Ctx {
   LsaTransport tr;
@@ -62,7 +66,9 @@ struct Ctx {
   __device__ uint64_t* local_u64(const Region& r, int i) const {
     return reinterpret_cast<uint64_t*>(tr.local(r.offset)) + i;
   }
-  __device__ uint64_t epoch() const { return uint64_t(commkit::ld_relaxed(&counters[kCtrEpoch])) + 1u; }
+  __device__ uint64_t* epoch_word() const { return reinterpret_cast<uint64_t*>(counters + kCtrEpoch); }
+  __device__ uint64_t epoch() const { return commkit::ld_relaxed(epoch_word()) + 1u; }
+  __device__ void end_epoch(uint64_t E) const { commkit::st_relaxed(epoch_word(), E); }
 };
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
@@ -145,7 +151,7 @@ __global__ void __launch_bounds__(kMaxRanks) barrier_kernel(CommView c) {
   Ctx cx(c);
   const uint64_t E = cx.epoch();
   if (!entry_barrier(cx, E, kOpBarrier, true)) return;
-  if (threadIdx.x == 0) commkit::st_relaxed(&cx.counters[kCtrEpoch], uint32_t(E));
+  if (threadIdx.x == 0) cx.end_epoch(E);
 }
 
 // ------------------------------------------------------------------------------ dispatch: notify
@@ -344,16 +350,18 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
       }
     }
     __syncthreads();
-    // Counts to the peers: (E << 32) | count, one self-contained word each. The receiver validates
-    // every word by its epoch tag and reads nothing else they would have to order, so plain stores
+    // Counts to the peers: (tag << 32) | count with tag = E mod 2^32 (compared in serial-number order,
+    // commkit::wait_tag_ge), one self-contained word each. The receiver validates every word by its
+    // tag and reads nothing else they would have to order, so plain stores
     // do; a release per word is not needed (replacing it changed nothing measurable at EP 1, where
     // the stores are local; over NVLink it saves one system fence per word).
     const uint64_t refuse_bit = (p.refuse_bad_ids && s_bad_total != 0ull) ? kRefusedBit : 0ull;
+    const uint64_t tag = uint64_t(uint32_t(E)) << 32;
     for (int r = tid; r < R; r += kThreads)
-      cx.tr.put_u64(r, cx.ws.rank_count.offset + 8ull * rank, (E << 32) | refuse_bit | uint64_t(running[r]));
+      cx.tr.put_u64(r, cx.ws.rank_count.offset + 8ull * rank, tag | refuse_bit | uint64_t(running[r]));
     for (int e = tid; e < p.num_experts; e += kThreads) {
       const int r = e / L, l = e % L;
-      cx.tr.put_u64(r, cx.ws.expert_count.offset + 8ull * (rank * L + l), (E << 32) | uint64_t(expert_cnt[e]));
+      cx.tr.put_u64(r, cx.ws.expert_count.offset + 8ull * (rank * L + l), tag | uint64_t(expert_cnt[e]));
     }
   }
 
@@ -367,11 +375,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
   if (tid == 0) commkit::st_relaxed(&cx.counters[kCtrDispatchAborted], failed ? 1u : 0u);
   if (failed || p.cached) return;
   for (int s = tid; s < R && ok; s += kThreads)
-    ok = commkit::wait_ge(cx.local_u64(cx.ws.rank_count, s), E << 32, cx.timeout_ns, cx.rec, kOpDispatchNotify,
-                          rank, s);
+    ok = commkit::wait_tag_ge(cx.local_u64(cx.ws.rank_count, s), uint32_t(E), cx.timeout_ns, cx.rec,
+                              kOpDispatchNotify, rank, s);
   for (int i = tid; i < R * L && ok; i += kThreads)
-    ok = commkit::wait_ge(cx.local_u64(cx.ws.expert_count, i), E << 32, cx.timeout_ns, cx.rec, kOpDispatchNotify,
-                          rank, i / L);
+    ok = commkit::wait_tag_ge(cx.local_u64(cx.ws.expert_count, i), uint32_t(E), cx.timeout_ns, cx.rec,
+                              kOpDispatchNotify, rank, i / L);
   failed = __syncthreads_or(!ok);
   if (failed) {
     if (tid == 0) commkit::st_relaxed(&cx.counters[kCtrDispatchAborted], 1u);
@@ -510,11 +518,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
         // Every destination's record is complete: count it into the receiver's arrival counter of
         // its slot chunk (the release covers the whole warp's stores after the __syncwarp).
         __syncwarp();
-        if (master)
-          commkit::red_add_release(reinterpret_cast<uint32_t*>(cx.tr.remote(
-                                       owner, cx.ws.arrive.offset + 4ull * (uint64_t(rank) * arrive_chunks(p.num_max_tokens_per_rank) +
-                                                                            uint64_t(slot / kArriveTokens)))),
-                                   1u);
+        if (master) {
+          const uint64_t counter =
+              uint64_t(rank) * arrive_chunks(p.num_max_tokens_per_rank) + uint64_t(slot / kArriveTokens);
+          commkit::red_add_release(
+              reinterpret_cast<uint32_t*>(cx.tr.remote(owner, cx.ws.arrive.offset + 4ull * counter)), 1u);
+        }
       }
     }
   }
@@ -522,9 +531,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
     if (block_aborted == 2) {
       // Refused: there is no epilogue (the host raises), so the operation ends here. No peer waits
       // for this rank's records, so no done signal either.
-      commkit::st_relaxed(&cx.counters[kCtrEpoch], uint32_t(E));
+      cx.end_epoch(E);
       return;
     }
+    // Notify failed here (a deadline expired): nothing was pushed, so no peer may be told this
+    // rank's records are complete; a peer that got past its own notify then times out in its
+    // epilogue instead of returning rows this rank never wrote.
+    if (block_aborted == 1) return;
     if (p.overlap) return;  // the epilogues wait for arrival counts, not for dispatch_done
     for (int r = 0; r < R; ++r) cx.tr.signal(r, cx.ws.dispatch_done.offset + 8ull * rank, E);
   });
@@ -698,7 +711,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
   __syncthreads();
   if (tid == 0) {
     __threadfence_system();
-    if (!commkit::aborted(cx.rec)) commkit::st_relaxed(&cx.counters[kCtrEpoch], uint32_t(E));
+    if (!commkit::aborted(cx.rec)) cx.end_epoch(E);
   }
 }
 
@@ -928,7 +941,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c,
   __shared__ int own_row[kWarps][32];  // [warp][slot]: row of x for this rank's own slots
   const int gw = blockIdx.x * kWarps + tid / 32, nw = gridDim.x * kWarps;
   for (int t = gw; t < T; t += nw) combine_reduce_token<false>(cx, p, g, t, own_row[tid / 32]);
-  grid_finish(cx, kCtrCombineReduce, [&] { commkit::st_relaxed(&cx.counters[kCtrEpoch], uint32_t(E)); });
+  grid_finish(cx, kCtrCombineReduce, [&] { cx.end_epoch(E); });
 }
 
 // The overlapped combine. Roles go by the order in which blocks start (a ticket), not blockIdx: the
@@ -1018,7 +1031,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_overlapped_kernel(CommVie
     __threadfence_system();
     // After a timeout the operation did not complete: its epoch is not recorded (as in the other
     // kernels, which return before their last step), and the host reports the record.
-    if (!commkit::aborted(cx.rec)) commkit::st_relaxed(&cx.counters[kCtrEpoch], uint32_t(E));
+    if (!commkit::aborted(cx.rec)) cx.end_epoch(E);
   }
 }
 

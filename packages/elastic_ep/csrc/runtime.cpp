@@ -131,11 +131,21 @@ Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_
   CK_CHECK_ARG(comm_rank == rank && comm_size == num_ranks, "the NCCL communicator is rank ", comm_rank, " of ",
                comm_size, " but rank_idx=", rank, ", num_ranks=", num_ranks, " were given");
   comm_ = reinterpret_cast<void*>(nccl_comm);
-  auto comm = static_cast<ncclComm_t>(comm_);
 
   // One symmetric allocation. Every rank passes the same size (collective).
   EP_DEBUG("rank %d/%d: device %d, ncclMemAlloc %llu bytes\n", rank, num_ranks, device_, (unsigned long long)total);
   CK_NCCL_CHECK(ncclMemAlloc(&sym_ptr_, total));
+  try {
+    setup_nccl_window(total);
+  } catch (...) {
+    abandon_setup();
+    throw;
+  }
+}
+
+void Runtime::setup_nccl_window(uint64_t total) {
+  const int rank = rank_, num_ranks = num_ranks_;
+  auto comm = static_cast<ncclComm_t>(comm_);
   EP_DEBUG("rank %d: ncclCommWindowRegister %p\n", rank, sym_ptr_);
   ncclWindow_t win = nullptr;
   CK_NCCL_CHECK(ncclCommWindowRegister(comm, sym_ptr_, total, &win, NCCL_WIN_COLL_SYMMETRIC));
@@ -146,14 +156,12 @@ Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_
   int lsa_rank = -1;
   const int res = devcomm_create(comm_, &devcomm_, &lsa_rank, &lsa_size_);
   if (res != int(ncclSuccess)) {
-    ncclCommWindowDeregister(comm, win);
-    window_ = nullptr;
-    ncclMemFree(sym_ptr_);
-    sym_ptr_ = nullptr;
+    setup_failed_everywhere_ = true;  // every rank of the same job gets the same answer
     CK_THROW("ncclDevCommCreate failed: ", ncclGetErrorString(ncclResult_t(res)),
              " (direct mode needs every rank in one NVLink/LSA domain with CUDA P2P)");
   }
   EP_DEBUG("rank %d: devcomm lsaRank %d lsaSize %d\n", rank, lsa_rank, lsa_size_);
+  setup_failed_everywhere_ = lsa_size_ != num_ranks || lsa_rank != rank;  // the same on every rank
   CK_CHECK(lsa_size_ == num_ranks && lsa_rank == rank, "direct mode needs all ", num_ranks,
            " ranks in one NVLink (LSA) domain, but NCCL reports an LSA team of ", lsa_size_,
            " with this rank at ", lsa_rank, "; hybrid scale-out mode is not implemented yet");
@@ -175,6 +183,39 @@ Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_
   finish_setup();
 }
 
+void Runtime::abandon_setup() noexcept {
+  for (void** ev : {&event_in_, &event_out_, &notify_done_, &epi_done_})
+    if (*ev != nullptr) {
+      cudaEventDestroy(static_cast<cudaEvent_t>(*ev));
+      *ev = nullptr;
+    }
+  if (epi_stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(epi_stream_));
+  epi_stream_ = nullptr;
+  if (peer_bases_ != nullptr) cudaFree(peer_bases_);
+  peer_bases_ = nullptr;
+  if (host_ws_ != nullptr) cudaFreeHost(host_ws_);
+  host_ws_ = nullptr;
+  if (ipc_) {
+    if (sym_ptr_ != nullptr) cudaFree(sym_ptr_);
+    sym_ptr_ = nullptr;
+  } else if (window_ == nullptr || setup_failed_everywhere_) {
+    // Registration is collective: undone only where no rank got past it (it failed) or where every
+    // rank failed on the same check (the LSA team, the device communicator), so every rank is here.
+    if (devcomm_ != nullptr) devcomm_destroy(comm_, devcomm_);
+    devcomm_ = nullptr;
+    if (window_ != nullptr)
+      ncclCommWindowDeregister(static_cast<ncclComm_t>(comm_), static_cast<ncclWindow_t>(window_));
+    window_ = nullptr;
+    if (sym_ptr_ != nullptr) ncclMemFree(sym_ptr_);
+    sym_ptr_ = nullptr;
+  }
+  // Otherwise a failure of this rank alone (a small cudaMalloc, the host workspace) after the
+  // registration: a one-sided deregistration could wait for peers whose set-up went on, so the
+  // window stays registered until the communicator is destroyed (the buffer's other memory is freed).
+  destroyed_ = true;
+  (void)cudaGetLastError();
+}
+
 Runtime::Runtime(Ipc, int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs,
                  int num_gpu_timeout_secs)
     : rank_(rank),
@@ -190,7 +231,12 @@ Runtime::Runtime(Ipc, int rank, int num_ranks, int64_t num_buffer_bytes, int num
   lsa_base_ = sym_ptr_;
   lsa_size_ = num_ranks;  // the caller promises one P2P domain (or one GPU)
   ipc_peers_.assign(size_t(num_ranks), nullptr);
-  finish_setup();
+  try {
+    finish_setup();
+  } catch (...) {
+    abandon_setup();
+    throw;
+  }
   // Unusable (pending_health reports it) until the peers' windows are open.
   broken_ = true;
   broken_reason_ = "its CUDA-IPC window is not connected: open_ipc_peers() has not run";
@@ -290,8 +336,8 @@ void Runtime::destroy() {
     // Nothing makes CUDA IPC teardown collective: a device barrier first, so no peer still writes
     // into (or reads) this window when it is freed. (Not needed when this rank never entered an
     // operation: a peer writes here only after this rank published an epoch, and this rank read no
-    // peer's window. That is also the case after a failed set-up, where peers may never arrive.) A peer that never arrives leaves a timeout
-    // record; the window is then leaked as after any timeout. With num_gpu_timeout_secs = 0 (no device
+    // peer's window. That is also the case after a failed set-up, where peers may never arrive.) A
+    // peer that never arrives leaves a timeout record; the window is then leaked as after any timeout. With num_gpu_timeout_secs = 0 (no device
     // deadline) the operations may wait forever, but teardown may not: it gets its own deadline.
     CommView v = view();
     if (v.timeout_ns == 0) v.timeout_ns = kIpcDestroyDeadlineNs;
@@ -366,6 +412,20 @@ void Runtime::barrier(int64_t stream) {
   entered_ = true;
   launch_barrier(view(), reinterpret_cast<void*>(stream));
   CK_CUDA_CHECK(cudaGetLastError());
+}
+
+void Runtime::debug_seed_epoch(uint64_t last_epoch) {
+  CK_CHECK(!destroyed_ && !broken_, "debug_seed_epoch needs a usable buffer");
+  set_device();
+  CK_CUDA_CHECK(cudaDeviceSynchronize());  // no kernel of this rank may be running
+  const auto ws = workspace_layout();
+  char* base = static_cast<char*>(sym_ptr_);
+  CK_CUDA_CHECK(cudaMemcpy(base + ws.grid_counter.offset + 4ull * kGridCounterEpochSlot, &last_epoch,
+                           sizeof(last_epoch), cudaMemcpyHostToDevice));
+  const std::vector<uint64_t> words(std::max(kMaxRanks, kMaxExperts), uint64_t(uint32_t(last_epoch)) << 32);
+  CK_CUDA_CHECK(cudaMemcpy(base + ws.rank_count.offset, words.data(), 8ull * kMaxRanks, cudaMemcpyHostToDevice));
+  CK_CUDA_CHECK(
+      cudaMemcpy(base + ws.expert_count.offset, words.data(), 8ull * kMaxExperts, cudaMemcpyHostToDevice));
 }
 
 int Runtime::pending_health() const {

@@ -78,6 +78,17 @@ class Runtime {
   TimeoutInfo take_timeout();
   bool broken() const { return broken_; }
   const std::string& broken_reason() const { return broken_reason_; }
+  // The host gave up on an operation half way (e.g. an allocation failed after the push was
+  // launched): this rank's epoch is then behind its peers', so the buffer must be recreated.
+  void mark_broken(const std::string& reason) {
+    if (!broken_) broken_reason_ = reason;
+    broken_ = true;
+  }
+  // Tests only, between operations, on every rank with the same value (then a process-group
+  // barrier): makes `last_epoch` the epoch of the last completed operation, and the count words the
+  // peers wrote then carry its tag, as if that many operations had run. Lets a test cross the
+  // 32-bit tag wrap of the count words (2^32 operations) in a few calls.
+  void debug_seed_epoch(uint64_t last_epoch);
 
   // Bits of what take_timeout / broken / take_masked_ids would report, in one cheap call:
   // kHealthTimeout (a device timeout record is pending), kHealthBroken (unusable or destroyed),
@@ -119,6 +130,11 @@ class Runtime {
   uint64_t begin_setup(int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs);
   // Host workspace, events, zeroed device workspace: the half of the set-up both windows share.
   void finish_setup();
+  // The rest of the NCCL constructor, after ncclMemAlloc.
+  void setup_nccl_window(uint64_t total);
+  // A constructor failed (no destructor runs then): frees what it had made. The NCCL window and the
+  // device communicator are torn down only when that is safe without peers (see the definition).
+  void abandon_setup() noexcept;
   // `waiter` waits for the work queued on `signaller` so far (an event recorded there); a no-op when
   // either is kNoStream or both are the same stream. Capturable: the usual fork/join of a CUDA graph.
   void stream_wait(int64_t waiter, int64_t signaller, void* event);
@@ -158,6 +174,7 @@ class Runtime {
   void* epi_done_ = nullptr;
   uint64_t masked_ids_seen_ = 0;
   bool destroyed_ = false;
+  bool setup_failed_everywhere_ = false;  // the set-up failed on a check every rank fails alike
   bool broken_ = false;
   std::string broken_reason_;
 };

@@ -196,15 +196,20 @@ CK_HD constexpr int64_t calculate_buffer_size(int64_t num_max_tokens_per_rank, i
 // expert ids outside [-1, E) to a CPU-synced dispatch, which every rank then refuses.
 constexpr uint64_t kRefusedBit = 1ull << 31;
 constexpr uint64_t kCountMask = kRefusedBit - 1ull;
+// grid_counter words kGridCounterEpochSlot and the next hold the u64 epoch of the last completed
+// operation (kernels.cu; 8-byte aligned: the region is 128-byte aligned and the slot even).
+constexpr int kGridCounterEpochSlot = 8;
 
-// Workspace: signal words are u64 "(epoch << 32) | payload" or plain epochs; see kernels.cu.
+// Workspace: signal words are u64 "(epoch tag << 32) | payload" (tag = epoch mod 2^32, compared in
+// serial-number order) or plain u64 epochs; see kernels.cu.
 struct WorkspaceLayout {
   Region barrier_signal;   // u64[kMaxRanks]     epoch a peer has entered (written by the peer)
   Region rank_count;       // u64[kMaxRanks]     (epoch<<32)|tokens the peer sends me
   Region expert_count;     // u64[kMaxExperts]   [src][local expert] (epoch<<32)|tokens for that expert
   Region dispatch_done;    // u64[kMaxRanks]     epoch whose dispatch records from the peer are complete
   Region combine_done;     // u64[kMaxRanks]     epoch whose combine records from the peer are complete
-  Region grid_counter;     // u32[16]            local: blocks finished (reset by the last block)
+  Region grid_counter;     // u32[16]            local: blocks finished (reset by the last block);
+                           //                    [kGridCounterEpochSlot, +1]: the u64 epoch
   Region expert_cursor;    // i32[kMaxLocalExperts] local: expand-mode row cursors (reset by the last block)
   Region notify_expert;    // u32[kMaxExperts]   local: notify's per-expert counts summed over its blocks
                            //                    (reset by its last block)
