@@ -163,3 +163,18 @@ def test_chunk_order_visits_every_row_once_chunk_major(R, rank, rows):
     assert keys == sorted(keys)
     with pytest.raises(ValueError):
         _C.chunk_order(R, R, rows)
+
+
+def test_hybrid_layouts_follow_the_seed():
+    # Hybrid mode (scale-out > 1) is not implemented by the runtime, but its size hints follow the
+    # seed's formulas (as _sizing.py does) instead of direct-mode figures. 2 x 4 ranks, 128 tokens,
+    # hidden 1024 bf16, top-8; 1280 = the seed's kNumMaxChannels.
+    tok_d, tok_c = ref_dispatch_record(1024, 2, 0, 8), ref_combine_record(1024, 8)
+    d = tok_d * (4 * 2 * 128 + 128 + 2 * (128 + 1280))
+    c = tok_c * (4 * 2 * 128 + 2 * 128 + 2 * (128 + 1280))
+    assert ll.ElasticBuffer.get_dispatch_buffer_size(128, 1024, 0, 8, 2, 2, 4, True) == d
+    assert ll.ElasticBuffer.get_combine_buffer_size(128, 1024, 8, 2, 4, True, True) == c
+    assert _C.calculate_buffer_size_for_domain(128, 1024, 8, False, 2, 4, True, True) == \
+        (max(d, c) + MIB2 - 1) // MIB2 * MIB2
+    # Larger than the direct-mode figure of the same 8 ranks, which would undersize a hybrid buffer.
+    assert d > ll.ElasticBuffer.get_dispatch_buffer_size(128, 1024, 0, 8, 2, 1, 8, True)

@@ -188,6 +188,8 @@ PYBIND11_MODULE(_C, m) {
           CK_CHECK_ARG(num_max_tokens_per_rank > 0 && hidden > 0 && num_sf_packs >= 0 && num_topk > 0 &&
                            elem_size > 0 && num_scaleout_ranks > 0 && num_scaleup_ranks > 0,
                        "get_dispatch_buffer_size: every size must be positive (num_sf_packs >= 0)");
+          CK_CHECK_ARG(num_topk <= kMaxTopk, "get_dispatch_buffer_size: num_topk must be at most ", kMaxTopk,
+                       ", got ", num_topk);
           return dispatch_buffer_size(num_max_tokens_per_rank, hidden, num_sf_packs, num_topk, elem_size,
                                       num_scaleout_ranks, num_scaleup_ranks, is_scaleup_nvlink);
         });
@@ -197,6 +199,8 @@ PYBIND11_MODULE(_C, m) {
           CK_CHECK_ARG(num_max_tokens_per_rank > 0 && hidden > 0 && num_topk > 0 && num_scaleout_ranks > 0 &&
                            num_scaleup_ranks > 0,
                        "get_combine_buffer_size: every size must be positive");
+          CK_CHECK_ARG(num_topk <= kMaxTopk, "get_combine_buffer_size: num_topk must be at most ", kMaxTopk,
+                       ", got ", num_topk);
           return combine_buffer_size(num_max_tokens_per_rank, hidden, num_topk, num_scaleout_ranks,
                                      num_scaleup_ranks, is_scaleup_nvlink, allow_multiple_reduction);
         });

@@ -142,30 +142,53 @@ CK_HD constexpr bool combine_slot_per_rank(int num_ranks, int num_topk, bool all
   return allow_multiple_reduction && num_ranks <= num_topk;
 }
 
-// The seed's get_dispatch_buffer_size. Direct mode (one scale-out rank) only; hybrid is planned.
+// Channels of the seed's hybrid (scale-out + scale-up) kernels, kNumMaxChannelsPerSM x kNumMaxSMs. Only
+// the size hints use it: hybrid mode is not implemented here, but its sizes are pure arithmetic, so
+// they follow the seed rather than silently returning direct-mode figures (a caller sizing a buffer
+// for a later hybrid runtime would get one that is too small). _sizing.py mirrors every function below.
+constexpr int64_t kHybridNumMaxChannels = int64_t(8) * 160;
+
+// The seed's get_dispatch_buffer_size.
 CK_HD constexpr int64_t dispatch_buffer_size(int64_t num_max_tokens_per_rank, int64_t hidden,
                                              int64_t num_sf_packs, int64_t num_topk, int64_t elem_size,
                                              int64_t num_scaleout_ranks, int64_t num_scaleup_ranks,
                                              bool is_scaleup_nvlink) {
   const auto tok = dispatch_token_layout(hidden, elem_size, num_sf_packs, num_topk).bytes;
   const int64_t num_ranks = num_scaleout_ranks * num_scaleup_ranks;
-  // Peers outside NVLink would need a staging send buffer; inside NVLink records go straight to the peer.
-  const int64_t send = buffer_layout_bytes(tok, is_scaleup_nvlink ? 0 : 1, num_max_tokens_per_rank);
-  const int64_t recv = buffer_layout_bytes(tok, num_ranks, num_max_tokens_per_rank);
-  return send + recv;
+  if (num_scaleout_ranks == 1) {
+    // Peers outside NVLink would need a staging send buffer; inside NVLink records go straight to the peer.
+    const int64_t send = buffer_layout_bytes(tok, is_scaleup_nvlink ? 0 : 1, num_max_tokens_per_rank);
+    const int64_t recv = buffer_layout_bytes(tok, num_ranks, num_max_tokens_per_rank);
+    return send + recv;
+  }
+  // Hybrid: scale-up receive area for every scale-out peer's tokens, one scale-out send area, and a
+  // scale-out receive area with room for one partly filled chunk per channel.
+  return buffer_layout_bytes(tok, num_scaleup_ranks, num_scaleout_ranks * num_max_tokens_per_rank) +
+         buffer_layout_bytes(tok, 1, num_max_tokens_per_rank) +
+         buffer_layout_bytes(tok, num_scaleout_ranks, num_max_tokens_per_rank + kHybridNumMaxChannels);
 }
 
-// The seed's get_combine_buffer_size (direct mode).
+// The seed's get_combine_buffer_size.
 CK_HD constexpr int64_t combine_buffer_size(int64_t num_max_tokens_per_rank, int64_t hidden, int64_t num_topk,
                                             int64_t num_scaleout_ranks, int64_t num_scaleup_ranks,
                                             bool is_scaleup_nvlink, bool allow_multiple_reduction) {
   const int64_t num_ranks = num_scaleout_ranks * num_scaleup_ranks;
   const auto tok = combine_token_layout(hidden, 2, num_topk).bytes;
-  const int64_t slots = combine_num_slots(int(num_ranks), int(num_topk), allow_multiple_reduction);
-  const int64_t send = buffer_layout_bytes(tok, is_scaleup_nvlink ? 0 : num_ranks,
-                                           num_max_tokens_per_rank * (allow_multiple_reduction ? 1 : num_topk));
-  const int64_t recv = buffer_layout_bytes(tok, slots, num_max_tokens_per_rank);
-  return send + recv;
+  if (num_scaleout_ranks == 1) {
+    const int64_t slots = combine_num_slots(int(num_ranks), int(num_topk), allow_multiple_reduction);
+    const int64_t send = buffer_layout_bytes(tok, is_scaleup_nvlink ? 0 : num_ranks,
+                                             num_max_tokens_per_rank * (allow_multiple_reduction ? 1 : num_topk));
+    const int64_t recv = buffer_layout_bytes(tok, slots, num_max_tokens_per_rank);
+    return send + recv;
+  }
+  // Hybrid: scale-up receive slots per token of every scale-out peer, scale-out receive slots, and the
+  // scale-out send area (one row per token with multiple reduction, else one per top-k lane).
+  const int64_t up_slots = combine_num_slots(int(num_scaleup_ranks), int(num_topk), allow_multiple_reduction);
+  const int64_t out_slots = combine_num_slots(int(num_scaleout_ranks), int(num_topk), allow_multiple_reduction);
+  return buffer_layout_bytes(tok, up_slots, num_scaleout_ranks * num_max_tokens_per_rank) +
+         buffer_layout_bytes(tok, out_slots, num_max_tokens_per_rank) +
+         buffer_layout_bytes(tok, allow_multiple_reduction ? 1 : num_topk,
+                             num_scaleout_ranks * (num_max_tokens_per_rank + kHybridNumMaxChannels));
 }
 
 // Approximate SF pack count used for sizing: one 4 B pack per 32 elements is the worst case
@@ -180,7 +203,8 @@ CK_HD constexpr int64_t calculate_buffer_size(int64_t num_max_tokens_per_rank, i
                                               bool use_fp8_dispatch, int64_t num_scaleout_ranks,
                                               int64_t num_scaleup_ranks, bool is_scaleup_nvlink,
                                               bool allow_multiple_reduction) {
-  if (num_max_tokens_per_rank <= 0 || hidden <= 0 || num_topk < 0) return -1;
+  if (num_max_tokens_per_rank <= 0 || hidden <= 0 || num_topk < 0 || num_topk > kMaxTopk) return -1;
+  if (num_scaleout_ranks <= 0 || num_scaleup_ranks <= 0) return -1;
   if (int64_t(ceil_div(uint64_t(hidden), 32)) * 4 > hidden) return -1;
   const int64_t k = num_topk == 0 ? kSizingDefaultTopk : num_topk;
   const int64_t elem = use_fp8_dispatch ? 1 : 2;

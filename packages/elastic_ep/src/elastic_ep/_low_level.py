@@ -208,6 +208,10 @@ def _stream_wait(dst: torch.cuda.Stream, src) -> None:
 
 _NO_STREAM = -1  # the runtime's "no stream" (0 is a real one: the legacy default stream, torch's default)
 
+# How far a dispatch / combine got when it raised (see ElasticBuffer._abandon): nothing queued on the
+# device yet; the first kernels possibly queued without the one that ends the operation; all queued.
+_NOTHING_QUEUED, _EPILOGUE_OWED, _ALL_QUEUED = 0, 1, 2
+
 
 def _current_raw_stream(device: int) -> int:
     """The current stream's ``cudaStream_t`` (what ``torch.cuda.current_stream(device).cuda_stream``
@@ -257,11 +261,19 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else int(t.data_ptr())
 
 
-def _check_cuda_tensor(name: str, t: torch.Tensor, dtypes, ndim: int, contiguous: bool = True) -> None:
+def _check_cuda_tensor(name: str, t: torch.Tensor, dtypes, ndim: int, device: int, contiguous: bool = True) -> None:
+    """Raises ValueError unless ``t`` is a tensor on CUDA device ``device`` (the buffer's) with the
+    given dtypes and dimensions. The kernels take raw pointers, so a tensor on another GPU would be
+    read or written through the wrong device's address space."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_cuda:
-        raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+    # One integer compare on the critical path: get_device() is the CUDA index, -1 for any other device.
+    if t.get_device() != device:
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor on cuda:{device} (the buffer's device), got device "
+                             f"{t.device}")
+        raise ValueError(f"{name} is on {t.device}, but this buffer is on cuda:{device}: every tensor of a call "
+                         "must be on the buffer's device")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
@@ -423,11 +435,23 @@ class ElasticBuffer:
         if self._rt.broken:
             raise CommError(f"this elastic buffer is unusable ({self._rt.broken_reason}); destroy it and create "
                             "a new one")
+        # Taken even when they are not reported, so that pending_health() is 0 again (the cheap path).
         num_bad, example = self._rt.take_masked_ids()
-        if num_bad:
-            raise ValueError(f"topk_idx: an earlier dispatch without CPU sync had {num_bad} expert ids outside "
-                             f"[-1, num_experts) (e.g. {example}); they were treated as masked (-1). The buffer is "
-                             "fine; the routing is wrong")
+        if num_bad and self._refuse_bad_ids:  # EP_SKIP_INDEX_CHECK=1: masked silently, as documented
+            raise ValueError(self._masked_ids_message(num_bad, example))
+
+    def _masked_ids_message(self, num_bad: int, example: int) -> str:
+        msg = (f"topk_idx: an earlier dispatch without CPU sync had {num_bad} expert ids outside [-1, num_experts) "
+               f"(e.g. {example}); notify treated them as masked (-1) and this call was refused before launching "
+               "anything.")
+        if self.num_ranks == 1:
+            return msg + " The buffer is still usable; the routing is wrong."
+        return (msg + f" This is a multi-rank job ({self.num_ranks} ranks) and only this rank knows: the other "
+                "ranks' next operation on this buffer waits for this rank on the GPU and times out after "
+                "num_gpu_timeout_secs unless this rank joins it, and the buffer must then be destroyed and "
+                "recreated on every rank. Dispatch with do_cpu_sync=True (the default) to have every rank refuse "
+                "such ids consistently, the buffer staying usable, or set EP_SKIP_INDEX_CHECK=1 to mask them "
+                "silently.")
 
     def _refused_error(self, num_experts: int) -> ValueError:
         """The ValueError of a CPU-synced dispatch that notify refused on every rank (bad expert ids)."""
@@ -446,6 +470,39 @@ class ElasticBuffer:
         err.operation, err.rank, err.peer = f"elastic_ep {what}", self.rank_idx, -1
         err.expected, err.observed = expected, observed
         return err
+
+    def _abandon(self, op: str, err: BaseException, stage: int, compute_stream: Optional[torch.cuda.Stream],
+                 allocate_on_comm_stream: bool) -> None:
+        """Clean-up of a dispatch / combine that raises ``err`` (which the caller re-raises).
+
+        * ``stage == _EPILOGUE_OWED``: the first kernels may be queued without the one that ends the
+          operation (the copy epilogue, the reduce): this rank's device epoch stays behind its peers',
+          and a later operation would read stale signals. Unless the runtime already knows (timeouts
+          mark it broken themselves), the buffer is marked broken: later calls raise through
+          ``_alive()``.
+        * any kernel queued: the caller's stream waits for the communication stream, as after a call
+          that succeeds. The kernels still read and write tensors that the caller's stream may free
+          and reuse, or overwrite, once this raises; they end at the latest at the GPU deadline.
+        * always: the caller's stream is current again (``allocate_on_comm_stream`` made the
+          communication stream current), so no later work of the caller silently runs there.
+        """
+        # Each step on its own: a step that fails must neither skip the others nor replace `err`.
+        try:
+            if stage == _EPILOGUE_OWED and not self._rt.broken:
+                self._rt.mark_broken(
+                    f"elastic_ep {op} stopped after its first kernels were queued, by {type(err).__name__}: {err}; "
+                    "this rank's signals are out of step with its peers' (their next operation times out "
+                    "waiting for it), so every rank must recreate the buffer")
+        except Exception:  # noqa: BLE001 - see above
+            pass
+        try:
+            if stage != _NOTHING_QUEUED:
+                waiter = compute_stream if compute_stream is not None else torch.cuda.current_stream(self.device)
+                waiter.wait_stream(self.comm_stream)
+        except Exception:  # noqa: BLE001 - see above
+            pass
+        if allocate_on_comm_stream and compute_stream is not None:
+            torch.cuda.set_stream(compute_stream)
 
     # ---------------------------------------------------------------------------------- properties
     def get_comm_stream(self) -> torch.cuda.Stream:
@@ -523,9 +580,11 @@ class ElasticBuffer:
         if previous_event is not None and not allocate_on_comm_stream:
             raise ValueError("previous_event requires allocate_on_comm_stream=True (the tensors of overlapped "
                              "compute must not be reused by allocations on the compute stream)")
+        _stream_wait(self.comm_stream, previous_event if previous_event is not None else compute_stream)
+        # Last: either this raised above with the caller's stream still current, or it returns the
+        # stream that the caller (dispatch / combine, also on their error paths) must make current again.
         if allocate_on_comm_stream:
             torch.cuda.set_stream(self.comm_stream)
-        _stream_wait(self.comm_stream, previous_event if previous_event is not None else compute_stream)
         return compute_stream
 
     def stream_control_before_epilogue(self, previous_event_before_epilogue: Optional[EventHandle]) -> None:
@@ -683,7 +742,8 @@ class ElasticBuffer:
         compute_raw = _current_raw_stream(self.device)
         # Expert ids outside [-1, E): with a CPU sync, notify counts them and the dispatch is refused on
         # every rank (nothing is pushed, every host raises below, the buffer stays usable); without
-        # one, notify masks them and the next call raises (take_masked_ids in _alive).
+        # one, notify masks them and the next call raises (take_masked_ids in _alive). With
+        # EP_SKIP_INDEX_CHECK=1 they are only masked.
         refuse_bad_ids = do_cpu_sync and not cached and self._refuse_bad_ids
 
         dev = x.device
@@ -700,90 +760,100 @@ class ElasticBuffer:
             copied = torch.empty_like(topk_idx) if do_handle_copy else None
             return ints[:a], ints[a:b], ints[b:c], ints[c:].view(T, K), copied
 
-        if fast_streams:
-            notify_outputs = allocate_notify_outputs()
         compute_stream = None
-        if not fast_streams:
-            # Stream control; every allocation below happens after it (on the comm stream if asked).
-            compute_stream = self.stream_control_prologue(previous_event, allocate_on_comm_stream,
-                                                          async_with_compute_stream)
-            notify_outputs = allocate_notify_outputs()
-        psum_rank, psum_expert_full, unaligned, slot_idx, copied_topk_idx = notify_outputs
-        psum_expert = cached_psum_num_recv_tokens_per_expert if cached else None
+        stage = _NOTHING_QUEUED  # how far this call got, for _abandon if anything below raises
+        try:
+            if not fast_streams:
+                # Stream control; every allocation below happens after it (on the comm stream if asked).
+                compute_stream = self.stream_control_prologue(previous_event, allocate_on_comm_stream,
+                                                              async_with_compute_stream)
+            psum_rank, psum_expert_full, unaligned, slot_idx, copied_topk_idx = allocate_notify_outputs()
+            psum_expert = cached_psum_num_recv_tokens_per_expert if cached else None
 
-        inputs = dict(x=_ptr(x), sf=_ptr(sf), sf_token_stride=sf.stride(0) if sf is not None else 0,
-                      sf_hidden_stride=sf.stride(1) if sf is not None else 0)
-        self._rt.dispatch(dict(
-            inputs,
-            topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights), copied_topk_idx=_ptr(copied_topk_idx),
-            cumulative_stats=0 if cached else _ptr(cumulative_local_expert_recv_stats),
-            psum_rank=_ptr(psum_rank), psum_expert=_ptr(psum_expert_full), unaligned_expert=_ptr(unaligned),
-            slot_idx=_ptr(slot_idx), num_tokens=T, num_max_tokens_per_rank=num_max_tokens_per_rank,
-            hidden_bytes=hidden_bytes, num_sf_packs=num_sf_packs, num_experts=num_experts, num_topk=K,
-            expert_alignment=expert_alignment, cached=int(cached), num_sms=push_sms if overlap else num_sms,
-            refuse_bad_ids=int(refuse_bad_ids), overlap=int(overlap),
-        ), self._comm_raw, compute_raw if fast_streams else _NO_STREAM)
+            inputs = dict(x=_ptr(x), sf=_ptr(sf), sf_token_stride=sf.stride(0) if sf is not None else 0,
+                          sf_hidden_stride=sf.stride(1) if sf is not None else 0)
+            # From here until the epilogue is queued, this rank owes its peers the rest of the operation.
+            # (Set before the call: a launch error inside it may come after notify was queued.)
+            stage = _EPILOGUE_OWED
+            self._rt.dispatch(dict(
+                inputs,
+                topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights), copied_topk_idx=_ptr(copied_topk_idx),
+                cumulative_stats=0 if cached else _ptr(cumulative_local_expert_recv_stats),
+                psum_rank=_ptr(psum_rank), psum_expert=_ptr(psum_expert_full), unaligned_expert=_ptr(unaligned),
+                slot_idx=_ptr(slot_idx), num_tokens=T, num_max_tokens_per_rank=num_max_tokens_per_rank,
+                hidden_bytes=hidden_bytes, num_sf_packs=num_sf_packs, num_experts=num_experts, num_topk=K,
+                expert_alignment=expert_alignment, cached=int(cached), num_sms=push_sms if overlap else num_sms,
+                refuse_bad_ids=int(refuse_bad_ids), overlap=int(overlap),
+            ), self._comm_raw, compute_raw if fast_streams else _NO_STREAM)
 
-        if cached:
-            num_recv_tokens = int(cached_num_recv_tokens)
-            num_expanded_tokens = int(cached_num_expanded_tokens)
-            num_recv_tokens_per_expert_list = list(cached_num_recv_tokens_per_expert_list)
-        elif do_cpu_sync:
-            status, num_recv_tokens, num_expanded_tokens, num_recv_tokens_per_expert_list, nr, ne = \
-                self._rt.wait_dispatch_counts(L)
-            if status == 1:
-                self._alive()  # raises the device timeout
-            elif status == 2:
-                raise self._cpu_timeout("dispatch CPU wait for the token counts",
-                                        f"ranks whose counts arrived {nr}/{R}, local experts {ne}/{L}; destroy "
-                                        "this buffer and create a new one", R + L, nr + ne)
-            elif status == 3:
-                raise self._refused_error(num_experts)
-        else:
-            num_recv_tokens = int(_C.worst_case_num_recv_tokens(R, num_max_tokens_per_rank))
-            num_expanded_tokens = int(_C.worst_case_num_expanded_tokens(R, num_max_tokens_per_rank, K, L,
-                                                                        expert_alignment))
-            num_recv_tokens_per_expert_list = []
-
-        n_alloc = num_expanded_tokens if do_expand else num_recv_tokens
-        recv_x = torch.empty((n_alloc, hidden), dtype=x.dtype, device=dev)
-        recv_sf = None
-        sf_ts = sf_hs = 0
-        if sf is not None:
-            if use_tma_aligned_col_major_sf:
-                sf_ts, sf_hs = 1, (n_alloc + _SF_PACK_ALIGN - 1) // _SF_PACK_ALIGN * _SF_PACK_ALIGN
+            if cached:
+                num_recv_tokens = int(cached_num_recv_tokens)
+                num_expanded_tokens = int(cached_num_expanded_tokens)
+                num_recv_tokens_per_expert_list = list(cached_num_recv_tokens_per_expert_list)
+            elif do_cpu_sync:
+                status, num_recv_tokens, num_expanded_tokens, num_recv_tokens_per_expert_list, nr, ne = \
+                    self._rt.wait_dispatch_counts(L)
+                # The runtime itself marks the buffer broken on a device or CPU timeout (statuses 1, 2).
+                if status == 1:
+                    self._alive()  # raises the device timeout
+                elif status == 2:
+                    raise self._cpu_timeout("dispatch CPU wait for the token counts",
+                                            f"ranks whose counts arrived {nr}/{R}, local experts {ne}/{L}; destroy "
+                                            "this buffer and create a new one", R + L, nr + ne)
+                elif status == 3:
+                    # Refused on every rank: the push kernel ended the operation without an epilogue, so
+                    # nothing is owed and the buffer stays usable.
+                    stage = _ALL_QUEUED
+                    raise self._refused_error(num_experts)
             else:
-                sf_ts, sf_hs = num_sf_packs, 1
-            recv_sf = torch.empty_strided((n_alloc, num_sf_packs), (sf_ts, sf_hs), dtype=sf.dtype, device=dev)
-        recv_topk_idx = None if do_expand else torch.empty((n_alloc, K), dtype=topk_idx_t, device=dev)
-        recv_topk_weights = None
-        if topk_weights is not None:
-            recv_topk_weights = torch.empty((n_alloc,) if do_expand else (n_alloc, K), dtype=torch.float32,
-                                            device=dev)
-        recv_src_metadata = cached_recv_src_metadata if cached else torch.empty((num_recv_tokens, K + 2),
-                                                                                 dtype=torch.int32, device=dev)
-        if not cached:
-            # Expand mode: the exclusive starts (become start + count); otherwise the inclusive sums.
-            psum_expert = psum_expert_full[:L] if do_expand else psum_expert_full[1:]
-        self.stream_control_before_epilogue(previous_event_before_epilogue)
-        self._rt.dispatch_epilogue(dict(
-            inputs,  # rows this rank sends to itself are copied from x by the epilogue
-            recv_x=_ptr(recv_x), recv_sf=_ptr(recv_sf), recv_sf_token_stride=sf_ts, recv_sf_hidden_stride=sf_hs,
-            recv_topk_idx=_ptr(recv_topk_idx), recv_topk_weights=_ptr(recv_topk_weights),
-            recv_src_metadata=_ptr(recv_src_metadata), psum_rank=_ptr(psum_rank),
-            psum_expert=0 if cached else _ptr(psum_expert_full),
-            unaligned_expert=_ptr(unaligned), num_max_tokens_per_rank=num_max_tokens_per_rank,
-            hidden_bytes=hidden_bytes, num_sf_packs=num_sf_packs, num_experts=num_experts, num_topk=K,
-            expert_alignment=expert_alignment, do_expand=int(do_expand), cached=int(cached),
-            do_zero_padding=int(do_zero_padding), num_sms=epilogue_sms, overlap=int(overlap),
-        ), self._comm_raw, compute_raw if fast_streams else _NO_STREAM)
-        event = None
-        if not fast_streams:
-            event = self.stream_control_epilogue(
-                [x, sf, topk_idx, topk_weights, recv_x, recv_sf, recv_topk_idx, recv_topk_weights,
-                 cumulative_local_expert_recv_stats, copied_topk_idx, psum_rank, psum_expert_full, psum_expert,
-                 unaligned, recv_src_metadata, slot_idx],
-                compute_stream, allocate_on_comm_stream, async_with_compute_stream)
+                num_recv_tokens = int(_C.worst_case_num_recv_tokens(R, num_max_tokens_per_rank))
+                num_expanded_tokens = int(_C.worst_case_num_expanded_tokens(R, num_max_tokens_per_rank, K, L,
+                                                                            expert_alignment))
+                num_recv_tokens_per_expert_list = []
+
+            n_alloc = num_expanded_tokens if do_expand else num_recv_tokens
+            recv_x = torch.empty((n_alloc, hidden), dtype=x.dtype, device=dev)
+            recv_sf = None
+            sf_ts = sf_hs = 0
+            if sf is not None:
+                if use_tma_aligned_col_major_sf:
+                    sf_ts, sf_hs = 1, (n_alloc + _SF_PACK_ALIGN - 1) // _SF_PACK_ALIGN * _SF_PACK_ALIGN
+                else:
+                    sf_ts, sf_hs = num_sf_packs, 1
+                recv_sf = torch.empty_strided((n_alloc, num_sf_packs), (sf_ts, sf_hs), dtype=sf.dtype, device=dev)
+            recv_topk_idx = None if do_expand else torch.empty((n_alloc, K), dtype=topk_idx_t, device=dev)
+            recv_topk_weights = None
+            if topk_weights is not None:
+                recv_topk_weights = torch.empty((n_alloc,) if do_expand else (n_alloc, K), dtype=torch.float32,
+                                                device=dev)
+            recv_src_metadata = cached_recv_src_metadata if cached else torch.empty((num_recv_tokens, K + 2),
+                                                                                     dtype=torch.int32, device=dev)
+            if not cached:
+                # Expand mode: the exclusive starts (become start + count); otherwise the inclusive sums.
+                psum_expert = psum_expert_full[:L] if do_expand else psum_expert_full[1:]
+            self.stream_control_before_epilogue(previous_event_before_epilogue)
+            self._rt.dispatch_epilogue(dict(
+                inputs,  # rows this rank sends to itself are copied from x by the epilogue
+                recv_x=_ptr(recv_x), recv_sf=_ptr(recv_sf), recv_sf_token_stride=sf_ts, recv_sf_hidden_stride=sf_hs,
+                recv_topk_idx=_ptr(recv_topk_idx), recv_topk_weights=_ptr(recv_topk_weights),
+                recv_src_metadata=_ptr(recv_src_metadata), psum_rank=_ptr(psum_rank),
+                psum_expert=0 if cached else _ptr(psum_expert_full),
+                unaligned_expert=_ptr(unaligned), num_max_tokens_per_rank=num_max_tokens_per_rank,
+                hidden_bytes=hidden_bytes, num_sf_packs=num_sf_packs, num_experts=num_experts, num_topk=K,
+                expert_alignment=expert_alignment, do_expand=int(do_expand), cached=int(cached),
+                do_zero_padding=int(do_zero_padding), num_sms=epilogue_sms, overlap=int(overlap),
+            ), self._comm_raw, compute_raw if fast_streams else _NO_STREAM)
+            stage = _ALL_QUEUED
+            event = None
+            if not fast_streams:
+                event = self.stream_control_epilogue(
+                    [x, sf, topk_idx, topk_weights, recv_x, recv_sf, recv_topk_idx, recv_topk_weights,
+                     cumulative_local_expert_recv_stats, copied_topk_idx, psum_rank, psum_expert_full, psum_expert,
+                     unaligned, recv_src_metadata, slot_idx],
+                    compute_stream, allocate_on_comm_stream, async_with_compute_stream)
+        except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too: re-raised after the clean-up
+            self._abandon("dispatch", e, stage, compute_stream, allocate_on_comm_stream)
+            raise
         return (recv_x, recv_sf, recv_topk_idx, recv_topk_weights, copied_topk_idx, num_recv_tokens,
                 num_expanded_tokens, num_recv_tokens_per_expert_list, psum_rank, psum_expert, unaligned,
                 recv_src_metadata, slot_idx, None, None, event)
@@ -795,10 +865,10 @@ class ElasticBuffer:
                         cached_recv_src_metadata, num_max_tokens_per_rank, num_experts, expert_alignment,
                         do_cpu_sync, do_expand, do_zero_padding) -> None:
         """Every argument check of ``dispatch``; raises ValueError before anything is launched."""
-        R = self.num_ranks
+        R, dev = self.num_ranks, self.device
         cached = cached_num_recv_tokens is not None
         _checks.check_dispatch_modes(do_expand, do_zero_padding, do_cpu_sync, _checks.cached_handle_fields(locals()))
-        _check_cuda_tensor("x", x, (torch.bfloat16,) + _FP8_DTYPES, 2)
+        _check_cuda_tensor("x", x, (torch.bfloat16,) + _FP8_DTYPES, 2, dev)
         T, hidden = x.shape
         hidden_bytes = hidden * x.element_size()
         if hidden_bytes % 16:
@@ -812,7 +882,7 @@ class ElasticBuffer:
             raise ValueError(f"expert_alignment must be >= 1, got {expert_alignment}")
         if topk_idx is None:
             raise ValueError("topk_idx is required (cached mode passes the handle's topk_idx)")
-        _check_cuda_tensor("topk_idx", topk_idx, (topk_idx_t,), 2)
+        _check_cuda_tensor("topk_idx", topk_idx, (topk_idx_t,), 2, dev)
         if topk_idx.shape[0] != T:
             raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows, x has {T}")
         K = topk_idx.shape[1]
@@ -823,19 +893,19 @@ class ElasticBuffer:
         if sf is not None:
             if not is_fp8:
                 raise ValueError("sf must be None for bf16 x")
-            _check_cuda_tensor("sf", sf, (torch.float32, torch.int32), 2, contiguous=False)
+            _check_cuda_tensor("sf", sf, (torch.float32, torch.int32), 2, dev, contiguous=False)
             if sf.shape[0] != T:
                 raise ValueError(f"sf has {sf.shape[0]} rows, x has {T}")
             num_sf_packs = sf.shape[1]
         elif is_fp8:
             raise ValueError("FP8 x needs its scales: pass sf ([T, packs] float32 or packed int32)")
         if topk_weights is not None:
-            _check_cuda_tensor("topk_weights", topk_weights, (torch.float32,), 2)
+            _check_cuda_tensor("topk_weights", topk_weights, (torch.float32,), 2, dev)
             if tuple(topk_weights.shape) != (T, K):
                 raise ValueError(f"topk_weights must be [{T}, {K}], got {tuple(topk_weights.shape)}")
         if cumulative_local_expert_recv_stats is not None:
             _check_cuda_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                               (torch.int32,), 1)
+                               (torch.int32,), 1, dev)
             if cumulative_local_expert_recv_stats.shape[0] != L:
                 raise ValueError(f"cumulative_local_expert_recv_stats must have {L} entries, got "
                                  f"{cumulative_local_expert_recv_stats.shape[0]}")
@@ -858,7 +928,7 @@ class ElasticBuffer:
                                ("cached_num_unaligned_recv_tokens_per_expert", unaligned, (L,)),
                                ("cached_dst_buffer_slot_idx", slot_idx, (T, K)),
                                ("cached_recv_src_metadata", meta, (int(num_recv), K + 2))):
-            _check_cuda_tensor(name, t, (torch.int32,), len(shape))
+            _check_cuda_tensor(name, t, (torch.int32,), len(shape), self.device)
             if tuple(t.shape) != shape:
                 raise ValueError(f"{name} does not match this dispatch: expected shape {shape}, got {tuple(t.shape)} "
                                  "(the handle comes from a dispatch with other tokens, top-k or ranks)")
@@ -922,54 +992,69 @@ class ElasticBuffer:
         num_sms = self._num_sms(num_sms)
         fast_streams = previous_event is None and not allocate_on_comm_stream and not async_with_compute_stream
         compute_stream = None
-        if not fast_streams:
-            compute_stream = self.stream_control_prologue(previous_event, allocate_on_comm_stream,
-                                                          async_with_compute_stream)
-        compute_raw = _current_raw_stream(self.device) if fast_streams else _NO_STREAM
-        combined_x = torch.empty((T, hidden), dtype=torch.bfloat16, device=x.device)
-        combined_w = torch.empty((T, K), dtype=torch.float32, device=x.device) if topk_weights is not None else None
-        # previous_event_before_epilogue gates only the reduce: the push overlaps what it marks.
-        wait_event = 0
-        if previous_event_before_epilogue is not None:
-            wait_event = int(previous_event_before_epilogue.event.cuda_event)
-        overlap_push_blocks = 0 if wait_event else _overlap_push_blocks(self.combine_overlap, self.num_ranks,
-                                                                        num_sms, num_max_tokens_per_rank)
-        self._rt.combine(dict(
-            x=_ptr(x), topk_weights=_ptr(topk_weights), src_metadata=_ptr(src_metadata),
-            psum_rank=_ptr(psum_num_recv_tokens_per_scaleup_rank), combined_topk_idx=_ptr(combined_topk_idx),
-            combined_x=_ptr(combined_x), combined_topk_weights=_ptr(combined_w), bias0=_ptr(bias_0),
-            bias1=_ptr(bias_1), num_combined_tokens=T, num_max_tokens_per_rank=num_max_tokens_per_rank,
-            hidden=hidden, num_experts=num_experts, num_topk=K, use_expanded_layout=int(use_expanded_layout),
-            allow_multiple_reduction=int(self.allow_multiple_reduction), num_sms=num_sms,
-            overlap_push_blocks=overlap_push_blocks,
-        ), self._comm_raw, wait_event, compute_raw, compute_raw)
-        event = None
-        if not fast_streams:
-            event = self.stream_control_epilogue(
-                [x, topk_weights, bias_0, bias_1, src_metadata, combined_topk_idx, combined_x, combined_w,
-                 psum_num_recv_tokens_per_scaleup_rank], compute_stream, allocate_on_comm_stream,
-                async_with_compute_stream)
+        stage = _NOTHING_QUEUED  # how far this call got, for _abandon if anything below raises
+        try:
+            if not fast_streams:
+                compute_stream = self.stream_control_prologue(previous_event, allocate_on_comm_stream,
+                                                              async_with_compute_stream)
+            compute_raw = _current_raw_stream(self.device) if fast_streams else _NO_STREAM
+            combined_x = torch.empty((T, hidden), dtype=torch.bfloat16, device=x.device)
+            combined_w = (torch.empty((T, K), dtype=torch.float32, device=x.device) if topk_weights is not None
+                          else None)
+            # previous_event_before_epilogue gates only the reduce: the push overlaps what it marks.
+            wait_event = 0
+            if previous_event_before_epilogue is not None:
+                wait_event = int(previous_event_before_epilogue.event.cuda_event)
+            overlap_push_blocks = 0 if wait_event else _overlap_push_blocks(self.combine_overlap, self.num_ranks,
+                                                                            num_sms, num_max_tokens_per_rank)
+            # The push and the reduce (which ends the operation) are queued by this one call; if it
+            # raises, the push may be queued without the reduce.
+            stage = _EPILOGUE_OWED
+            self._rt.combine(dict(
+                x=_ptr(x), topk_weights=_ptr(topk_weights), src_metadata=_ptr(src_metadata),
+                psum_rank=_ptr(psum_num_recv_tokens_per_scaleup_rank), combined_topk_idx=_ptr(combined_topk_idx),
+                combined_x=_ptr(combined_x), combined_topk_weights=_ptr(combined_w), bias0=_ptr(bias_0),
+                bias1=_ptr(bias_1), num_combined_tokens=T, num_max_tokens_per_rank=num_max_tokens_per_rank,
+                hidden=hidden, num_experts=num_experts, num_topk=K, use_expanded_layout=int(use_expanded_layout),
+                allow_multiple_reduction=int(self.allow_multiple_reduction), num_sms=num_sms,
+                overlap_push_blocks=overlap_push_blocks,
+            ), self._comm_raw, wait_event, compute_raw, compute_raw)
+            stage = _ALL_QUEUED
+            event = None
+            if not fast_streams:
+                event = self.stream_control_epilogue(
+                    [x, topk_weights, bias_0, bias_1, src_metadata, combined_topk_idx, combined_x, combined_w,
+                     psum_num_recv_tokens_per_scaleup_rank], compute_stream, allocate_on_comm_stream,
+                    async_with_compute_stream)
+        except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too: re-raised after the clean-up
+            self._abandon("combine", e, stage, compute_stream, allocate_on_comm_stream)
+            raise
         return combined_x, combined_w, event
 
     def _check_combine(self, x, topk_weights, bias_0, bias_1, src_metadata, combined_topk_idx,
                        psum_num_recv_tokens_per_scaleup_rank, token_metadata_at_forward, channel_linked_list,
                        num_experts, num_max_tokens_per_rank, use_expanded_layout) -> None:
         """Every argument check of ``combine``; raises ValueError before anything is launched."""
-        R = self.num_ranks
-        _check_cuda_tensor("x", x, (torch.bfloat16,), 2)
+        R, dev = self.num_ranks, self.device
+        _check_cuda_tensor("x", x, (torch.bfloat16,), 2, dev)
         N, hidden = x.shape
         if (hidden * 2) % 16:
             raise ValueError(f"combine needs hidden % 8 == 0 (16-byte rows), got hidden={hidden}")
-        _check_cuda_tensor("combined_topk_idx", combined_topk_idx, (topk_idx_t,), 2)
+        _check_cuda_tensor("combined_topk_idx", combined_topk_idx, (topk_idx_t,), 2, dev)
         T, K = combined_topk_idx.shape
+        # K is the kernels' lane count: 0 would divide by zero, more than 32 breaks their one-warp lane
+        # logic (the dispatch that made the handle allowed only [1, 32]).
+        if not 1 <= K <= _MAX_TOPK:
+            raise ValueError(f"combined_topk_idx must be [T, K] with K (num_topk) in [1, {_MAX_TOPK}], got shape "
+                             f"{tuple(combined_topk_idx.shape)}")
         if T > num_max_tokens_per_rank:
             raise ValueError(f"combined_topk_idx has {T} tokens, more than num_max_tokens_per_rank="
                              f"{num_max_tokens_per_rank}")
         _check_cuda_tensor("psum_num_recv_tokens_per_scaleup_rank", psum_num_recv_tokens_per_scaleup_rank,
-                           (torch.int32,), 1)
+                           (torch.int32,), 1, dev)
         if psum_num_recv_tokens_per_scaleup_rank.shape[0] != R:
             raise ValueError(f"psum_num_recv_tokens_per_scaleup_rank must have {R} entries")
-        _check_cuda_tensor("src_metadata", src_metadata, (torch.int32,), 2)
+        _check_cuda_tensor("src_metadata", src_metadata, (torch.int32,), 2, dev)
         if src_metadata.shape[1] != K + 2:
             raise ValueError(f"src_metadata must be [N, K+2={K + 2}], got {tuple(src_metadata.shape)}")
         if not use_expanded_layout and src_metadata.shape[0] != N:
@@ -979,13 +1064,13 @@ class ElasticBuffer:
         if token_metadata_at_forward is not None or channel_linked_list is not None:
             raise ValueError("hybrid-mode metadata given, but this buffer runs in direct mode")
         if topk_weights is not None:
-            _check_cuda_tensor("topk_weights", topk_weights, (torch.float32,), 1 if use_expanded_layout else 2)
+            _check_cuda_tensor("topk_weights", topk_weights, (torch.float32,), 1 if use_expanded_layout else 2, dev)
             want = (N,) if use_expanded_layout else (N, K)
             if tuple(topk_weights.shape) != want:
                 raise ValueError(f"topk_weights must be {list(want)}, got {list(topk_weights.shape)}")
         for name, b in (("bias_0", bias_0), ("bias_1", bias_1)):
             if b is not None:
-                _check_cuda_tensor(name, b, (torch.bfloat16,), 2)
+                _check_cuda_tensor(name, b, (torch.bfloat16,), 2, dev)
                 if tuple(b.shape) != (T, hidden):
                     raise ValueError(f"{name} must be [{T}, {hidden}], got {list(b.shape)}")
         need = self.get_combine_buffer_size(num_max_tokens_per_rank, hidden, K, 1, R, True,

@@ -12,6 +12,12 @@ Direct mode (one scale-out rank):
     dispatch = send (0 ranks over NVLink, else 1) + receive (R ranks) regions of ``max_tokens`` records;
     combine  = send (0 over NVLink, else R regions of ``max_tokens * (1 if multi-red else K)``)
                + receive (``min(R, K)`` slots with multiple reduction, else ``K``) of ``max_tokens`` records.
+Hybrid mode (S scale-out x U scale-up ranks, S > 1): the seed's formulas, with C = NUM_MAX_CHANNELS:
+    dispatch = U regions of ``S * max_tokens`` + 1 of ``max_tokens`` + S of ``max_tokens + C`` records;
+    combine  = ``min(U, K)`` (else K) slots of ``S * max_tokens`` + ``min(S, K)`` (else K) of ``max_tokens``
+               + 1 (else K) of ``S * (max_tokens + C)`` records.
+    Hybrid mode is not implemented by the native runtime; its sizes are given anyway (pure arithmetic,
+    identical in ``csrc/sizing.hpp``) so a size hint never silently falls back to direct-mode figures.
 ``calculate_buffer_size`` = max(dispatch, combine) rounded up to 2 MiB, with ``num_topk=0`` meaning 32
 and FP8 scale packs estimated as ``ceil(hidden / 32)``.
 """
@@ -20,7 +26,8 @@ from __future__ import annotations
 import functools
 
 ALIGNMENT_BYTES = 2 * 1024 * 1024  # the symmetric window's granularity (the seed's kNumAlignmentBytes)
-NUM_MAX_CHANNELS = 8 * 160         # the seed's kNumMaxChannels (hybrid mode)
+NUM_MAX_CHANNELS = 8 * 160         # the seed's kNumMaxChannels (hybrid mode; sizing.hpp kHybridNumMaxChannels)
+MAX_TOPK = 32                      # sizing.hpp kMaxTopk
 
 
 def align_up(x: int, a: int) -> int:
@@ -50,7 +57,17 @@ def _region(token_bytes: int, num_ranks: int, num_tokens: int) -> int:
 def get_dispatch_buffer_size(num_max_tokens_per_rank: int, hidden: int, num_sf_packs: int, num_topk: int,
                              elem_size: int, num_scaleout_ranks: int, num_scaleup_ranks: int,
                              is_scaleup_nvlink: bool) -> int:
-    """The seed's ``get_dispatch_buffer_size`` (same arguments, bytes)."""
+    """The seed's ``get_dispatch_buffer_size`` (same arguments, bytes).
+
+    Raises:
+        ValueError: a size that is not positive (``num_sf_packs`` may be 0), with the native binding's
+            message.
+    """
+    if not (num_max_tokens_per_rank > 0 and hidden > 0 and num_sf_packs >= 0 and num_topk > 0 and elem_size > 0
+            and num_scaleout_ranks > 0 and num_scaleup_ranks > 0):
+        raise ValueError("get_dispatch_buffer_size: every size must be positive (num_sf_packs >= 0)")
+    if num_topk > MAX_TOPK:
+        raise ValueError(f"get_dispatch_buffer_size: num_topk must be at most {MAX_TOPK}, got {num_topk}")
     tok = dispatch_token_bytes(hidden, elem_size, num_sf_packs, num_topk)
     num_ranks = num_scaleout_ranks * num_scaleup_ranks
     if num_scaleout_ranks == 1:
@@ -65,7 +82,16 @@ def get_dispatch_buffer_size(num_max_tokens_per_rank: int, hidden: int, num_sf_p
 def get_combine_buffer_size(num_max_tokens_per_rank: int, hidden: int, num_topk: int,
                             num_scaleout_ranks: int, num_scaleup_ranks: int,
                             is_scaleup_nvlink: bool, allow_multiple_reduction: bool) -> int:
-    """The seed's ``get_combine_buffer_size`` (same arguments, bytes)."""
+    """The seed's ``get_combine_buffer_size`` (same arguments, bytes).
+
+    Raises:
+        ValueError: a size that is not positive, with the native binding's message.
+    """
+    if not (num_max_tokens_per_rank > 0 and hidden > 0 and num_topk > 0 and num_scaleout_ranks > 0
+            and num_scaleup_ranks > 0):
+        raise ValueError("get_combine_buffer_size: every size must be positive")
+    if num_topk > MAX_TOPK:
+        raise ValueError(f"get_combine_buffer_size: num_topk must be at most {MAX_TOPK}, got {num_topk}")
     tok = combine_token_bytes(hidden, 2, num_topk)
     num_ranks = num_scaleout_ranks * num_scaleup_ranks
     if num_scaleout_ranks == 1:
@@ -98,12 +124,27 @@ def calculate_buffer_size(num_max_tokens_per_rank: int, hidden: int, num_topk: i
 
     Returns:
         Bytes, a multiple of 2 MiB.
+
+    Raises:
+        ValueError: an argument out of range (the same checks and messages as the native
+            ``calculate_buffer_size_for_domain``), or ``num_ranks`` not a multiple of ``num_nvl_ranks``:
+            the seed derives its scale-out size as ``num_ranks / num_nvl_ranks`` (every NVLink domain
+            holds the same number of ranks), and rounding it down would undersize the buffer.
     """
-    if num_max_tokens_per_rank <= 0 or hidden <= 0:
-        raise ValueError(f"num_max_tokens_per_rank and hidden must be positive, got "
-                         f"{num_max_tokens_per_rank} and {hidden}")
+    if num_max_tokens_per_rank <= 0:
+        raise ValueError(f"num_max_tokens_per_rank must be positive, got {num_max_tokens_per_rank}")
+    if hidden <= 0:
+        raise ValueError(f"hidden must be positive, got {hidden}")
     if ceil_div(hidden, 32) * 4 > hidden:
-        raise ValueError(f"hidden={hidden} is too small: its FP8 scale bytes would exceed the row")
+        raise ValueError(f"hidden too small: the worst-case SF bytes ({ceil_div(hidden, 32) * 4}) exceed the "
+                         "hidden bytes")
+    if not 0 <= num_topk <= MAX_TOPK:
+        raise ValueError(f"num_topk must be in [0, {MAX_TOPK}], got {num_topk}")
+    if num_ranks <= 0 or num_nvl_ranks <= 0:
+        raise ValueError(f"num_ranks and num_nvl_ranks must be positive, got {num_ranks} and {num_nvl_ranks}")
+    if num_ranks % num_nvl_ranks:
+        raise ValueError(f"num_ranks ({num_ranks}) must be a multiple of num_nvl_ranks ({num_nvl_ranks}): every "
+                         "NVLink domain must hold the same number of ranks")
     num_topk = 32 if num_topk == 0 else num_topk
     if allow_hybrid_mode and num_nvl_ranks < num_ranks:
         scaleout, scaleup = num_ranks // num_nvl_ranks, num_nvl_ranks

@@ -181,11 +181,52 @@ def _check_tensor(name: str, t: Any, *, dtype=None, ndim=None, shape=None, devic
         for i, s in enumerate(shape):
             if s is not None and got[i] != s:
                 raise _err(name, f"shape {tuple('*' if v is None else v for v in shape)}", f"shape {tuple(got)}")
-    # (is_cuda is a plain flag; t.device builds a device object on every call.)
-    if device is not None and ((not t.is_cuda) if device.type == "cuda" else t.device.type != device.type):
-        raise _err(name, f"a tensor on {device.type}", t.device)
+    if device is not None and _off_device(t, device):
+        raise _err(name, f"a tensor on {device} (the buffer's device)", t.device)
     if contiguous and not t.is_contiguous():
         raise _err(name, "a contiguous tensor", f"strides {t.stride()}")
+
+
+def _off_device(t: torch.Tensor, device: torch.device) -> bool:
+    """True when ``t`` is not on ``device``. On a CUDA buffer this is one integer compare (get_device()
+    is the CUDA index, -1 off CUDA; t.device would build a device object on every call), and a tensor
+    on another GPU is caught too: the native kernels take raw pointers of the buffer's device."""
+    if device.type == "cuda":
+        return t.get_device() != device.index
+    return t.device != device
+
+
+def _check_handle_tensors(handle: "EPHandle", names: Sequence[str], device: torch.device) -> None:
+    """The handle's tensors a call passes to the backend must be on the buffer's device (the handle
+    is a plain dataclass: its fields may have been replaced since the dispatch that made it)."""
+    for name in names:
+        t = getattr(handle, name)
+        if not isinstance(t, torch.Tensor):
+            raise _err(f"handle.{name}", "a torch.Tensor", _describe(t))
+        if _off_device(t, device):
+            raise _err(f"handle.{name}", f"a tensor on {device} (the buffer's device)", t.device)
+
+
+def _check_combine_handle(handle: "EPHandle", T: int, K: int, device: torch.device) -> None:
+    """What combine takes from the handle: K in [1, 32] (the backend takes K from ``topk_idx``: 0
+    would divide by zero in the kernels, more than 32 breaks their one-warp lane logic), ``topk_idx``
+    ``[T, K]`` and ``recv_src_metadata`` ``[N, K + 2]``, all on the buffer's device. The dtypes were
+    checked by the dispatch that made the handle; shapes and devices change if a field is replaced."""
+    if not 0 < K <= _MAX_TOPK:
+        raise _err("handle.num_topk", f"1..{_MAX_TOPK}", K)
+    _check_handle_tensors(handle, _COMBINE_HANDLE_TENSORS, device)
+    if handle.topk_idx.shape != (T, K):
+        raise _err("handle.topk_idx", f"shape ({T}, {K}) (num_tokens, num_topk)",
+                   f"shape {tuple(handle.topk_idx.shape)}")
+    meta = handle.recv_src_metadata
+    if meta.dim() != 2 or meta.shape[1] != K + 2:
+        raise _err("handle.recv_src_metadata", f"shape (*, {K + 2}) (num_topk + 2 columns)",
+                   f"shape {tuple(meta.shape)}")
+
+
+_CACHED_HANDLE_TENSORS = ("psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
+                          "num_unaligned_recv_tokens_per_expert", "dst_buffer_slot_idx", "recv_src_metadata")
+_COMBINE_HANDLE_TENSORS = ("topk_idx", "psum_num_recv_tokens_per_scaleup_rank", "recv_src_metadata")
 
 
 def calculate_elastic_buffer_size(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
@@ -568,7 +609,11 @@ class ElasticBuffer:
                 ``[-1, num_experts)``, which only the GPU reads: with a CPU sync the notify kernel finds
                 them before any token moves, the dispatch is refused on every rank and every rank raises
                 (the buffer stays usable); without one they are treated as masked and the next call on
-                this buffer raises with their count.
+                this buffer raises with their count, on this rank only: in a multi-rank job the peers'
+                next operation then times out and the buffer must be recreated on every rank
+                (``EP_SKIP_INDEX_CHECK=1``: masked silently, nothing raises).
+            CommError: the buffer is unusable (an earlier operation timed out or was interrupted
+                between its kernels); destroy it and create a new one.
         """
         self._check_alive()
         R = self.num_ranks
@@ -632,6 +677,8 @@ class ElasticBuffer:
             if do_cpu_sync is None:
                 do_cpu_sync = not self._capturing()
         _check_tensor("topk_idx", topk_idx, dtype=torch.int64, ndim=2, shape=(T, None), device=self.device)
+        if cached:
+            _check_handle_tensors(handle, _CACHED_HANDLE_TENSORS, self.device)
         K = topk_idx.shape[1]
         if not 0 < K <= _MAX_TOPK:
             raise ValueError(f"topk_idx: expected 1..{_MAX_TOPK} experts per token, got {K}")
@@ -794,6 +841,7 @@ class ElasticBuffer:
         if (H * 2) % 16:
             raise ValueError(f"x: a row must be a multiple of 16 bytes, got hidden={H}")
         T, K = handle.num_tokens, handle.num_topk
+        _check_combine_handle(handle, T, K, self.device)
         if topk_weights is not None:
             shape = (n_rows,) if handle.do_expand else (n_rows, K)
             _check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=len(shape), shape=shape,
