@@ -284,3 +284,126 @@ def writer_error_reset(rank, ws, rdzv, tmp, backend):
                            for e in range(E) for k in range(4))
         out["bytes"] = L.stats.bytes == E * sum(nb)
     return out
+
+
+def close_while_blocked(rank, ws, rdzv, tmp, case):
+    """Another thread of this process is inside run() / wait() (or the writer itself closes) when
+    close() runs: that call must raise TransportClosed and the process must not crash (a crash shows
+    up as this worker dying by a signal). Returns what the blocked call raised and what the writer saw."""
+    import threading
+    import warnings
+
+    nb = [4096, 512, 2048, 256]
+    t = F.Transport(0, 1, 8, nb, num_slots=2, backend="cpu", timeout_ms=20000, exchange=lambda o: [o])
+    out = {"wrote_after_close": False}
+    started = threading.Event()
+
+    def slow_writer(e, slots):
+        started.set()
+        time.sleep(0.3)  # close() runs meanwhile: it must wait for this expert before unmapping
+        for r in slots:
+            for v in r:
+                v.fill_(e)
+        out["wrote_after_close"] = t.closed
+
+    def closing_writer(e, slots):
+        if e == 1:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                t.close()  # from inside the writer: cannot wait for itself, keeps the memory mapped
+            out["warnings"] = [str(w.message) for w in caught]
+        for r in slots:
+            for v in r:
+                v.fill_(e)  # the slots must still be mapped
+        out["wrote_after_close"] = t.closed
+
+    def call():
+        try:
+            t.join(1, 0, 8)
+            if case == "wait":
+                started.set()
+                t.wait(1)  # the producer never runs
+            else:
+                t.run(1, 0, 8, slow_writer if case == "run" else closing_writer)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            out["exc"] = (type(exc).__name__, str(exc), isinstance(exc, F.TransportError))
+
+    th = threading.Thread(target=call)
+    th.start()
+    if case != "close_inside_writer":
+        started.wait(10)
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        t.close()
+        out["close_s"] = time.monotonic() - t0
+    th.join(30)
+    out["thread_alive"] = th.is_alive()
+    return out
+
+
+def geometry_mismatch(rank, ws, rdzv, tmp, field):
+    """The last rank disagrees with rank 0 on one of expert_nbytes / num_experts / num_slots: every
+    rank must raise at once (before anything is shared), none may stream at mismatched offsets."""
+    kw = dict(nb=[4096, 512, 2048, 256], num_experts=4, num_slots=2)
+    if rank == ws - 1:
+        kw[field] = {"nb": [4096, 512, 2048, 512], "num_experts": 6, "num_slots": 3}[field]
+    ex = _exchange(tmp, "x", rank, ws)
+    t0 = time.monotonic()
+    try:
+        with F.Transport(rank, ws, kw["num_experts"], kw["nb"], num_slots=kw["num_slots"], backend="cpu",
+                         timeout_ms=5000, exchange=ex) as t:
+            def w(e, slots):
+                for views in slots:
+                    for k, v in enumerate(views):
+                        v.fill_(10 * e + k + 1)
+            with t.layer(1, 0, 4) as layer:
+                if rank == 0:
+                    layer.run(w)
+            return dict(type=None, bytes=layer.stats.bytes)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return dict(type=type(exc).__name__, msg=str(exc), dt=time.monotonic() - t0)
+
+
+def join_without_wait(rank, ws, rdzv, tmp):
+    """Rank 1 joins epoch 2 without wait(1): it raises ProtocolError at once, and rank 0 (which would
+    wait for rank 1's wait(1)) gets the same error fast instead of the timeout."""
+    nb = [1024, 128, 512, 64]
+    ex = _exchange(tmp, "x", rank, ws)
+    t = F.Transport(rank, ws, 4, nb, num_slots=2, backend="cpu", timeout_ms=20000, exchange=ex)
+    t0 = time.monotonic()
+    try:
+        t.join(1, 0, 4)
+        if rank == 0:
+            t.run(1, 0, 4, lambda e, s: None)
+            t.wait(1)
+        t.join(2, 0, 4)  # rank 1 skipped wait(1)
+        if rank == 0:
+            t.run(2, 0, 4, lambda e, s: None)
+        t.wait(2)
+    except F.TransportPoisoned as exc:
+        return dict(type=type(exc).__name__, code=int(exc.code), rank=exc.rank, msg=exc.message,
+                    dt=time.monotonic() - t0)
+    finally:
+        t.close()
+    return dict(type=None)
+
+
+def reset_with_dead_rank(rank, ws, rdzv, tmp):
+    """After a poison the last rank dies; the others' reset() must report PeerDied naming it within
+    the liveness interval (every rank watches every rank during reset), not at the timeout."""
+    nb = [1024, 128, 512, 64]
+    ex = _exchange(tmp, "x", rank, ws)
+    t = F.Transport(rank, ws, 4, nb, num_slots=2, backend="cpu", timeout_ms=20000, exchange=ex)
+    sync = _exchange(tmp, "sync", rank, ws)
+    if rank == 0:
+        t.poison(F.ErrorCode.USER, "poisoned by the test")
+    sync(0)
+    if rank == ws - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        t.reset()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return dict(type=type(exc).__name__, base=isinstance(exc, F.TransportError), code=int(getattr(exc, "code", -1)),
+                    rank=getattr(exc, "rank", None), msg=str(exc), dt=time.monotonic() - t0)
+    return dict(type=None, dt=time.monotonic() - t0)

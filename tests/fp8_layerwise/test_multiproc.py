@@ -1,4 +1,6 @@
 """Multi-process protocol tests on the CPU backend (real processes, real shared memory)."""
+import os
+
 import pytest
 
 import fp8_layerwise as F
@@ -100,3 +102,80 @@ def test_writer_error_then_reset_across_ranks(tmp_path):
         assert r["first"][:3] == ("TransportPoisoned", F.ErrorCode.WRITER, 0), r
         assert "ValueError: synthetic writer failure" in r["first"][3], r
         assert r["generation"] == 1 and r["exact"] and r["bytes"], r
+
+
+@pytest.mark.parametrize("case", ["run", "wait", "close_inside_writer"])
+def test_close_while_another_thread_is_blocked(tmp_path, case):
+    # run: a Python writer is still filling the slots when close() runs; wait: a thread waits for a
+    # producer that never comes; close_inside_writer: the writer itself closes. The blocked call
+    # raises TransportClosed and nothing touches unmapped memory (a crash kills the worker).
+    (res,) = run_workers(W.close_while_blocked, 1, str(tmp_path), case, tmp_path=tmp_path, timeout=90)
+    assert not res["thread_alive"], res
+    name, msg, is_transport_error = res["exc"]
+    call = "wait" if case == "wait" else "run"
+    assert name == "TransportClosed" and is_transport_error, res
+    assert f"closed while {call}() was blocked" in msg, res
+    if case == "run":
+        assert res["wrote_after_close"], res  # the writer finished its expert into still-mapped slots
+        assert res["close_s"] >= 0.1, res  # close() waited for it
+    if case == "close_inside_writer":
+        assert res["wrote_after_close"], res
+        assert any("stays mapped" in w for w in res["warnings"]), res
+
+
+@pytest.mark.parametrize("field,tp", [("nb", 3), ("num_experts", 2), ("num_slots", 2)])
+def test_geometry_mismatch_fails_fast_on_every_rank(tmp_path, field, tp):
+    res = run_workers(W.geometry_mismatch, tp, str(tmp_path), field, tmp_path=tmp_path, timeout=120)
+    bad = tp - 1
+    for rank, r in enumerate(res):
+        assert r["type"] == "ValueError" and r["dt"] < 10, (rank, r)
+        assert f"rank {bad} was given" in r["msg"] and "but rank 0 was given" in r["msg"], (rank, r)
+        assert "every rank must pass the same expert_nbytes, num_experts and num_slots" in r["msg"], (rank, r)
+
+
+def test_join_next_epoch_without_wait_fails_fast(tmp_path):
+    res = run_workers(W.join_without_wait, 2, str(tmp_path), tmp_path=tmp_path, timeout=120)
+    for rank, r in enumerate(res):
+        assert r["type"] == "ProtocolError" and r["code"] == F.ErrorCode.PROTOCOL and r["rank"] == 1, (rank, r)
+        assert "without calling wait(1)" in r["msg"], (rank, r)
+        assert r["dt"] < 5, (rank, r)  # not the 20 s timeout
+
+
+def test_reset_reports_dead_rank_fast(tmp_path):
+    res = run_workers(W.reset_with_dead_rank, 3, str(tmp_path), tmp_path=tmp_path, timeout=120, expect_dead={2})
+    for rank in (0, 1):
+        r = res[rank]
+        assert r["type"] == "PeerDied" and r["base"] and r["code"] == F.ErrorCode.PEER_DEAD and r["rank"] == 2, r
+        assert r["dt"] < 2.0, r  # the liveness check, not the 20 s timeout
+
+
+def test_sigkill_while_waiting_for_peers_leaves_no_shm(tmp_path):
+    # Rank 0 of 2 is SIGKILLed while it waits in the setup's first exchange for rank 1, which never
+    # comes: nothing may be left in /dev/shm (segments are created only once every rank arrived).
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    def names():
+        return {n for n in os.listdir("/dev/shm") if n.startswith("fp8lw_")}
+
+    before = names()
+    code = ("import sys, fp8_layerwise as F\n"
+            "ex = F.FileExchange(sys.argv[1], 0, 2, timeout_s=60)\n"
+            "F.Transport(0, 2, 8, [4096, 512, 2048, 256], num_slots=2, backend='cpu', exchange=ex)\n")
+    xdir = tmp_path / "x"
+    p = subprocess.Popen([sys.executable, "-c", code, str(xdir)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (xdir / "1.0.json").exists():  # rank 0 published round 1 and now waits for rank 1
+            assert p.poll() is None and time.monotonic() < deadline, "rank 0 never reached the first exchange"
+            time.sleep(0.02)
+        time.sleep(0.3)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+    left = names() - before
+    for n in left:  # do not leak them into later tests
+        os.unlink(os.path.join("/dev/shm", n))
+    assert not left, left

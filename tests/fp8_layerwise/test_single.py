@@ -313,3 +313,85 @@ def test_default_slot_count_follows_expert_size():
                 assert torch.equal(t.expert_view(k, e), expect(0, e, k, small[k]))
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("timeout_ms", [2**62, 2**64 // 10**6 + 1, 2**64 - 1])
+def test_huge_timeout_and_liveness_mean_infinite(timeout_ms):
+    # "Infinite" timeouts passed as huge counts: ms -> ns must saturate, not wrap into a tiny
+    # window that expires at once (2**64 // 10**6 + 1 ms is the first count whose ns overflow).
+    with make(4, [16] * 4, 2, timeout_ms=timeout_ms, liveness_ms=timeout_ms) as t:
+        def slow(e, slots):
+            time.sleep(0.005)
+            pattern_writer(1)(e, slots)
+        with t.layer(1, 0, 4) as layer:
+            layer.run(slow)
+        assert not layer.stats.poisoned and layer.stats.bytes == 4 * 64
+        for e in range(4):
+            assert torch.equal(t.expert_view(1, e), expect(1, e, 1, 16))
+
+
+def test_join_next_epoch_without_wait_raises_at_once():
+    with make(4, [16] * 4, timeout_ms=5000) as t:
+        t.join(1, 0, 4)
+        t.run(1, 0, 4, pattern_writer(1))
+        t0 = time.monotonic()
+        exc = _poison_of(lambda: t.join(2, 0, 4))  # wait(1) was never called
+        assert time.monotonic() - t0 < 1.0  # not the 5 s timeout
+        assert isinstance(exc, F.ProtocolError) and exc.code == F.ErrorCode.PROTOCOL and exc.rank == 0
+        assert "without calling wait(1)" in exc.message and "call wait(1) before joining" in exc.message
+        t.reset()  # like every protocol violation: poisoned, recoverable
+        with t.layer(2, 0, 4) as layer:
+            layer.run(pattern_writer(2))
+        assert torch.equal(t.expert_view(3, 3), expect(2, 3, 3, 16))
+
+
+def test_shard_writer_refuses_experts_outside_its_sources():
+    E, H, I = 2, 256, 256
+    src = F.make_block_fp8_sources(E, H, I, generator=torch.Generator().manual_seed(0))
+    nb = F.block_fp8_expert_nbytes(H, I, 1)
+    w = F.make_shard_writer(src, 1, threads=1)
+    assert w.num_experts == E
+    with make(4, nb, 2) as t:
+        t.join(1, 0, 4)
+        with pytest.raises(ValueError, match=r"expert_count 4 exceeds the experts of the ShardWriter's source "
+                                             r"tensors \(2\)"):
+            t.run(1, 0, 4, w)  # the layer has room for 4 experts, the sources hold 2
+        assert not t.poisoned  # refused before anything was written
+        t.poison(F.ErrorCode.USER, "abandon epoch 1")
+        t.reset()
+        with t.layer(2, 0, E) as layer:
+            layer.run(w)
+        for e in range(E):
+            ref = F.reference_shard(src, 1, 0, e)
+            assert all(torch.equal(t.expert_view(k, e), ref[k]) for k in range(4))
+    out = [torch.zeros(n, dtype=torch.uint8) for n in nb]
+    dst = [[o.data_ptr()] for o in out]
+    for bad in (E, -1, -100000):
+        with pytest.raises(ValueError, match=rf"expert {bad} is outside the source tensors' experts 0\.\.1"):
+            w.write(bad, dst)
+    w.write(1, dst)
+    assert all(torch.equal(out[k], F.reference_shard(src, 1, 0, 1)[k]) for k in range(4))
+
+
+def test_shard_writer_keeps_its_sources_alive():
+    import gc
+    import weakref
+
+    E, H, I = 4, 1024, 1024
+    gen = lambda: torch.Generator().manual_seed(11)  # noqa: E731
+    src = F.make_block_fp8_sources(E, H, I, generator=gen())
+    refs = [weakref.ref(s) for s in src]
+    w = F.make_shard_writer(src, 1, threads=1)
+    del src
+    gc.collect()
+    assert all(r() is not None for r in refs), "the writer must hold its source tensors"
+    again = F.make_block_fp8_sources(E, H, I, generator=gen())  # same bytes, allocated after the del
+    with make(E, F.block_fp8_expert_nbytes(H, I, 1), 2) as t:
+        with t.layer(1, 0, E) as layer:
+            layer.run(w)
+        for e in range(E):
+            ref = F.reference_shard(again, 1, 0, e)
+            assert all(torch.equal(t.expert_view(k, e), ref[k]) for k in range(4)), e
+    del w
+    gc.collect()
+    assert all(r() is None for r in refs)  # and releases them with the writer

@@ -134,7 +134,7 @@ def test_cache_hint_choice(monkeypatch):
     with pytest.raises(ValueError, match="cache_hint must be one of"):
         F.make_shard_writer(src, 1, cache_hint="evict")
     with pytest.raises(ValueError, match="cache_hint must be one of"):
-        _C.ShardWriter([_C.ShardSpec(1, 0, 16, 1, 16)] * 4, 1, "evict")
+        _C.ShardWriter([_C.ShardSpec(1, 0, 16, 1, 16, num_experts=1)] * 4, 1, "evict")
     monkeypatch.setenv("FP8LW_WRITER_HINT", "bogus")
     with pytest.raises(ValueError, match="FP8LW_WRITER_HINT must be one of"):
         F.default_cache_hint()
@@ -155,11 +155,18 @@ def test_cache_hint_choice(monkeypatch):
 def test_shard_writer_validation():
     with pytest.raises(ValueError, match="exactly 4"):
         _C.ShardWriter([], 1)
-    spec = _C.ShardSpec(1, 0, 16, 1, 16)
+    spec = _C.ShardSpec(1, 0, 16, 1, 16, num_experts=1)
     with pytest.raises(ValueError, match="threads must be in 1..64"):
         _C.ShardWriter([spec] * 4, 0)
     with pytest.raises(ValueError, match="source pointer is null"):
-        _C.ShardWriter([_C.ShardSpec(0, 0, 16, 1, 16)] * 4, 1)
+        _C.ShardWriter([_C.ShardSpec(0, 0, 16, 1, 16, num_experts=1)] * 4, 1)
+    # The expert count of the sources is the writer's only bound: required, positive, one for all kinds.
+    with pytest.raises(TypeError):
+        _C.ShardSpec(1, 0, 16, 1, 16)
+    with pytest.raises(ValueError, match="num_experts .* must be in 1.."):
+        _C.ShardWriter([_C.ShardSpec(1, 16, 16, 1, 16, num_experts=0)] * 4, 1)
+    with pytest.raises(ValueError, match="kind 2: num_experts 3 differs from kind 0's 2"):
+        _C.ShardWriter([_C.ShardSpec(1, 16, 16, 1, 16, num_experts=n) for n in (2, 2, 3, 2)], 1)
 
 
 def test_shm_owner_only_unguessable_and_size_checked():
@@ -200,3 +207,67 @@ def test_setup_failure_cleans_up():
     with pytest.raises(RuntimeError, match="exchange failed"):
         F.Transport(0, 1, 4, NB, num_slots=2, backend="cpu", exchange=bad_exchange)
     assert set(os.listdir("/dev/shm")) == before
+
+
+def _low_level(region, rank, nb=NB, n=4, timeout_ms=1000, tp=2):
+    """A low-level transport of `rank` on `region` (the ranks of one region may share a process)."""
+    keep = [torch.zeros(4096, dtype=torch.uint8) for _ in range(4)]
+    host = [keep[k].data_ptr() for _ in range(2) for k in range(4)]
+    all_ = [keep[k].data_ptr() for _ in range(2) for _ in range(tp) for k in range(4)] if rank == 0 else []
+    t = _C.FP8LayerwiseTransport(region.ptr, 8192, rank, tp, -1, host, [keep[k].data_ptr() for k in range(4)], all_,
+                                 nb, n, timeout_ms, backend="cpu")
+    return t, keep
+
+
+@pytest.mark.parametrize("rank0_first", [True, False])
+@pytest.mark.parametrize("field", ["expert_nbytes", "num_experts"])
+def test_native_attach_checks_geometry_against_rank_0(region, rank0_first, field):
+    # Ranks that disagree with rank 0 would read the slots at other offsets than rank 0 writes them:
+    # the second of the two to attach sees it, poisons (PROTOCOL, naming the rank that differs), and
+    # every rank raises ProtocolError (the low-level path; Transport checks on its first exchange).
+    _C.initialize_fp8_layerwise_control(region.ptr, 8192, 2, 2)
+    other = dict(nb=[1024, 128, 512, 128]) if field == "expert_nbytes" else dict(n=5)
+    keep = []
+    try:
+        if rank0_first:
+            t0, k0 = _low_level(region, 0)
+            keep += [t0, k0]
+            with pytest.raises(F.ProtocolError, match=f"rank 1 attached with .* but rank 0 with .*every rank must "
+                                                      f"pass the same expert_nbytes and num_experts"):
+                _low_level(region, 1, **other)
+            peers = [t0]
+        else:
+            t1, k1 = _low_level(region, 1, **other)
+            t0, k0 = _low_level(region, 0)  # rank 0 is not the one that differs: it records it, then raises
+            keep += [t0, k0, t1, k1]
+            peers = [t0, t1]
+        for t in peers:
+            with pytest.raises(F.ProtocolError) as info:
+                t.join(1, 0, 1)
+            assert info.value.rank == 1 and info.value.code == F.ErrorCode.PROTOCOL
+            assert ("expert_nbytes [1024, 128, 512, 128]" if field == "expert_nbytes" else "num_experts 5") \
+                in info.value.message
+    finally:
+        for t in keep[::2]:
+            t.close()
+
+
+def test_native_errors_are_transport_errors(region):
+    # The docs promise TransportError as the base of every runtime error, the native ones included.
+    _C.initialize_fp8_layerwise_control(region.ptr, 8192, 2, 2)
+    t, keep = _low_level(region, 0, timeout_ms=300)  # rank 1 never attaches
+    try:
+        t.poison(int(F.ErrorCode.USER), "poisoned by the test")
+        with pytest.raises(F.TransportTimeout) as info:
+            t.reset()  # rank 1 never calls reset()
+    finally:
+        t.close()  # before the fixture unmaps the region under its consumer
+    exc = info.value
+    assert isinstance(exc, F.TransportError) and isinstance(exc, TimeoutError) and exc.code == F.ErrorCode.TIMEOUT
+    assert "rank 1 has not called reset()" in str(exc) and "every rank to call reset()" in exc.operation
+    assert exc.rank == 0 and exc.where.startswith("transport.cpp:")
+    with pytest.raises(F.TransportClosed, match="closed"):
+        t.join(1, 0, 1)
+    assert t.poisoned  # accessors report what close() kept
+    with pytest.raises(F.TransportError, match="shm_open"):
+        _C.ShmSegment.attach("/fp8lw_test_does_not_exist", 4096)

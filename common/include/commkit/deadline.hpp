@@ -8,6 +8,8 @@
 //     d.reset()             restart the window explicitly.
 //     d.elapsed_ms()        time since the window (re)started.
 //     timeout_ms == 0 means "never expires" only when explicitly built with ProgressDeadline::infinite().
+//     A timeout_ms too large to count in nanoseconds (above ~584 years, e.g. 2**62 passed as
+//     "infinite") saturates to infinite instead of wrapping around to a tiny window.
 //   Backoff b(yield_ns = 200 us, sleep_ns = 20 us); b.pause(); b.reset();
 //                           spin with cpu-relax for 64 rounds, then yield until `yield_ns` have
 //                           passed since construction or the last reset (a waiter wakes within a
@@ -22,6 +24,9 @@
 //   wait_until(pred, deadline, progress_fn, on_timeout)
 //     poll_until without abort; on expiry calls on_timeout() (which must throw).
 //   monotonic_ns()          CLOCK_MONOTONIC in nanoseconds.
+//   ms_to_ns_saturating(ms) ms * 1e6, or UINT64_MAX when that overflows.
+//   add_saturating(a, b)    a + b, or UINT64_MAX when that overflows: `now + period` for a period
+//                           given by the caller (a check interval, a deadline) without wrap-around.
 #pragma once
 
 #include <time.h>
@@ -38,10 +43,22 @@ inline uint64_t monotonic_ns() {
   return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
 }
 
+// Callers pass "infinite" as a huge count (2**62, UINT64_MAX): overflowing into a small window
+// would turn it into an immediate timeout, so the arithmetic saturates instead.
+inline uint64_t ms_to_ns_saturating(uint64_t ms) {
+  constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
+  return ms > kMax / 1000000ull ? kMax : ms * 1000000ull;
+}
+
+inline uint64_t add_saturating(uint64_t a, uint64_t b) {
+  constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
+  return b > kMax - a ? kMax : a + b;
+}
+
 class ProgressDeadline {
  public:
   explicit ProgressDeadline(uint64_t timeout_ms)
-      : timeout_ns_(timeout_ms * 1000000ull), start_ns_(monotonic_ns()) {}
+      : timeout_ns_(ms_to_ns_saturating(timeout_ms)), start_ns_(monotonic_ns()) {}
   static ProgressDeadline infinite() {
     ProgressDeadline d(0);
     d.timeout_ns_ = std::numeric_limits<uint64_t>::max();

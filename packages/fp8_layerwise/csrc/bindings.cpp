@@ -5,6 +5,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
+#include <string>
+
 #include "backend.hpp"
 #include "commkit/python_errors.hpp"
 #include "commkit/shm.hpp"
@@ -55,17 +58,34 @@ Writer wrap_python_writer(py::function fn) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fp8_layerwise native core (torch-free)";
   commkit::register_python_errors(m);
-  // Module-local like the commkit translators and registered after them, so it is tried first
-  // for PoisonedError (a commkit::Error).
+  // Module-local like the commkit translators and registered after them, so it is tried first.
+  // fp8_layerwise documents TransportError as the base of every runtime error it raises, so every
+  // commkit::Error but ValueError (left to commkit's translator: the builtin ValueError) becomes
+  // one of fp8_layerwise.errors' classes, keeping the commkit attributes (rank, peer, where; and
+  // operation, expected, observed of a timeout).
   py::register_local_exception_translator([](std::exception_ptr p) {
     if (!p) return;
+    auto raise = [](py::object exc) { PyErr_SetObject(py::type::handle_of(exc).ptr(), exc.ptr()); };
+    auto where = [](const commkit::Error& e) {
+      const char* base = std::strrchr(e.file(), '/');
+      return std::string(base ? base + 1 : e.file()) + ":" + std::to_string(e.line());
+    };
     try {
       std::rethrow_exception(p);
     } catch (const PoisonedError& e) {
       py::gil_scoped_acquire gil;
       py::object make = py::module_::import("fp8_layerwise.errors").attr("_from_native");
-      py::object exc = make(e.code(), e.poison_rank(), e.message(), std::string(e.what()));
-      PyErr_SetObject(py::type::handle_of(exc).ptr(), exc.ptr());
+      raise(make(e.code(), e.poison_rank(), e.message(), std::string(e.what())));
+    } catch (const commkit::ValueError&) {
+      throw;  // to commkit's translator
+    } catch (const commkit::TimeoutError& e) {
+      py::gil_scoped_acquire gil;
+      py::object make = py::module_::import("fp8_layerwise.errors").attr("_from_native_timeout");
+      raise(make(std::string(e.what()), e.rank(), e.peer(), where(e), e.operation(), e.expected(), e.observed()));
+    } catch (const commkit::Error& e) {
+      py::gil_scoped_acquire gil;
+      py::object make = py::module_::import("fp8_layerwise.errors").attr("_from_native_error");
+      raise(make(std::string(e.what()), e.rank(), e.peer(), where(e), dynamic_cast<const ClosedError*>(&e) != nullptr));
     }
   });
 
@@ -99,7 +119,8 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<ShardSpec>(m, "ShardSpec")
       .def(py::init([](uintptr_t base, uint64_t expert_stride, uint64_t row_stride, uint64_t rows, uint64_t row_bytes,
-                       uint64_t rank_row_step, uint64_t rank_col_step, uint64_t chunks, uint64_t chunk_row_step) {
+                       uint64_t rank_row_step, uint64_t rank_col_step, uint64_t chunks, uint64_t chunk_row_step,
+                       uint64_t num_experts) {
              ShardSpec s;
              s.base = base;
              s.expert_stride = expert_stride;
@@ -110,23 +131,30 @@ PYBIND11_MODULE(_C, m) {
              s.rank_col_step = rank_col_step;
              s.chunks = chunks;
              s.chunk_row_step = chunk_row_step;
+             s.num_experts = num_experts;
              return s;
            }),
+           // num_experts (the experts in the source buffer) has no default: the writer's only bound.
            py::arg("base"), py::arg("expert_stride"), py::arg("row_stride"), py::arg("rows"), py::arg("row_bytes"),
            py::arg("rank_row_step") = 0, py::arg("rank_col_step") = 0, py::arg("chunks") = 1,
-           py::arg("chunk_row_step") = 0)
-      .def_property_readonly("shard_bytes", &ShardSpec::shard_bytes);
+           py::arg("chunk_row_step") = 0, py::kw_only(), py::arg("num_experts"))
+      .def_property_readonly("shard_bytes", &ShardSpec::shard_bytes)
+      .def_property_readonly("num_experts", [](const ShardSpec& s) { return s.num_experts; });
 
   m.def(
       "cache_hint_supported", [](const std::string& name) { return cache_hint_supported(parse_cache_hint(name)); },
       py::arg("name"), "Whether this CPU has the instruction behind a ShardWriter cache_hint.");
 
   py::class_<ShardWriter>(m, "ShardWriter")
-      .def(py::init([](std::vector<ShardSpec> kinds, int threads, const std::string& cache_hint) {
+      // The specs hold raw pointers into the source tensors: `sources` (any object, e.g. the tensors)
+      // is kept alive as long as the writer, so the tensors cannot be freed under it.
+      .def(py::init([](std::vector<ShardSpec> kinds, int threads, const std::string& cache_hint, py::object) {
              return std::make_unique<ShardWriter>(std::move(kinds), threads, parse_cache_hint(cache_hint));
            }),
-           py::arg("kinds"), py::arg("threads") = 1, py::arg("cache_hint") = "none")
+           py::arg("kinds"), py::arg("threads") = 1, py::arg("cache_hint") = "none", py::arg("sources") = py::none(),
+           py::keep_alive<1, 5>())
       .def_property_readonly("threads", &ShardWriter::threads)
+      .def_property_readonly("num_experts", &ShardWriter::num_experts)
       .def_property_readonly("cache_hint",
                              [](const ShardWriter& w) { return std::string(cache_hint_name(w.cache_hint())); })
       .def(
@@ -140,7 +168,8 @@ PYBIND11_MODULE(_C, m) {
             py::gil_scoped_release nogil;
             w.write(expert, d);
           },
-          py::arg("expert"), py::arg("dst"), "Copy every rank's shard of `expert` into dst[kind][rank].");
+          py::arg("expert"), py::arg("dst"),
+          "Copy every rank's shard of `expert` (0..num_experts-1, else ValueError) into dst[kind][rank].");
 
   py::class_<Transport>(m, "FP8LayerwiseTransport")
       .def(py::init([](uintptr_t control_ptr, size_t control_size, int rank, int tp_size, int cuda_device,
@@ -197,7 +226,9 @@ PYBIND11_MODULE(_C, m) {
           py::arg("epoch"), py::arg("layer_id"), py::arg("expert_count"), py::arg("writer"),
           "Rank 0: fill every rank's slots expert by expert (writer(expert, w13[r], w13s[r], w2[r], w2s[r]) "
           "or a native ShardWriter).")
-      .def("close", &Transport::close, py::call_guard<py::gil_scoped_release>())
+      .def("close", &Transport::close, py::call_guard<py::gil_scoped_release>(),
+           "Close; returns False when a call of another thread (or of this one, closing from inside the writer) "
+           "was still inside after the deadline: the control region and the slots must then stay mapped.")
       .def("reset", &Transport::reset, py::call_guard<py::gil_scoped_release>())
       .def("poison", &Transport::poison, py::arg("code"), py::arg("message"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("poisoned", &Transport::poisoned)

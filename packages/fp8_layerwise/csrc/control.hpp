@@ -8,7 +8,8 @@
 //   LayerState    rank 0 only: active epoch, layer id, expert count, next sequence, producer done.
 //   ProducerStats rank 0 only: writer / slot-wait / total nanoseconds of the last layer.
 //   RankState[r]  rank r only (its API thread and its consumer thread): join / done / returned
-//                 epochs, liveness (pid + /proc start time), reset handshake, stats, and acks[slot].
+//                 epochs, liveness (pid + /proc start time), reset handshake, stats, the geometry
+//                 it attached with (expert_nbytes, num_experts), and acks[slot].
 //   ReadySlot[s]  rank 0 only: the (sequence, epoch, expert) that was last published in slot s.
 // All cross-process accesses use commkit atomics (acquire/release on x86-64 is just ordering).
 #pragma once
@@ -24,7 +25,7 @@ constexpr int kMaxSlots = 16;
 constexpr int kKinds = 4;  // w13 FP8, w13 scale (fp32), w2 FP8, w2 scale (fp32)
 constexpr size_t kControlBytes = 8192;  // the region size callers allocate (seed ABI)
 constexpr uint64_t kMagic = 0x4b4346503857314cULL;  // "L1W8PFCK" little-endian: ours, not the seed's
-constexpr uint64_t kVersion = 3;
+constexpr uint64_t kVersion = 4;  // 4: RankState carries the attach geometry
 constexpr uint64_t kPoisonClaimed = ~0ull;
 
 enum ErrorCode : int {
@@ -90,7 +91,12 @@ struct alignas(64) RankState {
   uint64_t h2d_ns;
   uint64_t bytes;
   uint64_t copies;      // number of copy calls issued last layer (shows coalescing)
-  uint64_t reserved[5];
+  // The geometry this rank attached with, written before `status` turns kRankAttached. Rank 0
+  // writes every rank's slots at its own offsets and each rank copies at its own, so every rank
+  // checks its values against rank 0's (on attach and on join): a disagreement would otherwise
+  // deliver wrong bytes silently.
+  uint64_t expert_nbytes[kKinds];
+  uint64_t num_experts;
   uint64_t ack[kMaxSlots];  // last sequence this rank finished copying out of slot s
 };
 

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -204,6 +205,11 @@ ShardWriter::ShardWriter(std::vector<ShardSpec> kinds, int threads, CacheHint hi
                  ": rows, row_bytes and chunks must be positive");
     CK_CHECK_ARG(s.row_bytes <= s.row_stride || s.rows == 1, "ShardWriter kind ", k, ": row_bytes ", s.row_bytes,
                  " exceeds row_stride ", s.row_stride);
+    // Every kind is a whole-layer tensor [E, ...] of the same layer: one expert count for all.
+    CK_CHECK_ARG(s.num_experts >= 1 && s.num_experts <= static_cast<uint64_t>(INT32_MAX), "ShardWriter kind ", k,
+                 ": num_experts (the experts in the source tensor) must be in 1..", INT32_MAX, ", got ", s.num_experts);
+    CK_CHECK_ARG(s.num_experts == kinds_[0].num_experts, "ShardWriter kind ", k, ": num_experts ", s.num_experts,
+                 " differs from kind 0's ", kinds_[0].num_experts, " (all four sources must hold the same experts)");
   }
   if (threads_ > 1) pool_ = std::make_unique<WriterPool>(threads_);
 }
@@ -227,6 +233,9 @@ void run_piece(const Piece& p, CacheHint hint) {
 }  // namespace
 
 void ShardWriter::write(int expert, const std::vector<uintptr_t>* dst[kKinds]) const {
+  // The sources hold num_experts experts: any other index would read outside them.
+  CK_CHECK_ARG(expert >= 0 && static_cast<uint64_t>(expert) < kinds_[0].num_experts, "ShardWriter.write: expert ",
+               expert, " is outside the source tensors' experts 0..", kinds_[0].num_experts - 1);
   const size_t tp = dst[0]->size();
   std::vector<Piece> pieces;
   uint64_t total = 0;

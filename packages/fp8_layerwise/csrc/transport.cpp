@@ -15,6 +15,12 @@
 //     milliseconds rather than at the timeout.
 //   * A failure anywhere claims the poison record once (CAS); every rank then raises the original
 //     cause. reset() is a collective that drains the consumers and starts a new generation.
+//   * Every rank attaches with the same geometry (expert_nbytes, num_experts; num_slots comes from
+//     the header): each rank checks its own against rank 0's on attach and on join, since rank 0
+//     writes the slots at its offsets and each consumer copies at its own.
+//   * Every public call is counted in flight (api()); close() waits until the calls of other
+//     threads left (they see stopping_ and raise ClosedError) before it returns, because the owner
+//     unmaps the region and the slots right after it.
 #include "transport.hpp"
 
 #include <signal.h>
@@ -92,6 +98,16 @@ const char* code_name(int code) {
     default: return "unknown";
   }
 }
+
+// "expert_nbytes [a, b, c, d], num_experts E": how a rank's geometry appears in errors.
+std::string geometry_str(const uint64_t* nb, uint64_t num_experts) {
+  return commkit::str("expert_nbytes [", nb[0], ", ", nb[1], ", ", nb[2], ", ", nb[3], "], num_experts ", num_experts);
+}
+
+// close() waits for the calls other threads are in for the transport's timeout, but at most this
+// long: it runs from __exit__, __del__ and interpreter exit, where hanging on a stuck writer is
+// worse than leaving the memory mapped.
+constexpr uint64_t kCloseDrainMaxMs = 60000;
 
 Control* checked_control(uintptr_t ptr, size_t size, int tp) {
   CK_CHECK_ARG(ptr != 0, "control_ptr is null");
@@ -186,6 +202,20 @@ class Transport::Impl {
                      ld_relaxed(&me.pid) == static_cast<uint64_t>(::getpid()),
                  "rank ", rank_, " is already attached by live process ", ld_relaxed(&me.pid));
     generation_ = ld_acquire(&c_->layer.generation);
+    for (int k = 0; k < kKinds; ++k) st_relaxed(&me.expert_nbytes[k], nb_[k]);
+    st_relaxed(&me.num_experts, static_cast<uint64_t>(num_experts_));
+    // Whichever of this rank and rank 0 attaches second sees the disagreement: a rank that differs
+    // from an attached rank 0 fails here; rank 0 records the ranks attached before it that differ
+    // (they and it raise at their next call). join() checks again, so a reset cannot hide it.
+    if (rank_ != 0) {
+      if (ld_acquire(&c_->ranks[0].status) != kRankAbsent) check_geometry();
+    } else {
+      for (int r = 1; r < tp_; ++r) {
+        if (ld_acquire(&c_->ranks[r].status) == kRankAbsent) continue;
+        const std::string diff = geometry_mismatch(r);
+        if (!diff.empty()) publish_poison(kErrProtocol, r, diff);
+      }
+    }
     st_relaxed(&me.pid, static_cast<uint64_t>(::getpid()));
     st_relaxed(&me.pid_start, live_start_time(static_cast<uint64_t>(::getpid())));
     st_release(&me.status, static_cast<uint64_t>(kRankAttached));
@@ -203,6 +233,33 @@ class Transport::Impl {
   }
 
   ~Impl() { close(); }
+
+  // --- geometry -----------------------------------------------------------------------------
+  // "" when rank r attached with this rank's geometry, else the error message naming both.
+  std::string geometry_mismatch(int r) const {
+    const auto& rs = c_->ranks[r];
+    uint64_t theirs[kKinds];
+    bool same = ld_relaxed(&rs.num_experts) == static_cast<uint64_t>(num_experts_);
+    for (int k = 0; k < kKinds; ++k) {
+      theirs[k] = ld_relaxed(&rs.expert_nbytes[k]);
+      same = same && theirs[k] == nb_[k];
+    }
+    if (same) return std::string();
+    const int wrong = rank_ == 0 ? r : rank_;
+    const std::string wrong_geo = rank_ == 0 ? geometry_str(theirs, ld_relaxed(&rs.num_experts))
+                                             : geometry_str(nb_.data(), static_cast<uint64_t>(num_experts_));
+    const std::string ref_geo = rank_ == 0 ? geometry_str(nb_.data(), static_cast<uint64_t>(num_experts_))
+                                           : geometry_str(theirs, ld_relaxed(&rs.num_experts));
+    return commkit::str("rank ", wrong, " attached with ", wrong_geo, " but rank 0 with ", ref_geo,
+                        ": every rank must pass the same expert_nbytes and num_experts (rank 0 would write the "
+                        "slots at other offsets than rank ", wrong, " copies from)");
+  }
+
+  // On a rank other than 0, once rank 0 attached: poisons and raises ProtocolError on a mismatch.
+  void check_geometry() {
+    const std::string diff = geometry_mismatch(0);
+    if (!diff.empty()) poison_and_throw(kErrProtocol, diff);
+  }
 
   // --- poison -------------------------------------------------------------------------------
   bool publish_poison(int code, int rank, const std::string& msg) noexcept {
@@ -256,42 +313,57 @@ class Transport::Impl {
   }
 
   // --- liveness -----------------------------------------------------------------------------
-  // Poisons (peer-dead) if a rank in `mask` closed or its process is gone.
-  void check_peers(uint32_t mask, const char* what) {
+  // Raises peer-dead if a rank in `mask` closed or its process is gone. With `record` it claims the
+  // poison record first (every rank then raises it); reset() waits while the record is already
+  // claimed by the failure being recovered from, so it raises the peer-dead error directly.
+  void check_peers(uint32_t mask, const char* what, bool record = true) {
     for (int r = 0; r < tp_; ++r) {
       if (r == rank_ || !(mask & (1u << r))) continue;
       const auto& rs = c_->ranks[r];
       const uint64_t status = ld_acquire(&rs.status);
-      if (status == kRankClosed) {
-        publish_poison(kErrPeerDead, r,
-                       commkit::str("rank ", r, " closed its transport while rank ", rank_, " was waiting for ", what));
-        raise_poison();
-      }
+      if (status == kRankClosed)
+        peer_dead(r, commkit::str("rank ", r, " closed its transport while rank ", rank_, " was waiting for ", what),
+                  record);
       if (status != kRankAttached) continue;  // not attached yet: only the deadline applies
       const uint64_t pid = ld_relaxed(&rs.pid);
       const uint64_t start = live_start_time(pid);
-      if (start == 0 || (ld_relaxed(&rs.pid_start) != 0 && start != ld_relaxed(&rs.pid_start))) {
-        publish_poison(kErrPeerDead, r,
-                       commkit::str("rank ", r, " (pid ", pid, ") died while rank ", rank_, " was waiting for ", what));
-        raise_poison();
-      }
+      if (start == 0 || (ld_relaxed(&rs.pid_start) != 0 && start != ld_relaxed(&rs.pid_start)))
+        peer_dead(r, commkit::str("rank ", r, " (pid ", pid, ") died while rank ", rank_, " was waiting for ", what),
+                  record);
     }
+  }
+
+  [[noreturn]] void peer_dead(int r, const std::string& msg, bool record) {
+    if (!record)
+      throw PoisonedError(commkit::str("fp8_layerwise transport: ", msg, " [raised on rank ", rank_, "]"),
+                          kErrPeerDead, r, msg);
+    publish_poison(kErrPeerDead, r, msg);
+    raise_poison();
+  }
+
+  // When the next liveness check is due: liveness_ms from now, saturating (a huge liveness_ms
+  // means "never", not an overflow into the past).
+  uint64_t next_liveness_check() const {
+    return commkit::add_saturating(monotonic_ns(), commkit::ms_to_ns_saturating(opt_.liveness_ms));
   }
 
   uint32_t all_mask() const { return (1u << tp_) - 1u; }
 
   // Waits for pred(); poison, close, dead peers (mask) and a stalled deadline all throw. The checks
-  // that end a wait early throw from inside the poll, so it never reports kAborted.
-  template <typename Pred, typename Progress>
-  void wait_for(const char* what, Pred&& pred, Progress&& progress, uint32_t mask, bool honor_poison = true) {
+  // that end a wait early throw from inside the poll, so it never reports kAborted. Without
+  // honor_poison (reset(), which waits on a poisoned region) an expiry raises a TimeoutError whose
+  // message ends with describe() (who is missing) instead of poisoning.
+  template <typename Pred, typename Progress, typename Describe>
+  void wait_for(const char* what, Pred&& pred, Progress&& progress, uint32_t mask, bool honor_poison,
+                Describe&& describe) {
     commkit::ProgressDeadline deadline(timeout_ms_);
-    uint64_t next_live = monotonic_ns() + opt_.liveness_ms * 1000000ull;
+    uint64_t next_live = next_liveness_check();
     auto interrupted = [&] {
       if (honor_poison) check_poison();
       if (stopping_.load(std::memory_order_acquire)) throw Stopping{};
       if (mask != 0 && monotonic_ns() >= next_live) {
-        check_peers(mask, what);
-        next_live = monotonic_ns() + opt_.liveness_ms * 1000000ull;
+        check_peers(mask, what, honor_poison);
+        next_live = next_liveness_check();
       }
       return false;
     };
@@ -299,23 +371,99 @@ class Transport::Impl {
     // ~100 us), then sleeps.
     if (commkit::poll_until(pred, deadline, [&] { return static_cast<uint64_t>(progress()); }, interrupted) ==
         commkit::PollResult::kExpired) {
-      if (!honor_poison) CK_THROW_TIMEOUT(what, rank_, -1, 1, 0, " after ", timeout_ms_, " ms without progress");
+      if (!honor_poison)
+        CK_THROW_TIMEOUT(what, rank_, -1, 1, 0, " after ", timeout_ms_, " ms without progress", describe());
       poison_and_throw(kErrTimeout,
                        commkit::str("timed out after ", timeout_ms_, " ms without progress waiting for ", what));
     }
     if (honor_poison) check_poison();
   }
 
+  template <typename Pred, typename Progress>
+  void wait_for(const char* what, Pred&& pred, Progress&& progress, uint32_t mask) {
+    wait_for(what, std::forward<Pred>(pred), std::forward<Progress>(progress), mask, true,
+             [] { return std::string(); });
+  }
+
+  // --- calls in flight ----------------------------------------------------------------------
+  // Every public call runs inside api(): it is counted in flight so that close() can wait until no
+  // other thread of this process still touches the region, the slots or (run's writer) the slots'
+  // views (the owner unmaps them right after close() returns), and a call that close() interrupted
+  // raises ClosedError ("closed while blocked") instead of whatever it was waiting for.
   template <typename F>
-  auto api(F&& f) -> decltype(f()) {
+  auto api(const char* call, F&& f) -> decltype(f()) {
+    CallGuard guard(this, call);
     try {
       return f();
     } catch (const Stopping&) {
-      CK_THROW("fp8_layerwise transport was closed while rank ", rank_, " was blocked in a call");
+      throw_closed_while_blocked(call);
+    } catch (const PoisonedError& e) {
+      // close() poisons a layer it interrupts (CLOSED_WHILE_ACTIVE, this rank): for this process's
+      // own blocked caller that is the close, not a failure of the layer.
+      if (closed_.load() && e.code() == kErrClosedWhileActive && e.poison_rank() == rank_)
+        throw_closed_while_blocked(call);
+      throw;
     }
   }
 
-  void ensure_open() const { CK_CHECK(!closed_.load(), "fp8_layerwise transport is closed (rank ", rank_, ")"); }
+  [[noreturn]] void throw_closed_while_blocked(const char* call) const {
+    throw ClosedError(commkit::str("fp8_layerwise transport on rank ", rank_, " was closed while ", call,
+                                   "() was blocked in it (close() from another thread, or from the writer)"),
+                      rank_);
+  }
+
+  // The calls this thread is inside of, innermost last (a writer may call back into the transport).
+  static std::vector<const Impl*>& thread_calls() {
+    static thread_local std::vector<const Impl*> calls;
+    return calls;
+  }
+
+  struct CallGuard {
+    CallGuard(Impl* impl, const char* call) : impl(impl) { impl->enter_call(call); }
+    ~CallGuard() { impl->leave_call(); }
+    CallGuard(const CallGuard&) = delete;
+    CallGuard& operator=(const CallGuard&) = delete;
+    Impl* impl;
+  };
+
+  void enter_call(const char* call) {
+    // Sequentially consistent with close()'s closed_.exchange: either close() sees this call in
+    // flight and waits for it, or this call sees closed_ and never touches the region.
+    inflight_calls_.fetch_add(1);
+    thread_calls().push_back(this);
+    if (closed_.load()) {
+      leave_call();
+      throw ClosedError(
+          commkit::str("fp8_layerwise transport is closed (rank ", rank_, "); ", call, "() needs an open one"), rank_);
+    }
+  }
+
+  void leave_call() noexcept {
+    auto& calls = thread_calls();
+    for (auto it = calls.end(); it != calls.begin();) {
+      if (*--it == this) {
+        calls.erase(it);
+        break;
+      }
+    }
+    inflight_calls_.fetch_sub(1);
+  }
+
+  // close(): waits until no other thread is inside a call. Returns whether no call at all is left
+  // (false when the deadline expired, or when close() runs inside a call on this very thread: that
+  // call still touches the region when it unwinds).
+  bool wait_calls_left() noexcept {
+    const auto& calls = thread_calls();
+    const int64_t own = std::count(calls.begin(), calls.end(), this);
+    commkit::ProgressDeadline deadline(std::min(timeout_ms_, kCloseDrainMaxMs));
+    commkit::Backoff backoff;
+    for (;;) {
+      const int64_t n = inflight_calls_.load();
+      if (n <= own) return n == 0;
+      if (deadline.expired(static_cast<uint64_t>(n))) return false;
+      backoff.pause();
+    }
+  }
 
   void validate_call(uint64_t epoch, int64_t layer_id, int expert_count) {
     CK_CHECK_ARG(epoch != 0, "epoch 0 is reserved; epochs start at 1 and strictly increase");
@@ -331,16 +479,21 @@ class Transport::Impl {
 
   // --- join / wait --------------------------------------------------------------------------
   void join(uint64_t epoch, int64_t layer_id, int expert_count) {
-    ensure_open();
-    validate_call(epoch, layer_id, expert_count);
-    check_poison();
-    check_generation();
-    auto& me = c_->ranks[rank_];
-    if (epoch <= ld_relaxed(&me.join_epoch))
-      poison_and_throw(kErrProtocol, "rank " + std::to_string(rank_) + " joined epoch " + std::to_string(epoch) +
-                                         ", which is not above its previous epoch " +
-                                         std::to_string(ld_relaxed(&me.join_epoch)));
-    api([&] {
+    api("join", [&] {
+      validate_call(epoch, layer_id, expert_count);
+      check_poison();
+      check_generation();
+      auto& me = c_->ranks[rank_];
+      const uint64_t prev_join = ld_relaxed(&me.join_epoch);
+      if (epoch <= prev_join)
+        poison_and_throw(kErrProtocol, "rank " + std::to_string(rank_) + " joined epoch " + std::to_string(epoch) +
+                                           ", which is not above its previous epoch " + std::to_string(prev_join));
+      // Rank 0 would wait for this rank's wait(prev_join) and a peer for rank 0, which waits for it:
+      // without this check the call would stall for the whole timeout, though the rank can tell now.
+      if (prev_join > ld_acquire(&me.wait_returned_epoch))
+        poison_and_throw(kErrProtocol, commkit::str("rank ", rank_, " joined epoch ", epoch, " without calling wait(",
+                                                    prev_join, ") of its previous epoch ", prev_join, ": call wait(",
+                                                    prev_join, ") before joining the next epoch"));
       if (rank_ == 0) {
         const uint64_t prev = ld_acquire(&c_->layer.active_epoch);
         if (epoch <= prev)
@@ -381,6 +534,7 @@ class Transport::Impl {
               return a == epoch;
             },
             [&] { return ld_relaxed(&c_->layer.active_epoch); }, 1u);
+        check_geometry();  // rank 0 is attached now (it opened the epoch); also after a reset()
         const int64_t lid = ld_relaxed(&c_->layer.layer_id);
         const uint64_t cnt = ld_relaxed(&c_->layer.expert_count);
         if (lid != layer_id || cnt != static_cast<uint64_t>(expert_count)) {
@@ -395,18 +549,17 @@ class Transport::Impl {
   }
 
   Stats wait(uint64_t epoch) {
-    ensure_open();
-    CK_CHECK_ARG(epoch != 0, "epoch 0 is reserved");
-    check_poison();
-    auto& me = c_->ranks[rank_];
-    if (ld_acquire(&me.join_epoch) != epoch)
-      poison_and_throw(kErrProtocol, "rank " + std::to_string(rank_) + " called wait(" + std::to_string(epoch) +
-                                         ") before joining that epoch (joined " +
-                                         std::to_string(ld_relaxed(&me.join_epoch)) + ")");
-    if (ld_acquire(&me.wait_returned_epoch) >= epoch)
-      poison_and_throw(kErrProtocol, "rank " + std::to_string(rank_) + " called wait(" + std::to_string(epoch) +
-                                         ") twice");
-    return api([&] {
+    return api("wait", [&] {
+      CK_CHECK_ARG(epoch != 0, "epoch 0 is reserved");
+      check_poison();
+      auto& me = c_->ranks[rank_];
+      if (ld_acquire(&me.join_epoch) != epoch)
+        poison_and_throw(kErrProtocol, "rank " + std::to_string(rank_) + " called wait(" + std::to_string(epoch) +
+                                           ") before joining that epoch (joined " +
+                                           std::to_string(ld_relaxed(&me.join_epoch)) + ")");
+      if (ld_acquire(&me.wait_returned_epoch) >= epoch)
+        poison_and_throw(kErrProtocol, "rank " + std::to_string(rank_) + " called wait(" + std::to_string(epoch) +
+                                           ") twice");
       wait_for(
           "this rank's copies and the producer to finish the layer",
           [&] {
@@ -468,21 +621,21 @@ class Transport::Impl {
 
   template <typename WriteFn>
   void produce(uint64_t epoch, int64_t layer_id, int expert_count, WriteFn&& write) {
-    ensure_open();
-    check_poison();
-    if (rank_ != 0)
-      poison_and_throw(kErrProtocol, "run_producer called on rank " + std::to_string(rank_) + "; only rank 0 produces");
-    validate_call(epoch, layer_id, expert_count);
-    if (ld_acquire(&c_->layer.active_epoch) != epoch || ld_relaxed(&c_->layer.layer_id) != layer_id ||
-        ld_relaxed(&c_->layer.expert_count) != static_cast<uint64_t>(expert_count) ||
-        ld_acquire(&c_->ranks[0].join_epoch) != epoch || ld_acquire(&c_->layer.producer_done_epoch) >= epoch) {
-      poison_and_throw(kErrProtocol, commkit::str("run_producer(epoch ", epoch, ", layer ", layer_id, ", count ",
-                                                  expert_count, ") does not match the joined layer (epoch ",
-                                                  ld_relaxed(&c_->layer.active_epoch), ", layer ",
-                                                  ld_relaxed(&c_->layer.layer_id), ", count ",
-                                                  ld_relaxed(&c_->layer.expert_count), ")"));
-    }
-    api([&] {
+    api("run", [&] {
+      check_poison();
+      if (rank_ != 0)
+        poison_and_throw(kErrProtocol,
+                         "run_producer called on rank " + std::to_string(rank_) + "; only rank 0 produces");
+      validate_call(epoch, layer_id, expert_count);
+      if (ld_acquire(&c_->layer.active_epoch) != epoch || ld_relaxed(&c_->layer.layer_id) != layer_id ||
+          ld_relaxed(&c_->layer.expert_count) != static_cast<uint64_t>(expert_count) ||
+          ld_acquire(&c_->ranks[0].join_epoch) != epoch || ld_acquire(&c_->layer.producer_done_epoch) >= epoch) {
+        poison_and_throw(kErrProtocol, commkit::str("run_producer(epoch ", epoch, ", layer ", layer_id, ", count ",
+                                                    expert_count, ") does not match the joined layer (epoch ",
+                                                    ld_relaxed(&c_->layer.active_epoch), ", layer ",
+                                                    ld_relaxed(&c_->layer.layer_id), ", count ",
+                                                    ld_relaxed(&c_->layer.expert_count), ")"));
+      }
       const uint64_t t0 = monotonic_ns();
       wait_for(
           "every rank to join the layer",
@@ -521,6 +674,8 @@ class Transport::Impl {
           poison_and_throw(kErrWriter, "writer failed at expert " + std::to_string(e) + " (unknown exception)");
         }
         writer_ns += monotonic_ns() - w0;
+        // close() may have run while the writer did (it waited for the writer to return): stop.
+        if (stopping_.load(std::memory_order_acquire)) throw Stopping{};
         check_poison();  // a consumer may have failed meanwhile: stop publishing
         const uint64_t seq = ld_relaxed(&c_->layer.next_sequence) + 1;
         st_relaxed(&c_->layer.next_sequence, seq);
@@ -649,7 +804,7 @@ class Transport::Impl {
     commkit::ProgressDeadline deadline(timeout_ms_);
     // Yield for up to 200 us since the last progress (a copy of a few MB takes ~100 us), then sleep.
     commkit::Backoff backoff;
-    uint64_t next_live = monotonic_ns() + opt_.liveness_ms * 1000000ull;
+    uint64_t next_live = next_liveness_check();
     // Keep at least two batches in flight when the window allows it, so the copy engine always
     // has queued work while the oldest batch is being acknowledged and its slot refilled.
     const int max_batch = std::max(1, opt_.max_inflight / 2);
@@ -737,7 +892,7 @@ class Transport::Impl {
       }
       if (monotonic_ns() >= next_live && ld_acquire(&c_->layer.producer_done_epoch) < epoch) {
         check_peers(1u, "the producer to publish an expert");
-        next_live = monotonic_ns() + opt_.liveness_ms * 1000000ull;
+        next_live = next_liveness_check();
       }
       backoff.pause();
     }
@@ -749,12 +904,15 @@ class Transport::Impl {
   }
 
   // --- close / reset ------------------------------------------------------------------------
-  void close() noexcept {
+  bool close() noexcept {
     // Serialised: a second caller returns only once the first finished, so the owner can unmap
     // the region as soon as its own close() returned.
     std::lock_guard<std::mutex> guard(close_mu_);
-    if (closed_.exchange(true)) return;
+    if (closed_.exchange(true)) return drained_;  // from here on no new call enters (enter_call)
     auto& me = c_->ranks[rank_];
+    // Before the poison below: a call blocked in this process sees stopping_ (or our own
+    // CLOSED_WHILE_ACTIVE) and raises ClosedError.
+    stopping_.store(true, std::memory_order_release);
     const uint64_t active = ld_acquire(&c_->layer.active_epoch);
     if (active != 0 && ld_acquire(&me.join_epoch) == active && ld_acquire(&me.consumer_done_epoch) < active &&
         !is_poisoned()) {
@@ -762,20 +920,44 @@ class Transport::Impl {
                      "rank " + std::to_string(rank_) + " closed its transport while epoch " + std::to_string(active) +
                          " was active");
     }
-    stopping_.store(true, std::memory_order_release);
+    drained_ = wait_calls_left();
     if (worker_.joinable()) worker_.join();
-    // The owner may unmap the region right after close(): keep what accessors still report.
-    final_poison_ = last_poison();
+    {
+      // The owner may unmap the region right after close(): keep what accessors still report.
+      std::lock_guard<std::mutex> g(final_mu_);
+      final_poison_ = last_poison();
+      final_ready_ = true;
+    }
     st_release(&me.status, static_cast<uint64_t>(kRankClosed));
+    return drained_;
+  }
+
+  // The poison record as the accessors report it: the live one until close() finished, then the
+  // copy close() kept. Holding final_mu_ keeps close() from finishing (and the owner from
+  // unmapping the region) while the live record is read.
+  Stats poison_snapshot() const {
+    std::lock_guard<std::mutex> g(final_mu_);
+    return final_ready_ ? final_poison_ : last_poison();
+  }
+
+  // "rank 1 has not called reset(); rank 2's consumer has not drained": who rank 0's reset waits for.
+  std::string reset_missing(uint64_t gen) const {
+    std::string out;
+    for (int r = 0; r < tp_; ++r) {
+      const char* why = ld_acquire(&c_->ranks[r].reset_request) != gen + 1    ? " has not called reset()"
+                        : ld_acquire(&c_->ranks[r].consumer_parked) != gen + 1 ? "'s consumer has not drained"
+                                                                                : nullptr;
+      if (why != nullptr) out += commkit::str(out.empty() ? ": rank " : "; rank ", r, why);
+    }
+    return out;
   }
 
   uint64_t reset() {
-    ensure_open();
-    const uint64_t gen = ld_acquire(&c_->layer.generation);
-    if (!is_poisoned()) publish_poison(kErrUser, rank_, "reset requested by rank " + std::to_string(rank_));
-    auto& me = c_->ranks[rank_];
-    st_release(&me.reset_request, gen + 1);
-    return api([&] {
+    return api("reset", [&] {
+      const uint64_t gen = ld_acquire(&c_->layer.generation);
+      if (!is_poisoned()) publish_poison(kErrUser, rank_, "reset requested by rank " + std::to_string(rank_));
+      auto& me = c_->ranks[rank_];
+      st_release(&me.reset_request, gen + 1);
       if (rank_ == 0) {
         wait_for(
             "every rank to call reset() and drain its copies",
@@ -792,7 +974,8 @@ class Transport::Impl {
                 s = s * 1000003u + ld_relaxed(&c_->ranks[r].reset_request) * 7 + ld_relaxed(&c_->ranks[r].consumer_parked);
               return s;
             },
-            0u, /*honor_poison=*/false);
+            // A rank that died or closed can never call reset(): report it now, not at the timeout.
+            all_mask(), /*honor_poison=*/false, [&] { return reset_missing(gen); });
         const uint64_t active = ld_relaxed(&c_->layer.active_epoch);
         for (int s = 0; s < kMaxSlots; ++s) {
           st_relaxed(&c_->ready[s].sequence, uint64_t{0});
@@ -817,7 +1000,12 @@ class Transport::Impl {
       } else {
         wait_for(
             "rank 0 to finish the reset", [&] { return ld_acquire(&c_->layer.generation) != gen; },
-            [&] { return ld_relaxed(&c_->ranks[0].reset_request); }, 1u, /*honor_poison=*/false);
+            // Any dead rank, not only rank 0: rank 0's reset cannot finish without it either.
+            [&] { return ld_relaxed(&c_->ranks[0].reset_request); }, all_mask(), /*honor_poison=*/false, [&] {
+              return std::string(ld_acquire(&c_->ranks[0].reset_request) != gen + 1
+                                     ? ": rank 0 has not called reset()"
+                                     : ": rank 0 is waiting for the other ranks' reset()");
+            });
       }
       generation_ = gen + 1;
       return generation_;
@@ -825,9 +1013,10 @@ class Transport::Impl {
   }
 
   bool poison(int code, const std::string& msg) {
-    ensure_open();
-    CK_CHECK_ARG(code > 0, "poison code must be positive");
-    return publish_poison(code, rank_, msg);
+    return api("poison", [&] {
+      CK_CHECK_ARG(code > 0, "poison code must be positive");
+      return publish_poison(code, rank_, msg);
+    });
   }
 
   Control* c_ = nullptr;
@@ -844,12 +1033,16 @@ class Transport::Impl {
   std::unique_ptr<CopyBackend> backend_;
   std::array<char*, kKinds> staging_{};  // batch_small_kinds: [expert][nb_[k]] page-locked, or null
   std::atomic<bool> stopping_{false}, closed_{false};
+  std::atomic<int64_t> inflight_calls_{0};  // public calls of any thread inside api() right now
+  bool drained_ = true;                     // what close() returned (under close_mu_)
   std::thread worker_;
   std::mutex init_mu_;
   std::condition_variable init_cv_;
   bool init_done_ = false;
   std::string init_error_;
   Stats final_poison_;
+  bool final_ready_ = false;  // final_poison_ is set: the region may be gone (under final_mu_)
+  mutable std::mutex final_mu_;
   std::mutex close_mu_;
 };
 
@@ -875,16 +1068,19 @@ void Transport::run_producer_native(uint64_t epoch, int64_t layer_id, int expert
   for (int k = 0; k < kKinds; ++k)
     CK_CHECK_ARG(writer.kinds()[k].shard_bytes() == impl_->nb_[k], "ShardWriter kind ", k, " shard is ",
                  writer.kinds()[k].shard_bytes(), " bytes but expert_nbytes[", k, "] is ", impl_->nb_[k]);
+  // Experts 0..expert_count-1 are read from the writer's sources: they must hold that many.
+  CK_CHECK_ARG(expert_count <= writer.num_experts(), "expert_count ", expert_count,
+               " exceeds the experts of the ShardWriter's source tensors (", writer.num_experts(), ")");
   impl_->produce(epoch, layer_id, expert_count, [&](int e, const std::vector<uintptr_t>* p) {
     const std::vector<uintptr_t>* d[kKinds] = {&p[0], &p[1], &p[2], &p[3]};
     writer.write(e, d);
   });
 }
-void Transport::close() noexcept { impl_->close(); }
+bool Transport::close() noexcept { return impl_->close(); }
 uint64_t Transport::reset() { return impl_->reset(); }
 bool Transport::poison(int code, const std::string& message) { return impl_->poison(code, message); }
-bool Transport::poisoned() const { return closed() ? impl_->final_poison_.poisoned : impl_->is_poisoned(); }
-Stats Transport::last_poison() const { return closed() ? impl_->final_poison_ : impl_->last_poison(); }
+bool Transport::poisoned() const { return impl_->poison_snapshot().poisoned; }
+Stats Transport::last_poison() const { return impl_->poison_snapshot(); }
 int Transport::rank() const { return impl_->rank_; }
 int Transport::tp_size() const { return impl_->tp_; }
 int Transport::num_slots() const { return impl_->slots_; }

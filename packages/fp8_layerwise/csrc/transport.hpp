@@ -35,6 +35,15 @@ class PoisonedError : public commkit::Error {
   std::string message_;
 };
 
+// Raised by a call on a closed transport, and by a call that another thread of this process was
+// blocked in (join / run / wait / reset, or run's writer) when close() ran: close() waits until
+// such a call has left before it returns, so the caller gets this error instead of touching memory
+// the owner unmaps after close().
+class ClosedError : public commkit::Error {
+ public:
+  ClosedError(const std::string& what, int rank) : commkit::Error(what, __FILE__, __LINE__, rank) {}
+};
+
 struct Stats {
   uint64_t epoch = 0;
   int64_t layer_id = 0;
@@ -84,10 +93,13 @@ using Writer = std::function<void(int, const std::vector<uintptr_t>&, const std:
 //   base + e*expert_stride + (c*chunk_row_step + r*rank_row_step + i)*row_stride + r*rank_col_step,
 //   row_bytes bytes. (w13 [E, 2I, H]: chunks 2 (gate, up), rows I/tp; w2 [E, H, I]: rows H,
 //   row_bytes I/tp bytes, rank_col_step I/tp bytes.)
+// num_experts is the number of experts in the source buffer (its first dimension): the writer
+// refuses any expert outside 0..num_experts-1, which would read past the buffer.
 struct ShardSpec {
   uintptr_t base = 0;
   uint64_t expert_stride = 0, row_stride = 0, rows = 0, row_bytes = 0;
   uint64_t rank_row_step = 0, rank_col_step = 0, chunks = 1, chunk_row_step = 0;
+  uint64_t num_experts = 0;
   uint64_t shard_bytes() const { return chunks * rows * row_bytes; }
 };
 
@@ -110,9 +122,10 @@ class ShardWriter {
   ~ShardWriter();
   ShardWriter(const ShardWriter&) = delete;
   ShardWriter& operator=(const ShardWriter&) = delete;
-  // Copies every rank's shard of `expert` into dst[kind][rank].
+  // Copies every rank's shard of `expert` (0..num_experts()-1, else ValueError) into dst[kind][rank].
   void write(int expert, const std::vector<uintptr_t>* dst[kKinds]) const;
   const std::vector<ShardSpec>& kinds() const { return kinds_; }
+  int64_t num_experts() const { return static_cast<int64_t>(kinds_[0].num_experts); }  // same for every kind
   int threads() const { return threads_; }
   CacheHint cache_hint() const { return hint_; }
 
@@ -144,7 +157,11 @@ class Transport {
   Stats wait(uint64_t epoch);
   void run_producer(uint64_t epoch, int64_t layer_id, int expert_count, const Writer& writer);
   void run_producer_native(uint64_t epoch, int64_t layer_id, int expert_count, const ShardWriter& writer);
-  void close() noexcept;
+  // Stops the consumer and waits (up to min(timeout_ms, 60 s)) until every call that other threads
+  // of this process are in has left (they raise ClosedError). Returns whether none is left: only
+  // then may the owner unmap the control region and the slots. A call still inside (a writer that
+  // did not return in time, or close() called from inside the writer) may still touch them.
+  bool close() noexcept;
   // Collective recovery after a poison: every live rank calls it; returns the new generation.
   uint64_t reset();
   // Claims the poison record (exactly one concurrent claim wins); returns whether this call won.

@@ -13,7 +13,7 @@ coordinates the ranks (epochs, per-slot sequences, acks, a sticky poison record,
 import torch  # noqa: F401  (loads the CUDA runtime before _C)
 
 from . import _C
-from .errors import (ErrorCode, PeerDied, ProtocolError, TransportError, TransportPoisoned,
+from .errors import (ErrorCode, PeerDied, ProtocolError, TransportClosed, TransportError, TransportPoisoned,
                      TransportTimeout)
 from .transport import (CACHE_HINTS, CONTROL_BYTES, DEFAULT_CACHE_HINT, DEFAULT_SLOTS, KINDS, MAX_COPY_STREAMS,
                         MAX_SLOTS, MAX_TP, SMALL_EXPERT_BYTES, SMALL_EXPERT_SLOTS, ControlRegion, FileExchange,
@@ -39,7 +39,7 @@ __all__ = [
     "default_writer_threads", "KINDS",
     "MAX_COPY_STREAMS", "MAX_SLOTS", "MAX_TP", "ControlRegion", "ErrorCode",
     "FP8LayerwiseTransport", "FP8_LAYERWISE_CONTROL_BYTES", "FP8_LAYERWISE_MAX_TP_SIZE", "FileExchange",
-    "HostSlots", "Layer", "LayerStats", "PeerDied", "ProtocolError", "Transport", "TransportError",
+    "HostSlots", "Layer", "LayerStats", "PeerDied", "ProtocolError", "Transport", "TransportClosed", "TransportError",
     "TransportPoisoned", "TransportTimeout", "block_fp8_expert_nbytes", "built_with_cuda", "group_exchange",
     "initialize_fp8_layerwise_control", "make_block_fp8_sources", "make_shard_writer", "reference_shard",
 ]

@@ -4,6 +4,10 @@ Once any rank fails (writer exception, copy error, timeout, dead peer, protocol 
 while active) the shared control region is *poisoned*: exactly one claim records (code, rank,
 message), and every rank's next or current call raises the matching exception below with that
 original cause. ``Transport.reset()`` (collective) clears it.
+
+Every runtime error the package raises is a :class:`TransportError` (the native core's errors are
+mapped onto these classes, with the native attributes ``rank``, ``peer`` and ``where`` kept);
+bad arguments raise the builtin ``ValueError``.
 """
 from __future__ import annotations
 
@@ -25,7 +29,18 @@ class ErrorCode(enum.IntEnum):
 
 
 class TransportError(RuntimeError):
-    """Base class of every fp8_layerwise runtime error."""
+    """Base class of every fp8_layerwise runtime error.
+
+    Raised as such for failures outside the protocol (e.g. a shared-memory segment that cannot be
+    opened). Errors from the native core carry ``rank`` and ``peer`` (-1 if unknown) and ``where``
+    (``file:line`` of the C++ source).
+    """
+
+
+class TransportClosed(TransportError):
+    """The transport is closed: a call on a closed transport, or a call that another thread of this
+    process was blocked in (join / run / wait / reset, or run's writer) when ``close()`` ran. That
+    call leaves before ``close()`` returns, so it never touches the unmapped memory."""
 
 
 class TransportPoisoned(TransportError):
@@ -56,7 +71,12 @@ class ProtocolError(TransportPoisoned):
 
 
 class TransportTimeout(TransportPoisoned, TimeoutError):
-    """A wait made no progress within the timeout (code TIMEOUT)."""
+    """A wait made no progress within the timeout (code TIMEOUT).
+
+    Also raised by ``reset()`` when the other ranks do not take part in time (the region then stays
+    poisoned); that one carries the native ``operation`` (what it waited for), ``peer``,
+    ``expected``, ``observed`` and ``where`` too.
+    """
 
 
 class PeerDied(TransportPoisoned):
@@ -74,3 +94,19 @@ def _from_native(code: int, rank: int, message: str, text: str) -> TransportPois
     """Called by the C++ exception translator: build the exception for a poison record."""
     cls = _BY_CODE.get(code, TransportPoisoned)
     return cls(code, rank, message, text)
+
+
+def _from_native_timeout(text: str, rank: int, peer: int, where: str, operation: str, expected: int,
+                         observed: int) -> TransportTimeout:
+    """Called by the C++ exception translator for a native timeout outside the poison record
+    (``reset()``): a :class:`TransportTimeout` with the native attributes."""
+    exc = TransportTimeout(ErrorCode.TIMEOUT, rank, text, text)
+    exc.peer, exc.where, exc.operation, exc.expected, exc.observed = peer, where, operation, expected, observed
+    return exc
+
+
+def _from_native_error(text: str, rank: int, peer: int, where: str, closed: bool) -> TransportError:
+    """Called by the C++ exception translator for any other native runtime error."""
+    exc = (TransportClosed if closed else TransportError)(text)
+    exc.rank, exc.peer, exc.where = rank, peer, where
+    return exc

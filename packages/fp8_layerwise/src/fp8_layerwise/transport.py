@@ -21,8 +21,17 @@ Data layout
       [kind 0: slot 0 | slot 1 | ... ][pad to 4 KiB][kind 1: slot 0 | ...] ...
 
   Each rank pins its own segment with ``cudaHostRegister`` (CUDA backend); rank 0 maps every
-  rank's segment so its writer fills them directly. All names are unlinked as soon as every rank
-  has mapped them, so no exit path (exception, SIGKILL) leaves a segment behind.
+  rank's segment so its writer fills them directly.
+* Segment names: nothing is created before a first exchange shows that every rank arrived (and
+  agrees on expert_nbytes, num_experts and num_slots), and each name is unlinked as soon as every
+  process that opens it has mapped it: rank 0's slots (and, at TP 1, the control region) at once,
+  another rank's slots when rank 0 mapped them, the control region at the "mapped" barrier. A setup
+  that fails with an exception unlinks the name of every segment its rank created or mapped. So an
+  exception anywhere, or a SIGKILL before the segments exist or after that barrier, leaves nothing
+  in /dev/shm. What can remain: a SIGKILL inside the setup window between creating the segments
+  and the peers mapping them (one name exchange among ranks that all arrived already:
+  milliseconds) can leave that rank's control region (rank 0) or slots (other ranks), unless a
+  surviving rank that mapped it unlinks it when its own setup then fails.
 * Layer buffers: one flat ``uint8`` tensor per kind of ``num_experts * expert_nbytes[kind]``
   bytes, on the rank's GPU (CUDA) or in host memory (CPU backend).
 
@@ -49,12 +58,13 @@ import json
 import os
 import pathlib
 import time
+import warnings
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
 from . import _C
-from .errors import ErrorCode, TransportError
+from .errors import ErrorCode, TransportClosed, TransportError
 
 KINDS = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
 CONTROL_BYTES: int = _C.FP8_LAYERWISE_CONTROL_BYTES
@@ -174,8 +184,9 @@ def make_shard_writer(sources: Sequence[torch.Tensor], tp_size: int,
 
     Arguments:
         sources: ``[w13 [E, 2I, H] (1-byte dtype), w13_scale fp32 [E, 2I/128, H/128],
-            w2 [E, H, I], w2_scale fp32 [E, H/128, I/128]]``, contiguous CPU tensors. They must
-            stay alive while the writer is used.
+            w2 [E, H, I], w2_scale fp32 [E, H/128, I/128]]``, contiguous CPU tensors. The writer
+            holds references to them (it reads them through raw pointers) and refuses an expert
+            outside ``0..E-1`` (a layer with ``expert_count > E`` raises ValueError).
         tp_size: tensor-parallel size.
         threads: memcpy threads per expert (1..64); None: ``default_writer_threads(tp_size)``.
         cache_hint: what the writer does with a slot's cache lines after writing them, so the
@@ -204,12 +215,12 @@ def make_shard_writer(sources: Sequence[torch.Tensor], tp_size: int,
     sb, Ib, Hb = s // BLOCK, I // BLOCK, H // BLOCK
     specs = [
         # w13: gate rows then up rows of this rank; each row is H bytes.
-        _C.ShardSpec(w13.data_ptr(), 2 * I * H, H, s, H, rank_row_step=s, chunks=2, chunk_row_step=I),
+        _C.ShardSpec(w13.data_ptr(), 2 * I * H, H, s, H, rank_row_step=s, chunks=2, chunk_row_step=I, num_experts=E),
         _C.ShardSpec(w13s.data_ptr(), 2 * Ib * Hb * 4, Hb * 4, sb, Hb * 4, rank_row_step=sb, chunks=2,
-                     chunk_row_step=Ib),
+                     chunk_row_step=Ib, num_experts=E),
         # w2: all H rows, this rank's column range.
-        _C.ShardSpec(w2.data_ptr(), H * I, I, H, s, rank_col_step=s),
-        _C.ShardSpec(w2s.data_ptr(), Hb * Ib * 4, Ib * 4, Hb, sb * 4, rank_col_step=sb * 4),
+        _C.ShardSpec(w2.data_ptr(), H * I, I, H, s, rank_col_step=s, num_experts=E),
+        _C.ShardSpec(w2s.data_ptr(), Hb * Ib * 4, Ib * 4, Hb, sb * 4, rank_col_step=sb * 4, num_experts=E),
     ]
     if threads is None:
         threads = default_writer_threads(tp_size)
@@ -218,7 +229,35 @@ def make_shard_writer(sources: Sequence[torch.Tensor], tp_size: int,
         cache_hint = default_cache_hint()
     _check(cache_hint in CACHE_HINTS, f"cache_hint must be one of {CACHE_HINTS}, got {cache_hint!r}")
     _check(_C.cache_hint_supported(cache_hint), f"cache_hint {cache_hint!r} needs an instruction this CPU lacks")
-    return _C.ShardWriter(specs, threads, cache_hint)
+    # `sources` is kept alive by the writer: the specs above are raw pointers into these tensors.
+    return _C.ShardWriter(specs, threads, cache_hint, sources=tuple(sources))
+
+
+def _check_same_geometry(rank: int, geometries: Sequence[dict]) -> None:
+    """Every rank must pass rank 0's expert_nbytes, num_experts and num_slots: rank 0 writes each
+    rank's slots at its own offsets and each consumer copies at its own, so a disagreement would
+    deliver wrong bytes silently. Checked on the first exchange, so every rank raises at once
+    (ValueError) and nothing has been created yet."""
+    want = geometries[0]
+    bad = [r for r, g in enumerate(geometries) if g != want]
+    if not bad:
+        return
+
+    def fmt(g):
+        return f"expert_nbytes {g['expert_nbytes']}, num_experts {g['num_experts']}, num_slots {g['num_slots']}"
+
+    if rank in bad:
+        head = f"rank {rank} was given {fmt(geometries[rank])} but rank 0 was given {fmt(want)}"
+    else:
+        head = ("; ".join(f"rank {r} was given {fmt(geometries[r])}" for r in bad)
+                + f", but rank 0 was given {fmt(want)}")
+    raise ValueError(f"{head}: every rank must pass the same expert_nbytes, num_experts and num_slots")
+
+
+# Mappings that close() could not release because a call of another thread was still inside after the
+# deadline (or close() ran inside the writer): unmapping them could crash that call, so they stay
+# mapped for the life of the process (their names are unlinked already).
+_KEPT_MAPPED: List[Any] = []
 
 
 def _host_view(ptr: int, nbytes: int) -> torch.Tensor:
@@ -422,7 +461,8 @@ class Transport:
             writer in the loop (BENCHMARKS.md, run 9).
 
     Raises:
-        ValueError: bad arguments, before anything is created.
+        ValueError: bad arguments, before anything is created; also on every rank when one rank's
+            ``expert_nbytes``, ``num_experts`` or ``num_slots`` differ from rank 0's.
     """
 
     def __init__(self, rank: int, tp_size: int, num_experts: int, expert_nbytes: Sequence[int], *,
@@ -463,23 +503,41 @@ class Transport:
             self._setup(timeout_ms, max_inflight, coalesce, liveness_ms, copy_streams, coalesce_wait,
                         batch_small_kinds)
         except BaseException:
+            # The setup is collective: once it failed here, no rank can finish it, so the names of the
+            # segments this rank mapped can go (a creator's close() unlinks its own; the control
+            # region's attachers unlink it here), whatever the ranks still alive are waiting for.
+            if self._control is not None:
+                self._control.unlink()
             self._release()
             raise
 
     def _setup(self, timeout_ms, max_inflight, coalesce, liveness_ms, copy_streams, coalesce_wait,
                batch_small_kinds):
+        # First exchange, before anything exists: a rank killed while it waits for the others leaves
+        # no segment, and a rank whose geometry differs from rank 0's fails on every rank at once.
+        geometry = {"expert_nbytes": self.expert_nbytes, "num_experts": self.num_experts,
+                    "num_slots": self.num_slots}
+        hello = self._exchange({"pid": os.getpid(), "geometry": geometry})
+        _check_same_geometry(self.rank, [h["geometry"] for h in hello])
+        self.peer_pids = [h["pid"] for h in hello]
+        # Each name goes as soon as every process that opens it has mapped it (see the module doc).
         if self.rank == 0:
             self._control = ControlRegion.create(self.tp_size, self.num_slots)
+            if self.tp_size == 1:
+                self._control.unlink()
         self._slots = HostSlots.create(self.expert_nbytes, self.num_slots)
+        if self.rank == 0:
+            self._slots.unlink()  # only rank 0 maps its own slots
         info = self._exchange({"control": self._control.name if self._control else None,
-                               "slots": self._slots.name, "pid": os.getpid()})
-        self.peer_pids = [i["pid"] for i in info]
+                               "slots": self._slots.name})
         if self.rank != 0:
             self._control = ControlRegion.attach(info[0]["control"])
             all_ptrs: List[int] = []
         else:
-            self._peer_slots = [self._slots] + [HostSlots.attach(info[r]["slots"], self.expert_nbytes,
-                                                                 self.num_slots) for r in range(1, self.tp_size)]
+            self._peer_slots = [self._slots]
+            for r in range(1, self.tp_size):
+                self._peer_slots.append(HostSlots.attach(info[r]["slots"], self.expert_nbytes, self.num_slots))
+                self._peer_slots[-1].unlink()  # rank 0 is the only other process that maps rank r's slots
             all_ptrs = [self._peer_slots[r].ptr(s, k)
                         for s in range(self.num_slots) for r in range(self.tp_size) for k in range(4)]
         if self.backend == "cuda":
@@ -490,7 +548,7 @@ class Transport:
             dev = torch.device("cpu")
         #: The layer buffers: one flat uint8 tensor per kind, expert e at [e*nbytes, (e+1)*nbytes).
         self.buffers = [torch.empty(self.num_experts * nb, dtype=torch.uint8, device=dev) for nb in self.expert_nbytes]
-        # Everyone has mapped everything: drop the names now so no exit path can leak them.
+        # Everyone has mapped everything: drop the remaining names (the control region's).
         self._exchange("mapped")
         self._slots.unlink()
         if self.rank == 0:
@@ -511,7 +569,7 @@ class Transport:
     @property
     def native(self) -> "_C.FP8LayerwiseTransport":
         if self._native is None or self._closed:
-            raise TransportError(f"transport on rank {self.rank} is closed")
+            raise TransportClosed(f"transport on rank {self.rank} is closed")
         return self._native
 
     def join(self, epoch: int, layer_id: int, expert_count: int) -> None:
@@ -559,8 +617,11 @@ class Transport:
         try:
             yield handle
         except BaseException as exc:
-            if self._native is not None and not self._closed and not self._native.poisoned:
-                self._native.poison(int(ErrorCode.USER), f"rank {self.rank}: {type(exc).__name__}: {exc}")
+            # Best effort: another thread may have closed the transport meanwhile (TransportClosed);
+            # the block's own exception is the one to propagate.
+            with contextlib.suppress(TransportError):
+                if self._native is not None and not self._closed and not self._native.poisoned:
+                    self._native.poison(int(ErrorCode.USER), f"rank {self.rank}: {type(exc).__name__}: {exc}")
             raise
         handle.stats = self.wait(epoch)
 
@@ -573,7 +634,13 @@ class Transport:
         return self.native.poisoned
 
     def reset(self) -> int:
-        """Collective recovery after a poison: every live rank calls it. Returns the new generation."""
+        """Collective recovery after a poison: every rank calls it. Returns the new generation.
+
+        Raises:
+            PeerDied: a rank died or closed (it can never take part), within ``liveness_ms``.
+            TransportTimeout: the other ranks did not take part within ``timeout_ms`` (the message
+                names them); the region stays poisoned.
+        """
         return self.native.reset()
 
     def expert_view(self, kind: int, expert: int) -> torch.Tensor:
@@ -583,15 +650,27 @@ class Transport:
 
     # ---- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the consumer and free everything; idempotent. Poisons if a layer is still active."""
+        """Stop the consumer and free everything; idempotent. Poisons if a layer is still active.
+
+        Safe while other threads are inside ``join`` / ``run`` / ``wait`` / ``reset``: they raise
+        :class:`TransportClosed`, and the memory is unmapped only after they left (a writer that
+        runs in ``run`` finishes its expert first). If one is still inside after
+        ``min(timeout_ms, 60 s)`` -- or ``close()`` is called from inside the writer -- the shared
+        memory stays mapped for the life of the process (with a warning) rather than crash it.
+        """
         if self._closed:
             return
         self._closed = True
         self._release()
 
     def _release(self) -> None:
-        if self._native is not None:
-            self._native.close()
+        drained = self._native.close() if self._native is not None else True
+        if not drained:
+            warnings.warn(f"fp8_layerwise: rank {self.rank} closed its transport while a call was still inside it; "
+                          "its shared memory stays mapped until the process exits", RuntimeWarning, stacklevel=3)
+            _KEPT_MAPPED.append((self._control, self._slots, self._peer_slots, getattr(self, "_views", None)))
+            self._views, self._peer_slots, self._slots, self._control = None, [], None, None
+            return
         self._views = None
         for s in self._peer_slots[1:]:
             s.close()
