@@ -314,6 +314,9 @@ def worker_compile(rank, world, rdzv):
 
 
 def worker_timeout(rank, world, rdzv):
+    """The last rank skips a call. The others time out naming it; a call they queued behind the failed
+    one must not run (its record reaches the host even after the timeout was raised); the skipper's own
+    late call fails at once (the others marked the instance failed in its memory); a new instance works."""
     import ipc_all2all
 
     dev = _setup(rank, world, rdzv)
@@ -324,28 +327,63 @@ def worker_timeout(rank, world, rdzv):
     a2a.set_rank_tokens([16] * world)
     x = torch.ones(1, 16, H, D, dtype=torch.bfloat16, device=dev)
     for _ in range(3):
-        a2a.gather_heads(a2a.send_recv_heads(x))
+        a2a.gather_heads(a2a.send_recv_heads(x), copy_output=True)
+    # Load every kernel used below now: with CUDA's lazy module loading, the first launch of a kernel
+    # waits for the kernels running in the context, here the one spinning on the skipped peer.
+    torch.cuda._sleep(1)
+    torch.cuda.Event().record()
     a2a.synchronize()
     result = {}
     if rank != skipper:
         t0 = time.monotonic()
-        a2a.send_recv_heads(x)
+        y = a2a.send_recv_heads(x)              # the skipper never makes this call
+        failed = torch.cuda.Event()
+        failed.record()
+        # Hold the next call back until the host has taken the first failure (and cleared the
+        # device-side record): it must still refuse to run, and say so.
+        torch.cuda._sleep(int(1e9))  # ~0.5 s
+        a2a.gather_heads(y, copy_output=True)   # queued behind the failed call
+        failed.synchronize()
         try:
-            a2a.synchronize()
+            a2a.check()
         except ipc_all2all.CommTimeoutError as e:
             result = {"elapsed": time.monotonic() - t0, "op": e.operation, "rank": e.rank, "peer": e.peer,
                       "msg": str(e)}
         else:
             raise AssertionError("a call the peer skipped did not time out")
         assert a2a.broken
+        t1 = time.monotonic()
+        try:
+            a2a.synchronize()
+        except ipc_all2all.CommTimeoutError as e:
+            raise AssertionError(f"the queued call ran into the failed exchange: {e}")
+        except ipc_all2all.CommError as e:
+            assert "gather_heads" in str(e) and "abandoned" in str(e), e
+            result["queued"] = str(e)
+            result["queued_s"] = time.monotonic() - t1
+        else:
+            raise AssertionError("the call queued behind a failed one reported nothing")
         try:
             a2a.send_recv_heads(x)
         except ipc_all2all.CommError as e:
-            assert "unusable" in str(e)
+            assert "unusable" in str(e) and "destroy()" in str(e), e
         else:
             raise AssertionError("a broken instance accepted a call")
         # the CUDA context is still usable
         assert float(torch.ones(4, device=dev).sum()) == 4.0
+    dist.barrier()  # every other rank has failed and marked the instance
+    if rank == skipper:
+        t0 = time.monotonic()
+        a2a.send_recv_heads(x)                  # the skipped call, late
+        try:
+            a2a.synchronize()
+        except ipc_all2all.CommTimeoutError as e:
+            raise AssertionError(f"the late call waited for its deadline instead of failing at once: {e}")
+        except ipc_all2all.CommError as e:
+            assert "abandoned" in str(e) and "marked failed by rank" in str(e), e
+            result = {"late": str(e), "late_s": time.monotonic() - t0, "peer": e.peer}
+        else:
+            raise AssertionError("the late call of a failed instance succeeded")
     dist.barrier()
     a2a.destroy()
     # and a fresh instance works
@@ -357,6 +395,165 @@ def worker_timeout(rank, world, rdzv):
     return result
 
 
+def worker_skipped_call(rank, world, rdzv):
+    """Rank 1 skips one call of a send/gather sequence and carries on: its next gather_heads meets the
+    others' send_recv_heads. Every rank must raise CommError naming both operations, rank and peer,
+    fast (not by a timeout), and nothing returned before the failure may be wrong."""
+    import ipc_all2all
+
+    dev = _setup(rank, world, rdzv)
+    H, D, n = 4 * world, 128, 16
+    counts = [n] * world
+    hpr = H // world
+    xs = [_rand((1, n, H, D), torch.bfloat16, dev, 900 + r) for r in range(world)]
+    want_y = torch.cat([xs[r][:, :, rank * hpr:(rank + 1) * hpr] for r in range(world)], dim=1)
+    seq = ["send_recv_heads", "gather_heads"] * 4
+    skip = 2  # rank 1 leaves out the second send_recv_heads
+    outcome = {}
+    with ipc_all2all.All2All.from_group(num_tokens=n * world, hidden_dim=H * D, tensor_dtype=torch.bfloat16,
+                                        timeout_seconds=30) as a2a:
+        a2a.set_rank_tokens(counts)
+        good, y = [], None
+        t0 = time.monotonic()
+        try:
+            for i, op in enumerate(seq):
+                if rank == 1 and i == skip:
+                    continue
+                if op == "send_recv_heads":
+                    y = a2a.send_recv_heads(xs[rank], copy_output=True)
+                    good.append((i, y, want_y))
+                else:
+                    good.append((i, a2a.gather_heads(y, copy_output=True), xs[rank]))
+            a2a.synchronize()
+        except ipc_all2all.CommTimeoutError as e:
+            raise AssertionError(f"a mismatched call must fail its handshake, not time out: {e}")
+        except ipc_all2all.CommError as e:
+            outcome = {"msg": str(e), "rank": e.rank, "peer": e.peer, "elapsed": time.monotonic() - t0,
+                       "raised_at": len(good)}
+        else:
+            raise AssertionError("a rank that skipped a call was paired silently")
+        assert a2a.broken
+        # The calls before the skipped one completed; they must be right.
+        for i, got, want in good[:skip]:
+            _assert_same(got, want, f"call {i} before the skipped call")
+        torch.cuda.synchronize()
+    return outcome
+
+
+def worker_two_streams(rank, world, rdzv, iters):
+    """Calls of one instance alternate between two streams (one of them randomly delayed): they must run
+    one after the other (the instance's block counters are shared), and every output must be right."""
+    import ipc_all2all
+
+    dev = _setup(rank, world, rdzv)
+    H, D, n = 4 * world, 128, 64
+    counts = [n + 8 * r for r in range(world)]
+    hpr = H // world
+    xs = [_rand((1, counts[r], H, D), torch.bfloat16, dev, 4300 + r) for r in range(world)]
+    want = _bytes(torch.cat([xs[r][:, :, rank * hpr:(rank + 1) * hpr] for r in range(world)], dim=1))
+    x_b = _bytes(xs[rank])
+    streams = [torch.cuda.Stream(device=dev), torch.cuda.Stream(device=dev)]
+    errors = [torch.zeros((), dtype=torch.int64, device=dev) for _ in streams]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream(dev))
+    rng = random.Random(77 + rank)
+    with ipc_all2all.All2All.from_group(num_tokens=sum(counts), hidden_dim=H * D, tensor_dtype=torch.bfloat16,
+                                        timeout_seconds=20) as a2a:
+        a2a.set_rank_tokens(counts)
+        for i in range(iters):
+            k = i % 2
+            with torch.cuda.stream(streams[k]):
+                if rng.random() < 0.5:
+                    torch.cuda._sleep(rng.randint(0, 400_000))
+                delta = i % 251
+                x = (x_b + delta).view(torch.bfloat16)
+                y = a2a.send_recv_heads(x, copy_output=True)
+                errors[k] += (_bytes(y) != want + delta).sum()
+                if rng.random() < 0.3:
+                    torch.cuda._sleep(rng.randint(0, 400_000))
+                z = a2a.gather_heads(y)  # a view, read on the stream that made the call
+                errors[k] += (_bytes(z) != x_b + delta).sum()
+        # synchronize() on the default stream also waits for the last call, made on a side stream
+        a2a.synchronize()
+        for s in streams:
+            s.synchronize()
+    bad = sum(int(e) for e in errors)
+    assert bad == 0, f"{bad} corrupted bytes over {iters} round trips on two streams"
+    return iters
+
+
+def worker_lifetimes_and_checks(rank, world, rdzv):
+    """sync() refuses peers built with another slot size before opening anything; a view keeps the
+    buffer allocated after destroy(); the CUDA-graph rules (inputs from outside a capture refused, eager
+    calls after a capture return copies that a replay cannot overwrite)."""
+    import gc
+
+    import ipc_all2all
+
+    dev = _setup(rank, world, rdzv)
+    H, D, n = 4 * world, 128, 16
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    # 1. Different num_tokens on one rank: every rank's sync() raises, naming a rank and the sizes.
+    a = ipc_all2all.All2All(rank, world, n * world * (2 if rank == 0 else 1), H * D, sms, torch.bfloat16)
+    handles = [None] * world
+    dist.all_gather_object(handles, a.get_local_ipc_handle())
+    try:
+        a.sync(handles)
+    except ValueError as e:
+        assert "output slots of" in str(e) and "every rank must build the instance alike" in str(e), e
+    else:
+        raise AssertionError("sync() accepted a peer built with another slot size")
+    assert not a._core.opened
+    a.destroy()
+    dist.barrier()
+
+    counts = [n] * world
+    hpr = H // world
+    xs = [_rand((1, n, H, D), torch.bfloat16, dev, 300 + r) for r in range(world)]
+    want_y = torch.cat([xs[r][:, :, rank * hpr:(rank + 1) * hpr] for r in range(world)], dim=1)
+    # 2. A zero-copy view outlives destroy(): the buffer is freed with the last view.
+    a2a = ipc_all2all.All2All.from_group(num_tokens=n * world, hidden_dim=H * D, tensor_dtype=torch.bfloat16)
+    a2a.set_rank_tokens(counts)
+    y = a2a.send_recv_heads(xs[rank])
+    a2a.destroy()
+    assert a2a._core.buffer_ptr != 0, "the buffer was freed under a live view"
+    _assert_same(y, want_y, "a view read after destroy()")
+    del y
+    gc.collect()
+    assert a2a._core.buffer_ptr == 0, "the buffer outlived its last view"
+
+    # 3. CUDA graphs.
+    with ipc_all2all.All2All.from_group(num_tokens=n * world, hidden_dim=H * D, tensor_dtype=torch.bfloat16,
+                                        timeout_seconds=10) as a2a:
+        a2a.set_rank_tokens(counts)
+        x = xs[rank].clone()
+        eager_view = a2a.send_recv_heads(x)
+        a2a.synchronize()
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g):
+                a2a.gather_heads(eager_view)  # would re-read a slot that later calls rewrite
+        except ValueError as e:
+            assert "outside this capture" in str(e), e
+        else:
+            raise AssertionError("a capture accepted a zero-copy input made outside it")
+        calls = a2a._core.calls
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            yg = a2a.send_recv_heads(x)               # a view: the graph's static output
+            zg = a2a.gather_heads(yg, copy_output=True)
+        assert a2a._core.calls == calls + 2 and a2a._core.captured_calls == 2
+        g.replay()
+        _assert_same(yg, want_y, "graph replay send_recv_heads")
+        _assert_same(zg, x, "graph replay round trip")
+        w = a2a.send_recv_heads(x)                    # eager after a capture: a copy
+        lo, hi = a2a._core.buffer_ptr, a2a._core.buffer_ptr + a2a._core.buffer_bytes
+        assert not lo <= w.data_ptr() < hi, "an eager call after a capture returned a view"
+        x.copy_(xs[(rank + 1) % world])
+        g.replay()                                    # rewrites both slots
+        _assert_same(w, want_y, "eager output across a replay")
+        a2a.synchronize()
+    return True
 def worker_leak(rank, world, rdzv, loops):
     import ipc_all2all
 

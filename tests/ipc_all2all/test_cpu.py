@@ -200,8 +200,11 @@ def test_ranges_overlap():
 
 def test_op_names():
     for op in range(3):
-        assert S.OP_NAMES[op] in _C.op_name(op * 4)
+        for phase in range(4):
+            assert S.OP_NAMES[op] in _C.op_name(op * 4 + phase)
         assert "entry" in _C.op_name(op * 4) and "completion" in _C.op_name(op * 4 + 1)
+        assert "another call" in _C.op_name(op * 4 + _C.PHASE_MISMATCH)
+        assert "abandoned" in _C.op_name(op * 4 + _C.PHASE_BROKEN)
 
 
 def test_no_gpu_construction_is_clear():
@@ -216,6 +219,7 @@ class _FakeComm:
 
     def __init__(self, W, n):
         self.world_size, self.rank, self._counts, self.comm_id = W, 0, [n] * W, 10**6 + W
+        self.order_token = ipc_all2all.ops.order_token("cpu")
 
     @property
     def rank_tokens(self):
@@ -264,12 +268,16 @@ def test_custom_ops_trace_under_fullgraph_compile(backend):
 
 
 class _RecordingCore:
-    """The native core's interface without a GPU: records launches, alternates slots like the real one."""
+    """The native core's interface without a GPU: records launches, alternates slots like the real one.
+    ``capture`` stands for the capture id of the current stream (0: not capturing)."""
 
     def __init__(self, cap, buf):
         self.calls, self.destroyed, self.broken, self.cap = 0, False, False, cap
         self.buffer_ptr = buf.data_ptr()
+        self.buffer_bytes = buf.numel()
         self.launches = []
+        self.capture, self.captured_calls, self.slot_captures = 0, 0, [0, 0]
+        self.released = False
 
     @property
     def next_slot(self):
@@ -278,14 +286,29 @@ class _RecordingCore:
     def slot_offset(self, i):
         return _C.buffer_layout(self.cap)["slots"][i][0]
 
+    def capture_id(self, stream):
+        return self.capture
+
+    def slot_capture(self, slot):
+        return self.slot_captures[slot]
+
     def launch(self, *args):
         self.launches.append(args)
         slot = self.calls % 2
         self.calls += 1
+        self.captured_calls += self.capture != 0
+        self.slot_captures[slot] = self.capture
         return slot
 
-    def destroy(self):
+    def open_peers(self, handles):
+        self.handles = handles
+
+    def destroy(self, free_buffer=True):
         self.destroyed = True
+        self.released = self.released or free_buffer
+
+    def release_buffer(self):
+        self.released = True
 
 
 def test_python_layer_slots_views_and_aliasing(monkeypatch):
@@ -301,7 +324,7 @@ def test_python_layer_slots_views_and_aliasing(monkeypatch):
     core = _RecordingCore(cap, buf)
     a.__dict__.update(_plans={}, rank=1, world_size=2, tensor_dtype=torch.bfloat16, itemsize=2,
                       device=torch.device("cpu"), capacity=cap, _core=core, _counts=None, _counts_dev=None,
-                      _group=None, _collective=False, comm_id=-1, _buf=buf)
+                      _group=None, _collective=False, comm_id=-1, _buf=buf, _keeper=None)
     with pytest.raises(ValueError, match="set_rank_tokens"):
         a.send_recv_heads(torch.zeros(1, 5, 8, 32, dtype=torch.bfloat16))
     a.set_rank_tokens([3, 5])
@@ -342,7 +365,7 @@ def test_python_layer_fp8_wire_plans_records(monkeypatch):
     a = ipc_all2all.All2All.__new__(ipc_all2all.All2All)
     a.__dict__.update(_plans={}, rank=1, world_size=2, tensor_dtype=torch.bfloat16, itemsize=2,
                       device=torch.device("cpu"), capacity=cap, _core=core, _counts=None, _counts_dev=None,
-                      _group=None, _collective=False, comm_id=-1, _buf=buf)
+                      _group=None, _collective=False, comm_id=-1, _buf=buf, _keeper=None)
     a.set_rank_tokens([3, 5])
     x = torch.zeros(2, 5, 8, 64, dtype=torch.bfloat16)
     y = a.send_recv_heads(x, fp8_wire=True)
@@ -392,7 +415,7 @@ def test_destroy_of_a_from_group_instance_is_collective(monkeypatch, group):
         a = ipc_all2all.All2All.__new__(ipc_all2all.All2All)
         a.__dict__.update(_core=_RecordingCore(cap, torch.zeros(16, dtype=torch.uint8)), _group=group,
                           _collective=collective, device=torch.device("cpu"), comm_id=-2, _buf=None,
-                          _counts_dev=None)
+                          _counts_dev=None, _keeper=None)
         a.destroy()
         assert a._core.destroyed
         assert calls == ([("sync", torch.device("cpu")), ("barrier", group)] if collective else []), calls

@@ -46,13 +46,46 @@ def test_cuda_graph_replay_with_changing_counts(tmp_path):
 
 @MULTI
 def test_skipped_call_times_out_with_a_clear_error(tmp_path):
+    """A rank skips a call: the others raise CommTimeoutError naming operation, rank and peer within the
+    deadline; a call they had queued behind the failed one does not run (CommError, not a second
+    timeout); the late rank's own call fails at once; a new instance works."""
     world = _world()
     res = run_workers(w.worker_timeout, world, tmp_path=tmp_path, timeout=120)
     for rank, r in enumerate(res[:-1]):
         assert r["rank"] == rank and r["peer"] == world - 1, r
         assert "send_recv_heads" in r["op"], r
         assert r["elapsed"] < 1.0 + 10.0, r  # 1 s deadline plus launch and teardown slack
-    assert res[-1] == {}
+        assert r["queued_s"] < 5.0, r        # abandoned (CommError, checked by the worker), no hang
+    late = res[-1]
+    assert late["peer"] in range(world - 1) and late["late_s"] < 1.0, late
+
+
+@MULTI
+def test_skipped_call_with_different_operation_raises_on_every_rank(tmp_path):
+    """Rank 1 skips one call of several and carries on, so its gather_heads meets the others'
+    send_recv_heads: the handshake signature tells them apart and every rank raises (no garbage, no
+    wait for the deadline); the calls before the skipped one were right."""
+    world = _world()
+    res = run_workers(w.worker_skipped_call, world, tmp_path=tmp_path, timeout=120)
+    for rank, r in enumerate(res):
+        assert r["rank"] == rank and r["elapsed"] < 15.0, r  # deadline 30 s: not a timeout
+        if rank == 1:
+            assert "is running send_recv_heads while this rank runs gather_heads" in r["msg"], r
+        else:
+            assert r["peer"] == 1 and "peer 1 is running gather_heads while this rank runs send_recv_heads" \
+                in r["msg"], r
+
+
+@MULTI
+def test_calls_on_two_streams_run_one_after_the_other(tmp_path):
+    res = run_workers(w.worker_two_streams, _world(), 60, tmp_path=tmp_path, timeout=120)
+    assert res == [60] * _world()
+
+
+@MULTI
+def test_handle_checks_view_lifetime_and_graph_rules(tmp_path):
+    res = run_workers(w.worker_lifetimes_and_checks, _world(), tmp_path=tmp_path, timeout=120)
+    assert res == [True] * _world()
 
 
 @MULTI

@@ -9,18 +9,30 @@
 // the input of call N+1 may be the zero-copy output of call N (the round trip
 // gather_heads(send_recv_heads(x))) while peers already write call N+1's output.
 //
-// Signalling (all counters 64-bit and monotonic, compared with >=, never reset, so nothing can
-// overshoot):
+// Signalling (counters monotonic, compared with >= or in serial-number order, never reset, so
+// nothing can overshoot):
 //   * epoch     : a per-instance call counter kept on the device (so CUDA-graph replays advance it);
 //                 call number e = epoch + 1.
-//   * ready[s]  : written by rank s into my block when s *enters* call e. Before I push into s's slot
-//                 I wait for ready >= e: s's stream has then finished everything before call e,
-//                 including every read of the slot I am about to overwrite (entry handshake: no
-//                 write-after-read race however far ahead one rank runs).
+//   * ready[s]  : written by rank s into my block when s *enters* call e, as one word
+//                 ready_word(e, signature): the call number's low 32 bits in the high half (compared
+//                 in serial-number order, so it may wrap) and the call's signature in the low half.
+//                 Before I push into s's slot I wait for the call number to reach e: s's stream has
+//                 then finished everything before call e, including every read of the slot I am
+//                 about to overwrite (entry handshake: no write-after-read race however far ahead
+//                 one rank runs). The signature (operation, output slot, geometry and token counts)
+//                 must equal mine: one release store carries both, so a rank that skipped a call, or
+//                 a send_recv_heads paired with a gather_heads, fails the call on both sides instead of
+//                 being paired silently.
 //   * done[s]   : written by rank s into my block once all of s's blocks finished pushing call e to
 //                 me. My kernel ends only after done[s] >= e for every peer s.
 //   * cnt / fin : local block-completion counters; the last block resets them to 0 before the
 //                 kernel ends, so the next call starts from 0.
+//   * broken    : sticky failure mark. A kernel that gives up sets it here, and after a deadline
+//                 also in every peer's block (a mismatch is seen by the peer itself); a kernel that
+//                 finds it set moves nothing, posts neither ready nor done, and leaves a record for
+//                 the host. So calls queued behind a failed one can never complete with data derived
+//                 from it, and a late peer's next call fails at once instead of waiting out its
+//                 deadline.
 #pragma once
 
 #include <cstdint>
@@ -40,9 +52,16 @@ constexpr int kUnroll = 4;
 constexpr int kFp8RecordPad = 16;
 CK_HD constexpr bool fp8_wire_head_dim_ok(int64_t d) { return d == 16 || d == 32 || d == 64 || d == 128 || d == 256; }
 
-// Operation codes, also the `op` of a TimeoutRecord (op = kind * 4 + phase).
+// Operation codes, also the `op` of a TimeoutRecord (op = kind * 4 + phase). The record holds
+// failures that are not timeouts too (kPhaseMismatch, kPhaseBroken); the host tells them apart by
+// the phase.
 enum Op : int { kSendRecvHeads = 0, kGatherHeads = 1, kAllGather = 2 };
-enum Phase : int { kPhaseEntry = 0, kPhaseCompletion = 1 };
+enum Phase : int {
+  kPhaseEntry = 0,       // timeout: the peer never entered the call (expected/observed: call numbers)
+  kPhaseCompletion = 1,  // timeout: the peer's data never arrived (expected/observed: call numbers)
+  kPhaseMismatch = 2,    // the peer entered a different call (expected: my ready word, observed: its)
+  kPhaseBroken = 3,      // abandoned: the instance failed (peer: the rank that marked it; expected: call)
+};
 
 struct alignas(128) Signals {
   uint64_t ready[kMaxWorld];  // remote-written: epoch that rank s has entered
@@ -52,8 +71,31 @@ struct alignas(128) Signals {
   uint64_t epoch;             // local: last completed call
   uint32_t cnt[kMaxWorld];    // local: blocks of the current call finished per target
   uint32_t fin;               // local: blocks of the current call finished in total
+  uint64_t broken;            // local and remote-written: 0, or 1 + the rank that marked a failure
 };
 static_assert(sizeof(Signals) <= kSignalBytes, "Signals must fit its region");
+
+// The entry-handshake word: call number e (its low 32 bits, compared in serial-number order by
+// commkit::wait_tag_ge) in the high half, the call's signature in the low half.
+CK_HD constexpr uint64_t ready_word(uint64_t e, uint32_t signature) {
+  return (uint64_t(static_cast<uint32_t>(e)) << 32) | signature;
+}
+CK_HD constexpr uint32_t ready_call(uint64_t word) { return static_cast<uint32_t>(word >> 32); }
+CK_HD constexpr uint32_t ready_signature(uint64_t word) { return static_cast<uint32_t>(word); }
+
+// A call's signature: bits 31..28 the operation + 1 (0 = no call), bit 27 the output slot, bits
+// 26..0 a hash of everything else every rank must agree on: the geometry (batch, bytes per row and
+// target, row size, output rows, clamp, fp8 packing, world size) from the host, then the resolved
+// token counts on the device (device counts can change between graph replays). x's own row count
+// is left out: in host-count mode it is the rank's own count and differs between ranks.
+CK_HD constexpr uint32_t sig_mix(uint32_t h, uint64_t v) {
+  h = (h ^ static_cast<uint32_t>(v)) * 0x01000193u;
+  h = (h ^ static_cast<uint32_t>(v >> 32)) * 0x01000193u;
+  return h ^ (h >> 15);
+}
+constexpr uint32_t kSigHashMask = (1u << 27) - 1u;
+CK_HD constexpr uint32_t signature_op(uint32_t sig) { return sig >> 28; }  // op + 1; 0: none
+CK_HD constexpr uint32_t signature_slot(uint32_t sig) { return (sig >> 27) & 1u; }
 
 struct BufferLayout {
   commkit::Region signals;
@@ -117,7 +159,29 @@ struct KernelArgs {
   int32_t pack_head_dim;        // 0: move x's bytes as they are; D: x holds bf16 head vectors of D
                                 // elements, packed on the fly into fp8 records of D + 16 bytes (the
                                 // geometry above is then in record bytes)
+  uint32_t sig_base;            // the signature's host part (geometry_signature); the kernel adds the counts
 };
+
+// The host part of a call's signature (see sig_mix): operation, slot and geometry.
+CK_HD constexpr uint32_t geometry_signature(const KernelArgs& a, int slot) {
+  uint32_t h = 0x811c9dc5u;
+  h = sig_mix(h, static_cast<uint64_t>(a.op));
+  h = sig_mix(h, static_cast<uint64_t>(a.world));
+  h = sig_mix(h, static_cast<uint64_t>(a.batch));
+  h = sig_mix(h, a.chunk_bytes);
+  h = sig_mix(h, a.wide_bytes);
+  h = sig_mix(h, static_cast<uint64_t>(a.out_rows));
+  h = sig_mix(h, static_cast<uint64_t>(a.cap_rows));
+  h = sig_mix(h, static_cast<uint64_t>(a.pack_head_dim));
+  return (static_cast<uint32_t>(a.op + 1) << 28) | (static_cast<uint32_t>(slot & 1) << 27) | (h & kSigHashMask);
+}
+
+// The full signature: the host part with the resolved token counts n[0..world) folded into its hash.
+CK_HD inline uint32_t call_signature(uint32_t base, const int64_t* n, int world) {
+  uint32_t h = base;
+  for (int i = 0; i < world; ++i) h = sig_mix(h, static_cast<uint64_t>(n[i]));
+  return (base & ~kSigHashMask) | (h & kSigHashMask);
+}
 
 // The geometry part of KernelArgs (no pointers, counts or grid split), shared by the launch path and
 // the host-side helpers that replay the kernel's addressing.

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "a2a_geometry.hpp"
+#include "a2a_handle.hpp"
 #include "a2a_types.hpp"
 #include "commkit/check.hpp"
 #include "commkit/python_errors.hpp"
@@ -102,6 +103,73 @@ PYBIND11_MODULE(_C, m) {
       py::arg("op"), py::arg("world_size"), py::arg("rank"), py::arg("batch"), py::arg("x_rows"),
       py::arg("out_rows"), py::arg("cap_rows"), py::arg("chunk_bytes"), py::arg("wide_bytes"), py::arg("counts"));
   m.def("op_name", [](uint32_t op) { return std::string(ipc_all2all::op_name(op)); });
+  m.attr("PHASE_ENTRY") = int(ipc_all2all::kPhaseEntry);
+  m.attr("PHASE_COMPLETION") = int(ipc_all2all::kPhaseCompletion);
+  m.attr("PHASE_MISMATCH") = int(ipc_all2all::kPhaseMismatch);
+  m.attr("PHASE_BROKEN") = int(ipc_all2all::kPhaseBroken);
+  // The handshake word and its signature, as the kernel builds them (for the CPU tests).
+  m.def(
+      "ready_word",
+      [](int op, int world, int batch, int64_t out_rows, int64_t cap_rows, int64_t chunk, int64_t wide,
+         int pack_head_dim, int slot, std::vector<int64_t> counts, uint64_t call) {
+        CK_CHECK_ARG(world >= 1 && world <= ipc_all2all::kMaxWorld && static_cast<int>(counts.size()) == world,
+                     "need world in [1, 8] and one count per rank");
+        ipc_all2all::KernelArgs a =
+            ipc_all2all::geometry_args(op, world, 0, batch, 0, out_rows, cap_rows, chunk, wide);
+        a.pack_head_dim = pack_head_dim;
+        return ipc_all2all::ready_word(
+            call, ipc_all2all::call_signature(ipc_all2all::geometry_signature(a, slot), counts.data(), world));
+      },
+      py::arg("op"), py::arg("world_size"), py::arg("batch"), py::arg("out_rows"), py::arg("cap_rows"),
+      py::arg("chunk_bytes"), py::arg("wide_bytes"), py::arg("pack_head_dim"), py::arg("slot"), py::arg("counts"),
+      py::arg("call"));
+  // The message the host raises for a device-side record (timeouts raise CommTimeoutError with it).
+  m.def(
+      "failure_message",
+      [](uint32_t op, int rank, int peer, int64_t expected, int64_t observed) {
+        commkit::TimeoutRecord r{};
+        r.op = op;
+        r.rank = rank;
+        r.peer = peer;
+        r.expected = expected;
+        r.observed = observed;
+        return ipc_all2all::failure_message(r);
+      },
+      py::arg("op"), py::arg("rank"), py::arg("peer"), py::arg("expected"), py::arg("observed"));
+  // The handle format (a2a_handle.hpp): sync()'s checks, testable without a GPU.
+  m.attr("HANDLE_BYTES") = ipc_all2all::kHandleBytes;
+  m.def(
+      "encode_handle",
+      [](int world, int rank, uint64_t capacity, uint64_t buffer_bytes, const std::string& cuda_handle) {
+        ipc_all2all::HandleInfo info;
+        info.world = world;
+        info.rank = rank;
+        info.capacity = capacity;
+        info.buffer_bytes = buffer_bytes;
+        return py::bytes(ipc_all2all::encode_handle(info, cuda_handle));
+      },
+      py::arg("world_size"), py::arg("rank"), py::arg("capacity_bytes"), py::arg("buffer_bytes"),
+      py::arg("cuda_handle"));
+  m.def(
+      "check_handles",
+      [](const std::vector<std::string>& handles, int world, int rank, uint64_t capacity, uint64_t buffer_bytes,
+         py::object own) {
+        ipc_all2all::HandleInfo self;
+        self.world = world;
+        self.rank = rank;
+        self.capacity = capacity;
+        self.buffer_bytes = buffer_bytes;
+        CK_CHECK_ARG(rank >= 0 && rank < world && static_cast<size_t>(rank) < handles.size(),
+                     "sync(): expected one handle per rank, got ", handles.size());
+        const std::string mine = own.is_none() ? handles[static_cast<size_t>(rank)] : own.cast<std::string>();
+        py::list raw;
+        for (const auto& h : ipc_all2all::check_handles(handles, self, mine, "sync()")) raw.append(py::bytes(h));
+        return raw;
+      },
+      py::arg("handles"), py::arg("world_size"), py::arg("rank"), py::arg("capacity_bytes"),
+      py::arg("buffer_bytes"), py::arg("own") = py::none(),
+      "sync()'s checks of every rank's handle (own: this rank's handle, default handles[rank]); returns the "
+      "CUDA IPC handles.");
 
   py::class_<Core>(m, "Core")
       .def(py::init<int, int, int64_t, int, double>(), py::arg("rank"), py::arg("world_size"),
@@ -115,6 +183,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("device", &Core::device)
       .def_property_readonly("next_slot", &Core::next_slot)
       .def_property_readonly("calls", &Core::calls)
+      .def_property_readonly("captured_calls", &Core::captured_calls)
+      .def("slot_capture", &Core::slot_capture, py::arg("slot"))
+      .def("capture_id", &Core::capture_id, py::arg("stream"))
       .def_property_readonly("broken", &Core::broken)
       .def_property_readonly("destroyed", &Core::destroyed)
       .def("slot_offset", &Core::slot_offset)
@@ -129,5 +200,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("timeout_seconds", &Core::timeout_seconds)
       .def("set_grid", &Core::set_grid, py::arg("num_blocks"), py::arg("self_blocks") = 0)
       .def_property_readonly("grid", &Core::grid)
-      .def("destroy", &Core::destroy, py::call_guard<py::gil_scoped_release>());
+      .def("destroy", &Core::destroy, py::arg("free_buffer") = true, py::call_guard<py::gil_scoped_release>())
+      .def("release_buffer", &Core::release_buffer);
 }

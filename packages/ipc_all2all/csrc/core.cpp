@@ -3,6 +3,7 @@
 #include "core.hpp"
 
 #include "a2a_geometry.hpp"
+#include "a2a_handle.hpp"
 
 #include <cmath>
 #include <cstring>
@@ -14,6 +15,8 @@
 #include <cuda_runtime.h>
 
 #include "commkit/ipc.hpp"
+
+static_assert(sizeof(cudaIpcMemHandle_t) == ipc_all2all::kCudaIpcHandleBytes, "a2a_handle.hpp's handle size");
 #endif
 
 namespace ipc_all2all {
@@ -46,12 +49,72 @@ const char* op_name(uint32_t op) {
   switch (op) {
     case kSendRecvHeads * 4 + kPhaseEntry: return "send_recv_heads (entry handshake: peer never entered the call)";
     case kSendRecvHeads * 4 + kPhaseCompletion: return "send_recv_heads (completion: peer's data never arrived)";
+    case kSendRecvHeads * 4 + kPhaseMismatch: return "send_recv_heads (entry handshake: peer entered another call)";
+    case kSendRecvHeads * 4 + kPhaseBroken: return "send_recv_heads (abandoned: the instance failed)";
     case kGatherHeads * 4 + kPhaseEntry: return "gather_heads (entry handshake: peer never entered the call)";
     case kGatherHeads * 4 + kPhaseCompletion: return "gather_heads (completion: peer's data never arrived)";
+    case kGatherHeads * 4 + kPhaseMismatch: return "gather_heads (entry handshake: peer entered another call)";
+    case kGatherHeads * 4 + kPhaseBroken: return "gather_heads (abandoned: the instance failed)";
     case kAllGather * 4 + kPhaseEntry: return "allgather (entry handshake: peer never entered the call)";
     case kAllGather * 4 + kPhaseCompletion: return "allgather (completion: peer's data never arrived)";
+    case kAllGather * 4 + kPhaseMismatch: return "allgather (entry handshake: peer entered another call)";
+    case kAllGather * 4 + kPhaseBroken: return "allgather (abandoned: the instance failed)";
     default: return "unknown ipc_all2all operation";
   }
+}
+
+namespace {
+const char* kind_name(uint32_t kind) {
+  switch (kind) {
+    case kSendRecvHeads: return "send_recv_heads";
+    case kGatherHeads: return "gather_heads";
+    case kAllGather: return "allgather";
+    default: return "an unknown operation";
+  }
+}
+
+const char* kRecreate = "; destroy() the instance on every rank and build a new one";
+}  // namespace
+
+std::string failure_message(const commkit::TimeoutRecord& r) {
+  const uint32_t kind = r.op / 4, phase = r.op % 4;
+  const char* me = kind_name(kind);
+  if (phase == kPhaseMismatch) {
+    const uint64_t mine = static_cast<uint64_t>(r.expected), theirs = static_cast<uint64_t>(r.observed);
+    const uint32_t my_sig = ready_signature(mine), their_sig = ready_signature(theirs);
+    std::string why;
+    if (ready_call(theirs) != ready_call(mine)) {
+      why = commkit::str("peer ", r.peer, " is at call ", ready_call(theirs), " while this rank is at call ",
+                         ready_call(mine));
+    } else if (signature_op(their_sig) != signature_op(my_sig)) {
+      why = commkit::str("peer ", r.peer, " is running ",
+                         signature_op(their_sig) == 0 ? "no call" : kind_name(signature_op(their_sig) - 1),
+                         " while this rank runs ", me, " (call ", ready_call(mine),
+                         " of both: a rank skipped or added a call)");
+    } else if (signature_slot(their_sig) != signature_slot(my_sig)) {
+      why = commkit::str("peer ", r.peer, " runs ", me, " into output slot ", signature_slot(their_sig),
+                         ", this rank into slot ", signature_slot(my_sig),
+                         " (the ranks' call histories differ, e.g. a CUDA graph captured on some ranks only)");
+    } else {
+      why = commkit::str("peer ", r.peer, " runs ", me,
+                         " with another batch, head layout, element size, fp8 mode or token counts (signature ",
+                         commkit::hex(their_sig), ", this rank's ", commkit::hex(my_sig), ")");
+    }
+    return commkit::str("ipc_all2all: ", me, " on rank ", r.rank, ": ", why,
+                        "; every rank must make the same calls in the same order with the same shapes and "
+                        "set_rank_tokens. Nothing was written to the peer", kRecreate);
+  }
+  if (phase == kPhaseBroken) {
+    const std::string by = r.peer == r.rank ? std::string(" (on this rank)")
+                           : r.peer >= 0    ? commkit::str(" (marked failed by rank ", r.peer, ")")
+                                            : std::string();
+    return commkit::str("ipc_all2all: ", me, " on rank ", r.rank, " (call ", r.expected,
+                        ") was abandoned: this instance failed in this or an earlier call", by,
+                        "; its output and every later one are invalid (an input may derive from the failed call)",
+                        kRecreate);
+  }
+  return commkit::str(op_name(r.op), " timed out on rank ", r.rank, " waiting for peer ", r.peer, ": expected call ",
+                      r.expected, ", observed ", r.observed);
 }
 
 Core::Core(int rank, int world, int64_t capacity, int num_blocks, double timeout_seconds)
@@ -77,14 +140,22 @@ Core::Core(int rank, int world, int64_t capacity, int num_blocks, double timeout
   if (err == cudaSuccess) err = cudaHostAlloc(reinterpret_cast<void**>(&rec_host_), sizeof(commkit::TimeoutRecord),
                                               cudaHostAllocMapped);
   if (err == cudaSuccess) err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&rec_dev_), rec_host_, 0);
+  cudaEvent_t ev = nullptr;  // the stream-order event (see launch)
+  if (err == cudaSuccess) err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     if (rec_host_) cudaFreeHost(rec_host_);
     cudaFree(p);
     CK_THROW("ipc_all2all: setting up the shared buffer failed: ", cudaGetErrorString(err));
   }
+  last_done_ = ev;
   commkit::clear_timeout_record(rec_host_);
-  handle_.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  HandleInfo info;
+  info.world = world_;
+  info.rank = rank_;
+  info.capacity = static_cast<uint64_t>(capacity_);
+  info.buffer_bytes = layout_.total;
+  handle_ = encode_handle(info, std::string(reinterpret_cast<const char*>(&h), sizeof(h)));
 #else
   CK_THROW("ipc_all2all was built without CUDA (no nvcc at build time); All2All needs a CUDA build");
 #endif
@@ -93,6 +164,10 @@ Core::Core(int rank, int world, int64_t capacity, int num_blocks, double timeout
 Core::~Core() {
   try {
     destroy();
+  } catch (...) {
+  }
+  try {
+    release_buffer();
   } catch (...) {
   }
 }
@@ -107,6 +182,52 @@ uint64_t Core::slot_offset(int slot) const {
   return layout_.slot[slot].offset;
 }
 
+uint64_t Core::slot_capture(int slot) const {
+  CK_CHECK_ARG(slot >= 0 && slot < kNumSlots, "slot must be 0 or 1, got ", slot);
+  return slot_capture_[static_cast<size_t>(slot)];
+}
+
+uint64_t Core::capture_id(uint64_t stream) const {
+#if COMMKIT_WITH_CUDA
+  DeviceGuard g(device_);
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  CK_CUDA_CHECK(cudaStreamGetCaptureInfo(reinterpret_cast<cudaStream_t>(stream), &st, &id));
+  CK_CHECK(st != cudaStreamCaptureStatusInvalidated,
+           "ipc_all2all: the stream's CUDA graph capture was invalidated by an earlier error");
+  return st == cudaStreamCaptureStatusActive ? static_cast<uint64_t>(id) : 0u;
+#else
+  (void)stream;
+  return 0;
+#endif
+}
+
+void Core::order_after_last_call(void* stream, bool capturing) {
+#if COMMKIT_WITH_CUDA
+  // Two kernels of one instance must never overlap (they share the block counters cnt/fin and the
+  // epoch), so a call on a new stream waits for the previous call. Inside a capture the wait would
+  // tie the graph to an eager event; torch synchronises before capturing, and a replay runs on the
+  // stream it is replayed on, which the caller orders (documented).
+  if (!capturing && have_last_ && stream != last_stream_)
+    CK_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(last_done_), 0));
+#else
+  (void)stream;
+  (void)capturing;
+#endif
+}
+
+void Core::record_last_call(void* stream, bool capturing) {
+#if COMMKIT_WITH_CUDA
+  if (capturing) return;
+  CK_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(last_done_), static_cast<cudaStream_t>(stream)));
+  last_stream_ = stream;
+  have_last_ = true;
+#else
+  (void)stream;
+  (void)capturing;
+#endif
+}
+
 void Core::require_usable(const char* what) const {
   CK_CHECK(!destroyed_, what, ": this All2All instance was destroyed");
   CK_CHECK(!broken_, what, ": this All2All instance is unusable after an earlier failure (", broken_reason_,
@@ -119,9 +240,17 @@ void Core::open_peers(const std::vector<std::string>& handles) {
   CK_CHECK_ARG(static_cast<int>(handles.size()) == world_, "sync(): expected ", world_,
                " handles (one per rank), got ", handles.size());
 #if COMMKIT_WITH_CUDA
-  commkit::check_ipc_handles(handles, rank_, handle_, "sync()");
+  // Every rank's world size and slot capacity first: a peer built smaller would be written past
+  // its allocation. Nothing is opened unless every entry matches.
+  HandleInfo self;
+  self.world = world_;
+  self.rank = rank_;
+  self.capacity = static_cast<uint64_t>(capacity_);
+  self.buffer_bytes = layout_.total;
+  const std::vector<std::string> raw = check_handles(handles, self, handle_, "sync()");
+  commkit::check_ipc_handles(raw, rank_, raw[static_cast<size_t>(rank_)], "sync()");
   DeviceGuard g(device_);
-  const std::vector<void*> peers = commkit::open_ipc_handles(handles, rank_, "sync()");
+  const std::vector<void*> peers = commkit::open_ipc_handles(raw, rank_, "sync()");
   for (int i = 0; i < world_; ++i)
     if (i != rank_) base_[i] = static_cast<char*>(peers[i]);
   opened_ = true;
@@ -156,6 +285,9 @@ int Core::launch(int op, uint64_t x_ptr, uint64_t stream, int batch, int64_t x_r
   KernelArgs a = geometry_args(op, world_, rank_, batch, x_rows, out_rows, cap_rows, chunk_bytes, wide_bytes);
   a.pack_head_dim = pack_head_dim;
   const int slot = next_slot();
+  // The slot is part of the signature: ranks whose call histories put this call into different
+  // slots (e.g. a graph captured on one rank only) fail the handshake instead of mixing slots.
+  a.sig_base = geometry_signature(a, slot);
   for (int i = 0; i < world_; ++i) {
     a.dst[i] = base_[i] + layout_.slot[slot].offset;
     a.sig[i] = reinterpret_cast<Signals*>(base_[i] + layout_.signals.offset);
@@ -185,11 +317,17 @@ int Core::launch(int op, uint64_t x_ptr, uint64_t stream, int batch, int64_t x_r
   GridPlan g = grid_plan(num_blocks_, world_, self_blocks_hint_);
   a.self_blocks = g.self_blocks;
   a.per_peer = g.per_peer;
+  const uint64_t cap_id = capture_id(stream);
 #if COMMKIT_WITH_CUDA
   DeviceGuard dg(device_);
-  launch_a2a(a, g.total, reinterpret_cast<cudaStream_t>(stream));
+  void* s = reinterpret_cast<void*>(stream);
+  order_after_last_call(s, cap_id != 0);
+  launch_a2a(a, g.total, static_cast<cudaStream_t>(s));
+  record_last_call(s, cap_id != 0);
 #endif
   ++calls_;
+  if (cap_id != 0) ++captured_calls_;
+  slot_capture_[static_cast<size_t>(slot)] = cap_id;
   return slot;
 }
 
@@ -207,9 +345,15 @@ void Core::fp8_unpack(uint64_t in_ptr, uint64_t out_ptr, int64_t groups, int hea
   require_usable("fp8_unpack");
   check_fp8_args("fp8_unpack", in_ptr, out_ptr, groups, head_dim);
 #if COMMKIT_WITH_CUDA
+  const uint64_t cap_id = capture_id(stream);
   DeviceGuard g(device_);
+  // The unpack reads a slot, so the instance's next call (which may come on another stream) must
+  // wait for it as it waits for a push.
+  void* s = reinterpret_cast<void*>(stream);
+  order_after_last_call(s, cap_id != 0);
   launch_fp8_unpack(reinterpret_cast<const void*>(in_ptr), reinterpret_cast<void*>(out_ptr), groups, head_dim,
-                    reinterpret_cast<cudaStream_t>(stream));
+                    static_cast<cudaStream_t>(s));
+  record_last_call(s, cap_id != 0);
 #endif
 }
 
@@ -219,9 +363,18 @@ void Core::check() {
   // flag 2 means a device thread is still filling the record; it finishes within microseconds.
   for (int i = 0; i < 1000000 && commkit::ld_acquire(&rec_host_->flag) != 1u; ++i) {
   }
+  const commkit::TimeoutRecord r = *rec_host_;
+  commkit::clear_timeout_record(rec_host_);
   broken_ = true;
-  broken_reason_ = std::string("a device-side timeout in ") + op_name(rec_host_->op);
-  CK_RAISE_IF_TIMED_OUT(rec_host_, op_name);
+  const uint32_t phase = r.op % 4;
+  broken_reason_ = std::string("a device-side failure in ") + op_name(r.op);
+  if (phase == kPhaseMismatch || phase == kPhaseBroken)
+    CK_CHECK_RANK(false, r.rank, r.peer, failure_message(r));
+  // Entry timeouts record call numbers in the handshake word's high half.
+  const int64_t observed =
+      phase == kPhaseEntry ? static_cast<int64_t>(ready_call(static_cast<uint64_t>(r.observed))) : r.observed;
+  CK_THROW_TIMEOUT(op_name(r.op), r.rank, r.peer, r.expected, observed, " after ", r.waited_ns / 1000000ull,
+                   " ms without progress (GPU channel ", r.channel, "); the CUDA context is still usable", kRecreate);
 }
 
 void Core::synchronize(uint64_t stream) {
@@ -229,6 +382,8 @@ void Core::synchronize(uint64_t stream) {
 #if COMMKIT_WITH_CUDA
   DeviceGuard g(device_);
   CK_CUDA_CHECK(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream)));
+  // The last call may have run on another stream; its failure must surface here too.
+  if (have_last_) CK_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(last_done_)));
 #endif
   check();
 }
@@ -252,8 +407,11 @@ std::array<int, 3> Core::grid() const {
   return {g.total, g.self_blocks, g.per_peer};
 }
 
-void Core::destroy() {
-  if (destroyed_) return;
+void Core::destroy(bool free_buffer) {
+  if (destroyed_) {
+    if (free_buffer) release_buffer();
+    return;
+  }
   destroyed_ = true;
 #if COMMKIT_WITH_CUDA
   DeviceGuard g(device_);
@@ -267,19 +425,35 @@ void Core::destroy() {
     }
   const cudaError_t closed = commkit::close_ipc_handles(peers);
   if (first == cudaSuccess) first = closed;
-  if (base_[rank_]) {
-    cudaError_t e = cudaFree(base_[rank_]);
-    if (first == cudaSuccess) first = e;
-    base_[rank_] = nullptr;
-  }
   if (rec_host_) {
     cudaError_t e = cudaFreeHost(rec_host_);
     if (first == cudaSuccess) first = e;
     rec_host_ = rec_dev_ = nullptr;
   }
+  if (last_done_) {
+    cudaError_t e = cudaEventDestroy(static_cast<cudaEvent_t>(last_done_));
+    if (first == cudaSuccess) first = e;
+    last_done_ = nullptr;
+    have_last_ = false;
+  }
   if (first != cudaSuccess) {
     (void)cudaGetLastError();
-    CK_THROW("destroy(): releasing the buffer failed: ", cudaGetErrorString(first));
+    if (free_buffer) release_buffer();
+    CK_THROW("destroy(): releasing the instance failed: ", cudaGetErrorString(first));
+  }
+#endif
+  if (free_buffer) release_buffer();
+}
+
+void Core::release_buffer() {
+#if COMMKIT_WITH_CUDA
+  if (base_[rank_] == nullptr) return;
+  DeviceGuard g(device_);
+  const cudaError_t e = cudaFree(base_[rank_]);
+  base_[rank_] = nullptr;
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    CK_THROW("destroy(): freeing the shared buffer failed: ", cudaGetErrorString(e));
   }
 #endif
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "a2a_types.hpp"
+#include "commkit/timeout_record.hpp"
 
 namespace ipc_all2all {
 
@@ -20,7 +21,10 @@ class Core {
   Core(const Core&) = delete;
   Core& operator=(const Core&) = delete;
 
-  std::string ipc_handle() const;                    // 64 bytes
+  // Opaque bytes for the peers' open_peers: the CUDA IPC handle plus what must match between ranks
+  // (world size, rank, slot capacity; see a2a_handle.hpp), which open_peers checks before it opens
+  // any peer's memory.
+  std::string ipc_handle() const;
   void open_peers(const std::vector<std::string>& handles);
   bool opened() const { return opened_; }
 
@@ -33,8 +37,19 @@ class Core {
   int world() const { return world_; }
   int next_slot() const { return static_cast<int>(calls_ % kNumSlots); }
   uint64_t calls() const { return calls_; }
+  // CUDA-graph bookkeeping (see launch): calls enqueued while their stream was capturing, and the
+  // capture sequence (cudaStreamGetCaptureInfo id, 0 = an eager call) that last wrote each slot.
+  uint64_t captured_calls() const { return captured_calls_; }
+  uint64_t slot_capture(int slot) const;
+  // The id of the capture sequence `stream` is recording into, or 0 when it is not capturing.
+  uint64_t capture_id(uint64_t stream) const;
 
-  // Enqueues one operation on `stream` and returns the slot its output lands in. pack_head_dim D > 0:
+  // Enqueues one operation on `stream` and returns the slot its output lands in. Calls of one
+  // instance run one after the other even across streams: an eager call on another stream than the
+  // previous eager call first waits (cudaStreamWaitEvent) for an event recorded after that call, as
+  // two kernels of one instance running at once would share its block counters. Captured calls
+  // skip this (nothing runs at capture time; replays are ordered by the stream they are replayed
+  // on). pack_head_dim D > 0:
   // x holds bf16 head vectors of D elements that the push packs into fp8 records of D + 16 bytes
   // (kernels.cu); chunk_bytes and wide_bytes are then in record bytes.
   int launch(int op, uint64_t x_ptr, uint64_t stream, int batch, int64_t x_rows, int64_t out_rows,
@@ -46,18 +61,28 @@ class Core {
   // {16, ..., 256}.
   void fp8_unpack(uint64_t in_ptr, uint64_t out_ptr, int64_t groups, int head_dim, uint64_t stream);
 
-  void check();                       // raises a TimeoutError if a kernel recorded one (non-blocking)
-  void synchronize(uint64_t stream);  // waits for `stream`, then check()
+  // Raises what a kernel recorded (non-blocking): commkit::TimeoutError for a deadline, commkit::Error
+  // for a call the peer ran differently or a call abandoned because the instance had failed. Any
+  // record leaves the instance broken: later calls are refused (destroy and recreate).
+  void check();
+  void synchronize(uint64_t stream);  // waits for `stream` and the instance's last call, then check()
   void set_timeout_seconds(double s);
   double timeout_seconds() const { return timeout_ns_ * 1e-9; }
   void set_grid(int num_blocks, int self_blocks);
   std::array<int, 3> grid() const;
   bool broken() const { return broken_; }
-  void destroy();
+  // Waits for the device, closes the peers' mappings and frees everything; with free_buffer=false
+  // the own allocation stays until release_buffer() (zero-copy views of it may still be alive: the
+  // Python layer frees it when the last one goes). Idempotent.
+  void destroy(bool free_buffer = true);
+  void release_buffer();
   bool destroyed() const { return destroyed_; }
 
  private:
   void require_usable(const char* what) const;
+  // Stream-order bookkeeping of launch/fp8_unpack; `capturing` is the stream's capture state.
+  void order_after_last_call(void* stream, bool capturing);
+  void record_last_call(void* stream, bool capturing);
 
   int rank_, world_, device_ = -1;
   int64_t capacity_;
@@ -68,11 +93,18 @@ class Core {
   std::string handle_;
   commkit::TimeoutRecord* rec_host_ = nullptr;
   commkit::TimeoutRecord* rec_dev_ = nullptr;
-  uint64_t calls_ = 0;
+  uint64_t calls_ = 0, captured_calls_ = 0;
+  std::array<uint64_t, kNumSlots> slot_capture_{};
+  void* last_done_ = nullptr;    // cudaEvent_t recorded after the last eager call
+  void* last_stream_ = nullptr;  // cudaStream_t of that call
+  bool have_last_ = false;
   bool opened_ = false, broken_ = false, destroyed_ = false;
   std::string broken_reason_;
 };
 
+// The name of a record's op code (kind * 4 + phase), e.g. for TimeoutError.operation.
 const char* op_name(uint32_t op);
+// The message the host raises for a record (host only; exposed for the CPU tests).
+std::string failure_message(const commkit::TimeoutRecord& r);
 
 }  // namespace ipc_all2all

@@ -160,14 +160,73 @@ __device__ __forceinline__ void pack_records(const RowMap& m, int batch, const c
   }
 }
 
+// ------------------------------------------------------------------------------ failure handling
+// Marks the instance failed here and, with `peers`, on every peer too (stores into the peers'
+// signal blocks, never their slots): the mark is sticky, so every later kernel of this instance
+// moves nothing and posts nothing (see Signals::broken). Value: 1 + the rank that marked it. A
+// timeout marks the peers, so a late peer's call fails at once instead of waiting out its deadline;
+// a signature mismatch does not, as the peer sees the same mismatch and reports it itself (a mark
+// landing first would turn its report into a less telling "abandoned").
+__device__ __forceinline__ void mark_broken(const KernelArgs& a, bool peers) {
+  const uint64_t v = static_cast<uint64_t>(a.rank) + 1u;
+  if (!peers) {
+    commkit::st_release(&a.sig[a.rank]->broken, v);
+    return;
+  }
+  for (int p = 0; p < a.world; ++p) commkit::st_release(&a.sig[p]->broken, v);
+}
+
+// A kernel of a failed instance leaves a record that it abandoned the call, unless an earlier record
+// still waits for the host (first writer wins): the host then refuses the instance (destroy and
+// recreate).
+__device__ __forceinline__ void report_not_run(const KernelArgs& a, uint64_t e, uint64_t broken) {
+  commkit::report_timeout(a.rec, static_cast<uint32_t>(a.op * 4 + kPhaseBroken), a.rank,
+                          static_cast<int>(broken) - 1, static_cast<int64_t>(e), static_cast<int64_t>(broken), 0);
+}
+
+// Entry handshake, part 2, run by thread 0 of a block that pushes to `target`: waits until the
+// target entered this call (its stream no longer reads what this block overwrites) and checks that
+// it entered the same call (same signature). Every peer block waits here when the target is late,
+// and a waiter given the timeout record polls its host-mapped flag every 64 spins: one PCIe round
+// trip each, serialised across the waiters (~1 us apiece), which delays every waiter's view of
+// `ready`. So only the first block per target (blk 0) polls it; the others time out on their own
+// deadline (they started waiting at about the same time) and then claim the record themselves, so
+// a failure is always reported. On a mismatch nothing is pushed: the peer's slot is left alone.
+// Out of line: thread 0 runs it once per call, and inlined its failure paths cost the copy loop
+// registers.
+__device__ __noinline__ bool enter_call(const KernelArgs& a, Signals* me, int target, int blk, uint64_t e,
+                                        uint64_t word) {
+  const int q = a.rank;
+  const uint32_t op = static_cast<uint32_t>(a.op * 4 + kPhaseEntry);
+  bool ok = commkit::wait_tag_ge(&me->ready[target], static_cast<uint32_t>(e), a.timeout_ns, blk == 0 ? a.rec : nullptr,
+                                 op, q, target);
+  // The target cannot have moved past call e: it needs this block's push (and done) to finish e.
+  const uint64_t seen = commkit::ld_acquire(&me->ready[target]);
+  if (!ok) {
+    if (blk != 0)
+      commkit::report_timeout(a.rec, op, q, target, static_cast<int64_t>(static_cast<uint32_t>(e)),
+                              static_cast<int64_t>(seen), a.timeout_ns);
+    mark_broken(a, true);
+  } else if (seen != word) {
+    commkit::report_timeout(a.rec, static_cast<uint32_t>(a.op * 4 + kPhaseMismatch), q, target,
+                            static_cast<int64_t>(word), static_cast<int64_t>(seen), 0);
+    mark_broken(a, false);
+    ok = false;
+  }
+  return ok;
+}
+
 // kPack: the fp8-on-the-wire push (pack_records); a separate instantiation so that the exact path
-// keeps its register count (46, two blocks per SM) whatever the packing code needs.
+// keeps its register count (two blocks per SM) whatever the packing code needs.
+// `a` is __grid_constant__ so that the out-of-line enter_call can take it by reference without a
+// local copy of the struct.
 template <bool kPack>
-__global__ void __launch_bounds__(kThreads) a2a_kernel(const KernelArgs a) {
+__global__ void __launch_bounds__(kThreads) a2a_kernel(const __grid_constant__ KernelArgs a) {
   __shared__ int64_t s_n[kMaxWorld];
   __shared__ int64_t s_prefix[kMaxWorld + 1];
-  __shared__ uint64_t s_epoch;
-  __shared__ int s_ok;
+  __shared__ uint64_t s_epoch, s_word;
+  __shared__ int s_live;  // the instance was not marked failed when this block started
+  __shared__ int s_ok;    // this block may push (live, and the target entered the same call)
 
   Signals* me = a.sig[a.rank];
   const int W = a.world;
@@ -175,14 +234,19 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const KernelArgs a) {
   if (threadIdx.x == 0) {
     s_epoch = commkit::ld_relaxed(&me->epoch) + 1;
     resolve_counts(a, a.counts_dev != nullptr ? a.counts_dev : a.counts, s_n, s_prefix);
-    s_ok = 1;
+    s_word = ready_word(s_epoch, call_signature(a.sig_base, s_n, W));
+    // A call queued behind a failed one (on this rank or a peer) may consume that call's garbage:
+    // it runs nothing.
+    const uint64_t broken = commkit::ld_acquire(&me->broken);
+    s_live = s_ok = broken == 0u;
+    if (broken != 0u) report_not_run(a, s_epoch, broken);
   }
   __syncthreads();
   const uint64_t e = s_epoch;
 
-  // Entry handshake, part 1: tell every peer that my stream has reached call e.
-  if (blockIdx.x == 0 && threadIdx.x < W && static_cast<int>(threadIdx.x) != q)
-    commkit::st_release(&a.sig[threadIdx.x]->ready[q], e);
+  // Entry handshake, part 1: tell every peer that my stream has reached call e, and which call.
+  if (blockIdx.x == 0 && threadIdx.x < W && static_cast<int>(threadIdx.x) != q && s_live)
+    commkit::st_release(&a.sig[threadIdx.x]->ready[q], s_word);
 
   int target, blk, nb;
   if (static_cast<int>(blockIdx.x) < a.self_blocks) {
@@ -196,19 +260,7 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const KernelArgs a) {
     nb = a.per_peer;
   }
 
-  // Entry handshake, part 2: the target has entered call e, so it no longer reads what I overwrite.
-  // Every peer block waits here when the target is late, and a waiter given the timeout record polls
-  // its host-mapped flag every 64 spins: one PCIe round trip each, serialised across the waiters
-  // (~1 us apiece), which delays every waiter's view of `ready`. So only the first block per target
-  // polls it; the others time out on their own deadline (they started waiting at about the same
-  // time) and then claim the record themselves, so a failure is always reported.
-  if (target != q && threadIdx.x == 0) {
-    const uint32_t op = static_cast<uint32_t>(a.op * 4 + kPhaseEntry);
-    s_ok = commkit::wait_ge(&me->ready[target], e, a.timeout_ns, blk == 0 ? a.rec : nullptr, op, q, target);
-    if (!s_ok && blk != 0)
-      commkit::report_timeout(a.rec, op, q, target, static_cast<int64_t>(e),
-                              static_cast<int64_t>(commkit::ld_relaxed(&me->ready[target])), a.timeout_ns);
-  }
+  if (target != q && threadIdx.x == 0 && s_live) s_ok = enter_call(a, me, target, blk, e, s_word);
   __syncthreads();
 
   if (s_ok) {
@@ -223,22 +275,40 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const KernelArgs a) {
   commkit::block_fence_system();
   if (threadIdx.x != 0) return;
   if (target != q) {
-    // Low 16 bits count blocks that copied, high 16 bits blocks that gave up on a deadline: a
+    // Low 16 bits count blocks that copied, high 16 bits blocks that gave up or did not run: a
     // failed call must not look complete to the peer, or its next call would consume garbage.
     const uint32_t inc = s_ok ? 1u : 0x10000u;
     const uint32_t now = atomicAdd(&me->cnt[target], inc) + inc;
     if ((now & 0xffffu) + (now >> 16) == static_cast<uint32_t>(nb)) {
       atomicExch(&me->cnt[target], 0u);
       __threadfence_system();
-      if ((now >> 16) == 0u) commkit::st_release(&a.sig[target]->done[q], e);
+      if ((now >> 16) == 0u) {
+        // A failure since this call began (another group of this kernel, a peer's mark) withholds
+        // done too: the target then fails this call instead of taking it as complete.
+        const uint64_t broken = commkit::ld_acquire(&me->broken);
+        if (broken == 0u)
+          commkit::st_release(&a.sig[target]->done[q], e);
+        else
+          report_not_run(a, e, broken);
+      }
     }
   }
   uint32_t old = atomicAdd(&me->fin, 1u);
   if (old == gridDim.x - 1) {
     atomicExch(&me->fin, 0u);
-    for (int k = 1; k < W; ++k) {
-      int src = (q + k) % W;
-      if (!commkit::wait_ge(&me->done[src], e, a.timeout_ns, a.rec, a.op * 4 + kPhaseCompletion, q, src)) break;
+    // A failed instance waits for nobody (no peer posts done to it any more); this call's output may
+    // then lack a peer's rows, so it is reported as abandoned (unless a record is already waiting).
+    const uint64_t broken = commkit::ld_acquire(&me->broken);
+    if (broken != 0u) {
+      report_not_run(a, e, broken);
+    } else {
+      for (int k = 1; k < W; ++k) {
+        int src = (q + k) % W;
+        if (!commkit::wait_ge(&me->done[src], e, a.timeout_ns, a.rec, a.op * 4 + kPhaseCompletion, q, src)) {
+          mark_broken(a, true);
+          break;
+        }
+      }
     }
     __threadfence();
     commkit::st_relaxed(&me->epoch, e);

@@ -22,19 +22,28 @@ separate permute pass or staging copy exists. Calls alternate between the two sl
 consume the previous call's zero-copy output (the round trip ``gather_heads(send_recv_heads(x))``).
 
 Back-to-back safety: each call has an epoch kept on the device (CUDA-graph replays advance it).
-On entry a rank announces ``ready = epoch`` to every peer and writes into a peer only after that
-peer announced the same epoch, i.e. after the peer's stream finished everything before this call
-(no write-after-read race however far one rank runs ahead). Completion is a per-peer ``done = epoch``
-written after the data; all counters are monotonic and compared with ``>=``, so none can overshoot.
-Every wait has a deadline on ``%globaltimer``: on expiry the kernel records (operation, rank, peer)
-in host-mapped memory and exits; the next call, ``check()`` or ``synchronize()`` raises
-``CommTimeoutError`` naming them. There is no ``trap``; the CUDA context stays usable, the instance
-is marked unusable and must be destroyed.
+On entry a rank announces ``ready = (epoch, signature)`` to every peer and writes into a peer only
+after that peer announced the same epoch, i.e. after the peer's stream finished everything before
+this call (no write-after-read race however far one rank runs ahead). The signature (operation,
+output slot, geometry, token counts) must match too: a rank that skipped a call, or a
+``send_recv_heads`` met by a ``gather_heads``, fails the call on both sides with ``CommError``
+instead of being paired silently. Completion is a per-peer ``done = epoch`` written after the data;
+all counters are monotonic, so none can overshoot. Every wait has a deadline on ``%globaltimer``: on
+expiry the kernel records (operation, rank, peer) in host-mapped memory and exits; the next call,
+``check()`` or ``synchronize()`` raises ``CommTimeoutError`` naming them. There is no ``trap``; the
+CUDA context stays usable. A failed kernel also leaves a sticky mark in the instance's device memory
+(and, after a timeout, in the peers'): every later kernel of the instance, already queued or not,
+moves nothing and reports itself abandoned, and the host refuses further calls. Destroy the
+instance on every rank and build a new one.
 
 Zero-copy outputs (``copy_output=False``) are views into the instance's buffer: the view returned
 by call N stays valid until this rank enqueues call N+2 on the instance (call N+1 writes the other
-slot), and until ``destroy()``. Read it on the stream that made the call, or pass
-``copy_output=True`` to get a fresh tensor.
+slot). Read it on the stream that made the call, or pass ``copy_output=True`` to get a fresh tensor.
+A view keeps the buffer allocated, also past ``destroy()`` (the memory is freed with the last view).
+Calls of one instance made on different streams run one after the other (each call waits for the
+previous one). Once a call of an instance has been captured in a CUDA graph, its eager calls return
+copies (a replay may rewrite either slot), and a captured call refuses an input that is a view made
+outside its capture; see the README's "Lifetimes" for what a view made inside a capture holds.
 
 How to launch
 -------------
@@ -115,12 +124,24 @@ def _lookup(comm_id: int) -> "All2All":
 
 
 class _CudaBytes:
-    """Exposes a raw device range to torch through ``__cuda_array_interface__`` (no torch C++)."""
+    """Exposes a raw device range to torch through ``__cuda_array_interface__`` (no torch C++).
 
-    def __init__(self, ptr: int, nbytes: int):
+    ``owner`` is whatever owns the memory (the native core). torch keeps this object alive for as long
+    as any tensor made from it (every zero-copy view of the buffer) exists, and this object keeps the
+    owner alive, so the memory cannot be freed under a live view: a dropped All2All's core survives
+    until its last view is gone, and :meth:`All2All.destroy` defers the free to that moment.
+    """
+
+    def __init__(self, ptr: int, nbytes: int, owner=None):
+        self.owner = owner
         self.__cuda_array_interface__ = {
             "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2, "strides": None,
         }
+
+
+def _buffer_tensor(keeper: _CudaBytes, device: torch.device) -> torch.Tensor:
+    """The uint8 tensor over the whole shared buffer; its storage holds ``keeper`` (see _CudaBytes)."""
+    return torch.as_tensor(keeper, device=device)
 
 
 class All2All:
@@ -173,6 +194,10 @@ class All2All:
         self._group = None
         self._collective = False  # set by from_group: destroy() then waits for every rank of _group
         self._buf: Optional[torch.Tensor] = None
+        self._keeper: Optional["weakref.ref[_CudaBytes]"] = None  # alive while _buf or a view of it is
+        #: One-element tensor that the compilable ops (``ipc_all2all.ops``) declare as mutated, shared
+        #: by every instance on this device: torch.compile then keeps every call, in program order.
+        self.order_token = ops.order_token(self.device)
         self._counts: Optional[List[int]] = None
         self._counts_dev: Optional[torch.Tensor] = None
         self._plans: dict = {}
@@ -246,12 +271,14 @@ class All2All:
         return obj
 
     def get_local_ipc_handle(self) -> bytes:
-        """Returns this rank's CUDA IPC handle (64 bytes) for the other ranks' :meth:`sync`."""
+        """Returns this rank's handle for the other ranks' :meth:`sync`: opaque bytes holding the CUDA IPC
+        handle of the buffer and what every rank must agree on (world size, rank, slot capacity)."""
         return self._core.ipc_handle()
 
     def sync(self, all_gathered_handles: Sequence[Union[bytes, bytearray]]) -> None:
-        """Opens every peer's buffer. Every rank must have been built with the same ``num_tokens *
-        hidden_dim`` and dtype (the buffers share one layout); :meth:`from_group` checks that.
+        """Opens every peer's buffer. Every rank must have been built with the same world size and
+        ``num_tokens * hidden_dim * element size`` (the buffers share one layout): the handles carry
+        both, and a mismatch raises ``ValueError`` naming the rank before any peer memory is opened.
 
         Arguments:
             all_gathered_handles: every rank's :meth:`get_local_ipc_handle`, indexed by rank.
@@ -262,7 +289,9 @@ class All2All:
                 raise ValueError(f"sync(): handle {i} must be bytes, got {type(h).__name__}")
             handles.append(bytes(h))
         self._core.open_peers(handles)
-        self._buf = torch.as_tensor(_CudaBytes(self._core.buffer_ptr, self._core.buffer_bytes), device=self.device)
+        keeper = _CudaBytes(self._core.buffer_ptr, self._core.buffer_bytes, owner=self._core)
+        self._buf = _buffer_tensor(keeper, self.device)
+        self._keeper = weakref.ref(keeper)
 
     # ----------------------------------------------------------------------------- configuration
     def set_rank_tokens(self, rank_num_tokens: Union[Sequence[int], torch.Tensor]) -> None:
@@ -333,23 +362,40 @@ class All2All:
         if self._buf is None:
             raise CommError(f"{what}: call sync() (or use All2All.from_group) before the first operation")
         self._check_input(x, what)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        capture = self._core.capture_id(stream)  # 0: an eager call
         if fp8_wire:
-            return self._run_fp8(op, x, what)
+            return self._run_fp8(op, x, what, stream, capture)
         p = self.plan(op, x.shape)
-        slot = self._check_slot(x, what)
-        self._launch(op, x.data_ptr(), p, slot, torch.cuda.current_stream(self.device).cuda_stream)
+        slot = self._check_slot(x, what, capture)
+        self._launch(op, x.data_ptr(), p, slot, stream)
         off = self._core.slot_offset(slot)
         out = self._buf[off:off + p.out_bytes].view(self.tensor_dtype).view(p.out_shape)
-        return out.clone() if copy_output else out
+        # Once calls of this instance sit in a CUDA graph, any replay may rewrite either slot behind
+        # the host's back, so an eager view could not keep its promise (valid until call N+2): eager
+        # calls then always return a copy, made on this stream before anything else can run.
+        if copy_output or (capture == 0 and self._core.captured_calls > 0):
+            return out.clone()
+        return out
 
-    def _check_slot(self, x: torch.Tensor, what: str) -> int:
-        """The slot the next call writes; refuses an input that lies in it."""
+    def _check_slot(self, x: torch.Tensor, what: str, capture: int = 0) -> int:
+        """The slot the next call writes; refuses an input that lies in it, and inside a CUDA graph
+        capture an input that is a zero-copy view made outside that capture."""
         slot = self._core.next_slot
+        base, nbytes = self._core.buffer_ptr, x.numel() * x.element_size()
         # Peers write this slot during the call; an input inside it would be overwritten while read.
-        if ranges_overlap(x.data_ptr(), x.numel() * x.element_size(), self._core.buffer_ptr + self._core.slot_offset(slot),
-                          self.capacity):
+        if ranges_overlap(x.data_ptr(), nbytes, base + self._core.slot_offset(slot), self.capacity):
             raise ValueError(f"{what}: x lies in the output slot this call writes (a zero-copy output from two "
                              "calls ago); pass copy_output=True to that call or clone x")
+        other = 1 - slot
+        if capture and self._core.slot_capture(other) != capture and \
+                ranges_overlap(x.data_ptr(), nbytes, base + self._core.slot_offset(other), self.capacity):
+            # Every replay would read that slot again, after later eager calls or other graphs'
+            # replays have rewritten it.
+            raise ValueError(f"{what}: inside a CUDA graph capture, x is a zero-copy output of a call made outside "
+                             "this capture (eager, or in another graph); each replay would read that slot again "
+                             "after other calls rewrote it. Pass copy_output=True to the call that made x, or "
+                             "clone x into a static tensor before capturing")
         return slot
 
     def _launch(self, op: int, x_ptr: int, p: Plan, slot: int, stream: int, pack_head_dim: int = 0) -> None:
@@ -358,7 +404,7 @@ class All2All:
                                 p.chunk_bytes, p.wide_bytes, self._counts or [], counts_ptr, pack_head_dim)
         assert got == slot
 
-    def _run_fp8(self, op: int, x: torch.Tensor, what: str) -> torch.Tensor:
+    def _run_fp8(self, op: int, x: torch.Tensor, what: str, stream: int, capture: int) -> torch.Tensor:
         """fp8 on the wire: the push packs every head vector into an e4m3 record as it moves it (the
         geometry is planned in record bytes), and the receiver unpacks its slot into a fresh bf16
         output (the kernels are described in csrc/kernels.cu)."""
@@ -371,8 +417,7 @@ class All2All:
         if D not in FP8_WIRE_HEAD_DIMS:
             raise ValueError(f"{what}: fp8_wire needs head_dim (x.shape[3]) in {FP8_WIRE_HEAD_DIMS}, got {D}")
         p = self.plan(op, (b, rows, heads, D + _C.FP8_RECORD_PAD), itemsize=1)  # every check before the launch
-        slot = self._check_slot(x, what)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        slot = self._check_slot(x, what, capture)
         self._launch(op, x.data_ptr(), p, slot, stream, pack_head_dim=D)
         ob, orows, oheads, _ = p.out_shape
         out = torch.empty((ob, orows, oheads, D), dtype=torch.bfloat16, device=self.device)
@@ -386,7 +431,8 @@ class All2All:
         Arguments:
             x: contiguous, 16-byte aligned, ``tensor_dtype``, on this instance's device; ``H`` divisible
                 by ``world_size`` and ``H/W * D * element size`` a multiple of 16 bytes.
-            copy_output: return a fresh tensor instead of a view into the shared buffer.
+            copy_output: return a fresh tensor instead of a view into the shared buffer (outside a
+                capture, always fresh once a call of this instance was captured in a CUDA graph).
             fp8_wire: send e4m3 plus one fp32 scale per head vector instead of bf16 (bf16 instance
                 and input, ``D`` in 16..256, a power of two): about half the bytes on NVLink, lossy
                 (each head vector is scaled to its own maximum, 448). The output is always a fresh
@@ -403,7 +449,8 @@ class All2All:
 
         Arguments:
             x: as for :meth:`send_recv_heads`; may be the previous call's zero-copy output.
-            copy_output: return a fresh tensor instead of a view into the shared buffer.
+            copy_output: return a fresh tensor instead of a view into the shared buffer (outside a
+                capture, always fresh once a call of this instance was captured in a CUDA graph).
             fp8_wire: as for :meth:`send_recv_heads`.
 
         Returns:
@@ -416,7 +463,8 @@ class All2All:
 
         Arguments:
             x: contiguous, 16-byte aligned, ``h * d * element size`` a multiple of 16 bytes.
-            copy_output: return a fresh tensor instead of a view into the shared buffer.
+            copy_output: return a fresh tensor instead of a view into the shared buffer (outside a
+                capture, always fresh once a call of this instance was captured in a CUDA graph).
 
         Returns:
             The same tensor on every rank.
@@ -425,16 +473,19 @@ class All2All:
 
     # ----------------------------------------------------------------------------- errors, teardown
     def check(self) -> None:
-        """Raises ``CommTimeoutError`` if a finished launch recorded a timeout (does not wait)."""
+        """Raises what a finished launch recorded, as :meth:`synchronize` does, without waiting."""
         self._core.check()
 
     def synchronize(self) -> None:
-        """Waits for this device's current stream, then raises ``CommTimeoutError`` on a timeout."""
+        """Waits for this device's current stream and for the instance's last call (whatever stream it
+        was made on), then raises what a kernel recorded: ``CommTimeoutError`` for a timeout,
+        ``CommError`` for a call the peers ran differently or a call abandoned after a failure."""
         self._core.synchronize(torch.cuda.current_stream(self.device).cuda_stream)
 
     @property
     def broken(self) -> bool:
-        """True after a timeout: the instance refuses further calls and must be destroyed."""
+        """True after a device-side failure was raised (timeout, mismatched call, abandoned call): the
+        instance refuses further calls and must be destroyed on every rank and built anew."""
         return self._core.broken
 
     @property
@@ -448,7 +499,11 @@ class All2All:
     def destroy(self) -> None:
         """Releases the buffer and the peers' mappings. Collective for instances from :meth:`from_group`
         (every rank waits for its GPU, then for the others, so nobody frees memory a peer still
-        writes); with the low-level constructor the caller must ensure that. Idempotent."""
+        writes); with the low-level constructor the caller must ensure that. Idempotent.
+
+        Zero-copy views that are still referenced keep this rank's buffer allocated (it is freed when
+        the last of them is dropped), so reading one after ``destroy()`` cannot touch freed or reused
+        memory; its contents are those of the last call that wrote its slot."""
         if self._core.destroyed:
             return
         if self._collective:
@@ -459,7 +514,15 @@ class All2All:
         self._buf = None
         self._counts_dev = None
         self._unregister()
-        self._core.destroy()
+        keeper = self._keeper() if self._keeper is not None else None
+        if keeper is None:
+            self._core.destroy()
+            return
+        # Zero-copy views outlive the instance: its peers' mappings close now, but this rank's buffer
+        # is freed only when the last view goes (torch holds `keeper` for as long as any view lives).
+        self._core.destroy(free_buffer=False)
+        release = weakref.finalize(keeper, self._core.release_buffer)
+        release.atexit = False  # at interpreter exit the driver reclaims it; CUDA may be gone by then
 
     def __enter__(self) -> "All2All":
         return self

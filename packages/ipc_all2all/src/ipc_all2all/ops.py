@@ -7,6 +7,15 @@ Their fake implementations only compute shapes. The ops always return a fresh te
 (``copy_output=True``): a compiled graph may keep an output alive across later calls, which the
 zero-copy view's lifetime would not survive.
 
+Every op also takes the device's *order token* (:func:`order_token`, ``All2All.order_token``) and
+declares it mutated, although it never writes it. Each call is a collective: every rank must make
+the same calls in the same order. A pure-looking op may be deleted by the compiler when nothing
+reads its output (inductor drops a ``gather_heads`` whose ``[b, 0, H, D]`` output on a rank with no
+tokens feeds only empty work, so that rank falls out of step with the others) or moved past another
+independent call. A mutated argument makes every call an effect that is never removed, and the
+chain of mutations of one token keeps all calls on a device in program order. Neither
+``has_side_effect`` nor an ordered-effect registration kept the call under inductor.
+
 Use the wrappers::
 
     q = ipc_all2all.ops.send_recv_heads(q_local, a2a)
@@ -14,9 +23,32 @@ Use the wrappers::
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from . import _shapes
+
+_TOKENS: dict = {}
+_TOKENS_LOCK = threading.Lock()
+
+
+def order_token(device) -> torch.Tensor:
+    """The order token of ``device`` (one per device, shared by every instance on it): a one-element
+    tensor that every op here declares as mutated, so that compiled graphs keep each collective call
+    and their order. Its value means nothing and is never written."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _TOKENS_LOCK:
+        token = _TOKENS.get(device)
+        if token is None:
+            token = torch.zeros(1, dtype=torch.int32, device=device)
+            # A fixed address: CUDA-graph trees (mode="reduce-overhead") accept the mutation of a static
+            # input instead of skipping the graph.
+            torch._dynamo.mark_static_address(token)
+            _TOKENS[device] = token
+    return token
 
 
 def _lookup(comm_id: int):
@@ -25,37 +57,38 @@ def _lookup(comm_id: int):
     return lookup(comm_id)
 
 
-@torch.library.custom_op("ipc_all2all::send_recv_heads", mutates_args=())
-def _send_recv_heads(x: torch.Tensor, comm_id: int, out_tokens: int, world_size: int,
+# mutates_args=("token",): see the module docstring (the token is never written).
+@torch.library.custom_op("ipc_all2all::send_recv_heads", mutates_args=("token",))
+def _send_recv_heads(x: torch.Tensor, token: torch.Tensor, comm_id: int, out_tokens: int, world_size: int,
                      fp8_wire: bool = False) -> torch.Tensor:
     return _lookup(comm_id).send_recv_heads(x, copy_output=True, fp8_wire=fp8_wire)
 
 
 @_send_recv_heads.register_fake
-def _(x, comm_id, out_tokens, world_size, fp8_wire=False):
+def _(x, token, comm_id, out_tokens, world_size, fp8_wire=False):
     b, _, h, d = x.shape
     return x.new_empty((b, out_tokens, h // world_size, d))
 
 
-@torch.library.custom_op("ipc_all2all::gather_heads", mutates_args=())
-def _gather_heads(x: torch.Tensor, comm_id: int, out_tokens: int, world_size: int,
+@torch.library.custom_op("ipc_all2all::gather_heads", mutates_args=("token",))
+def _gather_heads(x: torch.Tensor, token: torch.Tensor, comm_id: int, out_tokens: int, world_size: int,
                   fp8_wire: bool = False) -> torch.Tensor:
     return _lookup(comm_id).gather_heads(x, copy_output=True, fp8_wire=fp8_wire)
 
 
 @_gather_heads.register_fake
-def _(x, comm_id, out_tokens, world_size, fp8_wire=False):
+def _(x, token, comm_id, out_tokens, world_size, fp8_wire=False):
     b, _, h, d = x.shape
     return x.new_empty((b, out_tokens, h * world_size, d))
 
 
-@torch.library.custom_op("ipc_all2all::allgather", mutates_args=())
-def _allgather(x: torch.Tensor, comm_id: int, out_tokens: int, world_size: int) -> torch.Tensor:
+@torch.library.custom_op("ipc_all2all::allgather", mutates_args=("token",))
+def _allgather(x: torch.Tensor, token: torch.Tensor, comm_id: int, out_tokens: int, world_size: int) -> torch.Tensor:
     return _lookup(comm_id).allgather(x, copy_output=True)
 
 
 @_allgather.register_fake
-def _(x, comm_id, out_tokens, world_size):
+def _(x, token, comm_id, out_tokens, world_size):
     b, _, h, d = x.shape
     return x.new_empty((b, out_tokens, h, d))
 
@@ -80,8 +113,8 @@ def send_recv_heads(x: torch.Tensor, comm, fp8_wire: bool = False) -> torch.Tens
     Returns:
         ``[b, total_tokens, H/W, D]``, a fresh tensor.
     """
-    return _send_recv_heads(x, comm.comm_id, _out_tokens(comm, _shapes.OP_SEND_RECV_HEADS, x), comm.world_size,
-                            fp8_wire)
+    return _send_recv_heads(x, comm.order_token, comm.comm_id, _out_tokens(comm, _shapes.OP_SEND_RECV_HEADS, x),
+                            comm.world_size, fp8_wire)
 
 
 def gather_heads(x: torch.Tensor, comm, fp8_wire: bool = False) -> torch.Tensor:
@@ -95,8 +128,8 @@ def gather_heads(x: torch.Tensor, comm, fp8_wire: bool = False) -> torch.Tensor:
     Returns:
         ``[b, local_tokens, H, D]``, a fresh tensor.
     """
-    return _gather_heads(x, comm.comm_id, _out_tokens(comm, _shapes.OP_GATHER_HEADS, x), comm.world_size,
-                         fp8_wire)
+    return _gather_heads(x, comm.order_token, comm.comm_id, _out_tokens(comm, _shapes.OP_GATHER_HEADS, x),
+                         comm.world_size, fp8_wire)
 
 
 def allgather(x: torch.Tensor, comm) -> torch.Tensor:
@@ -109,4 +142,4 @@ def allgather(x: torch.Tensor, comm) -> torch.Tensor:
     Returns:
         ``[b, total_tokens, h, d]``, a fresh tensor.
     """
-    return _allgather(x, comm.comm_id, _out_tokens(comm, _shapes.OP_ALLGATHER, x), comm.world_size)
+    return _allgather(x, comm.order_token, comm.comm_id, _out_tokens(comm, _shapes.OP_ALLGATHER, x), comm.world_size)

@@ -1,0 +1,277 @@
+"""CPU tests of ipc_all2all's protections against ranks falling out of step and against memory misuse:
+compiled ops that keep every collective call, the handshake signature and the host's messages, the
+handle checks of sync(), view lifetimes and the CUDA-graph rules of the Python layer. The GPU halves
+of these live in test_gpu.py."""
+from __future__ import annotations
+
+import gc
+import types
+import weakref
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ipc_all2all
+from ipc_all2all import _C, _REGISTRY, ops
+from tests.ipc_all2all.test_cpu import _RecordingCore
+
+SEND, GATHER, ALLGATHER = _C.OP_SEND_RECV_HEADS, _C.OP_GATHER_HEADS, _C.OP_ALLGATHER
+
+
+# ------------------------------------------------------------------ torch.compile keeps every call
+class _CountingComm:
+    """Stands in for the native communicator of rank ``rank`` (W = 2, counts [0, 8]): records every
+    collective call the compiled code makes and returns random data of the right shape."""
+
+    def __init__(self, counts, rank):
+        self.world_size, self.rank, self._counts = len(counts), rank, list(counts)
+        self.comm_id = 880000 + rank
+        self.order_token = ops.order_token("cpu")
+        self.log = []
+
+    @property
+    def rank_tokens(self):
+        return list(self._counts)
+
+    def send_recv_heads(self, x, copy_output=False, fp8_wire=False):
+        self.log.append("send_recv_heads")
+        b, _, H, D = x.shape
+        return torch.randn(b, sum(self._counts), H // self.world_size, D)
+
+    def gather_heads(self, y, copy_output=False, fp8_wire=False):
+        self.log.append("gather_heads")
+        b, _, hpr, D = y.shape
+        return torch.randn(b, self._counts[self.rank], hpr * self.world_size, D)
+
+    def allgather(self, x, copy_output=False):
+        self.log.append("allgather")
+        b, _, h, d = x.shape
+        return torch.randn(b, sum(self._counts), h, d)
+
+
+_H, _D = 4, 16
+_EXPECTED_CALLS = ["send_recv_heads", "allgather", "send_recv_heads", "send_recv_heads", "gather_heads"]
+
+
+def _attention_block(x, comm, proj):
+    q = ops.send_recv_heads(x, comm)
+    ops.allgather(x, comm)  # nothing reads it: still a collective the peers wait for
+    k = ops.send_recv_heads(x, comm)
+    v = ops.send_recv_heads(x, comm)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    o = ops.gather_heads(o.transpose(1, 2).contiguous(), comm)  # [1, 0, H, D] on the empty rank
+    return proj(o.flatten(2))
+
+
+@pytest.mark.parametrize("backend,grad", [("inductor", False), ("inductor", True), ("aot_eager", False)],
+                         ids=["inductor", "inductor-grad", "aot_eager"])
+def test_compiled_block_makes_the_same_collective_calls_on_a_zero_token_rank(backend, grad):
+    """Rank 0 holds no tokens, so its gather_heads output is [1, 0, H, D] and an allgather's output is
+    unused on both ranks: compiled with fullgraph=True, both ranks must still make every call, in
+    program order (inductor used to delete the empty rank's gather_heads, and the ranks then paired
+    mismatched calls)."""
+    proj = torch.nn.Linear(_H * _D, _H * _D)
+    logs = []
+    for rank in (0, 1):
+        comm = _CountingComm([0, 8], rank)
+        _REGISTRY[comm.comm_id] = comm
+        try:
+            torch._dynamo.reset()
+            fn = torch.compile(_attention_block, backend=backend, fullgraph=True)
+            x = torch.randn(1, comm.rank_tokens[rank], _H, _D)
+            with torch.set_grad_enabled(grad):
+                out = fn(x, comm, proj)
+                out = fn(x, comm, proj)  # the cached graph too
+            assert out.shape == (1, comm.rank_tokens[rank], _H * _D)
+        finally:
+            _REGISTRY.pop(comm.comm_id, None)
+        logs.append(comm.log)
+    assert logs[0] == logs[1] == _EXPECTED_CALLS * 2, logs
+
+
+def test_ops_declare_the_order_token_mutated():
+    for name in ("send_recv_heads", "gather_heads", "allgather"):
+        schema = getattr(torch.ops.ipc_all2all, name).default._schema
+        assert schema.is_mutable and "Tensor(a1!) token" in str(schema), schema
+    # one token per device, shared by every instance there (so calls of different instances keep
+    # their order too)
+    assert ops.order_token("cpu") is ops.order_token(torch.device("cpu"))
+    assert ops.order_token("cpu").numel() == 1
+
+
+# ------------------------------------------------------------------ the handshake signature
+def _word(op=SEND, world=2, batch=1, out_rows=-1, cap_rows=-1, chunk=256, wide=512, pack=0, slot=0, counts=(3, 5),
+          call=7):
+    return _C.ready_word(op, world, batch, out_rows, cap_rows, chunk, wide, pack, slot, list(counts), call)
+
+
+def test_ready_word_carries_call_number_and_signature():
+    w = _word()
+    assert w >> 32 == 7 and _word(call=2**32 + 7) == w  # the call number wraps (serial-number order)
+    assert (w & 0xffffffff) >> 28 == SEND + 1 and (w >> 27) & 1 == 0
+    assert (_word(op=GATHER) & 0xffffffff) >> 28 == GATHER + 1
+    assert (_word(slot=1) >> 27) & 1 == 1
+    # everything every rank must agree on changes the signature
+    variants = [_word(op=GATHER), _word(op=ALLGATHER), _word(slot=1), _word(batch=2), _word(chunk=128),
+                _word(wide=1024), _word(out_rows=16, cap_rows=8), _word(pack=64), _word(counts=(3, 6)),
+                _word(counts=(5, 3)), _word(world=3, counts=(3, 5, 0))]
+    sigs = {v & 0xffffffff for v in variants} | {w & 0xffffffff}
+    assert len(sigs) == len(variants) + 1
+    assert _word() == w  # and it is deterministic
+
+
+def test_mismatch_and_not_run_messages_name_operation_rank_and_peer():
+    mine = _word(op=SEND, call=5)
+    msg = _C.failure_message(SEND * 4 + _C.PHASE_MISMATCH, 0, 1, mine, _word(op=GATHER, call=5))
+    assert "send_recv_heads on rank 0" in msg and "peer 1 is running gather_heads while this rank runs " \
+        "send_recv_heads" in msg, msg
+    assert "Nothing was written to the peer" in msg and "destroy()" in msg
+    msg = _C.failure_message(GATHER * 4 + _C.PHASE_MISMATCH, 1, 0, _word(op=GATHER, slot=0),
+                             _word(op=GATHER, slot=1))
+    assert "slot" in msg and "peer 0" in msg, msg
+    msg = _C.failure_message(SEND * 4 + _C.PHASE_MISMATCH, 0, 1, mine, _word(counts=(3, 6), call=5))
+    assert "token counts" in msg and "signature" in msg, msg
+    msg = _C.failure_message(SEND * 4 + _C.PHASE_MISMATCH, 0, 1, mine, _word(call=6))
+    assert "peer 1 is at call 6 while this rank is at call 5" in msg, msg
+    msg = _C.failure_message(ALLGATHER * 4 + _C.PHASE_BROKEN, 1, 0, 12, 1)
+    assert "allgather on rank 1 (call 12) was abandoned" in msg and "marked failed by rank 0" in msg, msg
+    msg = _C.failure_message(GATHER * 4 + _C.PHASE_BROKEN, 1, 1, 13, 2)
+    assert "gather_heads on rank 1 (call 13) was abandoned" in msg and "(on this rank)" in msg, msg
+
+
+# ------------------------------------------------------------------ sync()'s handle checks
+_CAP = 1 << 20
+_TOTAL = _C.buffer_layout(_CAP)["total"]
+
+
+def _handles(world=2, caps=None, totals=None, ranks=None):
+    caps = caps or [_CAP] * world
+    totals = totals or [_TOTAL] * world
+    ranks = ranks or list(range(world))
+    return [_C.encode_handle(world, r, c, t, bytes([r + 1]) * 64) for r, c, t in zip(ranks, caps, totals)]
+
+
+def test_handle_carries_what_must_match():
+    hs = _handles(3)
+    assert all(len(h) == _C.HANDLE_BYTES for h in hs)
+    for rank in range(3):
+        raw = _C.check_handles(hs, 3, rank, _CAP, _TOTAL)
+        assert raw == [bytes([r + 1]) * 64 for r in range(3)]
+    with pytest.raises(ValueError, match="64 bytes"):
+        _C.encode_handle(2, 0, _CAP, _TOTAL, b"short")
+
+
+@pytest.mark.parametrize("case,match", [
+    ("capacity", r"rank 1 was built with output slots of 524288 bytes, this rank \(0\) with 1048576"),
+    ("world", r"rank 1 was built with world_size 3, this rank \(0\) with 2"),
+    ("order", r"entry 0 holds the handle of rank 1"),
+    ("garbage", r"entry 1 \(64 bytes\) is not a handle"),
+    ("count", r"expected 2 handles"),
+    ("own", r"entry 0 is not this rank's own handle"),
+    ("buffer", r"rank 1 has a buffer of"),
+])
+def test_sync_refuses_mismatched_handles_before_opening_anything(case, match):
+    hs = _handles(2)
+    if case == "capacity":
+        hs[1] = _handles(2, caps=[_CAP, _CAP // 2])[1]
+    elif case == "world":
+        hs[1] = _C.encode_handle(3, 1, _CAP, _TOTAL, bytes([2]) * 64)
+    elif case == "order":
+        hs = hs[::-1]
+    elif case == "garbage":
+        hs[1] = bytes(64)  # a bare CUDA IPC handle, as the old format was
+    elif case == "count":
+        hs = hs + hs[:1]
+    elif case == "buffer":
+        hs[1] = _handles(2, totals=[_TOTAL, _TOTAL + 4096])[1]
+    own = hs[0]
+    if case == "own":
+        own = _C.encode_handle(2, 0, _CAP, _TOTAL, bytes([9]) * 64)  # this rank's, unlike entry 0
+    with pytest.raises(ValueError, match=match):
+        _C.check_handles(hs, 2, 0, _CAP, _TOTAL, own)
+
+
+# ------------------------------------------------------------------ the Python layer: views and graphs
+def _instance(monkeypatch, cap=1000 * 256 * 2):
+    """An All2All over a recording stand-in for the native core, with a CPU stand-in for the buffer tensor
+    that, like torch.as_tensor(__cuda_array_interface__), keeps its interface object alive."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=7))
+    backing = torch.zeros(_C.buffer_layout(cap)["total"], dtype=torch.uint8)
+
+    class _HostBytes:  # numpy's analogue of __cuda_array_interface__: the array holds this object
+        def __init__(self, keeper):
+            self.keeper, self.backing = keeper, backing
+            self.__array_interface__ = {"shape": (backing.numel(),), "typestr": "|u1", "version": 3,
+                                        "data": (backing.data_ptr(), False)}
+
+    monkeypatch.setattr(ipc_all2all, "_buffer_tensor",
+                        lambda keeper, device: torch.from_numpy(np.asarray(_HostBytes(keeper))))
+    core = _RecordingCore(cap, backing)
+    a = ipc_all2all.All2All.__new__(ipc_all2all.All2All)
+    a.__dict__.update(_plans={}, rank=1, world_size=2, tensor_dtype=torch.bfloat16, itemsize=2,
+                      device=torch.device("cpu"), capacity=cap, _core=core, _counts=None, _counts_dev=None,
+                      _group=None, _collective=False, comm_id=-3, _buf=None, _keeper=None,
+                      order_token=ops.order_token("cpu"))
+    a.sync([b"h0", b"h1"])
+    a.set_rank_tokens([3, 5])
+    return a, core
+
+
+def test_views_keep_the_buffer_alive_past_destroy(monkeypatch):
+    a, core = _instance(monkeypatch)
+    y = a.send_recv_heads(torch.zeros(1, 5, 8, 32, dtype=torch.bfloat16))
+    assert a._keeper() is not None and a._keeper().owner is core  # the view's owner holds the core
+    a.destroy()
+    assert core.destroyed and not core.released, "freed under a live view"
+    y.sum()  # still readable
+    del y
+    gc.collect()
+    assert core.released, "the buffer must be freed with its last view"
+    # without views, destroy frees at once
+    b, core_b = _instance(monkeypatch)
+    b.send_recv_heads(torch.zeros(1, 5, 8, 32, dtype=torch.bfloat16), copy_output=True)
+    b.destroy()
+    assert core_b.destroyed and core_b.released
+
+
+def test_a_dropped_instance_does_not_free_under_a_view(monkeypatch):
+    a, core = _instance(monkeypatch)
+    y = a.gather_heads(torch.zeros(1, 8, 4, 32, dtype=torch.bfloat16))
+    core_ref = weakref.ref(core)
+    with pytest.warns(ResourceWarning, match="not destroyed"):
+        del a, core
+        gc.collect()
+    assert core_ref() is not None, "the core (and its buffer) must live as long as a view"
+    del y
+    gc.collect()
+    assert core_ref() is None
+
+
+def test_graph_capture_rules(monkeypatch):
+    """Inside a capture an input may be a view only of a call of the same capture; once calls are
+    captured, eager calls return copies (a replay may rewrite either slot behind the host's back)."""
+    a, core = _instance(monkeypatch)
+    buf = a._buf
+    x = torch.zeros(1, 5, 8, 32, dtype=torch.bfloat16)
+    eager_view = a.send_recv_heads(x)                                     # slot 0, eager
+    assert eager_view.data_ptr() - buf.data_ptr() == core.slot_offset(0)
+    core.capture = 41
+    with pytest.raises(ValueError, match="outside this capture"):
+        a.gather_heads(eager_view)                                        # would re-read slot 0 at every replay
+    assert core.calls == 1, "a refused call must not launch"
+    y = a.send_recv_heads(x)                                              # slot 1, captured: a view
+    assert y.data_ptr() - buf.data_ptr() == core.slot_offset(1)
+    z = a.gather_heads(y)                                                 # same capture: allowed
+    assert z.data_ptr() - buf.data_ptr() == core.slot_offset(0)
+    core.capture = 42
+    with pytest.raises(ValueError, match="outside this capture"):
+        a.send_recv_heads(z)                                              # a view of another capture
+    core.capture = 0
+    assert core.captured_calls == 2
+    w = a.send_recv_heads(x)                                              # eager after a capture: a copy
+    assert not (buf.data_ptr() <= w.data_ptr() < buf.data_ptr() + buf.numel())
+    assert w.shape == (1, 8, 4, 32)
+    w = a.send_recv_heads(x, copy_output=True)
+    assert not (buf.data_ptr() <= w.data_ptr() < buf.data_ptr() + buf.numel())
