@@ -319,6 +319,22 @@ def oracle_canonical(orc, expand: bool, alignment: int, has_weights: bool = True
 FAILURES: List[str] = []
 
 
+def refusal_checker(seen: list):
+    """Returns bad(match, fn): fn() must raise ValueError whose message contains `match`, which is then
+    appended to `seen` (so a test can also assert how many refusals it checked)."""
+
+    def bad(match: str, fn) -> None:
+        try:
+            fn()
+        except ValueError as e:
+            assert match in str(e), f"expected {match!r} in {e!r}"
+            seen.append(match)
+            return
+        raise AssertionError(f"no ValueError for {match}")
+
+    return bad
+
+
 def check(cond, what: str) -> None:
     """Records a failed check instead of raising, so every rank keeps issuing the same collectives
     (a rank that stopped early would leave its peers waiting); ``raise_failures`` reports them."""

@@ -13,7 +13,7 @@ def devices_worker(rank, world, rdzv):
     import torch
 
     from tests._dist import init_gloo
-    from tests.elastic_ep._common import import_elastic_ep, make_inputs
+    from tests.elastic_ep._common import import_elastic_ep, make_inputs, refusal_checker
 
     ep = import_elastic_ep()
     group = init_gloo(rank, world, rdzv)
@@ -24,15 +24,7 @@ def devices_worker(rank, world, rdzv):
     x, idx, w = inp["x"], inp["topk_idx"], inp["topk_weights"]
     meta = lambda t: t.to("meta")  # noqa: E731
     seen = []
-
-    def bad(match, fn):
-        try:
-            fn()
-        except ValueError as e:
-            assert match in str(e), f"expected {match!r} in {e!r}"
-            seen.append(match)
-            return
-        raise AssertionError(f"no ValueError for {match}")
+    bad = refusal_checker(seen)
 
     where = "a tensor on cpu (the buffer's device), got meta"
     d = buf.dispatch

@@ -8,7 +8,7 @@ def validation_worker(rank, world, rdzv, backend="torch"):
     import torch
 
     from tests._dist import init_gloo, init_nccl
-    from tests.elastic_ep._common import import_elastic_ep, make_inputs
+    from tests.elastic_ep._common import import_elastic_ep, make_inputs, refusal_checker
 
     ep = import_elastic_ep()
     dev = "cuda" if backend == "native" else "cpu"
@@ -19,15 +19,7 @@ def validation_worker(rank, world, rdzv, backend="torch"):
     x, idx, w = inp["x"], inp["topk_idx"], inp["topk_weights"]
     fp8 = make_inputs(rank, 16, H, K, E, "fp8", 0, dev)
     seen = []
-
-    def bad(match, fn):
-        try:
-            fn()
-        except ValueError as e:
-            assert match in str(e), f"expected {match!r} in {e!r}"
-            seen.append(match)
-            return
-        raise AssertionError(f"no ValueError for {match}")
+    bad = refusal_checker(seen)
 
     d = buf.dispatch
     bad("x: expected dtype", lambda: d(x.float(), topk_idx=idx, num_experts=E))
