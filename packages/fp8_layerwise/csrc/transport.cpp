@@ -316,14 +316,16 @@ class Transport::Impl {
   // Raises peer-dead if a rank in `mask` closed or its process is gone. With `record` it claims the
   // poison record first (every rank then raises it); reset() waits while the record is already
   // claimed by the failure being recovered from, so it raises the peer-dead error directly.
+  // A dead rank is reported before a closed one: a rank usually closes because it saw another die
+  // (and raised), so the death is the cause the user needs to hear about, whichever this rank
+  // happens to notice first.
   void check_peers(uint32_t mask, const char* what, bool record = true) {
+    int closed = -1;
     for (int r = 0; r < tp_; ++r) {
       if (r == rank_ || !(mask & (1u << r))) continue;
       const auto& rs = c_->ranks[r];
       const uint64_t status = ld_acquire(&rs.status);
-      if (status == kRankClosed)
-        peer_dead(r, commkit::str("rank ", r, " closed its transport while rank ", rank_, " was waiting for ", what),
-                  record);
+      if (status == kRankClosed && closed < 0) closed = r;
       if (status != kRankAttached) continue;  // not attached yet: only the deadline applies
       const uint64_t pid = ld_relaxed(&rs.pid);
       const uint64_t start = live_start_time(pid);
@@ -331,6 +333,10 @@ class Transport::Impl {
         peer_dead(r, commkit::str("rank ", r, " (pid ", pid, ") died while rank ", rank_, " was waiting for ", what),
                   record);
     }
+    if (closed >= 0)
+      peer_dead(closed,
+                commkit::str("rank ", closed, " closed its transport while rank ", rank_, " was waiting for ", what),
+                record);
   }
 
   [[noreturn]] void peer_dead(int r, const std::string& msg, bool record) {
