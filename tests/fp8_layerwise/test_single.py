@@ -395,3 +395,82 @@ def test_shard_writer_keeps_its_sources_alive():
     del w
     gc.collect()
     assert all(r() is None for r in refs)  # and releases them with the writer
+
+
+def _low_level_transports(tp, nb=16, experts=4, slots=2, timeout_ms=5000):
+    """tp low-level transports (CPU backend) on one control region in this process; the tensors they
+    point into are returned too and must outlive them."""
+    from fp8_layerwise import _C
+
+    seg = _C.ShmSegment.create("fp8lw_test", 8192)
+    seg.unlink()
+    _C.initialize_fp8_layerwise_control(seg.ptr, 8192, tp, slots)
+    keep = [seg]
+    ts = []
+    for rank in range(tp):
+        k = [torch.zeros(4096, dtype=torch.uint8) for _ in range(4)]
+        dst = [torch.zeros(experts * nb, dtype=torch.uint8) for _ in range(4)]
+        keep += k + dst
+        host = [k[i].data_ptr() for _ in range(slots) for i in range(4)]
+        all_ = [k[i].data_ptr() for _ in range(slots) for _ in range(tp) for i in range(4)] if rank == 0 else []
+        ts.append(_C.FP8LayerwiseTransport(seg.ptr, 8192, rank, tp, -1, host, [d.data_ptr() for d in dst], all_,
+                                           [nb] * 4, experts, timeout_ms, backend="cpu"))
+    return ts, keep
+
+
+def test_reset_names_the_first_rank_that_left_not_a_rank_that_left_after_it():
+    # Rank 2 leaves; rank 0's reset() reports it and rank 0 then closes (what a program does after an
+    # unrecoverable error). Rank 1's reset() must still name rank 2, not rank 0.
+    ts, keep = _low_level_transports(3)
+    ts[0].poison(int(F.ErrorCode.USER), "some failure")
+    ts[2].close()
+    seen = {}
+    for r in (0, 1):
+        with pytest.raises(F.PeerDied) as e:
+            ts[r].reset()
+        seen[r] = (e.value.rank, str(e.value))
+        ts[r].close()
+    assert seen[0][0] == 2 and seen[1][0] == 2, seen
+    assert "reported by rank 0" in seen[1][1], seen
+
+
+def test_close_from_the_writer_while_another_thread_closes_returns_at_once():
+    ts, keep = _low_level_transports(1)
+    t = ts[0]
+    in_writer = threading.Event()
+    res = {}
+
+    def writer(e, *slots):
+        if e == 0:
+            in_writer.set()
+            time.sleep(0.3)  # the main thread is in close() by now
+            t0 = time.monotonic()
+            res["writer_close"] = t.close()
+            res["writer_close_s"] = time.monotonic() - t0
+
+    def call():
+        try:
+            t.join(1, 0, 4)
+            t.run(1, 0, 4, writer)
+        except F.TransportError as exc:
+            res["run_exc"] = type(exc).__name__
+
+    th = threading.Thread(target=call)
+    th.start()
+    assert in_writer.wait(10)
+    t0 = time.monotonic()
+    res["main_close"] = t.close()
+    res["main_close_s"] = time.monotonic() - t0
+    th.join(10)
+    assert not th.is_alive()
+    assert res["writer_close"] is False and res["writer_close_s"] < 1.0, res
+    assert res["main_close"] is True and res["main_close_s"] < 2.0, res
+    assert res["run_exc"] == "TransportClosed", res
+
+
+def test_numpy_integer_arguments_are_accepted(tmp_path):
+    np = pytest.importorskip("numpy")
+    ex = F.FileExchange(str(tmp_path), 0, 1)
+    with F.Transport(np.int64(0), np.int64(1), np.int64(4), [np.int64(16)] * 4, num_slots=np.int64(2), backend="cpu",
+                     exchange=ex) as t:
+        assert t.num_experts == 4 and t.num_slots == 2 and type(t.num_experts) is int

@@ -25,7 +25,7 @@ constexpr int kMaxSlots = 16;
 constexpr int kKinds = 4;  // w13 FP8, w13 scale (fp32), w2 FP8, w2 scale (fp32)
 constexpr size_t kControlBytes = 8192;  // the region size callers allocate (seed ABI)
 constexpr uint64_t kMagic = 0x4b4346503857314cULL;  // "L1W8PFCK" little-endian: ours, not the seed's
-constexpr uint64_t kVersion = 4;  // 4: RankState carries the attach geometry
+constexpr uint64_t kVersion = 5;  // 4: RankState carries the attach geometry; 5: and departed_blame
 constexpr uint64_t kPoisonClaimed = ~0ull;
 
 enum ErrorCode : int {
@@ -97,6 +97,10 @@ struct alignas(64) RankState {
   // deliver wrong bytes silently.
   uint64_t expert_nbytes[kKinds];
   uint64_t num_experts;
+  // 1 + the rank this rank named when it raised PeerDied (0: none), written before it raises. Its
+  // own departure is then a consequence: a rank that later finds it gone names the rank it named
+  // (reset() has no poison record to carry the first cause). Cleared on attach and by a reset.
+  uint64_t departed_blame;
   uint64_t ack[kMaxSlots];  // last sequence this rank finished copying out of slot s
 };
 

@@ -216,6 +216,7 @@ class Transport::Impl {
         if (!diff.empty()) publish_poison(kErrProtocol, r, diff);
       }
     }
+    st_relaxed(&me.departed_blame, uint64_t{0});
     st_relaxed(&me.pid, static_cast<uint64_t>(::getpid()));
     st_relaxed(&me.pid_start, live_start_time(static_cast<uint64_t>(::getpid())));
     st_release(&me.status, static_cast<uint64_t>(kRankAttached));
@@ -319,6 +320,8 @@ class Transport::Impl {
   // A dead rank is reported before a closed one: a rank usually closes because it saw another die
   // (and raised), so the death is the cause the user needs to hear about, whichever this rank
   // happens to notice first.
+  // A rank that left after naming another (departed_blame) is reported as that rank, through
+  // chains of such departures, so every rank names the first rank that went.
   void check_peers(uint32_t mask, const char* what, bool record = true) {
     int closed = -1;
     for (int r = 0; r < tp_; ++r) {
@@ -330,16 +333,28 @@ class Transport::Impl {
       const uint64_t pid = ld_relaxed(&rs.pid);
       const uint64_t start = live_start_time(pid);
       if (start == 0 || (ld_relaxed(&rs.pid_start) != 0 && start != ld_relaxed(&rs.pid_start)))
-        peer_dead(r, commkit::str("rank ", r, " (pid ", pid, ") died while rank ", rank_, " was waiting for ", what),
-                  record);
+        departed(r, commkit::str("rank ", r, " (pid ", pid, ") died"), what, record);
     }
-    if (closed >= 0)
-      peer_dead(closed,
-                commkit::str("rank ", closed, " closed its transport while rank ", rank_, " was waiting for ", what),
-                record);
+    if (closed >= 0) departed(closed, commkit::str("rank ", closed, " closed its transport"), what, record);
+  }
+
+  // Rank r is gone (`how`); raises PeerDied naming r, or the rank r itself had named before it left.
+  [[noreturn]] void departed(int r, const std::string& how, const char* what, bool record) {
+    int cause = r;
+    for (int hops = 0; hops < tp_; ++hops) {  // bounded: a cycle cannot hang this
+      const uint64_t b = ld_acquire(&c_->ranks[cause].departed_blame);
+      if (b == 0 || int(b - 1) == cause || int(b - 1) == rank_ || b - 1 >= uint64_t(tp_)) break;
+      cause = int(b - 1);
+    }
+    if (cause == r)
+      peer_dead(r, commkit::str(how, " while rank ", rank_, " was waiting for ", what), record);
+    peer_dead(cause, commkit::str("rank ", cause, " went away (reported by rank ", r, ", which then left: ", how,
+                                  ") while rank ", rank_, " was waiting for ", what),
+              record);
   }
 
   [[noreturn]] void peer_dead(int r, const std::string& msg, bool record) {
+    st_release(&c_->ranks[rank_].departed_blame, static_cast<uint64_t>(r) + 1u);
     if (!record)
       throw PoisonedError(commkit::str("fp8_layerwise transport: ", msg, " [raised on rank ", rank_, "]"),
                           kErrPeerDead, r, msg);
@@ -912,8 +927,19 @@ class Transport::Impl {
   // --- close / reset ------------------------------------------------------------------------
   bool close() noexcept {
     // Serialised: a second caller returns only once the first finished, so the owner can unmap
-    // the region as soon as its own close() returned.
-    std::lock_guard<std::mutex> guard(close_mu_);
+    // the region as soon as its own close() returned. Except a close() from inside one of this
+    // transport's own calls (the writer callback) while another thread is closing: that closer
+    // waits for this very call to leave, so waiting for it here would hold both until the drain
+    // deadline. It returns false at once (the mapping must stay) and the call then leaves.
+    const auto& calls = thread_calls();
+    const bool inside_call = std::find(calls.begin(), calls.end(), this) != calls.end();
+    std::unique_lock<std::mutex> guard(close_mu_, std::defer_lock);
+    if (!inside_call) {
+      guard.lock();
+    } else if (!guard.try_lock()) {
+      stopping_.store(true, std::memory_order_release);
+      return false;
+    }
     if (closed_.exchange(true)) return drained_;  // from here on no new call enters (enter_call)
     auto& me = c_->ranks[rank_];
     // Before the poison below: a call blocked in this process sees stopping_ (or our own
@@ -992,6 +1018,7 @@ class Transport::Impl {
         st_relaxed(&c_->layer.producer_done_epoch, active);
         for (int r = 0; r < tp_; ++r) {
           auto& rs = c_->ranks[r];
+          st_relaxed(&rs.departed_blame, uint64_t{0});
           for (int s = 0; s < kMaxSlots; ++s) st_relaxed(&rs.ack[s], uint64_t{0});
           st_relaxed(&rs.join_epoch, std::max(active, ld_relaxed(&rs.join_epoch)));
           st_relaxed(&rs.consumer_done_epoch, active);

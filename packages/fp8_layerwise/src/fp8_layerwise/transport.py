@@ -490,9 +490,10 @@ class Transport:
             if not torch.cuda.is_available():
                 raise TransportError("backend='cuda' needs a CUDA device, none is visible; use backend='cpu'")
             device = rank % torch.cuda.device_count() if device is None else device
-        self.rank, self.tp_size, self.num_experts = rank, tp_size, num_experts
+        # Plain ints: they travel through the exchange (JSON for FileExchange), numpy ints do not.
+        self.rank, self.tp_size, self.num_experts = int(rank), int(tp_size), int(num_experts)
         self.expert_nbytes = [int(n) for n in expert_nbytes]
-        self.num_slots, self.backend, self.device = num_slots, backend, device
+        self.num_slots, self.backend, self.device = int(num_slots), backend, device
         self._exchange = exchange if exchange is not None else group_exchange(group)
         self._control: Optional[ControlRegion] = None
         self._slots: Optional[HostSlots] = None
