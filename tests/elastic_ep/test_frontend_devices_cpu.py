@@ -40,6 +40,13 @@ def devices_worker(rank, world, rdzv):
     for field in ("psum_num_recv_tokens_per_scaleup_rank", "dst_buffer_slot_idx", "recv_src_metadata"):
         moved = replace(h, **{field: meta(getattr(h, field))})
         bad(f"handle.{field}: expected {where}", lambda: d(x, handle=moved))
+    # Event arguments of another kind would fail only after the first kernels were queued.
+    ev = "expected None or an EventOverlap from this buffer"
+    bad(f"previous_event_before_epilogue: {ev}", lambda: d(x, topk_idx=idx, num_experts=E,
+                                                            previous_event_before_epilogue=object()))
+    bad(f"previous_event: {ev}", lambda: d(x, topk_idx=idx, num_experts=E, previous_event=object(),
+                                           allocate_on_comm_stream=True))
+    bad(f"previous_event_before_epilogue: {ev}", lambda: buf.combine(recv, h, previous_event_before_epilogue=1))
     c = buf.combine
     bad(f"x: expected {where}", lambda: c(meta(recv), h))
     bad(f"topk_weights: expected {where}", lambda: c(recv, h, topk_weights=meta(rw)))
@@ -64,4 +71,4 @@ def devices_worker(rank, world, rdzv):
 
 def test_tensors_on_another_device_are_refused(tmp_path):
     n = run_workers(devices_worker, 1, tmp_path=tmp_path, timeout=120)
-    assert n == [18]
+    assert n == [21]

@@ -380,3 +380,26 @@ def test_masked_ids_silent_with_skip_index_check(streams):
     dispatch(b)
     assert rt.masked == (0, 0) and rt.pending_health() == 0  # taken, so later calls stay on the cheap path
     assert rt.calls == ["dispatch", "wait_dispatch_counts", "dispatch_epilogue"]
+
+
+def test_dispatch_failing_inside_a_graph_capture_leaves_buffer_usable(streams, monkeypatch):
+    # Captured kernels never ran: epochs and signals are unchanged, so the buffer must stay usable.
+    compute, comm, current = streams
+    rt = FakeRuntime()
+    b = make_buffer(rt, comm)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    fail_allocation(monkeypatch, ll._C.worst_case_num_recv_tokens(1, T))
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        dispatch(b, do_cpu_sync=False)
+    assert "mark_broken" not in rt.calls and not rt.broken
+    assert current[0] is compute and compute.waited_for[-1] == "comm"
+
+
+@pytest.mark.parametrize("event", [object(), "comm"])
+def test_dispatch_checks_the_epilogue_event_before_launching(streams, event):
+    compute, comm, current = streams
+    rt = FakeRuntime()
+    b = make_buffer(rt, comm)
+    with pytest.raises(ValueError, match="previous_event_before_epilogue: expected None or an EventHandle"):
+        dispatch(b, previous_event_before_epilogue=comm if event == "comm" else event, _validated=False)
+    assert rt.calls == [] and not rt.broken and current[0] is compute

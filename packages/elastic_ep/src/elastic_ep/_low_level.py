@@ -487,8 +487,14 @@ class ElasticBuffer:
           communication stream current), so no later work of the caller silently runs there.
         """
         # Each step on its own: a step that fails must neither skip the others nor replace `err`.
+        # Inside a CUDA-graph capture nothing ran: the queued kernels exist only in the abandoned graph
+        # (which must not be replayed), every epoch and signal is unchanged, so the buffer is fine.
         try:
-            if stage == _EPILOGUE_OWED and not self._rt.broken:
+            capturing = torch.cuda.is_current_stream_capturing()
+        except Exception:  # noqa: BLE001 - see above
+            capturing = False
+        try:
+            if stage == _EPILOGUE_OWED and not capturing and not self._rt.broken:
                 self._rt.mark_broken(
                     f"elastic_ep {op} stopped after its first kernels were queued, by {type(err).__name__}: {err}; "
                     "this rank's signals are out of step with its peers' (their next operation times out "
@@ -725,6 +731,11 @@ class ElasticBuffer:
             raise ValueError(f"num_experts must be <= {_MAX_EXPERTS}, got {num_experts}")
         if L > _MAX_LOCAL_EXPERTS:
             raise ValueError(f"at most {_MAX_LOCAL_EXPERTS} experts per rank, got {L}")
+        # The epilogue's event is used only after notify and the push are queued: check it now.
+        if previous_event_before_epilogue is not None and not isinstance(previous_event_before_epilogue,
+                                                                         EventHandle):
+            raise ValueError("previous_event_before_epilogue: expected None or an EventHandle, got "
+                             f"{type(previous_event_before_epilogue).__name__}")
         num_sf_packs = sf.shape[1] if sf is not None else 0
         num_sms = self._num_sms(num_sms)
         # Overlapped dispatch: the push gets `push_sms` blocks, the epilogue (on the runtime's second

@@ -554,10 +554,27 @@ class ElasticBuffer:
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def _check_event_args(self, previous_event, allocate_on_comm_stream: bool) -> None:
+    def _check_event_args(self, previous_event, allocate_on_comm_stream: bool,
+                          previous_event_before_epilogue=None) -> None:
+        for name, e in (("previous_event", previous_event),
+                        ("previous_event_before_epilogue", previous_event_before_epilogue)):
+            if e is not None:
+                self._check_event(name, e)
         if previous_event is not None and not allocate_on_comm_stream:
             raise ValueError("previous_event: requires allocate_on_comm_stream=True (outputs must be allocated "
                              "on the communication stream when waiting for overlapped compute)")
+
+    def _check_event(self, name: str, e: Any) -> None:
+        """An event argument must be an ``EventOverlap`` of this buffer's backend (``capture()`` or one a
+        call returned): anything else would fail only after the first kernels were queued."""
+        if self.backend == "native":
+            handle_type = _load_native()[0].EventHandle
+        else:
+            from ._torch_backend import EventHandle as handle_type
+        if not isinstance(e, EventOverlap) or not (e.event is None or isinstance(e.event, handle_type)):
+            inner = f" around a {type(e.event).__name__}" if isinstance(e, EventOverlap) else ""
+            raise ValueError(f"{name}: expected None or an EventOverlap from this buffer (capture(), or the event a "
+                             f"dispatch / combine returned), got a {type(e).__name__}{inner}")
 
     @staticmethod
     def _raw_event(e):
@@ -701,7 +718,7 @@ class ElasticBuffer:
             _check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                           dtype=torch.int32, ndim=1, shape=(L,), device=self.device)
         _checks.check_dispatch_modes(do_expand, do_zero_padding, False, None)
-        self._check_event_args(previous_event, allocate_on_comm_stream)
+        self._check_event_args(previous_event, allocate_on_comm_stream, previous_event_before_epilogue)
         num_sf_packs = sf.shape[1] if sf is not None else 0
         need = _sizing.get_dispatch_buffer_size(num_max_tokens_per_rank, H, num_sf_packs, K, x.element_size(), 1, R, True)
         if need > self.num_bytes:
@@ -856,7 +873,7 @@ class ElasticBuffer:
         for i, b in enumerate(biases):
             if b is not None:
                 _check_tensor(f"bias[{i}]", b, dtype=torch.bfloat16, ndim=2, shape=(T, H), device=self.device)
-        self._check_event_args(previous_event, allocate_on_comm_stream)
+        self._check_event_args(previous_event, allocate_on_comm_stream, previous_event_before_epilogue)
         need = _sizing.get_combine_buffer_size(handle.num_max_tokens_per_rank, H, K, 1, self.num_ranks, True,
                                                self.allow_multiple_reduction)
         if need > self.num_bytes:
