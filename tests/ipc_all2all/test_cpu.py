@@ -278,6 +278,7 @@ class _RecordingCore:
         self.launches = []
         self.capture, self.captured_calls, self.slot_captures = 0, 0, [0, 0]
         self.released = False
+        self.recorded = []  # (calls so far, stream, capturing) of each record_last_call
 
     @property
     def next_slot(self):
@@ -299,6 +300,9 @@ class _RecordingCore:
         self.captured_calls += self.capture != 0
         self.slot_captures[slot] = self.capture
         return slot
+
+    def record_last_call(self, stream, capturing):
+        self.recorded.append((self.calls, stream, capturing))
 
     def open_peers(self, handles):
         self.handles = handles
@@ -340,8 +344,11 @@ def test_python_layer_slots_views_and_aliasing(monkeypatch):
     with pytest.raises(ValueError, match="output slot"):
         a.gather_heads(y)  # y's slot is the one this call would write
     assert core.calls == 2, "a refused call must not launch"
+    assert core.recorded == [], "a zero-copy call has no copy to order after"
     c = a.allgather(torch.zeros(1, 5, 1, 8, dtype=torch.bfloat16), copy_output=True)
     assert c.shape == (1, 8, 1, 8) and not (buf.data_ptr() <= c.data_ptr() < buf.data_ptr() + buf.numel())
+    # The copy reads the slot: the ordering point moves after it (a next call on another stream waits).
+    assert core.recorded == [(3, 7, False)]
     counts_dev = torch.tensor([4, 4], dtype=torch.int32)
     a.device = counts_dev.device
     a.set_rank_tokens(counts_dev)

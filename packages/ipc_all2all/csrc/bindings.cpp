@@ -186,6 +186,12 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("captured_calls", &Core::captured_calls)
       .def("slot_capture", &Core::slot_capture, py::arg("slot"))
       .def("capture_id", &Core::capture_id, py::arg("stream"))
+      .def(
+          "record_last_call",
+          [](Core& c, int64_t stream, bool capturing) { c.record_last_call(reinterpret_cast<void*>(stream), capturing); },
+          py::arg("stream"), py::arg("capturing"),
+          "Moves the instance's ordering point to now on `stream`: after the caller's own read of the slot "
+          "(copy_output), so a next call on another stream also waits for that read.")
       .def_property_readonly("broken", &Core::broken)
       .def_property_readonly("destroyed", &Core::destroyed)
       .def("slot_offset", &Core::slot_offset)

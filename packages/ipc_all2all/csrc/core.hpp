@@ -77,12 +77,13 @@ class Core {
   void destroy(bool free_buffer = true);
   void release_buffer();
   bool destroyed() const { return destroyed_; }
+  // Stream-order bookkeeping of launch/fp8_unpack; `capturing` is the stream's capture state.
+  // record_last_call is also called by the Python layer after its own copy of a slot (copy_output).
+  void record_last_call(void* stream, bool capturing);
 
  private:
   void require_usable(const char* what) const;
-  // Stream-order bookkeeping of launch/fp8_unpack; `capturing` is the stream's capture state.
   void order_after_last_call(void* stream, bool capturing);
-  void record_last_call(void* stream, bool capturing);
 
   int rank_, world_, device_ = -1;
   int64_t capacity_;

@@ -375,7 +375,10 @@ class All2All:
         # the host's back, so an eager view could not keep its promise (valid until call N+2): eager
         # calls then always return a copy, made on this stream before anything else can run.
         if copy_output or (capture == 0 and self._core.captured_calls > 0):
-            return out.clone()
+            out = out.clone()
+            # The copy reads the slot too: a next call on another stream must wait for it, not only
+            # for the kernel (the slot is rewritten two calls later).
+            self._core.record_last_call(stream, capture != 0)
         return out
 
     def _check_slot(self, x: torch.Tensor, what: str, capture: int = 0) -> int:
