@@ -161,3 +161,55 @@ def test_ipc_handle_checks(tmp_path):
         mod.check([hs[1], hs[0], hs[2]], 1, hs[1])
     with pytest.raises(ValueError, match=r"sync\(\): expected one handle per rank, got 1 for rank 1"):
         mod.check(hs[:1], 1, hs[1])
+
+
+_IPC_HANDLE_MODULE = r"""
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include "commkit/ipc_handle.hpp"
+#include "commkit/python_errors.hpp"
+namespace {
+const commkit::IpcHandleFormat kA{{'a', 'a', 'a', 'a', 'a', 'a', 'a', 1}, "pkg_a", "slots of", " (hint)"};
+const commkit::IpcHandleFormat kB{{'b', 'b', 'b', 'b', 'b', 'b', 'b', 1}, "pkg_b", "slots of", " (hint)"};
+const commkit::IpcHandleFormat& fmt(bool b) { return b ? kB : kA; }
+}
+PYBIND11_MODULE(ck_ipc_handle_probe, m) {
+  commkit::register_python_errors(m);
+  m.attr("handle_bytes") = commkit::kDescribedIpcHandleBytes;
+  m.def("describe", [](bool b, int world, int rank, uint64_t layout, uint64_t alloc, std::string raw) {
+    return pybind11::bytes(commkit::describe_ipc_handle(fmt(b), {world, rank, layout, alloc}, raw));
+  });
+  m.def("check", [](bool b, std::vector<std::string> hs, int world, int rank, uint64_t layout, uint64_t alloc) {
+    pybind11::list out;
+    for (auto& r : commkit::check_described_ipc_handles(fmt(b), hs, {world, rank, layout, alloc}, hs.at(rank), "sync()"))
+      out.append(pybind11::bytes(r));
+    return out;
+  });
+}
+"""
+
+
+def test_described_ipc_handles(tmp_path):
+    # commkit/ipc_handle.hpp (host only; ipc_all2all's and elastic_ep's window handles): what must
+    # match is checked before any peer is opened, and a handle of another format is refused.
+    pybind11 = pytest.importorskip("pybind11")
+    src = tmp_path / "ipc_handle_probe.cpp"
+    src.write_text(_IPC_HANDLE_MODULE)
+    out = tmp_path / f"ck_ipc_handle_probe{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run([CXX, "-std=c++17", "-O0", "-shared", "-fPIC", "-I", INC, "-I", pybind11.get_include(),
+                    "-I", sysconfig.get_paths()["include"], str(src), "-o", str(out)], check=True)
+    spec = importlib.util.spec_from_file_location("ck_ipc_handle_probe", out)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    raw = [bytes([r + 1]) * 64 for r in range(2)]
+    hs = [mod.describe(False, 2, r, 4096, 8192, raw[r]) for r in range(2)]
+    assert all(len(h) == mod.handle_bytes for h in hs)
+    assert mod.check(False, hs, 2, 1, 4096, 8192) == raw
+    with pytest.raises(ValueError, match=r"sync\(\): entry 0 \(96 bytes\) is not a handle .* of this pkg_b version"):
+        mod.check(True, hs, 2, 1, 4096, 8192)
+    with pytest.raises(ValueError, match=r"rank 0 was built with slots of 4096 bytes, this rank \(1\) with 2048 \(hint\)"):
+        mod.check(False, [hs[0], mod.describe(False, 2, 1, 2048, 8192, raw[1])], 2, 1, 2048, 8192)
+    with pytest.raises(ValueError, match=r"entry 0 holds the handle of rank 1"):
+        mod.check(False, hs[::-1], 2, 1, 4096, 8192)
+    with pytest.raises(ValueError, match="a CUDA IPC handle has 64 bytes"):
+        mod.describe(False, 2, 0, 1, 1, b"short")

@@ -7,6 +7,7 @@
 //   check_ipc_handles(handles, rank, own, what)
 //       commkit::ValueError unless there is exactly one handle per rank in rank order: every entry
 //       has the size of a handle and handles[rank] == own. `what` starts every message.
+//       (commkit/ipc_handle.hpp: handles that also carry what the peers must agree on.)
 //   open_ipc_handles(handles, rank, what) -> std::vector<void*>
 //       opens every peer's handle (cudaIpcMemLazyEnablePeerAccess); entry `rank` stays nullptr.
 //       If one fails, the ones already opened are closed again and commkit::Error names this rank
@@ -17,4 +18,5 @@
 // teardown collective (a barrier first) is the caller's job.
 #pragma once
 
+#include "commkit/ipc_handle.hpp"
 #include "commkit/impl/ipc__funcs.hpp"

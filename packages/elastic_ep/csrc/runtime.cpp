@@ -242,22 +242,35 @@ Runtime::Runtime(Ipc, int rank, int num_ranks, int64_t num_buffer_bytes, int num
   broken_reason_ = "its CUDA-IPC window is not connected: open_ipc_peers() has not run";
 }
 
+namespace {
+// The window handle ranks exchange (commkit/ipc_handle.hpp): kernels address a peer's window with
+// this rank's layout, so every rank's buffer size must match, as in ipc_all2all.
+const commkit::IpcHandleFormat kWindowHandleFormat{
+    {'e', 'l', 'a', 's', 't', 'e', 'p', '\x01'}, "elastic_ep", "a buffer (num_bytes) of",
+    "; every rank must create the buffer with the same num_bytes, or a rank would write past a smaller "
+    "peer window"};
+}  // namespace
+
 std::string Runtime::ipc_handle() const {
   CK_CHECK(ipc_, "ipc_handle: this buffer's window is NCCL's, not CUDA IPC");
   CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
   set_device();
-  return commkit::ipc_handle_of(sym_ptr_);
+  return commkit::describe_ipc_handle(kWindowHandleFormat, window_info(), commkit::ipc_handle_of(sym_ptr_));
+}
+
+commkit::IpcWindowInfo Runtime::window_info() const {
+  return {num_ranks_, rank_, uint64_t(num_buffer_bytes_), workspace_bytes_ + uint64_t(num_buffer_bytes_)};
 }
 
 void Runtime::open_ipc_peers(const std::vector<std::string>& handles) {
   CK_CHECK(ipc_, "open_ipc_peers: this buffer's window is NCCL's, not CUDA IPC");
   CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
   CK_CHECK(peer_bases_ == nullptr, "open_ipc_peers was already called");
-  CK_CHECK_ARG(int(handles.size()) == num_ranks_, "open_ipc_peers: expected ", num_ranks_, " handles, got ",
-               handles.size());
-  commkit::check_ipc_handles(handles, rank_, ipc_handle(), "open_ipc_peers");
+  // Every rank's world size and buffer size before any peer's memory is opened.
+  const std::vector<std::string> raw =
+      commkit::check_described_ipc_handles(kWindowHandleFormat, handles, window_info(), ipc_handle(), "open_ipc_peers");
   set_device();
-  ipc_peers_ = commkit::open_ipc_handles(handles, rank_, "open_ipc_peers");
+  ipc_peers_ = commkit::open_ipc_handles(raw, rank_, "open_ipc_peers");
   std::vector<void*> bases = ipc_peers_;
   bases[rank_] = sym_ptr_;
   void** dev = nullptr;
@@ -337,8 +350,9 @@ void Runtime::destroy() {
     // into (or reads) this window when it is freed. (Not needed when this rank never entered an
     // operation: a peer writes here only after this rank published an epoch, and this rank read no
     // peer's window. That is also the case after a failed set-up, where peers may never arrive.) A
-    // peer that never arrives leaves a timeout record; the window is then leaked as after any timeout. With num_gpu_timeout_secs = 0 (no device
-    // deadline) the operations may wait forever, but teardown may not: it gets its own deadline.
+    // peer that never arrives leaves a timeout record; the window is then leaked as after any timeout.
+    // With num_gpu_timeout_secs = 0 (no device deadline) the operations may wait forever, but
+    // teardown may not: it gets its own deadline.
     CommView v = view();
     if (v.timeout_ns == 0) v.timeout_ns = kIpcDestroyDeadlineNs;
     launch_barrier(v, nullptr);

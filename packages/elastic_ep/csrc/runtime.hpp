@@ -18,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "commkit/ipc_handle.hpp"
 #include "kernels.hpp"
 
 namespace elastic_ep {
@@ -43,11 +44,13 @@ class Runtime {
   Runtime(Ipc, int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs,
           int num_gpu_timeout_secs);
   bool ipc() const { return ipc_; }
-  // IPC window: this rank's cudaIpcMemHandle_t (64 raw bytes) for the peers.
+  // IPC window: opaque bytes for the peers' open_ipc_peers: the CUDA IPC handle plus the world size,
+  // rank and buffer size, which open_ipc_peers checks before it opens anything.
   std::string ipc_handle() const;
   // IPC window: opens every peer's handle (handles[r] from rank r; this rank's own is checked to be
   // its own) and makes the buffer usable. Not collective itself; the caller barriers afterwards.
   void open_ipc_peers(const std::vector<std::string>& handles);
+  commkit::IpcWindowInfo window_info() const;
   ~Runtime();
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;

@@ -5,7 +5,6 @@
 #include <cstring>
 
 #include "a2a_geometry.hpp"
-#include "a2a_handle.hpp"
 #include "a2a_types.hpp"
 #include "commkit/check.hpp"
 #include "commkit/python_errors.hpp"
@@ -136,17 +135,13 @@ PYBIND11_MODULE(_C, m) {
         return ipc_all2all::failure_message(r);
       },
       py::arg("op"), py::arg("rank"), py::arg("peer"), py::arg("expected"), py::arg("observed"));
-  // The handle format (a2a_handle.hpp): sync()'s checks, testable without a GPU.
-  m.attr("HANDLE_BYTES") = ipc_all2all::kHandleBytes;
+  // The handle format (handle_format, commkit/ipc_handle.hpp): sync()'s checks, testable without a GPU.
+  m.attr("HANDLE_BYTES") = commkit::kDescribedIpcHandleBytes;
   m.def(
       "encode_handle",
       [](int world, int rank, uint64_t capacity, uint64_t buffer_bytes, const std::string& cuda_handle) {
-        ipc_all2all::HandleInfo info;
-        info.world = world;
-        info.rank = rank;
-        info.capacity = capacity;
-        info.buffer_bytes = buffer_bytes;
-        return py::bytes(ipc_all2all::encode_handle(info, cuda_handle));
+        return py::bytes(commkit::describe_ipc_handle(
+            ipc_all2all::handle_format(), commkit::IpcWindowInfo{world, rank, capacity, buffer_bytes}, cuda_handle));
       },
       py::arg("world_size"), py::arg("rank"), py::arg("capacity_bytes"), py::arg("buffer_bytes"),
       py::arg("cuda_handle"));
@@ -154,16 +149,14 @@ PYBIND11_MODULE(_C, m) {
       "check_handles",
       [](const std::vector<std::string>& handles, int world, int rank, uint64_t capacity, uint64_t buffer_bytes,
          py::object own) {
-        ipc_all2all::HandleInfo self;
-        self.world = world;
-        self.rank = rank;
-        self.capacity = capacity;
-        self.buffer_bytes = buffer_bytes;
         CK_CHECK_ARG(rank >= 0 && rank < world && static_cast<size_t>(rank) < handles.size(),
                      "sync(): expected one handle per rank, got ", handles.size());
         const std::string mine = own.is_none() ? handles[static_cast<size_t>(rank)] : own.cast<std::string>();
         py::list raw;
-        for (const auto& h : ipc_all2all::check_handles(handles, self, mine, "sync()")) raw.append(py::bytes(h));
+        for (const auto& h : commkit::check_described_ipc_handles(
+                 ipc_all2all::handle_format(), handles, commkit::IpcWindowInfo{world, rank, capacity, buffer_bytes},
+                 mine, "sync()"))
+          raw.append(py::bytes(h));
         return raw;
       },
       py::arg("handles"), py::arg("world_size"), py::arg("rank"), py::arg("capacity_bytes"),
@@ -188,7 +181,9 @@ PYBIND11_MODULE(_C, m) {
       .def("capture_id", &Core::capture_id, py::arg("stream"))
       .def(
           "record_last_call",
-          [](Core& c, int64_t stream, bool capturing) { c.record_last_call(reinterpret_cast<void*>(stream), capturing); },
+          [](Core& c, int64_t stream, bool capturing) {
+            c.record_last_call(reinterpret_cast<void*>(stream), capturing);
+          },
           py::arg("stream"), py::arg("capturing"),
           "Moves the instance's ordering point to now on `stream`: after the caller's own read of the slot "
           "(copy_output), so a next call on another stream also waits for that read.")

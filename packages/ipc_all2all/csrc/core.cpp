@@ -3,7 +3,6 @@
 #include "core.hpp"
 
 #include "a2a_geometry.hpp"
-#include "a2a_handle.hpp"
 
 #include <cmath>
 #include <cstring>
@@ -15,8 +14,6 @@
 #include <cuda_runtime.h>
 
 #include "commkit/ipc.hpp"
-
-static_assert(sizeof(cudaIpcMemHandle_t) == ipc_all2all::kCudaIpcHandleBytes, "a2a_handle.hpp's handle size");
 #endif
 
 namespace ipc_all2all {
@@ -150,12 +147,8 @@ Core::Core(int rank, int world, int64_t capacity, int num_blocks, double timeout
   }
   last_done_ = ev;
   commkit::clear_timeout_record(rec_host_);
-  HandleInfo info;
-  info.world = world_;
-  info.rank = rank_;
-  info.capacity = static_cast<uint64_t>(capacity_);
-  info.buffer_bytes = layout_.total;
-  handle_ = encode_handle(info, std::string(reinterpret_cast<const char*>(&h), sizeof(h)));
+  handle_ = commkit::describe_ipc_handle(handle_format(), window_info(),
+                                        std::string(reinterpret_cast<const char*>(&h), sizeof(h)));
 #else
   CK_THROW("ipc_all2all was built without CUDA (no nvcc at build time); All2All needs a CUDA build");
 #endif
@@ -242,13 +235,8 @@ void Core::open_peers(const std::vector<std::string>& handles) {
 #if COMMKIT_WITH_CUDA
   // Every rank's world size and slot capacity first: a peer built smaller would be written past
   // its allocation. Nothing is opened unless every entry matches.
-  HandleInfo self;
-  self.world = world_;
-  self.rank = rank_;
-  self.capacity = static_cast<uint64_t>(capacity_);
-  self.buffer_bytes = layout_.total;
-  const std::vector<std::string> raw = check_handles(handles, self, handle_, "sync()");
-  commkit::check_ipc_handles(raw, rank_, raw[static_cast<size_t>(rank_)], "sync()");
+  const std::vector<std::string> raw =
+      commkit::check_described_ipc_handles(handle_format(), handles, window_info(), handle_, "sync()");
   DeviceGuard g(device_);
   const std::vector<void*> peers = commkit::open_ipc_handles(raw, rank_, "sync()");
   for (int i = 0; i < world_; ++i)

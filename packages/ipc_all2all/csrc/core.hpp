@@ -9,9 +9,20 @@
 #include <vector>
 
 #include "a2a_types.hpp"
+#include "commkit/ipc_handle.hpp"
 #include "commkit/timeout_record.hpp"
 
 namespace ipc_all2all {
+
+// The handle get_local_ipc_handle() returns and sync() checks (commkit/ipc_handle.hpp), with one
+// output slot's capacity as the layout size: peers push at offsets of their own layout.
+inline const commkit::IpcHandleFormat& handle_format() {
+  static const commkit::IpcHandleFormat f{
+      {'i', 'p', 'c', 'a', '2', 'a', '\0', '\x01'}, "ipc_all2all", "output slots of",
+      " (num_tokens * hidden_dim * element size); every rank must build the instance alike, or a rank would "
+      "write past a smaller peer buffer"};
+  return f;
+}
 
 class Core {
  public:
@@ -22,9 +33,13 @@ class Core {
   Core& operator=(const Core&) = delete;
 
   // Opaque bytes for the peers' open_peers: the CUDA IPC handle plus what must match between ranks
-  // (world size, rank, slot capacity; see a2a_handle.hpp), which open_peers checks before it opens
+  // (world size, rank, slot capacity; see handle_format), which open_peers checks before it opens
   // any peer's memory.
   std::string ipc_handle() const;
+  // What this rank's handle says about its window (what every peer's must match).
+  commkit::IpcWindowInfo window_info() const {
+    return {world_, rank_, static_cast<uint64_t>(capacity_), layout_.total};
+  }
   void open_peers(const std::vector<std::string>& handles);
   bool opened() const { return opened_; }
 

@@ -15,15 +15,11 @@ inline std::string ipc_handle_of(void* base) {
   return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
 }
 
+static_assert(sizeof(cudaIpcMemHandle_t) == kIpcHandleBytes, "commkit/ipc_handle.hpp assumes 64-byte handles");
+
 inline void check_ipc_handles(const std::vector<std::string>& handles, int rank, const std::string& own,
                               const char* what) {
-  CK_CHECK_ARG(rank >= 0 && static_cast<size_t>(rank) < handles.size(), what, ": expected one handle per rank, got ",
-               handles.size(), " for rank ", rank);
-  for (size_t p = 0; p < handles.size(); ++p)
-    CK_CHECK_ARG(handles[p].size() == sizeof(cudaIpcMemHandle_t), what, ": handle of rank ", p, " has ",
-                 handles[p].size(), " bytes, expected ", sizeof(cudaIpcMemHandle_t));
-  CK_CHECK_ARG(handles[static_cast<size_t>(rank)] == own, what, ": entry ", rank,
-               " is not this rank's own handle; the handles must be ordered by rank");
+  check_ipc_handle_list(handles, rank, own, what, sizeof(cudaIpcMemHandle_t));
 }
 
 inline cudaError_t close_ipc_handles(std::vector<void*>& ptrs) {
