@@ -474,16 +474,13 @@ class Transport::Impl {
   // (false when the deadline expired, or when close() runs inside a call on this very thread: that
   // call still touches the region when it unwinds).
   bool wait_calls_left() noexcept {
-    const auto& calls = thread_calls();
-    const int64_t own = std::count(calls.begin(), calls.end(), this);
+    const auto& mine = thread_calls();
+    const int64_t own = std::count(mine.begin(), mine.end(), this);
     commkit::ProgressDeadline deadline(std::min(timeout_ms_, kCloseDrainMaxMs));
-    commkit::Backoff backoff;
-    for (;;) {
-      const int64_t n = inflight_calls_.load();
-      if (n <= own) return n == 0;
-      if (deadline.expired(static_cast<uint64_t>(n))) return false;
-      backoff.pause();
-    }
+    const auto left = [&] { return inflight_calls_.load() <= own; };
+    const auto progress = [&] { return static_cast<uint64_t>(inflight_calls_.load()); };
+    if (commkit::poll_until(left, deadline, progress, [] { return false; }) != commkit::PollResult::kReady) return false;
+    return inflight_calls_.load() == 0;
   }
 
   void validate_call(uint64_t epoch, int64_t layer_id, int expert_count) {
