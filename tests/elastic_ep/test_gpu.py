@@ -219,9 +219,9 @@ def timeout_worker(rank, world, rdzv, window="auto"):
                                                 do_cpu_sync=True))
 
 
-def _expect_timeout(buf, stage, call):
-    """Rank 0's side of a timeout test: `call` must raise TimeoutError naming `stage`, rank 0 and peer 1
-    (the device record names who waited for whom) within 14 s, and CUDA must stay usable."""
+def _expect_timeout(buf, stage, call, rank=0, peer=1):
+    """A waiting rank's side of a timeout test: `call` must raise TimeoutError naming `stage`, `rank` and
+    `peer` (the device record names who waited for whom) within 14 s, and CUDA must stay usable."""
     import time
 
     t0 = time.monotonic()
@@ -233,7 +233,7 @@ def _expect_timeout(buf, stage, call):
         msg = str(e)
         assert time.monotonic() - t0 < 14, "the timeout took too long"
         assert stage in msg.lower(), msg
-        assert "rank 0" in msg and "peer 1" in msg, msg
+        assert f"rank {rank}" in msg and f"peer {peer}" in msg, msg
         assert int(torch.arange(10, device="cuda").sum()) == 45
         return "timeout"
     raise AssertionError(f"{stage} without a peer did not time out")
@@ -292,8 +292,10 @@ def test_native_late_peer_times_out_ipc_window(tmp_path, env):
 
 
 def combine_timeout_worker(rank, world, rdzv, window="auto"):
-    """Every rank dispatches; rank 1 then never combines. Rank 0's overlapped combine must raise a
-    TimeoutError naming the combine, rank 0 and peer 1, within the deadline, and leave CUDA usable."""
+    """Every rank dispatches; the last rank then never combines. Every other rank's overlapped combine
+    must raise a TimeoutError naming the combine, itself and the absent rank, within the deadline, and
+    leave CUDA usable. With 3 or more ranks a rank's reduce also waits for rows from present peers
+    whose pushes wait for the absent rank: the error must still name the absent one."""
     import time
 
     from tests.elastic_ep._common import import_elastic_ep, init_ep_group, make_inputs
@@ -306,16 +308,24 @@ def combine_timeout_worker(rank, world, rdzv, window="auto"):
     recv, _, rw, handle, _ = buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"],
                                           num_experts=8 * world, do_cpu_sync=True)
     torch.cuda.synchronize()
-    if rank != 0:
+    if rank == world - 1:
         time.sleep(15)  # never joins the combine
         return "idle"
-    return _expect_timeout(buf, "combine", lambda: buf.combine(recv, handle, topk_weights=rw))
+    return _expect_timeout(buf, "combine", lambda: buf.combine(recv, handle, topk_weights=rw), rank=rank,
+                           peer=world - 1)
 
 
 @pytest.mark.multigpu(2, shared_ok=True)
 def test_native_combine_timeout_ipc_window_overlapped(tmp_path):
     res = run_workers(combine_timeout_worker, 2, "ipc", tmp_path=tmp_path, timeout=60, env=OVERLAP)
-    assert res[0] == "timeout"
+    assert res == ["timeout", "idle"]
+
+
+@pytest.mark.multigpu(3, shared_ok=True)
+@pytest.mark.parametrize("env", [None, OVERLAP], ids=["sequential", "overlapped"])
+def test_native_combine_timeout_ep3_ipc_window(tmp_path, env):
+    res = run_workers(combine_timeout_worker, 3, "ipc", tmp_path=tmp_path, timeout=90, env=env)
+    assert res == ["timeout", "timeout", "idle"]
 
 
 def refusal_worker(rank, world, rdzv, window="auto"):

@@ -482,6 +482,51 @@ def worker_two_streams(rank, world, rdzv, iters):
     return iters
 
 
+def worker_release_in_capture(rank, world, rdzv):
+    """A zero-copy view outlives destroy() and is dropped inside a CUDA-graph capture: freeing the buffer
+    then (cudaFree) would fail the capture, so the free waits until the capture ended; the graph
+    replays, the view's bytes were readable until dropped, and release_deferred() frees the buffer."""
+    import gc
+
+    import ipc_all2all
+
+    dev = _setup(rank, world, rdzv)
+    H, D, n = 2 * world, 64, 8
+    a2a = ipc_all2all.All2All.from_group(num_tokens=n * world, hidden_dim=H * D, tensor_dtype=torch.bfloat16)
+    a2a.set_rank_tokens([n] * world)
+    xs = [_rand((1, n, H, D), torch.bfloat16, dev, 7100 + r) for r in range(world)]
+    hpr = H // world
+    view = a2a.send_recv_heads(xs[rank])  # a view into this rank's buffer
+    a2a.synchronize()
+    want = torch.cat([xs[r][:, :, rank * hpr:(rank + 1) * hpr] for r in range(world)], dim=1)
+    core = a2a._core
+    a2a.destroy()
+    assert core.buffer_ptr != 0, "the buffer was freed under a live view"
+    _assert_same(view, want, "a view after destroy()")
+    static = torch.arange(64, dtype=torch.float32, device=dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        out = static * 3  # warm-up outside the capture
+    torch.cuda.current_stream(dev).wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = static * 3
+        del view
+        gc.collect()
+        deferred_inside = len(ipc_all2all._DEFERRED)
+        assert ipc_all2all.release_deferred() == 0  # still capturing: nothing may run
+    assert deferred_inside >= 1 and core.buffer_ptr != 0, (deferred_inside, core.buffer_ptr)
+    static.add_(1)
+    g.replay()
+    torch.cuda.synchronize(dev)
+    assert torch.equal(out, (torch.arange(64, dtype=torch.float32, device=dev) + 1) * 3)
+    assert ipc_all2all.release_deferred() >= 1
+    assert core.buffer_ptr == 0 and not ipc_all2all._DEFERRED
+    dist.barrier()
+    return True
+
+
 def worker_lifetimes_and_checks(rank, world, rdzv):
     """sync() refuses peers built with another slot size before opening anything; a view keeps the
     buffer allocated after destroy(); the CUDA-graph rules (inputs from outside a capture refused, eager

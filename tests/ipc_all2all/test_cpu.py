@@ -439,3 +439,47 @@ def test_from_group_failure_reaches_every_rank(tmp_path):
     res = run_workers(_cpu_workers.worker_from_group_reports_every_rank, 2, 1, tmp_path=tmp_path, timeout=120)
     for name, msg in res:  # rank 0 fails too, naming rank 1's error (with or without a GPU)
         assert name == "CommError" and "rank 1: ValueError: tensor_dtype torch.float64" in msg, (name, msg)
+
+
+def test_release_inside_a_capture_waits_for_its_end(monkeypatch):
+    """A release asked for inside a CUDA-graph capture (a view dropped after destroy(), an instance
+    dropped) must not run there (cudaFree would fail the capture): it runs at the next safe moment,
+    exactly once, and a failing one warns instead of failing an unrelated call."""
+    import gc
+
+    capturing = [True]
+    monkeypatch.setattr(ipc_all2all, "_capturing", lambda device=None: capturing[0])
+    monkeypatch.setattr(ipc_all2all, "_DEFERRED", [])
+    calls = []
+    ipc_all2all._release_when_safe(lambda: calls.append("a"))
+
+    class Owner:
+        destroyed = 0
+
+        def destroy(self):
+            self.destroyed += 1
+
+    owner = Owner()
+    keeper = ipc_all2all._CudaBytes(0, 16, owner=owner)
+    del keeper
+    gc.collect()
+    assert calls == [] and owner.destroyed == 0
+    assert ipc_all2all.release_deferred() == 0  # still capturing
+    capturing[0] = False
+    ipc_all2all._release_when_safe(lambda: calls.append("b"))  # runs the backlog first, then itself
+    assert calls == ["a", "b"] and owner.destroyed == 1
+    assert ipc_all2all.release_deferred() == 0 and ipc_all2all._DEFERRED == []
+
+    def broken():
+        raise RuntimeError("cudaFree failed")
+
+    capturing[0] = True
+    ipc_all2all._release_when_safe(broken)
+    capturing[0] = False
+    with pytest.warns(ResourceWarning, match="deferred release failed: cudaFree failed"):
+        assert ipc_all2all.release_deferred() == 1
+    # outside a capture a view's last reference releases its owner at once
+    owner2 = Owner()
+    keeper = ipc_all2all._CudaBytes(0, 16, owner=owner2)
+    del keeper
+    assert owner2.destroyed == 1

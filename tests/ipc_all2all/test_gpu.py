@@ -76,6 +76,23 @@ def test_skipped_call_with_different_operation_raises_on_every_rank(tmp_path):
                 in r["msg"], r
 
 
+@pytest.mark.multigpu(3, shared_ok=True)
+def test_skipped_call_three_ranks(tmp_path):
+    """The two skipped-call cases with 3 ranks, where a rank marked failed by one peer is still awaited
+    by another: it posts its entry as abandoned, so nobody waits out a deadline for it (the mismatch
+    case has a 30 s deadline and must end in well under it on every rank)."""
+    res = run_workers(w.worker_skipped_call, 3, tmp_path=tmp_path, timeout=120)
+    for rank, r in enumerate(res):
+        assert r["rank"] == rank and r["elapsed"] < 15.0, r
+        if rank != 1:
+            assert r["peer"] == 1 and "peer 1 is running gather_heads while this rank runs send_recv_heads" \
+                in r["msg"], r
+    res = run_workers(w.worker_timeout, 3, tmp_path=tmp_path, timeout=120)
+    for rank, r in enumerate(res[:-1]):
+        assert r["rank"] == rank and r["peer"] == 2 and r["elapsed"] < 11.0 and r["queued_s"] < 5.0, r
+    assert res[-1]["peer"] in (0, 1) and res[-1]["late_s"] < 1.0, res[-1]
+
+
 @MULTI
 def test_calls_on_two_streams_run_one_after_the_other(tmp_path):
     res = run_workers(w.worker_two_streams, _world(), 60, tmp_path=tmp_path, timeout=120)
@@ -85,6 +102,12 @@ def test_calls_on_two_streams_run_one_after_the_other(tmp_path):
 @MULTI
 def test_handle_checks_view_lifetime_and_graph_rules(tmp_path):
     res = run_workers(w.worker_lifetimes_and_checks, _world(), tmp_path=tmp_path, timeout=120)
+    assert res == [True] * _world()
+
+
+@MULTI
+def test_view_dropped_inside_a_capture_frees_after_it(tmp_path):
+    res = run_workers(w.worker_release_in_capture, _world(), tmp_path=tmp_path, timeout=120)
     assert res == [True] * _world()
 
 

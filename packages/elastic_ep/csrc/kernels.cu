@@ -56,12 +56,13 @@ struct Ctx {
         rec(host_workspace_layout().timeout.at<commkit::TimeoutRecord>(c.host_workspace)),
         counters(ws.grid_counter.at<uint32_t>(c.window_base)),
         timeout_ns(c.timeout_ns) {}
-  // Deadline of a wait for rows that `source` pushes while this kernel runs (the overlapped modes).
-  // This rank's own rows come from its own push blocks, which may themselves be waiting for an
-  // absent peer: that wait gets twice the deadline, so the push's wait expires first and the
-  // timeout names the absent peer, not this rank.
-  __device__ uint64_t arrival_timeout(int source) const {
-    return source == tr.rank ? 2 * timeout_ns : timeout_ns;
+  // Deadline of a wait for rows that a push running beside this kernel delivers (the overlapped
+  // modes). The pushing rank (this one or any peer) may itself be waiting in its entry barrier for an
+  // absent rank, and so is this rank's own push: every arrival wait gets twice the deadline, so the
+  // entry barrier's wait expires first and the timeout names the absent rank, not a present one
+  // that was waiting for it (with 3 or more ranks a reduce waits on peers that wait on the absent one).
+  __device__ uint64_t arrival_timeout() const {
+    return timeout_ns > ~uint64_t(0) / 2 ? timeout_ns : 2 * timeout_ns;  // 0 (no deadline) stays 0
   }
   __device__ uint64_t* local_u64(const Region& r, int i) const {
     return reinterpret_cast<uint64_t*>(tr.local(r.offset)) + i;
@@ -606,7 +607,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
       int arrived = 1;
       if (lane == 0)
         arrived = commkit::wait_ge(&arrive[s * chunks + ch], uint32_t(min(CH, n_s - ch * CH)),
-                                   cx.arrival_timeout(s), cx.rec, kOpDispatchEpilogue, rank, s, 10, 100)
+                                   cx.arrival_timeout(), cx.rec, kOpDispatchEpilogue, rank, s, 10, 100)
                       ? 1
                       : 0;
       if (!__shfl_sync(kFull, arrived, 0)) break;
@@ -1014,7 +1015,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_overlapped_kernel(CommVie
                            p.num_experts, L) == r;
         const uint32_t expected = __popc(__ballot_sync(kFull, has));
         if (lane == 0 && ok)
-          ok = commkit::wait_ge(&arrive[r * chunks + ch], expected, cx.arrival_timeout(r), cx.rec, kOpCombineReduce,
+          ok = commkit::wait_ge(&arrive[r * chunks + ch], expected, cx.arrival_timeout(), cx.rec, kOpCombineReduce,
                                 rank, r, 10, 100);
       }
       ok = __shfl_sync(kFull, ok ? 1 : 0, 0) != 0;

@@ -202,6 +202,14 @@ __device__ __noinline__ bool enter_call(const KernelArgs& a, Signals* me, int ta
                                  op, q, target);
   // The target cannot have moved past call e: it needs this block's push (and done) to finish e.
   const uint64_t seen = commkit::ld_acquire(&me->ready[target]);
+  if (ok && ready_signature(seen) == kSigAbandoned) {
+    // The target's instance failed (it may have run ahead: a failed kernel waits for nobody). This
+    // rank fails too, without claiming the record here: a mismatch found by another block of this
+    // call says more and must win; otherwise the last block reports the call abandoned, naming the
+    // target as the rank that marked it.
+    commkit::st_release(&me->broken, static_cast<uint64_t>(target) + 1u);
+    return false;
+  }
   if (!ok) {
     if (blk != 0)
       commkit::report_timeout(a.rec, op, q, target, static_cast<int64_t>(static_cast<uint32_t>(e)),
@@ -244,9 +252,10 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const __grid_constant__ K
   __syncthreads();
   const uint64_t e = s_epoch;
 
-  // Entry handshake, part 1: tell every peer that my stream has reached call e, and which call.
-  if (blockIdx.x == 0 && threadIdx.x < W && static_cast<int>(threadIdx.x) != q && s_live)
-    commkit::st_release(&a.sig[threadIdx.x]->ready[q], s_word);
+  // Entry handshake, part 1: tell every peer that my stream has reached call e, and which call; a
+  // failed instance says so instead (kSigAbandoned), so that no peer waits to push into it.
+  if (blockIdx.x == 0 && threadIdx.x < W && static_cast<int>(threadIdx.x) != q)
+    commkit::st_release(&a.sig[threadIdx.x]->ready[q], s_live ? s_word : ready_word(e, kSigAbandoned));
 
   int target, blk, nb;
   if (static_cast<int>(blockIdx.x) < a.self_blocks) {

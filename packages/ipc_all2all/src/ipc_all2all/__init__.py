@@ -95,6 +95,7 @@ __all__ = [
     "FP8_WIRE_HEAD_DIMS",
     "MAX_WORLD_SIZE",
     "built_with_cuda",
+    "release_deferred",
 ]
 
 __version__ = "0.1.0"
@@ -123,20 +124,82 @@ def _lookup(comm_id: int) -> "All2All":
         raise ValueError(f"no live ipc_all2all.All2All with comm_id {comm_id} (destroyed?)") from None
 
 
+# Native releases (cudaFree, cudaDeviceSynchronize) asked for while a CUDA graph was being captured,
+# where they are not allowed (the capture would fail): run at the first later moment outside a capture.
+_DEFERRED: list = []
+_DEFERRED_LOCK = threading.Lock()
+
+
+def _capturing(device: Optional[torch.device] = None) -> bool:
+    """True when the current stream of the current device, or of ``device``, is capturing a graph."""
+    try:
+        if torch.cuda.is_current_stream_capturing():
+            return True
+        if device is not None and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                return torch.cuda.is_current_stream_capturing()
+    except Exception:  # noqa: BLE001 - CUDA unusable or torch shutting down: nothing is capturing
+        return False
+    return False
+
+
+def _release_when_safe(release, device: Optional[torch.device] = None) -> None:
+    """Runs ``release`` (a native call that frees device memory) now, or, inside a CUDA-graph capture,
+    at the first moment outside one: the next construction, call or ``destroy()`` of any All2All on
+    this process, or :func:`release_deferred`."""
+    if _capturing(device):
+        with _DEFERRED_LOCK:
+            _DEFERRED.append((release, device))
+        return
+    release_deferred()
+    release()
+
+
+def release_deferred() -> int:
+    """Frees what was released inside a CUDA-graph capture (a zero-copy view outliving ``destroy()``
+    and dropped during a capture; an instance dropped during one). Called by every construction, call
+    and ``destroy()``; returns how many releases ran (0 while a capture is still in progress)."""
+    if not _DEFERRED:
+        return 0
+    with _DEFERRED_LOCK:
+        if any(_capturing(dev) for _, dev in _DEFERRED):
+            return 0
+        pending = list(_DEFERRED)
+        _DEFERRED.clear()
+    for release, _ in pending:
+        try:
+            release()
+        except Exception as e:  # noqa: BLE001 - a release that fails must not fail an unrelated call
+            warnings.warn(f"ipc_all2all: a deferred release failed: {e}", ResourceWarning, stacklevel=2)
+    return len(pending)
+
+
 class _CudaBytes:
     """Exposes a raw device range to torch through ``__cuda_array_interface__`` (no torch C++).
 
-    ``owner`` is whatever owns the memory (the native core). torch keeps this object alive for as long
-    as any tensor made from it (every zero-copy view of the buffer) exists, and this object keeps the
-    owner alive, so the memory cannot be freed under a live view: a dropped All2All's core survives
-    until its last view is gone, and :meth:`All2All.destroy` defers the free to that moment.
+    ``owner`` is the native core that owns the memory. torch keeps this object alive for as long as any
+    tensor made from it (every zero-copy view of the buffer) exists, and this object keeps the owner
+    alive, so the memory cannot be freed under a live view. When the last view goes, the owner is
+    destroyed (which frees the buffer; a no-op while the All2All is alive and not destroyed, since it
+    holds the buffer tensor itself): so ``destroy()`` with views still alive frees the buffer when the
+    last of them is dropped, and inside a CUDA-graph capture, after the capture.
     """
 
-    def __init__(self, ptr: int, nbytes: int, owner=None):
+    def __init__(self, ptr: int, nbytes: int, owner=None, device: Optional[torch.device] = None):
         self.owner = owner
+        self.device = device
         self.__cuda_array_interface__ = {
             "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2, "strides": None,
         }
+
+    def __del__(self):
+        owner, self.owner = self.owner, None
+        if owner is None:
+            return
+        try:
+            _release_when_safe(owner.destroy, self.device)
+        except Exception as e:  # noqa: BLE001 - never raise from a finalizer
+            warnings.warn(f"ipc_all2all: releasing the shared buffer failed: {e}", ResourceWarning, stacklevel=1)
 
 
 def _buffer_tensor(keeper: _CudaBytes, device: torch.device) -> torch.Tensor:
@@ -172,6 +235,7 @@ class All2All:
     def __init__(self, rank: int, world_size: int, num_tokens: int, hidden_dim: int, num_sms: int,
                  tensor_dtype: torch.dtype, timeout_seconds: Optional[float] = None):
         check_world(rank, world_size)
+        release_deferred()
         self.itemsize = element_size(tensor_dtype)
         capacity = capacity_bytes(num_tokens, hidden_dim, tensor_dtype)
         if not isinstance(num_sms, int) or num_sms < world_size:
@@ -289,7 +353,7 @@ class All2All:
                 raise ValueError(f"sync(): handle {i} must be bytes, got {type(h).__name__}")
             handles.append(bytes(h))
         self._core.open_peers(handles)
-        keeper = _CudaBytes(self._core.buffer_ptr, self._core.buffer_bytes, owner=self._core)
+        keeper = _CudaBytes(self._core.buffer_ptr, self._core.buffer_bytes, owner=self._core, device=self.device)
         self._buf = _buffer_tensor(keeper, self.device)
         self._keeper = weakref.ref(keeper)
 
@@ -357,6 +421,8 @@ class All2All:
 
     def _run(self, op: int, x: torch.Tensor, copy_output: bool, fp8_wire: bool = False) -> torch.Tensor:
         what = OP_NAMES[op]
+        if _DEFERRED:
+            release_deferred()
         if self._core.destroyed:
             raise CommError(f"{what}: this All2All instance was destroyed")
         if self._buf is None:
@@ -507,6 +573,7 @@ class All2All:
         Zero-copy views that are still referenced keep this rank's buffer allocated (it is freed when
         the last of them is dropped), so reading one after ``destroy()`` cannot touch freed or reused
         memory; its contents are those of the last call that wrote its slot."""
+        release_deferred()
         if self._core.destroyed:
             return
         if self._collective:
@@ -522,10 +589,9 @@ class All2All:
             self._core.destroy()
             return
         # Zero-copy views outlive the instance: its peers' mappings close now, but this rank's buffer
-        # is freed only when the last view goes (torch holds `keeper` for as long as any view lives).
+        # is freed only when the last view goes (torch holds `keeper` for as long as any view lives,
+        # and keeper's finalizer frees it, after the capture if a view is dropped inside one).
         self._core.destroy(free_buffer=False)
-        release = weakref.finalize(keeper, self._core.release_buffer)
-        release.atexit = False  # at interpreter exit the driver reclaims it; CUDA may be gone by then
 
     def __enter__(self) -> "All2All":
         return self
@@ -538,6 +604,11 @@ class All2All:
         if core is not None and not core.destroyed:
             warnings.warn("ipc_all2all.All2All was not destroyed; call destroy() (collective) or use `with`",
                           ResourceWarning, stacklevel=1)
+            # Dropped inside a CUDA-graph capture, the core's own teardown (a device synchronisation,
+            # cudaFree) would fail the capture: hold it until the capture ends.
+            if _capturing(getattr(self, "device", None)):
+                with _DEFERRED_LOCK:
+                    _DEFERRED.append((core.destroy, self.device))
 
 
 from . import ops  # noqa: E402  (registers the torch custom ops)
