@@ -15,10 +15,14 @@
 //       the same for u64 words "(tag << 32) | payload": until the high half is at or past `tag` in
 //       32-bit serial-number order, (int32_t)(high - tag) >= 0, so the tag may wrap around 2^32
 //       (a plain >= on the word would accept every stale word once it had).
-//   All three take two optional last arguments: poll_log2 (default 6): the abort flag (host memory, a
-//   PCIe read) and the timer are checked every 2^poll_log2 spins; sleep_ns (default 0): a
+//   All three take three optional last arguments: poll_log2 (default 6): the abort flag (host memory,
+//   a PCIe read) and the timer are checked every 2^poll_log2 spins; sleep_ns (default 0): a
 //   __nanosleep between spins. Waits that thousands of warps run at once (per-chunk arrival
-//   counters) pass larger values so the waiters flood neither PCIe nor L2.
+//   counters) pass larger values so the waiters flood neither PCIe nor L2. stop (default none): a
+//   u64 word checked with the abort flag; once it is non-zero the wait returns false without
+//   recording anything (a sticky "this operation already failed" mark: the waiter leaves at once
+//   instead of waiting out its deadline for a peer that will never come; the caller tells the
+//   two apart by reading *stop).
 //   aborted(rec)                          true once any waiter recorded a timeout.
 //   report_timeout(rec, ...)              claim and fill the record directly.
 #pragma once
@@ -73,7 +77,7 @@ __device__ __forceinline__ bool reached(T seen, T expected) {
 template <Cmp kCmp, typename T>
 __device__ __forceinline__ bool wait_impl(const T* ptr, T expected, uint64_t timeout_ns,
                                           TimeoutRecord* rec, uint32_t op, int rank, int peer,
-                                          uint32_t poll_log2, uint32_t sleep_ns) {
+                                          uint32_t poll_log2, uint32_t sleep_ns, const uint64_t* stop) {
   const uint32_t poll_mask = (1u << poll_log2) - 1u;
   T seen = ld_acquire(ptr);
   uint64_t start = globaltimer_ns();
@@ -81,6 +85,7 @@ __device__ __forceinline__ bool wait_impl(const T* ptr, T expected, uint64_t tim
   while (!reached<kCmp>(seen, expected)) {
     if ((++spins & poll_mask) == 0u) {
       if (aborted(rec)) return false;
+      if (stop != nullptr && ld_relaxed(stop) != 0u) return false;
       uint64_t now = globaltimer_ns();
       if (timeout_ns != 0 && now - start > timeout_ns) {
         report_timeout(rec, op, rank, peer, static_cast<int64_t>(expected),
@@ -102,26 +107,29 @@ __device__ __forceinline__ bool wait_impl(const T* ptr, T expected, uint64_t tim
 template <typename T>
 __device__ __forceinline__ bool wait_ge(const T* ptr, T expected, uint64_t timeout_ns,
                                         TimeoutRecord* rec, uint32_t op, int rank, int peer,
-                                        uint32_t poll_log2 = 6, uint32_t sleep_ns = 0) {
+                                        uint32_t poll_log2 = 6, uint32_t sleep_ns = 0,
+                                        const uint64_t* stop = nullptr) {
   return deadline_detail::wait_impl<deadline_detail::Cmp::kGe>(ptr, expected, timeout_ns, rec, op, rank, peer,
-                                                               poll_log2, sleep_ns);
+                                                               poll_log2, sleep_ns, stop);
 }
 
 template <typename T>
 __device__ __forceinline__ bool wait_eq(const T* ptr, T expected, uint64_t timeout_ns,
                                         TimeoutRecord* rec, uint32_t op, int rank, int peer,
-                                        uint32_t poll_log2 = 6, uint32_t sleep_ns = 0) {
+                                        uint32_t poll_log2 = 6, uint32_t sleep_ns = 0,
+                                        const uint64_t* stop = nullptr) {
   return deadline_detail::wait_impl<deadline_detail::Cmp::kEq>(ptr, expected, timeout_ns, rec, op, rank, peer,
-                                                               poll_log2, sleep_ns);
+                                                               poll_log2, sleep_ns, stop);
 }
 
 // `tag` is compared with the word's high 32 bits; a timeout record reports the tag as expected and
 // the whole word as observed.
 __device__ __forceinline__ bool wait_tag_ge(const uint64_t* ptr, uint32_t tag, uint64_t timeout_ns,
                                             TimeoutRecord* rec, uint32_t op, int rank, int peer,
-                                            uint32_t poll_log2 = 6, uint32_t sleep_ns = 0) {
+                                            uint32_t poll_log2 = 6, uint32_t sleep_ns = 0,
+                                            const uint64_t* stop = nullptr) {
   return deadline_detail::wait_impl<deadline_detail::Cmp::kTagGe>(ptr, uint64_t{tag}, timeout_ns, rec, op, rank,
-                                                                  peer, poll_log2, sleep_ns);
+                                                                  peer, poll_log2, sleep_ns, stop);
 }
 
 }  // namespace commkit

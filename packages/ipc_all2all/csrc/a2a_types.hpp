@@ -29,10 +29,10 @@
 //                 kernel ends, so the next call starts from 0.
 //   * broken    : sticky failure mark. A kernel that gives up sets it here, and after a deadline
 //                 also in every peer's block (a mismatch is seen by the peer itself); a kernel that
-//                 finds it set moves nothing, posts no done, posts ready with the reserved signature
-//                 kSigAbandoned (so a peer waiting to push to it stops at once instead of waiting out
-//                 its deadline: with 3 or more ranks, a rank marked by a mismatch with one peer is
-//                 still awaited by the others), and leaves a record for the host. So calls queued behind a failed one can never complete with data derived
+//                 finds it set moves nothing, posts neither ready nor done, and leaves a record for
+//                 the host. gave_up, local only, says that this rank itself gave up: a wait for a
+//                 peer's entry stops on it (no waiting out a deadline for a rank that failed before it
+//                 entered), and a wait for a peer's done stops on broken. So calls queued behind a failed one can never complete with data derived
 //                 from it, and a late peer's next call fails at once instead of waiting out its
 //                 deadline.
 #pragma once
@@ -74,6 +74,7 @@ struct alignas(128) Signals {
   uint32_t cnt[kMaxWorld];    // local: blocks of the current call finished per target
   uint32_t fin;               // local: blocks of the current call finished in total
   uint64_t broken;            // local and remote-written: 0, or 1 + the rank that marked a failure
+  uint64_t gave_up;           // local: 1 once a kernel of this rank gave up (mismatch or deadline)
 };
 static_assert(sizeof(Signals) <= kSignalBytes, "Signals must fit its region");
 
@@ -82,8 +83,6 @@ static_assert(sizeof(Signals) <= kSignalBytes, "Signals must fit its region");
 CK_HD constexpr uint64_t ready_word(uint64_t e, uint32_t signature) {
   return (uint64_t(static_cast<uint32_t>(e)) << 32) | signature;
 }
-// The signature a failed instance posts as its entry (operation bits 0: no call has it).
-constexpr uint32_t kSigAbandoned = 0u;
 CK_HD constexpr uint32_t ready_call(uint64_t word) { return static_cast<uint32_t>(word >> 32); }
 CK_HD constexpr uint32_t ready_signature(uint64_t word) { return static_cast<uint32_t>(word); }
 

@@ -169,6 +169,7 @@ __device__ __forceinline__ void pack_records(const RowMap& m, int batch, const c
 // landing first would turn its report into a less telling "abandoned").
 __device__ __forceinline__ void mark_broken(const KernelArgs& a, bool peers) {
   const uint64_t v = static_cast<uint64_t>(a.rank) + 1u;
+  commkit::st_release(&a.sig[a.rank]->gave_up, uint64_t{1});
   if (!peers) {
     commkit::st_release(&a.sig[a.rank]->broken, v);
     return;
@@ -194,22 +195,21 @@ __device__ __forceinline__ void report_not_run(const KernelArgs& a, uint64_t e, 
 // a failure is always reported. On a mismatch nothing is pushed: the peer's slot is left alone.
 // Out of line: thread 0 runs it once per call, and inlined its failure paths cost the copy loop
 // registers.
+// The wait also stops when this rank gave up meanwhile (another block of this call found a mismatch
+// or a deadline): with 3 or more ranks, a rank that a mismatch with one peer made fail before it
+// posted its entry is never going to enter, and the others, who saw the same mismatch, must not
+// wait out their deadline for it. Such a stop records nothing: the block that gave up did. A mark
+// from a peer does not stop it: a peer's timeout must not turn this rank's own timeout, which names
+// the rank that never came, into a less telling "abandoned".
 __device__ __noinline__ bool enter_call(const KernelArgs& a, Signals* me, int target, int blk, uint64_t e,
                                         uint64_t word) {
   const int q = a.rank;
   const uint32_t op = static_cast<uint32_t>(a.op * 4 + kPhaseEntry);
   bool ok = commkit::wait_tag_ge(&me->ready[target], static_cast<uint32_t>(e), a.timeout_ns, blk == 0 ? a.rec : nullptr,
-                                 op, q, target);
+                                 op, q, target, 6, 0, &me->gave_up);
+  if (!ok && commkit::ld_acquire(&me->gave_up) != 0u) return false;  // stopped: this rank gave up meanwhile
   // The target cannot have moved past call e: it needs this block's push (and done) to finish e.
   const uint64_t seen = commkit::ld_acquire(&me->ready[target]);
-  if (ok && ready_signature(seen) == kSigAbandoned) {
-    // The target's instance failed (it may have run ahead: a failed kernel waits for nobody). This
-    // rank fails too, without claiming the record here: a mismatch found by another block of this
-    // call says more and must win; otherwise the last block reports the call abandoned, naming the
-    // target as the rank that marked it.
-    commkit::st_release(&me->broken, static_cast<uint64_t>(target) + 1u);
-    return false;
-  }
   if (!ok) {
     if (blk != 0)
       commkit::report_timeout(a.rec, op, q, target, static_cast<int64_t>(static_cast<uint32_t>(e)),
@@ -252,10 +252,9 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const __grid_constant__ K
   __syncthreads();
   const uint64_t e = s_epoch;
 
-  // Entry handshake, part 1: tell every peer that my stream has reached call e, and which call; a
-  // failed instance says so instead (kSigAbandoned), so that no peer waits to push into it.
-  if (blockIdx.x == 0 && threadIdx.x < W && static_cast<int>(threadIdx.x) != q)
-    commkit::st_release(&a.sig[threadIdx.x]->ready[q], s_live ? s_word : ready_word(e, kSigAbandoned));
+  // Entry handshake, part 1: tell every peer that my stream has reached call e, and which call.
+  if (blockIdx.x == 0 && threadIdx.x < W && static_cast<int>(threadIdx.x) != q && s_live)
+    commkit::st_release(&a.sig[threadIdx.x]->ready[q], s_word);
 
   int target, blk, nb;
   if (static_cast<int>(blockIdx.x) < a.self_blocks) {
@@ -313,8 +312,14 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const __grid_constant__ K
     } else {
       for (int k = 1; k < W; ++k) {
         int src = (q + k) % W;
-        if (!commkit::wait_ge(&me->done[src], e, a.timeout_ns, a.rec, a.op * 4 + kPhaseCompletion, q, src)) {
-          mark_broken(a, true);
+        if (!commkit::wait_ge(&me->done[src], e, a.timeout_ns, a.rec, a.op * 4 + kPhaseCompletion, q, src, 6, 0,
+                              &me->broken)) {
+          // Marked failed meanwhile (a peer's timeout): abandoned; else this wait's own deadline.
+          const uint64_t b = commkit::ld_acquire(&me->broken);
+          if (b != 0u)
+            report_not_run(a, e, b);
+          else
+            mark_broken(a, true);
           break;
         }
       }
