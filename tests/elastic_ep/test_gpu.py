@@ -467,6 +467,17 @@ def test_native_soak_ipc_window(tmp_path):
     assert run_workers(soak_worker, 2, 300, "ipc", tmp_path=tmp_path, timeout=300) == [300] * 2
 
 
+# EP 4 on the CUDA-IPC window (one GPU per rank where there are four, else ranks sharing GPUs with
+# COMMKIT_TEST_SHARE_GPU=1): every rank both sends to and receives from three peers.
+@pytest.mark.multigpu(4, shared_ok=True)
+@pytest.mark.parametrize("env", [None, OVERLAP], ids=["sequential", "overlapped"])
+def test_native_ep4_ipc_window(tmp_path, env):
+    cfg = dict(device="cuda", backend="native", kind="gpu", shape=SMALL, buffers=BUFFERS, compare_torch=False,
+               window="ipc")  # SMALL's token counts [96, 0, 61, 7]: one per rank
+    assert run_workers(matrix_worker, 4, cfg, tmp_path=tmp_path, timeout=300, env=env) == [2 * 12] * 4
+    assert run_workers(soak_worker, 4, 100, "ipc", tmp_path=tmp_path, timeout=300, env=env) == [100] * 4
+
+
 @pytest.mark.gpu
 def test_native_ep1_epoch_wrap(tmp_path):
     # Starts 6 operations before the count words' 32-bit tags wrap; each case is several operations.

@@ -395,6 +395,13 @@ def test_lowlevel_ep2_ipc_window(tmp_path):
     assert run_workers(_worker_modes, 2, cases, "ipc", tmp_path=tmp_path, timeout=400) == [len(cases)] * 2
 
 
+@pytest.mark.multigpu(4, shared_ok=True)
+def test_lowlevel_ep4_ipc_window(tmp_path):
+    # The same matrix at EP 4 (ranks share GPUs where there are fewer than four).
+    cases = _cases(4)
+    assert run_workers(_worker_modes, 4, cases, "ipc", tmp_path=tmp_path, timeout=400) == [len(cases)] * 4
+
+
 # The overlapped dispatch and combine (see tests/elastic_ep/test_gpu.py), over the whole low-level
 # matrix: 2 push blocks, so most chunks are awaited while the push is still running.
 _OVERLAP = {"ELASTIC_EP_DISPATCH_OVERLAP": "1", "ELASTIC_EP_COMBINE_OVERLAP": "1",

@@ -135,3 +135,24 @@ def test_fp8_wire_matches_reference(tmp_path):
     to the plain-torch e4m3 round trip, head_dim 16-256, batch 1-2, even and uneven counts."""
     res = run_workers(w.worker_fp8_wire, _world(), tmp_path=tmp_path, timeout=200)
     assert res == [2 * 4 * 3] * _world()
+
+
+# Correctness at W = 3 and 4 (more peers than one: rotation of targets, prefix sums over several
+# ranks, W-way handshakes). One GPU per rank where there are enough, else with
+# COMMKIT_TEST_SHARE_GPU=1 several ranks per GPU (correctness only).
+@pytest.mark.multigpu(4, shared_ok=True)
+def test_four_ranks_match_torch_path(tmp_path):
+    dtypes = ["bfloat16", "float32", "float8_e4m3fn"]  # element sizes 2, 4 and 1
+    res = run_workers(w.worker_matches_nccl, 4, False, dtypes, tmp_path=tmp_path, timeout=300)
+    assert all(r == len(dtypes) * 2 * 2 * 3 * 2 for r in res), res
+
+
+@pytest.mark.multigpu(3, shared_ok=True)
+def test_three_ranks_back_to_back_and_graphs(tmp_path):
+    assert run_workers(w.worker_stress, 3, 200, False, tmp_path=tmp_path, timeout=200) == [200] * 3
+    assert run_workers(w.worker_cuda_graph, 3, tmp_path=tmp_path, timeout=150) == [6] * 3
+
+
+@pytest.mark.multigpu(4, shared_ok=True)
+def test_four_ranks_fp8_wire(tmp_path):
+    assert run_workers(w.worker_fp8_wire, 4, tmp_path=tmp_path, timeout=200) == [2 * 4 * 3] * 4
