@@ -211,21 +211,16 @@ def fake_experts(recv_x: torch.Tensor, handle, me: int, num_experts: int, R: int
 def canonical_dispatch(recv, recv_topk_idx, recv_topk_weights, handle, deterministic: bool) -> Dict[str, object]:
     """Valid rows of a dispatch's outputs, keyed by source token, on the CPU.
 
-    ``handle.recv_src_metadata`` describes the backend's rows; with ``handle.perm`` (deterministic
-    mode) the user's row ``j`` is the backend's row ``perm[j]``. In deterministic mode the user's rows
-    must already be sorted by source token (inside each expert segment in expand mode).
+    ``handle.recv_src_metadata`` describes the rows the user got, as in DeepEP (in deterministic mode
+    too: sorted rows in non-expand mode, remapped row pointers in expand mode), so reading the outputs
+    through it checks the metadata as well. In deterministic mode the user's rows must already be
+    sorted by source token (inside each expert segment in expand mode).
     """
     recv_x, recv_sf = recv if isinstance(recv, tuple) else (recv, None)
     meta = handle.recv_src_metadata.cpu().to(torch.int64)
     n = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])
     src = meta[:n, 0]
-    n_rows = recv_x.shape[0]
-    if handle.perm is not None:
-        perm = handle.perm.cpu().to(torch.int64)
-        user_of_raw = torch.empty_like(perm)
-        user_of_raw[perm] = torch.arange(perm.numel())
-    else:
-        perm = user_of_raw = torch.arange(n_rows)
+    src_user = src
     out: Dict[str, object] = {
         "psum_rank": handle.psum_num_recv_tokens_per_scaleup_rank.cpu().tolist(),
         "real": handle.num_unaligned_recv_tokens_per_expert.cpu().tolist(),
@@ -233,7 +228,6 @@ def canonical_dispatch(recv, recv_topk_idx, recv_topk_weights, handle, determini
         "master": (meta[:n, 1] % handle.num_topk)[torch.argsort(src)].tolist(),
     }
     if not handle.do_expand:
-        src_user = src[perm[:n]] if handle.perm is not None else src
         if deterministic:
             check(src_user.tolist() == sorted(src_user.tolist()), "deterministic mode: rows not sorted by source")
         order = torch.argsort(src_user)
@@ -254,7 +248,7 @@ def canonical_dispatch(recv, recv_topk_idx, recv_topk_weights, handle, determini
         for k in range(lanes.shape[1]):
             r = int(lanes[i, k])
             if r >= 0:
-                row_src[int(user_of_raw[r])] = int(src[i])
+                row_src[r] = int(src[i])
     x = recv_x.cpu()
     sf = recv_sf.cpu() if recv_sf is not None else None
     w = recv_topk_weights.cpu() if recv_topk_weights is not None else None

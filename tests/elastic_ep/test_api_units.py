@@ -9,8 +9,8 @@ from elastic_ep.buffer import EPHandle, EventOverlap  # noqa: E402
 
 def _handle():
     t = lambda *s: torch.arange(int(torch.tensor(s).prod()), dtype=torch.int32).view(*s)  # noqa: E731
-    return EPHandle(num_experts=8, num_max_tokens_per_rank=4, expert_alignment=1, do_expand=False, num_tokens=3,
-                    num_topk=2, topk_idx=torch.tensor([[0, 1], [2, -1], [3, 4]]), num_recv_tokens=5,
+    return EPHandle(num_experts=8, num_max_tokens_per_rank=4, expert_alignment=1, do_expand=False, num_sms=0,
+                    topk_idx=torch.tensor([[0, 1], [2, -1], [3, 4]]), num_recv_tokens=5,
                     num_expanded_tokens=6, num_recv_tokens_per_expert_list=[1, 2, 3, 0],
                     psum_num_recv_tokens_per_scaleup_rank=t(2), psum_num_recv_tokens_per_expert=t(4),
                     num_unaligned_recv_tokens_per_expert=t(4), recv_src_metadata=t(5, 4),
@@ -54,3 +54,77 @@ def test_package_surface_imports_without_gpu():
                  "get_physical_domain_size", "get_logical_domain_size", "get_buffer_size_hint",
                  "get_theoretical_num_sms", "get_theoretical_num_qps"):
         assert callable(getattr(ep.ElasticBuffer, name)), name
+
+
+def test_event_overlap_hook_and_release_like_deepep():
+    """DeepEP V2's EventOverlap: the hook runs once after the wait and its result is returned,
+    ``wait()`` is ``current_stream_wait()``, ``with ev(release_handle=True)`` drops the event."""
+    calls = []
+
+    class Ev:
+        def current_stream_wait(self):
+            calls.append("wait")
+
+    e = EventOverlap(Ev())
+    e.register_hook_after_wait(lambda: calls.append("hook") or 42)
+    try:
+        e.register_hook_after_wait(lambda: None)
+    except RuntimeError as err:
+        assert "already registered" in str(err)
+    else:
+        raise AssertionError("a second hook was accepted")
+    assert e.wait() == 42 and calls == ["wait", "hook"]
+    assert e.current_stream_wait() is None and calls == ["wait", "hook", "wait"]  # the hook ran once
+    with e(release_handle=True) as same:
+        assert same is e
+    assert e.event is None and calls[-1] == "wait"
+    with e:  # nothing left to wait for
+        pass
+    assert calls.count("wait") == 3
+
+
+def test_event_handle_is_exported_and_capture_is_static():
+    assert ep.EventHandle is ep.ElasticBuffer.capture().__class__
+    h = ep.ElasticBuffer.capture()  # no CUDA initialised here: nothing recorded, waiting is a no-op
+    h.current_stream_wait()
+    # both forms are accepted as event arguments, anything else is refused before launch
+    ep.ElasticBuffer._check_event("previous_event", h)
+    ep.ElasticBuffer._check_event("previous_event", EventOverlap(h))
+    ep.ElasticBuffer._check_event("previous_event", EventOverlap(None))
+    for bad in (object(), EventOverlap(object()), 3):
+        try:
+            ep.ElasticBuffer._check_event("previous_event", bad)
+        except ValueError as err:
+            assert "previous_event: expected None, an EventHandle" in str(err)
+        else:
+            raise AssertionError(f"{bad!r} accepted as an event")
+
+
+def test_handle_identity_semantics_and_derived_sizes():
+    h = _handle()
+    assert h.num_tokens == 3 and h.num_topk == 2 and h.num_sms == 0
+    assert h == h and h != h.copy()  # identity, never a tensor comparison
+    assert len({h, h.copy()}) == 2   # hashable: usable as a dict key
+    assert h.backend_recv_src_metadata is h.recv_src_metadata
+    raw = torch.zeros(5, 4, dtype=torch.int32)
+    from dataclasses import replace
+    assert replace(h, raw_recv_src_metadata=raw).backend_recv_src_metadata is raw
+
+
+def test_deterministic_metadata_follows_the_sorted_rows():
+    """DeepEP's deterministic metadata: non-expand rows permuted with the output rows; expand row
+    pointers (columns 2..) remapped to where the rows moved, -1 kept."""
+    sm = ep.ElasticBuffer._sorted_metadata
+    meta = torch.tensor([[30, 0, -1, -1], [10, 1, -1, -1], [20, 2, -1, -1]], dtype=torch.int32)
+    perm = torch.tensor([1, 2, 0])  # user row j = backend row perm[j]: sources 10, 20, 30
+    assert sm(meta, perm, False)[:, 0].tolist() == [10, 20, 30]
+    # expand: 3 tokens, rows 0..4; token 0 owns rows 0 and 3, token 1 row 1, token 2 rows 2 and 4
+    meta = torch.tensor([[30, 0, 0, 3], [10, 1, 1, -1], [20, 2, 2, 4]], dtype=torch.int32)
+    perm = torch.tensor([1, 2, 0, 4, 3])  # segment [0, 3): sources 10, 20, 30; segment [3, 5): 20, 30
+    out = sm(meta, perm, True)
+    assert out[:, :2].tolist() == meta[:, :2].tolist()
+    assert out[:, 2:].tolist() == [[2, 4], [0, -1], [1, 3]]
+    for i in range(3):  # every pointer lands on the row that now holds that token's data
+        for r_new in out[i, 2:].tolist():
+            if r_new >= 0:
+                assert int(perm[r_new]) in meta[i, 2:].tolist()

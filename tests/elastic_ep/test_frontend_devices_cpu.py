@@ -41,7 +41,7 @@ def devices_worker(rank, world, rdzv):
         moved = replace(h, **{field: meta(getattr(h, field))})
         bad(f"handle.{field}: expected {where}", lambda: d(x, handle=moved))
     # Event arguments of another kind would fail only after the first kernels were queued.
-    ev = "expected None or an EventOverlap from this buffer"
+    ev = "expected None, an EventHandle (ElasticBuffer.capture()) or the EventOverlap"
     bad(f"previous_event_before_epilogue: {ev}", lambda: d(x, topk_idx=idx, num_experts=E,
                                                             previous_event_before_epilogue=object()))
     bad(f"previous_event: {ev}", lambda: d(x, topk_idx=idx, num_experts=E, previous_event=object(),
@@ -56,10 +56,11 @@ def devices_worker(rank, world, rdzv):
         moved = replace(h, **{field: meta(getattr(h, field))})
         bad(f"handle.{field}: expected {where}", lambda: c(recv, moved))
     # A handle whose top-k is out of the kernels' range, or whose tensors disagree with it.
-    bad("handle.num_topk: expected 1..32, got 0", lambda: c(recv, replace(h, num_topk=0)))
-    wide = replace(h, num_topk=33, topk_idx=torch.zeros(16, 33, dtype=torch.int64))
+    bad("handle.num_topk: expected 1..32, got 0",
+        lambda: c(recv, replace(h, topk_idx=torch.zeros(16, 0, dtype=torch.int64))))
+    wide = replace(h, topk_idx=torch.zeros(16, 33, dtype=torch.int64))
     bad("handle.num_topk: expected 1..32, got 33", lambda: c(recv, wide))
-    bad("handle.topk_idx: expected shape (16, 3)", lambda: c(recv, replace(h, num_topk=3)))
+    bad("handle.topk_idx: expected a 2-D tensor", lambda: c(recv, replace(h, topk_idx=h.topk_idx.view(-1))))
     bad("handle.recv_src_metadata: expected shape (*, 6)",
         lambda: c(recv, replace(h, recv_src_metadata=h.recv_src_metadata[:, :5])))
     # The buffer is still usable after every refusal.

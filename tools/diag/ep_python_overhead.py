@@ -70,7 +70,7 @@ def main() -> None:
     buf.backend, buf._prechecked, buf.device = "native", {"_validated": True}, torch.device("cpu")
     buf.num_ranks, buf.rank, buf.num_bytes, buf.num_max_tokens_per_rank = 1, 0, 1 << 30, T
     buf.deterministic, buf.allow_multiple_reduction, buf.destroyed = False, True, False
-    buf._env_num_sms = 0
+    buf._env_num_sms, buf.num_allocated_qps = 0, 17
     buf.runtime = low
     buf._capturing = lambda: False
 

@@ -14,10 +14,14 @@ CUDA, else ``torch``. Importing this package never needs a GPU; the native modul
 """
 import torch  # noqa: F401  (the native extension relies on torch's CUDA runtime being loaded first)
 
-from .buffer import ElasticBuffer, EPHandle, EventOverlap, native_available
+from .buffer import (ElasticBuffer, EPHandle, EventHandle, EventOverlap, calculate_elastic_buffer_size,
+                     get_elastic_buffer_alignment, get_logical_domain_size, get_physical_domain_size,
+                     native_available)
 from ._sizing import ALIGNMENT_BYTES
 
 __version__ = "0.1.0"
 topk_idx_t = torch.int64
 
-__all__ = ["ElasticBuffer", "EPHandle", "EventOverlap", "native_available", "ALIGNMENT_BYTES", "topk_idx_t"]
+__all__ = ["ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap", "native_available", "ALIGNMENT_BYTES",
+           "topk_idx_t", "calculate_elastic_buffer_size", "get_elastic_buffer_alignment", "get_physical_domain_size",
+           "get_logical_domain_size"]

@@ -46,6 +46,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from . import _C, _checks
+from ._events import EventHandle
 
 __all__ = [
     "ElasticBuffer",
@@ -169,24 +170,6 @@ def get_logical_domain_size(nccl_comm: int, allow_hybrid_mode: bool = True) -> T
     return get_physical_domain_size(nccl_comm)
 
 
-class EventHandle:
-    """A CUDA event recorded on a stream (DeepEP's ``EventHandle``).
-
-    Arguments:
-        stream: the stream to record on (default: the current stream).
-    """
-
-    def __init__(self, stream: Optional[torch.cuda.Stream] = None) -> None:
-        self.event = torch.cuda.Event()
-        self.event.record(stream if stream is not None else torch.cuda.current_stream())
-        # Tensors kept alive until the event is waited on (EP_AVOID_RECORD_STREAM mode).
-        self.tensors_to_record: List[torch.Tensor] = []
-
-    def current_stream_wait(self) -> None:
-        """Makes the current stream wait for the event."""
-        torch.cuda.current_stream().wait_event(self.event)
-
-
 def _timeout_error(info: dict, what: str) -> Exception:
     """A CommTimeoutError built in Python from a device timeout record (no C++ exception involved)."""
     msg = (f"{info['operation']} timed out: expected {info['expected']}, observed {info['observed']} "
@@ -201,7 +184,8 @@ def _timeout_error(info: dict, what: str) -> Exception:
 
 def _stream_wait(dst: torch.cuda.Stream, src) -> None:
     if isinstance(src, EventHandle):
-        dst.wait_event(src.event)
+        if src.event is not None:
+            dst.wait_event(src.event)
     else:
         dst.wait_stream(src)
 
@@ -1014,7 +998,7 @@ class ElasticBuffer:
                           else None)
             # previous_event_before_epilogue gates only the reduce: the push overlaps what it marks.
             wait_event = 0
-            if previous_event_before_epilogue is not None:
+            if previous_event_before_epilogue is not None and previous_event_before_epilogue.event is not None:
                 wait_event = int(previous_event_before_epilogue.event.cuda_event)
             overlap_push_blocks = 0 if wait_event else _overlap_push_blocks(self.combine_overlap, self.num_ranks,
                                                                             num_sms, num_max_tokens_per_rank)

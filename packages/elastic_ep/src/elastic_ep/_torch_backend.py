@@ -51,27 +51,9 @@ import torch
 import torch.distributed as dist
 
 from . import _checks, _sizing
+from ._events import EventHandle
 
 __all__ = ["ElasticBuffer", "EventHandle"]
-
-
-class EventHandle:
-    """A point on a stream that another stream can wait for (no-op on the CPU).
-
-    Arguments:
-        stream: the CUDA stream to record on; ``None`` records on the current stream (GPU only).
-    """
-
-    def __init__(self, stream: Optional["torch.cuda.Stream"] = None) -> None:
-        self.event = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            self.event = torch.cuda.Event()
-            self.event.record(stream if stream is not None else torch.cuda.current_stream())
-
-    def current_stream_wait(self) -> None:
-        """Make the current CUDA stream wait for this event (nothing to do on the CPU)."""
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

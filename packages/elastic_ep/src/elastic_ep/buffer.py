@@ -24,11 +24,15 @@ Data layout
 * ``combine`` sums, in fp32 and in a fixed order, the rows each token's expert ranks send back, adds
   up to two biases and rounds to bf16 once. It does not apply top-k weights; it routes them back.
 * ``deterministic=True`` sorts received rows by source token (inside each expert segment in expand
-  mode), so the output order never depends on timing; ``combine`` undoes the permutation.
+  mode), so the output order never depends on timing. As in DeepEP, ``handle.recv_src_metadata``
+  then describes the sorted rows (non-expand: its rows are sorted too; expand: its columns 2.. point
+  at the sorted rows); the backend's own order is kept in ``handle.raw_recv_src_metadata`` and
+  ``combine`` undoes the permutation.
 
 Streams and events follow DeepEP: work runs on the communication stream after it waits for the
-current stream (or ``previous_event``); with ``async_with_compute_stream=True`` an ``EventOverlap``
-is returned and the caller waits on it, otherwise the current stream waits before returning.
+current stream (or ``previous_event``: an ``EventHandle`` from ``ElasticBuffer.capture()`` or an
+``EventOverlap`` a call returned); with ``async_with_compute_stream=True`` an ``EventOverlap`` is
+returned and the caller waits on it, otherwise the current stream waits before returning.
 
 Backends: ``"native"`` (the C++/CUDA kernels of ``elastic_ep._low_level``), ``"torch"``
 (``torch.distributed`` collectives; works with gloo on the CPU) or ``"auto"`` (native for NCCL
@@ -37,6 +41,8 @@ groups when the kernels are built, torch otherwise). Launch one process per GPU 
 """
 from __future__ import annotations
 
+import math
+import operator
 import os
 import warnings
 from dataclasses import dataclass, field, replace
@@ -46,8 +52,11 @@ import torch
 import torch.distributed as dist
 
 from . import _checks, _sizing
+from ._events import EventHandle, EventOverlap, raw_event
 
-__all__ = ["ElasticBuffer", "EPHandle", "EventOverlap", "native_available", "calculate_elastic_buffer_size"]
+__all__ = ["ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap", "native_available",
+           "calculate_elastic_buffer_size", "get_elastic_buffer_alignment", "get_physical_domain_size",
+           "get_logical_domain_size"]
 
 _FP8 = torch.float8_e4m3fn
 _MAX_TOPK = 32
@@ -81,51 +90,27 @@ def native_available() -> bool:
     return ll is not None and torch.cuda.is_available()
 
 
-# ---------------------------------------------------------------------------------------------- events
-class EventOverlap:
-    """A handle on communication work for overlapping it with computation (DeepEP's ``EventOverlap``).
-
-    Arguments:
-        event: the low-level ``EventHandle`` (None: nothing to wait for).
-        extra_tensors: tensors kept alive until the event is waited on.
-
-    ``with event: ...`` runs the body, then makes the current stream wait for the event.
-    """
-
-    def __init__(self, event: Any = None, extra_tensors: Optional[Tuple[torch.Tensor, ...]] = None) -> None:
-        self.event = event
-        self.extra_tensors = extra_tensors
-
-    def current_stream_wait(self) -> None:
-        """Make the current stream wait until the communication work behind this event is done."""
-        if self.event is not None:
-            self.event.current_stream_wait()
-
-    def __enter__(self) -> "EventOverlap":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.current_stream_wait()
-
-
 # ---------------------------------------------------------------------------------------------- handle
-@dataclass
+@dataclass(eq=False)  # identity semantics, as DeepEP's class: hashable, and == never compares tensors
 class EPHandle:
     """Everything ``combine`` (and a cached ``dispatch``) needs from an earlier ``dispatch``.
 
-    Fields mirror DeepEP's ``EPHandle``: the routing (``topk_idx``), the received counts (host and
-    device), the source metadata ``recv_src_metadata [N, K+2]`` (``[src_rank*max_tokens+token,
-    src_rank*K+master_lane, expanded row per lane or -1]``) and the per-token slots in the
-    destination buffers. ``perm`` is set in deterministic mode: received row ``j`` the user sees is
-    row ``perm[j]`` of the backend's output.
+    The fields are DeepEP's, in its constructor order: the routing (``topk_idx [T, K]``, a copy when
+    ``do_handle_copy``), the SM count of the dispatch (``num_sms``, which ``combine(num_sms=0)``
+    reuses), the received counts (host and device), the source metadata ``recv_src_metadata
+    [N, K+2]`` (``[src_rank*max_tokens+token, src_rank*K+master_lane, expanded row per lane or -1]``)
+    and the per-token slots in the destination buffers. Then ours: in deterministic mode ``perm``
+    (received row ``j`` the user sees is row ``perm[j]`` of the backend's output) and
+    ``raw_recv_src_metadata`` (the backend's metadata, in its own row order), while
+    ``recv_src_metadata`` describes the user's (sorted) rows as in DeepEP; ``buffer_id`` names the
+    buffer that made the handle.
     """
 
-    num_experts: int
-    num_max_tokens_per_rank: int
-    expert_alignment: int
     do_expand: bool
-    num_tokens: int
-    num_topk: int
+    num_experts: int
+    expert_alignment: int
+    num_max_tokens_per_rank: int
+    num_sms: int
     topk_idx: torch.Tensor
     num_recv_tokens: int
     num_expanded_tokens: int
@@ -138,7 +123,23 @@ class EPHandle:
     token_metadata_at_forward: Optional[torch.Tensor] = None
     channel_linked_list: Optional[torch.Tensor] = None
     perm: Optional[torch.Tensor] = None
+    raw_recv_src_metadata: Optional[torch.Tensor] = None
     buffer_id: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the dispatch routed (``topk_idx.shape[0]``)."""
+        return int(self.topk_idx.shape[0])
+
+    @property
+    def num_topk(self) -> int:
+        """Experts per token (``topk_idx.shape[1]``)."""
+        return int(self.topk_idx.shape[1])
+
+    @property
+    def backend_recv_src_metadata(self) -> torch.Tensor:
+        """The metadata in the backend's row order (what the kernels read)."""
+        return self.raw_recv_src_metadata if self.raw_recv_src_metadata is not None else self.recv_src_metadata
 
     @property
     def num_allocated_tokens(self) -> int:
@@ -146,17 +147,35 @@ class EPHandle:
         return self.num_expanded_tokens if self.do_expand else self.num_recv_tokens
 
     def copy(self) -> "EPHandle":
-        """A copy whose tensors are clones (safe against later in-place changes by the caller)."""
+        """A copy of the handle.
+
+        Returns:
+            An ``EPHandle`` whose tensors are clones (safe against later in-place changes by the caller).
+        """
         def c(v):
             return v.clone() if isinstance(v, torch.Tensor) else (list(v) if isinstance(v, list) else v)
         return replace(self, **{f: c(getattr(self, f)) for f in self.__dataclass_fields__})
 
     def num_valid_recv_tokens(self) -> torch.Tensor:
-        """The real received token count, as a device scalar (no CPU sync)."""
+        """The real received token count, without a CPU sync.
+
+        Returns:
+            A one-element device tensor (the last entry of ``psum_num_recv_tokens_per_scaleup_rank``).
+        """
         return self.psum_num_recv_tokens_per_scaleup_rank[-1]
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _as_int(v: Any) -> Any:
+    """``v`` as a Python int when it is an integer of any kind (numpy, torch scalars), else unchanged."""
+    if isinstance(v, bool):
+        return v
+    try:
+        return operator.index(v)
+    except TypeError:
+        return v
+
+
 def _err(name: str, expected: str, got: Any) -> ValueError:
     return ValueError(f"{name}: expected {expected}, got {got}")
 
@@ -210,14 +229,12 @@ def _check_handle_tensors(handle: "EPHandle", names: Sequence[str], device: torc
 def _check_combine_handle(handle: "EPHandle", T: int, K: int, device: torch.device) -> None:
     """What combine takes from the handle: K in [1, 32] (the backend takes K from ``topk_idx``: 0
     would divide by zero in the kernels, more than 32 breaks their one-warp lane logic), ``topk_idx``
-    ``[T, K]`` and ``recv_src_metadata`` ``[N, K + 2]``, all on the buffer's device. The dtypes were
-    checked by the dispatch that made the handle; shapes and devices change if a field is replaced."""
+    ``[T, K]`` (T and K are its shape) and ``recv_src_metadata`` ``[N, K + 2]``, all on the buffer's
+    device. The dtypes were checked by the dispatch that made the handle; shapes and devices change if
+    a field is replaced."""
     if not 0 < K <= _MAX_TOPK:
         raise _err("handle.num_topk", f"1..{_MAX_TOPK}", K)
     _check_handle_tensors(handle, _COMBINE_HANDLE_TENSORS, device)
-    if handle.topk_idx.shape != (T, K):
-        raise _err("handle.topk_idx", f"shape ({T}, {K}) (num_tokens, num_topk)",
-                   f"shape {tuple(handle.topk_idx.shape)}")
     meta = handle.recv_src_metadata
     if meta.dim() != 2 or meta.shape[1] != K + 2:
         raise _err("handle.recv_src_metadata", f"shape (*, {K + 2}) (num_topk + 2 columns)",
@@ -250,6 +267,41 @@ def calculate_elastic_buffer_size(num_ranks: int, num_max_tokens_per_rank: int, 
                                          num_ranks=num_ranks, num_nvl_ranks=num_nvl_ranks or num_ranks,
                                          allow_hybrid_mode=allow_hybrid_mode,
                                          allow_multiple_reduction=allow_multiple_reduction)
+
+
+def get_elastic_buffer_alignment() -> int:
+    """The alignment every buffer size must have.
+
+    Returns:
+        2 MiB (``ALIGNMENT_BYTES``), as DeepEP's ``get_elastic_buffer_alignment``.
+    """
+    return _sizing.ALIGNMENT_BYTES
+
+
+def get_physical_domain_size(group: dist.ProcessGroup) -> Tuple[int, int]:
+    """The physical domain sizes of ``group``, before any buffer exists (DeepEP's module function).
+
+    Arguments:
+        group: the expert-parallel process group.
+
+    Returns:
+        ``(num_rdma_ranks, num_nvlink_ranks)``: ``(1, R)``; every rank is in one NVLink domain here
+        (the only layout this package supports).
+    """
+    return 1, dist.get_world_size(group)
+
+
+def get_logical_domain_size(group: dist.ProcessGroup, allow_hybrid_mode: bool = True) -> Tuple[int, int]:
+    """The logical domain sizes of ``group`` (DeepEP's module function).
+
+    Arguments:
+        group: the expert-parallel process group.
+        allow_hybrid_mode: accepted; with one NVLink domain there is no scale-out either way.
+
+    Returns:
+        ``(num_scaleout_ranks, num_scaleup_ranks)``: ``(1, R)`` (direct mode).
+    """
+    return 1, dist.get_world_size(group)
 
 
 def _torch_nccl_comm(group: dist.ProcessGroup) -> int:
@@ -291,7 +343,9 @@ class ElasticBuffer:
         deterministic: sort received rows by source token (see the module docstring).
         allow_hybrid_mode: accepted; only direct mode (one NVLink domain) exists.
         allow_multiple_reduction: combine reduces per rank before sending (fewer bytes, rounding once more).
-        prefer_overlap_with_compute: passed to the kernels (fewer SMs/channels).
+        prefer_overlap_with_compute: accepted and kept; it changes only ``get_theoretical_num_sms``
+            (at least 64 SMs when False): with ``num_sms=0`` the native kernels use every SM (what
+            the benchmark measured; pass ``num_sms`` to leave SMs to overlapped compute).
         sl_idx, num_allocated_qps: RDMA settings, accepted for compatibility (no RDMA here).
         num_cpu_timeout_secs: how long the CPU waits for counts before raising ``TimeoutError``.
         num_gpu_timeout_secs: how long a kernel waits for a peer before recording a timeout.
@@ -330,6 +384,7 @@ class ElasticBuffer:
             raise ValueError(f"timeouts must be positive, got cpu={num_cpu_timeout_secs} gpu={num_gpu_timeout_secs}")
         self.group = group
         self.rank = dist.get_rank(group)
+        self.rank_idx = self.rank  # DeepEP's name
         self.num_ranks = dist.get_world_size(group)
         pg_backend = dist.get_backend(group)
         ipc = window == "ipc"
@@ -386,6 +441,7 @@ class ElasticBuffer:
         self.num_bytes = int(num_bytes)
         if num_allocated_qps == 0:
             num_allocated_qps = 17  # DeepEP's direct-mode default; unused without RDMA
+        self.num_allocated_qps = num_allocated_qps
         args = (self.rank, self.num_ranks, self.nccl_comm, None, self.num_bytes, 0, allow_hybrid_mode,
                 allow_multiple_reduction, prefer_overlap_with_compute, sl_idx, num_allocated_qps,
                 num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy)
@@ -398,6 +454,11 @@ class ElasticBuffer:
         else:
             from ._torch_backend import ElasticBuffer as _TorchBuffer
             self.runtime = _TorchBuffer(*args, group=group)
+        # DeepEP's logical and physical rank indices (one NVLink domain: 1 scale-out rank, no RDMA).
+        self.num_scaleout_ranks, self.num_scaleup_ranks = self.get_logical_domain_size()
+        self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
+        self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
+        self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
         dist.barrier(group=group)
 
     def _create_native(self, ll, group: dist.ProcessGroup, args: tuple):
@@ -460,27 +521,63 @@ class ElasticBuffer:
         return calculate_elastic_buffer_size(dist.get_world_size(group), num_max_tokens_per_rank, hidden, num_topk,
                                              use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
 
-    @staticmethod
-    def get_theoretical_num_sms(num_experts: int = 0, num_topk: int = 0) -> int:
-        """SMs the kernels should use by default (a bandwidth model, as DeepEP's).
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
+                                rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
+                                sm_write_gbs: float = 50) -> int:
+        """SMs that keep NVLink busy for a balanced gate (DeepEP's bandwidth model, scale-up only).
 
-        NVLink on H100/H200 moves ~450 GB/s per direction; one SM writes ~50 GB/s to a peer, so about
-        8 SMs saturate the link; DeepEP adds 25 % headroom and rounds to an even count, minimum 4.
-        ``EP_NUM_SMS`` overrides it.
+        A token is read once and written to each of the ``k`` ranks it selects (``k`` = the expected
+        number of distinct ranks among ``num_topk`` experts of ``num_experts``); per token the SMs read
+        ``1/k`` and write ``1`` row, the link carries ``1 - 1/R`` rows. The count is what the link
+        bandwidth needs at ``sm_read_gbs`` / ``sm_write_gbs`` per SM, plus 25 %, even, at least 4, at
+        least 64 when ``prefer_overlap_with_compute`` is False, at most the device's SMs (all of them
+        at EP 1). ``EP_NUM_SMS`` overrides it. Not the native backend's default (``num_sms=0`` uses
+        every SM there); pass it as ``num_sms`` to leave SMs to overlapped compute.
+
+        Arguments:
+            num_experts: all experts (a multiple of the rank count).
+            num_topk: experts per token.
+            num_scaleout_topk: must be 0 (no scale-out domain here).
+            rdma_gbs: accepted for compatibility (no RDMA).
+            nvlink_gbs: NVLink GB/s per direction (0: 450, an H100/H200).
+            sm_read_gbs, sm_write_gbs: what one SM reads from HBM / writes to a peer, GB/s.
+
+        Returns:
+            The SM count.
         """
-        env = os.environ.get("EP_NUM_SMS")
-        if env:
-            return int(env)
-        need = 450.0 * 0.9 / 50.0 * 1.25
-        n = max(4, int(need + 1) // 2 * 2)
-        if torch.cuda.is_available():
-            n = min(n, torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
-        return n
+        if self._env_num_sms:
+            return self._env_num_sms
+        if num_scaleout_topk != 0:
+            raise ValueError(f"num_scaleout_topk: expected 0 (one NVLink domain), got {num_scaleout_topk}")
+        R = self.num_ranks
+        if num_experts <= 0 or num_experts % R or not 0 < num_topk <= num_experts:
+            raise ValueError(f"num_experts / num_topk: expected a positive multiple of {R} experts and 1.."
+                             f"num_experts per token, got {num_experts} / {num_topk}")
+        device_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                      if self.device.type == "cuda" else 132)
+        if R == 1:
+            return device_sms
+        nvlink_gbs = nvlink_gbs or 450.0
+        # expected distinct ranks hit by num_topk experts drawn without replacement
+        k = R * (1 - math.comb(num_experts - num_experts // R, num_topk) / math.comb(num_experts, num_topk))
+        traffic = 1 - 1 / R
+        need = max(nvlink_gbs / traffic * (1 / k) / sm_read_gbs, nvlink_gbs / traffic * 1.0 / sm_write_gbs)
+        n = max(4, math.ceil(need * 1.25))
+        n += n % 2
+        if not self.prefer_overlap_with_compute:
+            n = max(n, 64)
+        return min(n, device_sms)
 
-    @staticmethod
-    def get_theoretical_num_qps(num_sms: int) -> int:
-        """Queue pairs for direct mode (``min(sms, 9)``; unused without RDMA)."""
-        return min(num_sms, 9)
+    def get_theoretical_num_qps(self, num_sms: int) -> int:
+        """RDMA queue pairs for ``num_sms`` SMs in direct mode (unused: no RDMA here).
+
+        Arguments:
+            num_sms: the SM count of the kernels.
+
+        Returns:
+            ``min(num_sms, 9, num_allocated_qps)``.
+        """
+        return min(num_sms, 9, self.num_allocated_qps)
 
     # ------------------------------------------------------------------ info / lifecycle
     def _check_alive(self) -> None:
@@ -488,7 +585,11 @@ class ElasticBuffer:
             raise RuntimeError("this ElasticBuffer was destroyed; create a new one")
 
     def get_comm_stream(self):
-        """The communication stream (``torch.cuda.Stream``; None for the torch backend on the CPU)."""
+        """The stream the communication kernels run on.
+
+        Returns:
+            A ``torch.cuda.Stream`` (None for the torch backend on a CPU group).
+        """
         self._check_alive()
         s = self.runtime.get_comm_stream()
         if isinstance(s, int):
@@ -496,21 +597,29 @@ class ElasticBuffer:
         return s
 
     def get_physical_domain_size(self) -> Tuple[int, int]:
-        """``(num_rdma_ranks, num_nvl_ranks)``."""
+        """The physical domain sizes.
+
+        Returns:
+            ``(num_rdma_ranks, num_nvlink_ranks)``: ``(1, R)`` for one NVLink domain of ``R`` ranks.
+        """
         return tuple(self.runtime.get_physical_domain_size())
 
     def get_logical_domain_size(self) -> Tuple[int, int]:
-        """``(num_scaleout_ranks, num_scaleup_ranks)``."""
+        """The logical domain sizes.
+
+        Returns:
+            ``(num_scaleout_ranks, num_scaleup_ranks)``: ``(1, R)`` in direct mode.
+        """
         return tuple(self.runtime.get_logical_domain_size())
 
-    def capture(self) -> EventOverlap:
-        """An ``EventOverlap`` marking the current point of the current stream (for ``previous_event``)."""
-        self._check_alive()
-        if self.backend == "native":
-            ll, _ = _load_native()
-            return EventOverlap(ll.EventHandle())
-        from ._torch_backend import EventHandle
-        return EventOverlap(EventHandle())
+    @staticmethod
+    def capture() -> EventHandle:
+        """Records an event on the current stream (for ``previous_event`` / ``previous_event_before_epilogue``).
+
+        Returns:
+            An ``EventHandle`` (DeepEP's ``capture()`` returns its ``EventHandle`` too).
+        """
+        return EventHandle()
 
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
         """A barrier of all ranks on the GPU (on the comm stream by default).
@@ -524,9 +633,10 @@ class ElasticBuffer:
         self.runtime.barrier(use_comm_stream, with_cpu_sync, sequential)
 
     def destroy(self) -> None:
-        """Finish all work on every rank and release the buffer (collective). Idempotent errors: a
-        second call raises RuntimeError."""
-        self._check_alive()
+        """Finishes all work on every rank and releases the buffer (collective). A second call does
+        nothing. Unlike DeepEP it does not require ``explicitly_destroy=True``."""
+        if self.destroyed:
+            return
         self.runtime.destroy()
         self.destroyed = True
         if self._owned_comm is not None:
@@ -542,14 +652,15 @@ class ElasticBuffer:
             self.destroy()
 
     # ------------------------------------------------------------------ validation helpers
-    def _resolve_sms(self, num_sms: int) -> int:
-        if num_sms < 0:
-            raise ValueError(f"num_sms: expected >= 0 (0 = automatic), got {num_sms}")
+    def _resolve_sms(self, num_sms: int, num_experts: int, num_topk: int) -> int:
+        num_sms = _as_int(num_sms)
+        if not isinstance(num_sms, int) or num_sms < 0:
+            raise ValueError(f"num_sms: expected an int >= 0 (0 = automatic), got {num_sms!r}")
         if num_sms == 0 and self._env_num_sms:
             return self._env_num_sms  # EP_NUM_SMS, read when the buffer was created
         if self.backend == "native":
             return num_sms  # 0: the native runtime picks (all SMs of the device)
-        return num_sms or self.get_theoretical_num_sms()
+        return num_sms or self.get_theoretical_num_sms(num_experts, num_topk)
 
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -564,23 +675,18 @@ class ElasticBuffer:
             raise ValueError("previous_event: requires allocate_on_comm_stream=True (outputs must be allocated "
                              "on the communication stream when waiting for overlapped compute)")
 
-    def _check_event(self, name: str, e: Any) -> None:
-        """An event argument must be an ``EventOverlap`` of this buffer's backend (``capture()`` or one a
-        call returned): anything else would fail only after the first kernels were queued."""
-        if self.backend == "native":
-            handle_type = _load_native()[0].EventHandle
-        else:
-            from ._torch_backend import EventHandle as handle_type
-        if not isinstance(e, EventOverlap) or not (e.event is None or isinstance(e.event, handle_type)):
-            inner = f" around a {type(e.event).__name__}" if isinstance(e, EventOverlap) else ""
-            raise ValueError(f"{name}: expected None or an EventOverlap from this buffer (capture(), or the event a "
-                             f"dispatch / combine returned), got a {type(e).__name__}{inner}")
-
     @staticmethod
-    def _raw_event(e):
-        if e is None:
-            return None
-        return e.event if isinstance(e, EventOverlap) else e
+    def _check_event(name: str, e: Any) -> None:
+        """An event argument must be an ``EventHandle`` (``capture()``) or an ``EventOverlap`` (what a
+        call returned): anything else would fail only after the first kernels were queued."""
+        if isinstance(e, EventHandle) or (isinstance(e, EventOverlap) and (e.event is None or
+                                                                          isinstance(e.event, EventHandle))):
+            return
+        inner = f" around a {type(e.event).__name__}" if isinstance(e, EventOverlap) else ""
+        raise ValueError(f"{name}: expected None, an EventHandle (ElasticBuffer.capture()) or the EventOverlap a "
+                         f"dispatch / combine returned, got a {type(e).__name__}{inner}")
+
+    _raw_event = staticmethod(raw_event)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
@@ -588,8 +694,8 @@ class ElasticBuffer:
                  cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                  num_experts: Optional[int] = None, num_max_tokens_per_rank: Optional[int] = None,
                  expert_alignment: Optional[int] = None, num_sms: int = 0, num_qps: int = 0,
-                 previous_event: Optional[EventOverlap] = None,
-                 previous_event_before_epilogue: Optional[EventOverlap] = None,
+                 previous_event: Union[None, EventHandle, EventOverlap] = None,
+                 previous_event_before_epilogue: Union[None, EventHandle, EventOverlap] = None,
                  async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
                  handle: Optional[EPHandle] = None, do_handle_copy: bool = True,
                  do_cpu_sync: Optional[bool] = None, do_expand: bool = False, do_zero_padding: bool = False,
@@ -604,10 +710,12 @@ class ElasticBuffer:
             num_experts: total experts E (divisible by the rank count); from ``handle`` in cached mode.
             num_max_tokens_per_rank: default: the buffer's; at most the buffer's.
             expert_alignment: per-expert row alignment (default 1; from ``handle`` in cached mode).
-            num_sms: SMs for the kernels (0: ``get_theoretical_num_sms()``).
+            num_sms: SMs for the kernels (0: every SM with the native backend, ``get_theoretical_num_sms``
+                with the torch backend; ``EP_NUM_SMS`` overrides the 0); kept in the handle for ``combine``.
             num_qps: RDMA queue pairs (unused here).
-            previous_event: start only after this event (needs ``allocate_on_comm_stream=True``).
-            previous_event_before_epilogue: the copy epilogue waits for this event.
+            previous_event: start only after this event, an ``EventHandle`` (``capture()``) or an
+                ``EventOverlap`` (needs ``allocate_on_comm_stream=True``).
+            previous_event_before_epilogue: the copy epilogue waits for this event (the same types).
             async_with_compute_stream: return an event instead of making the current stream wait.
             allocate_on_comm_stream: allocate outputs on the communication stream.
             handle: an earlier dispatch's handle: cached mode (same routing, no counting).
@@ -699,6 +807,7 @@ class ElasticBuffer:
         K = topk_idx.shape[1]
         if not 0 < K <= _MAX_TOPK:
             raise ValueError(f"topk_idx: expected 1..{_MAX_TOPK} experts per token, got {K}")
+        num_experts, expert_alignment = _as_int(num_experts), _as_int(expert_alignment)
         if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % R:
             raise ValueError(f"num_experts: expected a positive multiple of the rank count {R}, got {num_experts}")
         L = num_experts // R
@@ -707,9 +816,6 @@ class ElasticBuffer:
         if num_max_tokens_per_rank is None or num_max_tokens_per_rank <= 0:
             raise ValueError("num_max_tokens_per_rank: expected a positive int (the buffer was created without "
                              f"one), got {num_max_tokens_per_rank}")
-        if self.num_max_tokens_per_rank and num_max_tokens_per_rank > self.num_max_tokens_per_rank:
-            raise ValueError(f"num_max_tokens_per_rank: {num_max_tokens_per_rank} exceeds the buffer's "
-                             f"{self.num_max_tokens_per_rank}")
         if T > num_max_tokens_per_rank:
             raise ValueError(f"x: {T} tokens exceed num_max_tokens_per_rank={num_max_tokens_per_rank}")
         if topk_weights is not None:
@@ -727,7 +833,7 @@ class ElasticBuffer:
                              f"has {self.num_bytes}; size it with get_buffer_size_hint")
         # Expert ids are checked by the backend: before the launch when the CPU syncs anyway, else on the
         # device (reported by the next call); see _low_level.dispatch.
-        num_sms = self._resolve_sms(num_sms)
+        num_sms = self._resolve_sms(num_sms, num_experts, K)
         if num_qps == 0:
             num_qps = self.get_theoretical_num_qps(num_sms)
 
@@ -743,7 +849,7 @@ class ElasticBuffer:
             cached_num_unaligned_recv_tokens_per_expert=h.num_unaligned_recv_tokens_per_expert if cached else None,
             cached_dst_buffer_slot_idx=h.dst_buffer_slot_idx if cached else None,
             cached_token_metadata_at_forward=h.token_metadata_at_forward if cached else None,
-            cached_recv_src_metadata=h.recv_src_metadata if cached else None,
+            cached_recv_src_metadata=h.backend_recv_src_metadata if cached else None,
             cached_channel_linked_list=h.channel_linked_list if cached else None,
             num_max_tokens_per_rank=num_max_tokens_per_rank, num_experts=num_experts,
             expert_alignment=expert_alignment, num_sms=num_sms, num_qps=num_qps,
@@ -762,7 +868,7 @@ class ElasticBuffer:
         else:
             new_handle = EPHandle(
                 num_experts=num_experts, num_max_tokens_per_rank=num_max_tokens_per_rank,
-                expert_alignment=expert_alignment, do_expand=do_expand, num_tokens=T, num_topk=K,
+                expert_alignment=expert_alignment, do_expand=do_expand, num_sms=num_sms,
                 topk_idx=copied_topk_idx if copied_topk_idx is not None else topk_idx,
                 num_recv_tokens=int(num_recv_tokens), num_expanded_tokens=int(num_expanded_tokens),
                 num_recv_tokens_per_expert_list=list(per_expert_list),
@@ -773,8 +879,11 @@ class ElasticBuffer:
         if self.deterministic:
             if event is not None:
                 event.current_stream_wait()  # the sort runs on the current stream
-            if new_handle.perm is None:
+            if new_handle.perm is None:  # a fresh dispatch (a cached one reuses the routing and its order)
                 new_handle.perm = self._deterministic_perm(new_handle)
+                raw_meta = new_handle.recv_src_metadata
+                new_handle.raw_recv_src_metadata = raw_meta
+                new_handle.recv_src_metadata = self._sorted_metadata(raw_meta, new_handle.perm, do_expand)
             p = new_handle.perm
             recv_x = recv_x[p]
             recv_sf = recv_sf[p] if recv_sf is not None and not use_tma_aligned_col_major_sf else (
@@ -791,6 +900,25 @@ class ElasticBuffer:
         return out
 
     @staticmethod
+    def _sorted_metadata(meta: torch.Tensor, perm: torch.Tensor, do_expand: bool) -> torch.Tensor:
+        """``recv_src_metadata`` for the rows the user sees (DeepEP's deterministic metadata).
+
+        Non-expand: user row ``j`` is backend row ``perm[j]``, so the metadata rows are permuted the same
+        way. Expand: the metadata has one row per received token, not per output row; its columns 2..
+        (the output row of each top-k lane, or -1) are mapped to where those rows moved.
+        """
+        if not do_expand:
+            return meta[perm]
+        out = meta.clone()
+        lanes = out[:, 2:]
+        new_pos = torch.empty_like(perm)
+        new_pos[perm] = torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype)
+        lanes64 = lanes.to(torch.int64)
+        sel = (lanes64 >= 0) & (lanes64 < perm.numel())
+        lanes[sel] = new_pos[lanes64[sel]].to(lanes.dtype)
+        return out
+
+    @staticmethod
     def _deterministic_perm(h: EPHandle) -> torch.Tensor:
         """Row permutation sorting received rows by source token, without a CPU sync.
 
@@ -798,7 +926,7 @@ class ElasticBuffer:
         Expand: inside each expert segment, rows ordered by source token; padding rows stay at the
         segment's end and rows past the last segment stay where they are.
         """
-        meta = h.recv_src_metadata
+        meta = h.backend_recv_src_metadata
         dev = meta.device
         n_rows = meta.shape[0]
         n_valid = h.psum_num_recv_tokens_per_scaleup_rank[-1].to(torch.int64)
@@ -857,6 +985,9 @@ class ElasticBuffer:
         H = x.shape[1]
         if (H * 2) % 16:
             raise ValueError(f"x: a row must be a multiple of 16 bytes, got hidden={H}")
+        if not isinstance(handle.topk_idx, torch.Tensor) or handle.topk_idx.dim() != 2:
+            raise _err("handle.topk_idx", "a 2-D tensor [num_tokens, num_topk]",
+                       f"{type(handle.topk_idx).__name__} of shape {tuple(getattr(handle.topk_idx, 'shape', ()))}")
         T, K = handle.num_tokens, handle.num_topk
         _check_combine_handle(handle, T, K, self.device)
         if topk_weights is not None:
@@ -878,7 +1009,7 @@ class ElasticBuffer:
                                                self.allow_multiple_reduction)
         if need > self.num_bytes:
             raise ValueError(f"buffer too small: this combine needs {need} bytes, the buffer has {self.num_bytes}")
-        num_sms = self._resolve_sms(num_sms)
+        num_sms = self._resolve_sms(num_sms or handle.num_sms, handle.num_experts, K)
         if num_qps == 0:
             num_qps = self.get_theoretical_num_qps(num_sms)
         if handle.perm is not None:  # deterministic mode: back to the backend's row order
@@ -898,7 +1029,7 @@ class ElasticBuffer:
                 previous_event = self.capture()
         combined_x, combined_w, event = self.runtime.combine(
             x=x, topk_weights=topk_weights, bias_0=biases[0], bias_1=biases[1],
-            src_metadata=handle.recv_src_metadata, combined_topk_idx=handle.topk_idx,
+            src_metadata=handle.backend_recv_src_metadata, combined_topk_idx=handle.topk_idx,
             psum_num_recv_tokens_per_scaleup_rank=handle.psum_num_recv_tokens_per_scaleup_rank,
             token_metadata_at_forward=handle.token_metadata_at_forward,
             channel_linked_list=handle.channel_linked_list, num_experts=handle.num_experts,
