@@ -483,3 +483,18 @@ def test_release_inside_a_capture_waits_for_its_end(monkeypatch):
     keeper = ipc_all2all._CudaBytes(0, 16, owner=owner2)
     del keeper
     assert owner2.destroyed == 1
+
+
+def test_numpy_and_torch_integers_are_accepted_like_ints():
+    """The original's pybind11 bindings took any integer: numpy / torch integer scalars work, bools
+    and floats are still refused."""
+    np = pytest.importorskip("numpy")
+    S.check_world(np.int64(1), np.int32(2))
+    assert S.capacity_bytes(np.int64(4), torch.tensor(8), torch.bfloat16) == 4 * 8 * 2
+    counts = S.check_counts([np.int64(3), torch.tensor(0)], 2)
+    assert counts == [3, 0] and all(type(c) is int for c in counts)
+    for bad in (True, 2.0):
+        with pytest.raises(ValueError, match="world_size must be an int"):
+            S.check_world(0, bad)
+    with pytest.raises(ValueError, match=r"rank_tokens\[0\] must be an int"):
+        S.check_counts([1.5, 2], 2)

@@ -78,6 +78,7 @@ from ._shapes import (
     OP_SEND_RECV_HEADS,
     PLANNERS,
     Plan,
+    as_int,
     capacity_bytes,
     check_counts,
     check_world,
@@ -235,10 +236,12 @@ class All2All:
     def __init__(self, rank: int, world_size: int, num_tokens: int, hidden_dim: int, num_sms: int,
                  tensor_dtype: torch.dtype, timeout_seconds: Optional[float] = None):
         check_world(rank, world_size)
+        rank, world_size, num_tokens, hidden_dim, num_sms = (as_int(v) for v in (rank, world_size, num_tokens,
+                                                                                   hidden_dim, num_sms))
         release_deferred()
         self.itemsize = element_size(tensor_dtype)
         capacity = capacity_bytes(num_tokens, hidden_dim, tensor_dtype)
-        if not isinstance(num_sms, int) or num_sms < world_size:
+        if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < world_size:
             raise ValueError(f"num_sms must be an int >= world_size ({world_size}), got {num_sms!r}")
         if timeout_seconds is None:
             timeout_seconds = DEFAULT_TIMEOUT_SECONDS

@@ -16,6 +16,8 @@ Token counts come in two modes:
 """
 from __future__ import annotations
 
+import operator
+
 import math
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
@@ -64,11 +66,23 @@ def element_size(dtype: torch.dtype) -> int:
     return size
 
 
+def as_int(v):
+    """``v`` as a Python int if it is an integer of any kind (numpy and torch integer scalars too, as the
+    original's pybind11 bindings took them), else ``v`` unchanged; bools stay bools (refused later)."""
+    if isinstance(v, bool):
+        return v
+    try:
+        return operator.index(v)
+    except TypeError:
+        return v
+
+
 def check_world(rank: int, world_size: int) -> None:
-    """Raises ``ValueError`` unless ``0 <= rank < world_size <= MAX_WORLD_SIZE``."""
-    if not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
+    """Raises ``ValueError`` unless ``0 <= rank < world_size <= MAX_WORLD_SIZE`` (integers of any kind)."""
+    rank, world_size = as_int(rank), as_int(world_size)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ValueError(f"world_size must be an int in [1, {MAX_WORLD_SIZE}], got {world_size!r}")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
 
 
@@ -78,8 +92,9 @@ def capacity_bytes(num_tokens: int, hidden_dim: int, dtype: torch.dtype) -> int:
     ``num_tokens`` counts rows of ``hidden_dim`` elements *per batch times batch*: send_recv_heads with
     ``W`` ranks needs ``batch * total_tokens / W`` of them, allgather ``batch * total_tokens``.
     """
+    num_tokens, hidden_dim = as_int(num_tokens), as_int(hidden_dim)
     for name, v in (("num_tokens", num_tokens), ("hidden_dim", hidden_dim)):
-        if not isinstance(v, int) or v <= 0:
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     return num_tokens * hidden_dim * element_size(dtype)
 
@@ -95,7 +110,7 @@ def prefix_sums(counts: Sequence[int]) -> List[int]:
 
 def check_counts(counts: Sequence[int], world_size: int) -> List[int]:
     """Validates host token counts: ``world_size`` non-negative ints below 2**31."""
-    counts = list(counts)
+    counts = [as_int(n) for n in counts]
     if len(counts) != world_size:
         raise ValueError(f"rank_tokens must have one entry per rank ({world_size}), got {len(counts)}")
     for i, n in enumerate(counts):
