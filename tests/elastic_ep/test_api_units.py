@@ -128,3 +128,27 @@ def test_deterministic_metadata_follows_the_sorted_rows():
         for r_new in out[i, 2:].tolist():
             if r_new >= 0:
                 assert int(perm[r_new]) in meta[i, 2:].tolist()
+
+
+def test_theoretical_num_sms_follows_the_bandwidth_model():
+    """DeepEP's model at EP 2, 256 experts, top-8: each SM writes 50 GB/s, the link carries half the
+    rows at 450 GB/s, so 18 SMs, +25 % -> 24 (even); at least 64 without preferring overlap; all SMs
+    at EP 1; EP_NUM_SMS wins."""
+    b = object.__new__(ep.ElasticBuffer)
+    b.num_ranks, b.device, b.prefer_overlap_with_compute, b._env_num_sms = 2, torch.device("cpu"), True, 0
+    assert b.get_theoretical_num_sms(256, 8) == 24
+    assert b.get_theoretical_num_sms(256, 8, nvlink_gbs=900) == 46
+    b.prefer_overlap_with_compute = False
+    assert b.get_theoretical_num_sms(256, 8) == 64
+    b.num_ranks = 1
+    assert b.get_theoretical_num_sms(256, 8) == 132  # no link traffic: the whole (assumed H200) device
+    b._env_num_sms = 20
+    assert b.get_theoretical_num_sms(256, 8) == 20
+    b._env_num_sms, b.num_ranks = 0, 2
+    for args in ((255, 8), (256, 0), (256, 8, 1)):
+        try:
+            b.get_theoretical_num_sms(*args)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"{args} accepted")
