@@ -312,7 +312,10 @@ class All2All:
                 obj._unregister()
             if err is not None and all(r == rank for r, _ in bad):
                 raise err
-            raise CommError("All2All.from_group failed on " + "; ".join(f"rank {r}: {m}" for r, m in bad))
+            msg = "All2All.from_group failed on " + "; ".join(f"rank {r}: {m}" for r, m in bad)
+            if isinstance(err, ValueError):  # this rank's own arguments were wrong too: keep the type
+                raise ValueError(msg) from err
+            raise CommError(msg) from err
         # Peers address each other's slots by this rank's layout: every rank must size alike.
         shapes = {(p[2], p[3]) for p in gathered}
         if len(shapes) != 1:
