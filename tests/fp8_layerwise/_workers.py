@@ -204,6 +204,12 @@ def protocol_and_recovery(rank, ws, rdzv, tmp):
         t.join(4, 1, 8)
         if rank == 1:
             t.run(4, 1, 8, fill)
+        elif rank == 0:
+            # Rank 0 calling wait() without run() is an error of its own (raised at once): let rank 1's
+            # misuse be recorded first, it is the cause this case checks.
+            deadline = time.monotonic() + 10
+            while not t.poisoned and time.monotonic() < deadline:
+                time.sleep(0.005)
         t.wait(4)
     log.append(("producer_on_1", expect_poison(producer_on_1)))
     t.reset()
@@ -317,12 +323,35 @@ def close_while_blocked(rank, ws, rdzv, tmp, case):
                 v.fill_(e)  # the slots must still be mapped
         out["wrote_after_close"] = t.closed
 
+    def parked_writer(e, slots):
+        # Keeps run() (in its own thread) inside expert 0 until close() starts, so wait() blocks.
+        writing.set()
+        while not t._native.closed:  # native close() started: it stops the run after this expert
+            time.sleep(0.005)
+        time.sleep(0.05)
+
+    writing = threading.Event()
+
+    def produce():
+        try:
+            t.run(1, 0, 8, parked_writer)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            out["run_exc"] = type(exc).__name__
+
     def call():
         try:
             t.join(1, 0, 8)
             if case == "wait":
+                # Rank 0 must have started run() before it waits (else ProtocolError at once): the
+                # producer runs in another thread and never finishes its first expert.
+                producer = threading.Thread(target=produce)
+                producer.start()
+                writing.wait(10)
                 started.set()
-                t.wait(1)  # the producer never runs
+                try:
+                    t.wait(1)
+                finally:
+                    producer.join(30)
             else:
                 t.run(1, 0, 8, slow_writer if case == "run" else closing_writer)
         except BaseException as exc:  # noqa: BLE001 - reported to the test
@@ -407,3 +436,105 @@ def reset_with_dead_rank(rank, ws, rdzv, tmp):
         return dict(type=type(exc).__name__, base=isinstance(exc, F.TransportError), code=int(getattr(exc, "code", -1)),
                     rank=getattr(exc, "rank", None), msg=str(exc), dt=time.monotonic() - t0)
     return dict(type=None, dt=time.monotonic() - t0)
+
+
+def sigint_in_wait(rank, ws, rdzv, tmp):
+    """Rank 0 SIGINTs rank 1 while rank 1 is blocked in wait() (GIL released): rank 1 must raise
+    KeyboardInterrupt at once, and rank 0's run() must stop with the interruption as its cause."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if the launcher ignored SIGINT
+    nb = [1024, 128, 512, 64]
+    ex = _exchange(tmp, "x", rank, ws)
+    t = F.Transport(rank, ws, 64, nb, num_slots=2, backend="cpu", timeout_ms=30000, exchange=ex)
+    sent = os.path.join(tmp, "sigint_sent_at")
+    try:
+        t.join(1, 0, 64)
+        if rank == 0:
+            def writer(e, slots):
+                if e == 10:  # rank 1 has been inside wait(1) for a while (experts take 20 ms each)
+                    with open(sent, "w") as f:
+                        f.write(repr(time.monotonic()))
+                    os.kill(t.peer_pids[1], signal.SIGINT)
+                time.sleep(0.02)
+            t.run(1, 0, 64, writer)
+        t.wait(1)
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        t_exc = time.monotonic()
+        with open(sent) as f:
+            t0 = float(f.read())
+        info = t.native.last_poison()
+        return dict(type=type(exc).__name__, dt=t_exc - t0, code=int(getattr(exc, "code", -1)),
+                    rank=getattr(exc, "rank", None), poison=(info["error_code"], info["error_rank"]),
+                    msg=info["error_message"])
+    finally:
+        t.close()
+    return dict(type=None)
+
+
+def slot_view_after_close(rank, ws, rdzv, tmp):
+    """A Python writer keeps slot tensors (and a view of one) past close(): reading them must not crash
+    (the segment stays mapped while they live) and the mapping must go once they are gone."""
+    import gc
+
+    def slot_maps():
+        with open("/proc/self/maps") as f:
+            return sum("fp8lw_slots" in line for line in f)
+
+    before = slot_maps()
+    kept = []
+    with F.Transport(0, 1, 4, [4096, 512, 2048, 256], num_slots=2, backend="cpu", exchange=lambda o: [o]) as t:
+        def writer(e, slots):
+            for k, v in enumerate(slots[0]):
+                v.fill_(e * 4 + k + 1)
+            if e == 3:
+                kept.extend([slots[0][0], slots[0][3], slots[0][2][100:200]])
+        with t.layer(1, 0, 4) as layer:
+            layer.run(writer)
+        mapped_open = slot_maps()
+    gc.collect()
+    sums = [int(v.to(torch.int64).sum()) for v in kept]  # after close: must not crash
+    mapped_kept = slot_maps()
+    del kept, writer, layer
+    gc.collect()
+    return dict(sums=sums, before=before, mapped_open=mapped_open, mapped_kept=mapped_kept, after=slot_maps())
+
+
+def wrong_exchange_group(rank, ws, rdzv, tmp, case):
+    """The exchange does not match the TP group: `world` = WORLD of 4 gloo processes with tp_size 2 and
+    group=None; `order` = 2 processes whose exchange order is the reverse of their TP ranks."""
+    nb = [1024, 128, 512, 64]
+    t0 = time.monotonic()
+    try:
+        if case == "world":
+            from tests._dist import init_gloo
+
+            init_gloo(rank, ws, rdzv)
+            tp_rank, kw = rank % 2, {}
+        else:
+            tp_rank, kw = ws - 1 - rank, dict(exchange=_exchange(tmp, "x", rank, ws))
+        with F.Transport(tp_rank, 2, 4, nb, num_slots=2, backend="cpu", timeout_ms=5000, **kw):
+            return dict(type=None)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return dict(type=type(exc).__name__, msg=str(exc), dt=time.monotonic() - t0)
+
+
+def rank_never_joins_tp3(rank, ws, rdzv, tmp):
+    """Rank 1 of 3 never joins: every rank's timeout must name rank 1 (message and peer)."""
+    nb = [1024, 128, 512, 64]
+    ex = _exchange(tmp, "x", rank, ws)
+    t = F.Transport(rank, ws, 4, nb, num_slots=2, backend="cpu", timeout_ms=800, exchange=ex)
+    try:
+        if rank == 1:
+            deadline = time.monotonic() + 20
+            while not t.poisoned and time.monotonic() < deadline:
+                time.sleep(0.01)
+            t.join(1, 0, 4)  # too late: raises the recorded poison
+        else:
+            t.join(1, 0, 4)
+            if rank == 0:
+                t.run(1, 0, 4, lambda e, s: None)
+            t.wait(1)
+    except F.TransportPoisoned as exc:
+        return dict(type=type(exc).__name__, code=int(exc.code), rank=exc.rank, peer=exc.peer, msg=exc.message)
+    finally:
+        t.close()
+    return dict(type=None)

@@ -115,6 +115,8 @@ def test_close_while_another_thread_is_blocked(tmp_path, case):
     call = "wait" if case == "wait" else "run"
     assert name == "TransportClosed" and is_transport_error, res
     assert f"closed while {call}() was blocked" in msg, res
+    if case == "wait":
+        assert res.get("run_exc") == "TransportClosed", res  # the producer thread was released too
     if case == "run":
         assert res["wrote_after_close"], res  # the writer finished its expert into still-mapped slots
         assert res["close_s"] >= 0.1, res  # close() waited for it
@@ -168,7 +170,7 @@ def test_sigkill_while_waiting_for_peers_leaves_no_shm(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", code, str(xdir)])
     try:
         deadline = time.monotonic() + 60
-        while not (xdir / "1.0.json").exists():  # rank 0 published round 1 and now waits for rank 1
+        while not list(xdir.glob("s.*/1.0.json")):  # rank 0 published round 1 and now waits for rank 1
             assert p.poll() is None and time.monotonic() < deadline, "rank 0 never reached the first exchange"
             time.sleep(0.02)
         time.sleep(0.3)

@@ -214,11 +214,24 @@ def test_close_while_active_and_double_close():
 def test_close_from_another_thread_unblocks_wait():
     t = make(4, [16] * 4, timeout_ms=60000)
     t.join(1, 0, 4)
-    threading.Timer(0.3, t.native.close).start()
+    native = t.native
+
+    def stuck_writer(e, slots):  # never finishes expert 0 until close() runs
+        while not native.closed:
+            time.sleep(0.005)
+        time.sleep(0.05)  # close() stops the run once this expert returns
+
+    producer = threading.Thread(target=lambda: pytest.raises(F.TransportClosed, t.run, 1, 0, 4, stuck_writer))
+    producer.start()
+    time.sleep(0.1)
+
+    threading.Timer(0.3, native.close).start()
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="closed"):
-        t.wait(1)  # the producer never runs; close() must release the waiter
+        t.wait(1)  # the producer never publishes; close() must release the waiter
     assert time.monotonic() - t0 < 5
+    producer.join(10)
+    assert not producer.is_alive()
     t.close()
 
 

@@ -33,14 +33,23 @@ py::dict stats_dict(const Stats& s) {
   d["poisoned"] = s.poisoned;
   d["error_code"] = s.error_code;
   d["error_rank"] = s.error_rank;
+  d["error_peer"] = s.error_peer;
   d["error_message"] = s.error_message;
   return d;
 }
 
-Writer wrap_python_writer(py::function fn) {
+// A BaseException that is not an Exception (KeyboardInterrupt, SystemExit, GeneratorExit) raised by
+// a Python writer: the native core poisons the region as for any writer failure (code WRITER), and
+// run() then re-raises this original exception instead of TransportPoisoned, so that
+// `except Exception` can never swallow a Ctrl-C.
+struct WriterEscape {
+  std::unique_ptr<py::error_already_set> error;  // set and read with the GIL held
+};
+
+Writer wrap_python_writer(py::function fn, std::shared_ptr<WriterEscape> escape) {
   auto holder = std::make_shared<py::function>(std::move(fn));
-  return [holder](int e, const std::vector<uintptr_t>& a, const std::vector<uintptr_t>& b,
-                  const std::vector<uintptr_t>& c, const std::vector<uintptr_t>& d) {
+  return [holder, escape](int e, const std::vector<uintptr_t>& a, const std::vector<uintptr_t>& b,
+                          const std::vector<uintptr_t>& c, const std::vector<uintptr_t>& d) {
     py::gil_scoped_acquire gil;
     try {
       (*holder)(e, a, b, c, d);
@@ -48,9 +57,49 @@ Writer wrap_python_writer(py::function fn) {
       // Keep the original cause as "ExcType: message" (without pybind11's traceback dump).
       std::string msg = py::str(err.type().attr("__name__")).cast<std::string>() + ": " +
                         py::str(err.value()).cast<std::string>();
+      if (!PyErr_GivenExceptionMatches(err.type().ptr(), PyExc_Exception) && escape && !escape->error)
+        escape->error = std::make_unique<py::error_already_set>(std::move(err));
       throw std::runtime_error(msg);
     }
   };
+}
+
+// The exception a Python signal handler raised (KeyboardInterrupt on Ctrl-C) while this thread was
+// blocked in a native call, kept until that call's InterruptedError reaches the translator (which
+// runs on the same thread) and raised there instead.
+struct SavedPyError {
+  PyObject* type = nullptr;
+  PyObject* value = nullptr;
+  PyObject* tb = nullptr;
+  void clear() {
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    type = value = tb = nullptr;
+  }
+};
+thread_local SavedPyError t_interrupt;
+
+bool python_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+// Options::interrupt_check of every transport made here: runs the Python signal handlers (only the
+// main thread runs them; elsewhere this is a no-op); when one raised, keeps its exception for the
+// translator and names it, so the native call poisons the region and raises InterruptedError.
+std::string check_python_signals() noexcept {
+  if (python_finalizing()) return std::string();
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() == 0) return std::string();
+  t_interrupt.clear();
+  PyErr_Fetch(&t_interrupt.type, &t_interrupt.value, &t_interrupt.tb);
+  PyErr_NormalizeException(&t_interrupt.type, &t_interrupt.value, &t_interrupt.tb);
+  const char* name = t_interrupt.type != nullptr ? reinterpret_cast<PyTypeObject*>(t_interrupt.type)->tp_name : nullptr;
+  return name != nullptr ? std::string(name) : std::string("a signal");
 }
 
 }  // namespace
@@ -63,6 +112,11 @@ PYBIND11_MODULE(_C, m) {
   // commkit::Error but ValueError (left to commkit's translator: the builtin ValueError) becomes
   // one of fp8_layerwise.errors' classes, keeping the commkit attributes (rank, peer, where; and
   // operation, expected, observed of a timeout).
+  //
+  // Running Python code here (the import, the factories) would run the handler of a signal that is
+  // still pending (Ctrl-C during the native call) and raise inside the translator, where the error
+  // would be lost or re-typed by a later translator: so a pending signal is run first and its
+  // exception (KeyboardInterrupt) wins, and any error while building ours is raised as it is.
   py::register_local_exception_translator([](std::exception_ptr p) {
     if (!p) return;
     auto raise = [](py::object exc) { PyErr_SetObject(py::type::handle_of(exc).ptr(), exc.ptr()); };
@@ -70,22 +124,36 @@ PYBIND11_MODULE(_C, m) {
       const char* base = std::strrchr(e.file(), '/');
       return std::string(base ? base + 1 : e.file()) + ":" + std::to_string(e.line());
     };
+    auto errors = [] { return py::module_::import("fp8_layerwise.errors"); };
     try {
       std::rethrow_exception(p);
-    } catch (const PoisonedError& e) {
+    } catch (const InterruptedError& e) {
       py::gil_scoped_acquire gil;
-      py::object make = py::module_::import("fp8_layerwise.errors").attr("_from_native");
-      raise(make(e.code(), e.poison_rank(), e.message(), std::string(e.what())));
+      if (t_interrupt.type != nullptr) {
+        PyErr_Restore(t_interrupt.type, t_interrupt.value, t_interrupt.tb);  // steals the references
+        t_interrupt = SavedPyError();
+      } else {
+        PyErr_SetString(PyExc_KeyboardInterrupt, e.what());
+      }
     } catch (const commkit::ValueError&) {
-      throw;  // to commkit's translator
-    } catch (const commkit::TimeoutError& e) {
-      py::gil_scoped_acquire gil;
-      py::object make = py::module_::import("fp8_layerwise.errors").attr("_from_native_timeout");
-      raise(make(std::string(e.what()), e.rank(), e.peer(), where(e), e.operation(), e.expected(), e.observed()));
+      throw;  // to commkit's translator (no Python code runs there)
     } catch (const commkit::Error& e) {
       py::gil_scoped_acquire gil;
-      py::object make = py::module_::import("fp8_layerwise.errors").attr("_from_native_error");
-      raise(make(std::string(e.what()), e.rank(), e.peer(), where(e), dynamic_cast<const ClosedError*>(&e) != nullptr));
+      if (PyErr_CheckSignals() != 0) return;  // the signal handler's exception is set: it wins
+      try {
+        if (const auto* pe = dynamic_cast<const PoisonedError*>(&e)) {
+          raise(errors().attr("_from_native")(pe->code(), pe->poison_rank(), pe->message(), std::string(e.what()),
+                                              pe->peer()));
+        } else if (const auto* te = dynamic_cast<const commkit::TimeoutError*>(&e)) {
+          raise(errors().attr("_from_native_timeout")(std::string(e.what()), e.rank(), e.peer(), where(e),
+                                                      te->operation(), te->expected(), te->observed()));
+        } else {
+          raise(errors().attr("_from_native_error")(std::string(e.what()), e.rank(), e.peer(), where(e),
+                                                    dynamic_cast<const ClosedError*>(&e) != nullptr));
+        }
+      } catch (py::error_already_set& err) {
+        err.restore();
+      }
     }
   });
 
@@ -105,7 +173,15 @@ PYBIND11_MODULE(_C, m) {
         py::arg("tp_size"), py::arg("num_slots") = 2,
         "Zero and stamp a control region (magic, version, struct size, tp_size, num_slots).");
 
-  py::class_<commkit::ShmSegment>(m, "ShmSegment")
+  // The buffer protocol exports the whole mapping; an exporter (memoryview, torch.frombuffer's tensor)
+  // holds a reference to the segment object, so the mapping stays until the last view is gone as
+  // long as nobody calls close() explicitly (HostSlots only drops its reference).
+  py::class_<commkit::ShmSegment>(m, "ShmSegment", py::buffer_protocol())
+      .def_buffer([](commkit::ShmSegment& s) -> py::buffer_info {
+        if (s.data() == nullptr) throw py::buffer_error("the shm segment is closed (unmapped)");
+        return py::buffer_info(s.data(), sizeof(uint8_t), py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(s.size())}, {static_cast<py::ssize_t>(1)});
+      })
       .def_static("create", &commkit::ShmSegment::create, py::arg("prefix"), py::arg("nbytes"),
                   "Create an owner-only (0600, O_EXCL) segment with an unguessable name.")
       .def_static("attach", &commkit::ShmSegment::attach, py::arg("name"), py::arg("nbytes") = 0)
@@ -186,6 +262,7 @@ PYBIND11_MODULE(_C, m) {
              o.copy_streams = copy_streams;
              o.coalesce_wait = coalesce_wait;
              o.batch_small_kinds = batch_small_kinds;
+             o.interrupt_check = check_python_signals;
              py::gil_scoped_release nogil;
              return new Transport(control_ptr, control_size, rank, tp_size, cuda_device, local_host_ptrs,
                                   local_gpu_ptrs, all_rank_host_ptrs, expert_nbytes, num_experts, timeout_ms, o);
@@ -219,9 +296,17 @@ PYBIND11_MODULE(_C, m) {
               return;
             }
             if (!PyCallable_Check(writer.ptr())) throw py::type_error("writer must be a ShardWriter or a callable");
-            Writer w = wrap_python_writer(py::reinterpret_borrow<py::function>(writer));
-            py::gil_scoped_release nogil;
-            t.run_producer(epoch, layer_id, expert_count, w);
+            auto escape = std::make_shared<WriterEscape>();
+            Writer w = wrap_python_writer(py::reinterpret_borrow<py::function>(writer), escape);
+            try {
+              py::gil_scoped_release nogil;
+              t.run_producer(epoch, layer_id, expert_count, w);
+            } catch (const commkit::Error&) {
+              // The writer raised KeyboardInterrupt / SystemExit: the region is poisoned (WRITER), and
+              // the caller gets that exception back rather than TransportPoisoned.
+              if (escape->error) throw py::error_already_set(std::move(*escape->error));
+              throw;
+            }
           },
           py::arg("epoch"), py::arg("layer_id"), py::arg("expert_count"), py::arg("writer"),
           "Rank 0: fill every rank's slots expert by expert (writer(expert, w13[r], w13s[r], w2[r], w2s[r]) "

@@ -25,7 +25,9 @@ constexpr int kMaxSlots = 16;
 constexpr int kKinds = 4;  // w13 FP8, w13 scale (fp32), w2 FP8, w2 scale (fp32)
 constexpr size_t kControlBytes = 8192;  // the region size callers allocate (seed ABI)
 constexpr uint64_t kMagic = 0x4b4346503857314cULL;  // "L1W8PFCK" little-endian: ours, not the seed's
-constexpr uint64_t kVersion = 5;  // 4: RankState carries the attach geometry; 5: and departed_blame
+// 4: RankState carries the attach geometry; 5: and departed_blame; 6: PoisonRecord::peer and
+// LayerState::run_epoch.
+constexpr uint64_t kVersion = 6;
 constexpr uint64_t kPoisonClaimed = ~0ull;
 
 enum ErrorCode : int {
@@ -38,6 +40,7 @@ enum ErrorCode : int {
   kErrClosedWhileActive = 6,
   kErrPeerDead = 7,
   kErrUser = 8,  // poison() called explicitly (e.g. an exception inside `with transport.layer()`)
+  kErrInterrupted = 9,  // a blocked call was interrupted by a signal (Ctrl-C) on the recording rank
 };
 
 enum RankStatus : uint64_t { kRankAbsent = 0, kRankAttached = 1, kRankClosed = 2 };
@@ -57,7 +60,8 @@ struct alignas(64) PoisonRecord {
   int64_t rank;
   uint64_t claim_ns;  // monotonic time of the claim: a claimer that died mid-publication is detected
   uint64_t generation;  // generation in which the poison happened
-  uint64_t reserved[3];
+  uint64_t peer;        // 1 + the rank the failure is blamed on (the one a timeout waited for); 0: none
+  uint64_t reserved[2];
   char message[256];
 };
 
@@ -69,7 +73,7 @@ struct alignas(64) LayerState {
   uint64_t producer_done_epoch;
   uint64_t generation;  // bumped by reset(); consumers re-arm when it changes
   uint64_t layer_start_ns;
-  uint64_t reserved;
+  uint64_t run_epoch;  // the epoch rank 0's run() last started (so waits can tell "run() not called")
 };
 
 struct alignas(64) ProducerStats {

@@ -52,6 +52,12 @@ using commkit::st_relaxed;
 
 struct Stopping {};  // thrown inside waits when close() runs concurrently
 
+// Who a wait is blocked on: the rank (-1: unknown) and "; rank 1 has not ..." for the message.
+struct Blame {
+  int peer = -1;
+  std::string text;
+};
+
 // /proc/<pid>/stat start time (field 22); 0 when the process is gone or a zombie.
 uint64_t live_start_time(uint64_t pid) {
   char path[64];
@@ -95,6 +101,7 @@ const char* code_name(int code) {
     case kErrClosedWhileActive: return "closed-while-active";
     case kErrPeerDead: return "peer-dead";
     case kErrUser: return "user";
+    case kErrInterrupted: return "interrupted";
     default: return "unknown";
   }
 }
@@ -263,11 +270,13 @@ class Transport::Impl {
   }
 
   // --- poison -------------------------------------------------------------------------------
-  bool publish_poison(int code, int rank, const std::string& msg) noexcept {
+  // peer: the rank the failure is blamed on (e.g. the one a timeout waited for), -1 if none.
+  bool publish_poison(int code, int rank, const std::string& msg, int peer = -1) noexcept {
     if (cas(&c_->poison.state, uint64_t{0}, kPoisonClaimed) != 0) return false;
     st_relaxed(&c_->poison.claim_ns, monotonic_ns());
     st_relaxed(&c_->poison.code, static_cast<uint64_t>(code));
     st_relaxed(&c_->poison.rank, static_cast<int64_t>(rank));
+    st_relaxed(&c_->poison.peer, peer >= 0 && peer < tp_ ? static_cast<uint64_t>(peer) + 1u : uint64_t{0});
     st_relaxed(&c_->poison.generation, ld_relaxed(&c_->layer.generation));
     std::snprintf(c_->poison.message, sizeof(c_->poison.message), "%s", msg.c_str());
     commkit::fence_system();
@@ -278,9 +287,10 @@ class Transport::Impl {
   bool is_poisoned() const { return ld_acquire(&c_->poison.state) != 0; }
 
   // Reads the record, giving a claimer 10 ms to finish publishing it.
-  void read_poison(int& code, int& rank, std::string& msg) const {
+  void read_poison(int& code, int& rank, std::string& msg, int& peer) const {
     const uint64_t until = monotonic_ns() + 10000000ull;
     while (ld_acquire(&c_->poison.state) == kPoisonClaimed && monotonic_ns() < until) sched_yield();
+    peer = -1;
     if (ld_acquire(&c_->poison.state) == kPoisonClaimed) {
       code = static_cast<int>(ld_relaxed(&c_->poison.code));
       rank = -1;
@@ -289,6 +299,8 @@ class Transport::Impl {
     }
     code = static_cast<int>(ld_relaxed(&c_->poison.code));
     rank = static_cast<int>(ld_relaxed(&c_->poison.rank));
+    const uint64_t p1 = ld_relaxed(&c_->poison.peer);
+    peer = p1 >= 1 && p1 <= static_cast<uint64_t>(tp_) ? static_cast<int>(p1 - 1) : -1;
     char buf[sizeof(c_->poison.message)];
     std::memcpy(buf, c_->poison.message, sizeof(buf));
     buf[sizeof(buf) - 1] = '\0';
@@ -296,20 +308,20 @@ class Transport::Impl {
   }
 
   [[noreturn]] void raise_poison() const {
-    int code, rank;
+    int code, rank, peer;
     std::string msg;
-    read_poison(code, rank, msg);
+    read_poison(code, rank, msg, peer);
     throw PoisonedError(commkit::str("fp8_layerwise transport poisoned (code ", code, " ", code_name(code), ", rank ",
                                      rank, "): ", msg, " [raised on rank ", rank_, "]"),
-                        code, rank, msg);
+                        code, rank, msg, peer);
   }
 
   void check_poison() const {
     if (is_poisoned()) raise_poison();
   }
 
-  [[noreturn]] void poison_and_throw(int code, const std::string& msg) {
-    publish_poison(code, rank_, msg);
+  [[noreturn]] void poison_and_throw(int code, const std::string& msg, int peer = -1) {
+    publish_poison(code, rank_, msg, peer);
     raise_poison();
   }
 
@@ -357,8 +369,8 @@ class Transport::Impl {
     st_release(&c_->ranks[rank_].departed_blame, static_cast<uint64_t>(r) + 1u);
     if (!record)
       throw PoisonedError(commkit::str("fp8_layerwise transport: ", msg, " [raised on rank ", rank_, "]"),
-                          kErrPeerDead, r, msg);
-    publish_poison(kErrPeerDead, r, msg);
+                          kErrPeerDead, r, msg, r);
+    publish_poison(kErrPeerDead, r, msg, r);
     raise_poison();
   }
 
@@ -370,21 +382,29 @@ class Transport::Impl {
 
   uint32_t all_mask() const { return (1u << tp_) - 1u; }
 
-  // Waits for pred(); poison, close, dead peers (mask) and a stalled deadline all throw. The checks
-  // that end a wait early throw from inside the poll, so it never reports kAborted. Without
-  // honor_poison (reset(), which waits on a poisoned region) an expiry raises a TimeoutError whose
-  // message ends with describe() (who is missing) instead of poisoning.
+  // Waits for pred(); poison, close, dead peers (mask), an interruption (Options::interrupt_check)
+  // and a stalled deadline all throw. The checks that end a wait early throw from inside the poll,
+  // so it never reports kAborted. describe() says who is missing (Blame: the rank, and ": rank 1 has
+  // not ..." for the message); an expiry names it and records it as the error's peer. Without
+  // honor_poison (reset(), which waits on a poisoned region) an expiry raises a TimeoutError
+  // instead of poisoning.
   template <typename Pred, typename Progress, typename Describe>
   void wait_for(const char* what, Pred&& pred, Progress&& progress, uint32_t mask, bool honor_poison,
                 Describe&& describe) {
     commkit::ProgressDeadline deadline(timeout_ms_);
     uint64_t next_live = next_liveness_check();
+    uint64_t next_intr = next_interrupt_check();
     auto interrupted = [&] {
       if (honor_poison) check_poison();
       if (stopping_.load(std::memory_order_acquire)) throw Stopping{};
-      if (mask != 0 && monotonic_ns() >= next_live) {
+      const uint64_t now = monotonic_ns();
+      if (mask != 0 && now >= next_live) {
         check_peers(mask, what, honor_poison);
         next_live = next_liveness_check();
+      }
+      if (now >= next_intr) {
+        check_interrupt(what);
+        next_intr = next_interrupt_check();
       }
       return false;
     };
@@ -392,18 +412,96 @@ class Transport::Impl {
     // ~100 us), then sleeps.
     if (commkit::poll_until(pred, deadline, [&] { return static_cast<uint64_t>(progress()); }, interrupted) ==
         commkit::PollResult::kExpired) {
+      const Blame blame = describe();
       if (!honor_poison)
-        CK_THROW_TIMEOUT(what, rank_, -1, 1, 0, " after ", timeout_ms_, " ms without progress", describe());
+        CK_THROW_TIMEOUT(what, rank_, blame.peer, 1, 0, " after ", timeout_ms_, " ms without progress", blame.text);
       poison_and_throw(kErrTimeout,
-                       commkit::str("timed out after ", timeout_ms_, " ms without progress waiting for ", what));
+                       commkit::str("rank ", rank_, " timed out after ", timeout_ms_,
+                                    " ms without progress waiting for ", what, blame.text),
+                       blame.peer);
     }
     if (honor_poison) check_poison();
   }
 
   template <typename Pred, typename Progress>
   void wait_for(const char* what, Pred&& pred, Progress&& progress, uint32_t mask) {
-    wait_for(what, std::forward<Pred>(pred), std::forward<Progress>(progress), mask, true,
-             [] { return std::string(); });
+    wait_for(what, std::forward<Pred>(pred), std::forward<Progress>(progress), mask, true, [] { return Blame{}; });
+  }
+
+  // --- interruption -------------------------------------------------------------------------
+  // When the next Options::interrupt_check is due: every kInterruptCheckMs, or every liveness tick
+  // when that is shorter (a huge timeout_ms or liveness_ms never delays it).
+  uint64_t next_interrupt_check() const {
+    if (!opt_.interrupt_check) return ~uint64_t{0};
+    return commkit::add_saturating(monotonic_ns(),
+                                   commkit::ms_to_ns_saturating(std::min(opt_.liveness_ms, kInterruptCheckMs)));
+  }
+
+  // Asks the hook; on an interruption poisons the region the way close() of an active layer does
+  // (the peers raise at once, naming this rank and the cause) and raises InterruptedError.
+  void check_interrupt(const char* what) {
+    if (!opt_.interrupt_check) return;
+    const std::string why = opt_.interrupt_check();
+    if (why.empty()) return;
+    const std::string msg = commkit::str("rank ", rank_, " was interrupted (", why, ") in ", current_call(),
+                                         "() while waiting for ", what);
+    publish_poison(kErrInterrupted, rank_, msg);
+    throw InterruptedError(commkit::str("fp8_layerwise transport: ", msg, " [raised on rank ", rank_, "]"), rank_);
+  }
+
+  // The public call this thread is inside of (for messages).
+  static const char*& current_call_slot() {
+    static thread_local const char* call = nullptr;
+    return call;
+  }
+  static const char* current_call() {
+    const char* c = current_call_slot();
+    return c != nullptr ? c : "a call";
+  }
+
+  // --- who is missing -----------------------------------------------------------------------
+  // "; rank 1 has not joined epoch 3": the ranks (or rank 0's producer) that the layer `epoch` is
+  // waiting for, from the control block; peer is the first of them.
+  Blame layer_blame(uint64_t epoch) const {
+    Blame b;
+    auto add = [&](int r, const std::string& why) {
+      if (b.peer < 0) b.peer = r;
+      b.text += commkit::str(b.text.empty() ? ": " : "; ", why);
+    };
+    const uint64_t active = ld_acquire(&c_->layer.active_epoch);
+    if (active < epoch) {
+      add(0, commkit::str("rank 0 has not opened epoch ", epoch, " (its open epoch is ", active, ")"));
+      return b;
+    }
+    if (active > epoch) return b;
+    for (int r = 0; r < tp_; ++r)
+      if (ld_acquire(&c_->ranks[r].join_epoch) < epoch) add(r, commkit::str("rank ", r, " has not joined epoch ", epoch));
+    if (b.peer >= 0) return b;
+    if (ld_acquire(&c_->layer.producer_done_epoch) >= epoch) {
+      for (int r = 0; r < tp_; ++r)
+        if (ld_acquire(&c_->ranks[r].consumer_done_epoch) < epoch)
+          add(r, commkit::str("rank ", r, "'s consumer has not finished copying epoch ", epoch));
+      return b;
+    }
+    if (ld_acquire(&c_->layer.run_epoch) < epoch) {
+      add(0, commkit::str("rank 0 has not called run() for epoch ", epoch));
+      return b;
+    }
+    // Rank 0 is producing: a rank that has not acknowledged a published slot of this epoch holds it.
+    for (int r = 0; r < tp_; ++r) {
+      for (int s = 0; s < slots_; ++s) {
+        const uint64_t seq = ld_acquire(&c_->ready[s].sequence);
+        if (seq != 0 && ld_relaxed(&c_->ready[s].epoch) == epoch && ld_acquire(&c_->ranks[r].ack[s]) < seq) {
+          add(r, commkit::str("rank ", r, " has not acknowledged expert ", ld_relaxed(&c_->ready[s].expert),
+                              " (slot ", s, ")"));
+          break;
+        }
+      }
+    }
+    if (b.peer < 0)
+      add(0, commkit::str("rank 0's writer has not published the next expert (", ld_relaxed(&c_->layer.next_sequence),
+                          " published in this generation)"));
+    return b;
   }
 
   // --- calls in flight ----------------------------------------------------------------------
@@ -440,11 +538,18 @@ class Transport::Impl {
   }
 
   struct CallGuard {
-    CallGuard(Impl* impl, const char* call) : impl(impl) { impl->enter_call(call); }
-    ~CallGuard() { impl->leave_call(); }
+    CallGuard(Impl* impl, const char* call) : impl(impl), outer(current_call_slot()) {
+      impl->enter_call(call);
+      current_call_slot() = call;
+    }
+    ~CallGuard() {
+      current_call_slot() = outer;
+      impl->leave_call();
+    }
     CallGuard(const CallGuard&) = delete;
     CallGuard& operator=(const CallGuard&) = delete;
     Impl* impl;
+    const char* outer;
   };
 
   void enter_call(const char* call) {
@@ -530,7 +635,19 @@ class Transport::Impl {
                 for (int r = 0; r < tp_; ++r) s = s * 1000003u + ld_relaxed(&c_->ranks[r].wait_returned_epoch);
                 return s;
               },
-              all_mask());
+              all_mask(), true, [&] {
+                Blame b;
+                for (int r = 0; r < tp_; ++r) {
+                  const auto& rs = c_->ranks[r];
+                  if (ld_acquire(&rs.wait_returned_epoch) >= prev) continue;
+                  if (b.peer < 0) b.peer = r;
+                  const char* why = ld_acquire(&rs.join_epoch) < prev               ? " has not joined epoch "
+                                    : ld_acquire(&rs.consumer_done_epoch) < prev ? "'s consumer has not finished epoch "
+                                                                                  : " has not returned from wait() of epoch ";
+                  b.text += commkit::str(b.text.empty() ? ": rank " : "; rank ", r, why, prev);
+                }
+                return b;
+              });
         }
         st_relaxed(&c_->layer.layer_id, layer_id);
         st_relaxed(&c_->layer.expert_count, static_cast<uint64_t>(expert_count));
@@ -551,7 +668,19 @@ class Transport::Impl {
                                                    std::to_string(a));
               return a == epoch;
             },
-            [&] { return ld_relaxed(&c_->layer.active_epoch); }, 1u);
+            [&] { return ld_relaxed(&c_->layer.active_epoch); }, 1u, true, [&] {
+              const uint64_t a = ld_acquire(&c_->layer.active_epoch);
+              if (a == 0 || ld_acquire(&c_->ranks[0].status) != kRankAttached)
+                return Blame{0, commkit::str(": rank 0 has not opened epoch ", epoch,
+                                             a == 0 ? " (it has not opened any epoch yet)" : "")};
+              // Rank 0 opens an epoch once every rank returned from wait() of the previous one: a rank
+              // other than 0 that has not is the one holding it.
+              for (int r = 1; r < tp_; ++r)
+                if (ld_acquire(&c_->ranks[r].wait_returned_epoch) < a)
+                  return Blame{r, commkit::str(": rank 0 has not opened epoch ", epoch, ", and rank ", r,
+                                               " has not returned from wait(", a, ") of the epoch before")};
+              return Blame{0, commkit::str(": rank 0 has not opened epoch ", epoch, " (its open epoch is ", a, ")")};
+            });
         check_geometry();  // rank 0 is attached now (it opened the epoch); also after a reset()
         const int64_t lid = ld_relaxed(&c_->layer.layer_id);
         const uint64_t cnt = ld_relaxed(&c_->layer.expert_count);
@@ -578,6 +707,16 @@ class Transport::Impl {
       if (ld_acquire(&me.wait_returned_epoch) >= epoch)
         poison_and_throw(kErrProtocol, "rank " + std::to_string(rank_) + " called wait(" + std::to_string(epoch) +
                                            ") twice");
+      // Rank 0 produces every layer: waiting for one whose run() it never started would stall every
+      // rank for the whole timeout, though it can tell now.
+      if (rank_ == 0 && ld_acquire(&c_->layer.producer_done_epoch) < epoch &&
+          ld_acquire(&c_->layer.run_epoch) != epoch)
+        poison_and_throw(kErrProtocol,
+                         commkit::str("rank 0 called wait(", epoch, ") without run() for the joined layer (epoch ",
+                                      epoch, ", layer ", ld_relaxed(&c_->layer.layer_id), ", ",
+                                      ld_relaxed(&c_->layer.expert_count),
+                                      " experts): rank 0 produces every layer; call run() (layer.run(writer)) "
+                                      "before wait()"));
       wait_for(
           "this rank's copies and the producer to finish the layer",
           [&] {
@@ -587,7 +726,7 @@ class Transport::Impl {
             return ld_relaxed(&c_->layer.next_sequence) * 31 + ld_relaxed(&me.consumer_done_epoch) * 7 +
                    ld_relaxed(&c_->layer.producer_done_epoch);
           },
-          ld_acquire(&c_->layer.producer_done_epoch) >= epoch ? 0u : 1u);
+          ld_acquire(&c_->layer.producer_done_epoch) >= epoch ? 0u : 1u, true, [&] { return layer_blame(epoch); });
       Stats s = fill_stats(epoch);
       st_release(&me.wait_returned_epoch, epoch);
       return s;
@@ -608,7 +747,7 @@ class Transport::Impl {
     s.bytes = ld_relaxed(&me.bytes);
     s.copies = ld_relaxed(&me.copies);
     s.poisoned = is_poisoned();
-    if (s.poisoned) read_poison(s.error_code, s.error_rank, s.error_message);
+    if (s.poisoned) read_poison(s.error_code, s.error_rank, s.error_message, s.error_peer);
     return s;
   }
 
@@ -616,7 +755,7 @@ class Transport::Impl {
     Stats s;
     s.rank = rank_;
     s.poisoned = is_poisoned();
-    if (s.poisoned) read_poison(s.error_code, s.error_rank, s.error_message);
+    if (s.poisoned) read_poison(s.error_code, s.error_rank, s.error_message, s.error_peer);
     return s;
   }
 
@@ -634,7 +773,16 @@ class Transport::Impl {
           for (int r = 0; r < tp_; ++r) s = s * 1000003u + ld_relaxed(&c_->ranks[r].ack[slot]);
           return s;
         },
-        all_mask());
+        all_mask(), true, [&] {
+          Blame b;
+          for (int r = 0; r < tp_; ++r) {
+            if (ld_acquire(&c_->ranks[r].ack[slot]) >= seq) continue;
+            if (b.peer < 0) b.peer = r;
+            b.text += commkit::str(b.text.empty() ? ": rank " : "; rank ", r, " has not acknowledged expert ",
+                                   ld_relaxed(&c_->ready[slot].expert), " (slot ", slot, ")");
+          }
+          return b;
+        });
   }
 
   template <typename WriteFn>
@@ -645,15 +793,29 @@ class Transport::Impl {
         poison_and_throw(kErrProtocol,
                          "run_producer called on rank " + std::to_string(rank_) + "; only rank 0 produces");
       validate_call(epoch, layer_id, expert_count);
-      if (ld_acquire(&c_->layer.active_epoch) != epoch || ld_relaxed(&c_->layer.layer_id) != layer_id ||
-          ld_relaxed(&c_->layer.expert_count) != static_cast<uint64_t>(expert_count) ||
-          ld_acquire(&c_->ranks[0].join_epoch) != epoch || ld_acquire(&c_->layer.producer_done_epoch) >= epoch) {
+      const bool same_layer = ld_acquire(&c_->layer.active_epoch) == epoch &&
+                              ld_relaxed(&c_->layer.layer_id) == layer_id &&
+                              ld_relaxed(&c_->layer.expert_count) == static_cast<uint64_t>(expert_count) &&
+                              ld_acquire(&c_->ranks[0].join_epoch) == epoch;
+      if (same_layer && (ld_acquire(&c_->layer.run_epoch) == epoch || ld_acquire(&c_->layer.producer_done_epoch) >= epoch))
+        poison_and_throw(kErrProtocol, commkit::str("run(epoch ", epoch, ", layer ", layer_id, ", count ", expert_count,
+                                                    ") was called again: rank 0 already ",
+                                                    ld_acquire(&c_->layer.producer_done_epoch) >= epoch
+                                                        ? "produced this layer"
+                                                        : "started producing this layer",
+                                                    "; run() once per joined layer"));
+      if (!same_layer || ld_acquire(&c_->layer.producer_done_epoch) >= epoch) {
         poison_and_throw(kErrProtocol, commkit::str("run_producer(epoch ", epoch, ", layer ", layer_id, ", count ",
                                                     expert_count, ") does not match the joined layer (epoch ",
                                                     ld_relaxed(&c_->layer.active_epoch), ", layer ",
                                                     ld_relaxed(&c_->layer.layer_id), ", count ",
-                                                    ld_relaxed(&c_->layer.expert_count), ")"));
+                                                    ld_relaxed(&c_->layer.expert_count), ")",
+                                                    ld_acquire(&c_->ranks[0].join_epoch) != epoch
+                                                        ? commkit::str("; rank 0 joined epoch ",
+                                                                       ld_relaxed(&c_->ranks[0].join_epoch))
+                                                        : std::string()));
       }
+      st_release(&c_->layer.run_epoch, epoch);
       const uint64_t t0 = monotonic_ns();
       wait_for(
           "every rank to join the layer",
@@ -667,7 +829,7 @@ class Transport::Impl {
             for (int r = 0; r < tp_; ++r) s = s * 1000003u + ld_relaxed(&c_->ranks[r].join_epoch);
             return s;
           },
-          all_mask());
+          all_mask(), true, [&] { return layer_blame(epoch); });
       std::array<uint64_t, kMaxSlots> published{};
       std::vector<uintptr_t> ptrs[kKinds];
       for (auto& v : ptrs) v.resize(tp_);
@@ -904,9 +1066,11 @@ class Transport::Impl {
                                            " finished copying epoch " + std::to_string(epoch));
       const uint64_t progress = ld_relaxed(&c_->layer.next_sequence) * 1000003u + static_cast<uint64_t>(next_done);
       if (deadline.expired(progress)) {
-        poison_and_throw(kErrTimeout, "rank " + std::to_string(rank_) + " consumer timed out after " +
-                                          std::to_string(timeout_ms_) + " ms without progress waiting for expert " +
-                                          std::to_string(next_issue) + " of epoch " + std::to_string(epoch));
+        const Blame b = layer_blame(epoch);
+        poison_and_throw(kErrTimeout,
+                         commkit::str("rank ", rank_, "'s consumer timed out after ", timeout_ms_,
+                                      " ms without progress waiting for expert ", next_issue, " of epoch ", epoch, b.text),
+                         b.peer);
       }
       if (monotonic_ns() >= next_live && ld_acquire(&c_->layer.producer_done_epoch) < epoch) {
         check_peers(1u, "the producer to publish an expert");
@@ -970,15 +1134,17 @@ class Transport::Impl {
   }
 
   // "rank 1 has not called reset(); rank 2's consumer has not drained": who rank 0's reset waits for.
-  std::string reset_missing(uint64_t gen) const {
-    std::string out;
+  Blame reset_missing(uint64_t gen) const {
+    Blame b;
     for (int r = 0; r < tp_; ++r) {
       const char* why = ld_acquire(&c_->ranks[r].reset_request) != gen + 1    ? " has not called reset()"
                         : ld_acquire(&c_->ranks[r].consumer_parked) != gen + 1 ? "'s consumer has not drained"
                                                                                 : nullptr;
-      if (why != nullptr) out += commkit::str(out.empty() ? ": rank " : "; rank ", r, why);
+      if (why == nullptr) continue;
+      if (b.peer < 0) b.peer = r;
+      b.text += commkit::str(b.text.empty() ? ": rank " : "; rank ", r, why);
     }
-    return out;
+    return b;
   }
 
   uint64_t reset() {
@@ -1023,6 +1189,7 @@ class Transport::Impl {
         }
         st_relaxed(&c_->poison.code, uint64_t{0});
         st_relaxed(&c_->poison.rank, int64_t{-1});
+        st_relaxed(&c_->poison.peer, uint64_t{0});
         c_->poison.message[0] = '\0';
         commkit::fence_system();
         st_release(&c_->poison.state, uint64_t{0});
@@ -1032,9 +1199,13 @@ class Transport::Impl {
             "rank 0 to finish the reset", [&] { return ld_acquire(&c_->layer.generation) != gen; },
             // Any dead rank, not only rank 0: rank 0's reset cannot finish without it either.
             [&] { return ld_relaxed(&c_->ranks[0].reset_request); }, all_mask(), /*honor_poison=*/false, [&] {
-              return std::string(ld_acquire(&c_->ranks[0].reset_request) != gen + 1
-                                     ? ": rank 0 has not called reset()"
-                                     : ": rank 0 is waiting for the other ranks' reset()");
+              if (ld_acquire(&c_->ranks[0].reset_request) != gen + 1) return Blame{0, ": rank 0 has not called reset()"};
+              Blame b = reset_missing(gen);  // rank 0 waits for these
+              if (b.peer < 0) return Blame{0, ": rank 0 has not finished the reset"};
+              b.text = ": rank 0 is waiting for the other ranks' reset()" + b.text;
+              b.text.replace(b.text.find(": rank ", 2), 2, " (");
+              b.text += ")";
+              return b;
             });
       }
       generation_ = gen + 1;

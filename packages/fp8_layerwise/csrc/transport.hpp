@@ -19,11 +19,13 @@
 
 namespace fp8lw {
 
-// Raised on every rank once the region is poisoned; carries the original cause.
+// Raised on every rank once the region is poisoned; carries the original cause. peer() is the rank
+// the failure is blamed on when the recording rank knew one (a timeout names the rank it waited
+// for), else -1.
 class PoisonedError : public commkit::Error {
  public:
-  PoisonedError(const std::string& what, int code, int poison_rank, std::string message)
-      : commkit::Error(what, __FILE__, __LINE__, poison_rank), code_(code), poison_rank_(poison_rank),
+  PoisonedError(const std::string& what, int code, int poison_rank, std::string message, int peer = -1)
+      : commkit::Error(what, __FILE__, __LINE__, poison_rank, peer), code_(code), poison_rank_(poison_rank),
         message_(std::move(message)) {}
   int code() const noexcept { return code_; }
   int poison_rank() const noexcept { return poison_rank_; }
@@ -44,6 +46,14 @@ class ClosedError : public commkit::Error {
   ClosedError(const std::string& what, int rank) : commkit::Error(what, __FILE__, __LINE__, rank) {}
 };
 
+// Raised by a blocked call (join / run / wait / reset) whose Options::interrupt_check reported an
+// interruption (the Python binding: a signal handler raised, e.g. KeyboardInterrupt on Ctrl-C). The
+// region was poisoned first (code kErrInterrupted, unless already poisoned), so the peers stop too.
+class InterruptedError : public commkit::Error {
+ public:
+  InterruptedError(const std::string& what, int rank) : commkit::Error(what, __FILE__, __LINE__, rank) {}
+};
+
 struct Stats {
   uint64_t epoch = 0;
   int64_t layer_id = 0;
@@ -55,6 +65,7 @@ struct Stats {
   bool poisoned = false;
   int error_code = 0;
   int error_rank = -1;
+  int error_peer = -1;
   std::string error_message;
 };
 
@@ -81,7 +92,13 @@ struct Options {
   // for TP4/TP8-sized shards on one H200, neutral with the writer in the loop
   // (fp8_layerwise/BENCHMARKS.md, run 9).
   bool batch_small_kinds = true;
+  // Asked by a thread blocked in join / run / wait / reset every kInterruptCheckMs (and at least
+  // every liveness tick): a non-empty answer (what interrupted it, e.g. "KeyboardInterrupt") makes
+  // the call poison the region (kErrInterrupted) and raise InterruptedError. Never called by the
+  // consumer thread. Empty: the calls are interruptible only by close() and the peers.
+  std::function<std::string()> interrupt_check;
 };
+constexpr uint64_t kInterruptCheckMs = 50;
 constexpr uint64_t kBatchedKindMaxBytes = 64 * 1024;
 
 // writer(expert, w13[rank], w13_scale[rank], w2[rank], w2_scale[rank]): fill every rank's slot.

@@ -26,6 +26,7 @@ class ErrorCode(enum.IntEnum):
     CLOSED_WHILE_ACTIVE = 6  #: a rank closed its transport during an active layer
     PEER_DEAD = 7  #: a rank's process died (or closed) while others waited on it
     USER = 8  #: poison() called explicitly, e.g. an exception inside ``with transport.layer()``
+    INTERRUPTED = 9  #: a rank's blocked call was interrupted by a signal (Ctrl-C: KeyboardInterrupt)
 
 
 class TransportError(RuntimeError):
@@ -50,9 +51,11 @@ class TransportPoisoned(TransportError):
         code: the :class:`ErrorCode` of the original failure.
         rank: the rank that recorded it (-1 if unknown).
         message: the original cause, as recorded by that rank.
+        peer: the rank the failure is blamed on, when the recording rank knew one (a timeout names
+            the rank it waited for, ``PeerDied`` the rank that went), else -1.
     """
 
-    def __init__(self, code: int, rank: int, message: str, text: str = ""):
+    def __init__(self, code: int, rank: int, message: str, text: str = "", peer: int = -1):
         try:
             code = ErrorCode(code)
         except ValueError:
@@ -60,10 +63,11 @@ class TransportPoisoned(TransportError):
         self.code = code
         self.rank = rank
         self.message = message
+        self.peer = peer
         super().__init__(text or f"transport poisoned (code {int(code)}, rank {rank}): {message}")
 
     def __reduce__(self):
-        return (type(self), (int(self.code), self.rank, self.message, str(self)))
+        return (type(self), (int(self.code), self.rank, self.message, str(self), self.peer))
 
 
 class ProtocolError(TransportPoisoned):
@@ -71,7 +75,8 @@ class ProtocolError(TransportPoisoned):
 
 
 class TransportTimeout(TransportPoisoned, TimeoutError):
-    """A wait made no progress within the timeout (code TIMEOUT).
+    """A wait made no progress within the timeout (code TIMEOUT). The message names the rank(s) it
+    waited for, and ``peer`` is the first of them (-1 if none could be told).
 
     Also raised by ``reset()`` when the other ranks do not take part in time (the region then stays
     poisoned); that one carries the native ``operation`` (what it waited for), ``peer``,
@@ -90,18 +95,18 @@ _BY_CODE = {
 }
 
 
-def _from_native(code: int, rank: int, message: str, text: str) -> TransportPoisoned:
+def _from_native(code: int, rank: int, message: str, text: str, peer: int = -1) -> TransportPoisoned:
     """Called by the C++ exception translator: build the exception for a poison record."""
     cls = _BY_CODE.get(code, TransportPoisoned)
-    return cls(code, rank, message, text)
+    return cls(code, rank, message, text, peer)
 
 
 def _from_native_timeout(text: str, rank: int, peer: int, where: str, operation: str, expected: int,
                          observed: int) -> TransportTimeout:
     """Called by the C++ exception translator for a native timeout outside the poison record
     (``reset()``): a :class:`TransportTimeout` with the native attributes."""
-    exc = TransportTimeout(ErrorCode.TIMEOUT, rank, text, text)
-    exc.peer, exc.where, exc.operation, exc.expected, exc.observed = peer, where, operation, expected, observed
+    exc = TransportTimeout(ErrorCode.TIMEOUT, rank, text, text, peer)
+    exc.where, exc.operation, exc.expected, exc.observed = where, operation, expected, observed
     return exc
 
 

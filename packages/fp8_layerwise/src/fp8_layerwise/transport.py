@@ -55,8 +55,11 @@ import contextlib
 import ctypes
 import dataclasses
 import json
+import operator
 import os
 import pathlib
+import secrets
+import shutil
 import time
 import warnings
 from typing import Any, Callable, List, Optional, Sequence
@@ -94,6 +97,33 @@ _KIND_ALIGN = 4096
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
+
+
+_U64_MAX = (1 << 64) - 1
+
+
+def _int_arg(name: str, value: Any, lo: int, hi: Optional[int] = None) -> int:
+    """``value`` as a plain int in ``lo..hi`` (an int or an integer type such as numpy.int64; not a
+    bool, a float or a string), else ValueError naming the argument."""
+    if isinstance(value, bool):
+        ok = False
+    else:
+        try:
+            value = operator.index(value)
+            ok = True
+        except TypeError:
+            ok = False
+    rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+    _check(ok, f"{name} must be an integer ({rng}), got {value!r} ({type(value).__name__})")
+    _check(lo <= value and (hi is None or value <= hi), f"{name} must be in {rng}, got {value}")
+    return int(value)
+
+
+def _bool_arg(name: str, value: Any) -> bool:
+    """``value`` as a bool (a bool or numpy.bool_), else ValueError naming the argument."""
+    _check(isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool")),
+           f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return bool(value)
 
 
 def block_fp8_expert_nbytes(hidden: int, intermediate: int, tp_size: int, block: int = BLOCK) -> List[int]:
@@ -254,6 +284,31 @@ def _check_same_geometry(rank: int, geometries: Sequence[dict]) -> None:
     raise ValueError(f"{head}: every rank must pass the same expert_nbytes, num_experts and num_slots")
 
 
+def _check_exchange_group(rank: int, tp_size: int, hello: Sequence[Any]) -> None:
+    """The exchange must be an all-gather over exactly this TP group, in TP-rank order: entry r from
+    TP rank r. A group spanning more processes (the default group=None is WORLD, e.g. in a TP2 x DP2
+    job) or ordered differently (group rank != TP rank) would attach rank r to another rank's
+    segments. Every rank sees the same entries, so every rank raises ValueError here, before
+    anything is created."""
+    def tp_of(h):
+        return (h.get("tp_rank"), h.get("tp_size")) if isinstance(h, dict) else (None, None)
+
+    got = [tp_of(h) for h in hello] if isinstance(hello, (list, tuple)) else None
+    hint = ("pass group=<a torch.distributed group of exactly this TP group's ranks, in TP-rank order> "
+            "(the default group=None is WORLD) or an exchange over them")
+    _check(got is not None, f"rank {rank}: the exchange returned {type(hello).__name__}, not a list; {hint}")
+    sizes = sorted({s for _, s in got if s is not None})
+    _check(all(s == tp_size for s in sizes),
+           f"rank {rank}: the exchange's ranks disagree on tp_size (got {sizes}): {hint}")
+    _check(len(got) == tp_size,
+           f"rank {rank}: the exchange returned {len(got)} entries (from TP ranks {[r for r, _ in got]}) but tp_size "
+           f"is {tp_size}: it must gather exactly the tp_size ranks of this TP group; {hint}")
+    bad = [(i, r) for i, (r, _) in enumerate(got) if r != i]
+    _check(not bad, f"rank {rank}: the exchange's entry {bad[0][0] if bad else 0} came from TP rank "
+                    f"{bad[0][1] if bad else 0} (entries from TP ranks {[r for r, _ in got]}): entry r must come from "
+                    f"TP rank r (group rank == TP rank); {hint}")
+
+
 # Mappings that close() could not release because a call of another thread was still inside after the
 # deadline (or close() ran inside the writer): unmapping them could crash that call, so they stay
 # mapped for the life of the process (their names are unlinked already).
@@ -340,49 +395,200 @@ class HostSlots:
         return [self.ptr(s, k) for s in range(self.num_slots) for k in range(4)]
 
     def view(self, slot: int, kind: int) -> torch.Tensor:
-        return _host_view(self.ptr(slot, kind), self.expert_nbytes[kind])
+        """A uint8 tensor aliasing one slot of one kind. It holds a reference to the segment, so the
+        memory stays mapped while the tensor (or any view of it) lives, even after ``close()``."""
+        off = self.offsets[kind] + slot * self.expert_nbytes[kind]
+        return torch.frombuffer(self._seg, dtype=torch.uint8, count=self.expert_nbytes[kind], offset=off)
 
     def register_cuda(self, device: int) -> None:
         _C.cuda_host_register(self._seg.ptr, self._seg.nbytes, device)
         self.registered = True
 
     def unlink(self) -> None:
-        self._seg.unlink()
+        if self._seg is not None:
+            self._seg.unlink()
 
     def close(self) -> None:
+        """Unpin and drop this object's reference to the segment: it is unmapped once no tensor from
+        :meth:`view` refers to it any more (at once when there is none)."""
+        if self._seg is None:
+            return
         if self.registered:
             self.registered = False
             with contextlib.suppress(Exception):
                 _C.cuda_host_unregister(self._seg.ptr)
-        self._seg.close()
+        self._seg = None
+
+
+def _proc_start_time(pid: int) -> Optional[int]:
+    """``/proc/<pid>/stat`` start time of a live (not zombie) process, else None."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    if len(fields) < 20 or fields[0] in (b"Z", b"X", b"x"):
+        return None
+    return int(fields[19])
+
+
+def _write_private(path: pathlib.Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically, owner-only (0600): the files carry shm names."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 class FileExchange:
     """Explicit all-gather through a private folder (no torch.distributed needed).
 
-    Each call writes ``<dir>/<round>.<rank>.json`` atomically and waits for every rank's file.
+    Sessions: rank 0's first call creates a fresh session folder ``<dir>/s.<random nonce>`` (0700)
+    and points ``<dir>/session.json`` at it, with its pid and ``/proc`` start time; every other rank
+    joins the session it names only if that process is alive and the rank's seat in it is free
+    (``join.<rank>``, created ``O_EXCL``). Files that an earlier run left in the same folder are
+    never read: a finished run removed its session, and a crashed one's leader is dead or its
+    seats are taken. Each call writes ``<session>/<round>.<rank>.json`` (0600, atomically) and waits
+    for every rank's file; a rank's file of round k is removed once every rank reached round k+1.
+    ``close()`` (also called by :class:`Transport` once its setup is done) ends the session: rank 0
+    waits until every rank closed, then removes the session folder. Raises ``TimeoutError`` after
+    ``timeout_s`` without the awaited file, naming the rank.
     """
 
+    SESSION_FILE = "session.json"
+
     def __init__(self, directory: os.PathLike, rank: int, world_size: int, timeout_s: float = 60.0):
+        world_size = _int_arg("world_size", world_size, 1)
+        rank = _int_arg("rank", rank, 0, world_size - 1)
+        _check(isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0,
+               f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.dir = pathlib.Path(directory)
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.rank, self.world_size, self.timeout_s, self.round = rank, world_size, timeout_s, 0
+        self.rank, self.world_size, self.timeout_s, self.round = rank, world_size, float(timeout_s), 0
+        self.session: Optional[pathlib.Path] = None
+        self._closed = False
 
+    # ---- session ---------------------------------------------------------------------------
+    def _create_session(self) -> pathlib.Path:
+        self._remove_dead_sessions()
+        nonce = secrets.token_hex(16)
+        session = self.dir / f"s.{nonce}"
+        session.mkdir(mode=0o700)
+        leader = {"nonce": nonce, "pid": os.getpid(), "start": _proc_start_time(os.getpid()),
+                  "world_size": self.world_size}
+        _write_private(session / "leader.json", json.dumps(leader))
+        _write_private(self.dir / self.SESSION_FILE, json.dumps(leader))
+        return session
+
+    @staticmethod
+    def _leader_alive(leader: dict) -> bool:
+        start = _proc_start_time(leader.get("pid", -1))
+        return start is not None and start == leader.get("start")
+
+    def _remove_dead_sessions(self) -> None:
+        """Best effort: remove session folders whose leader process is gone (a crashed run's)."""
+        for d in self.dir.glob("s.*"):
+            try:
+                leader = json.loads((d / "leader.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if not self._leader_alive(leader):
+                shutil.rmtree(d, ignore_errors=True)
+
+    def _join_session(self, deadline: float) -> pathlib.Path:
+        why = f"no {self.SESSION_FILE} yet"
+        while True:
+            try:
+                leader = json.loads((self.dir / self.SESSION_FILE).read_text())
+            except (OSError, ValueError):
+                leader = None
+            if leader is not None:
+                session = self.dir / f"s.{leader.get('nonce')}"
+                if leader.get("world_size") != self.world_size:
+                    why = f"its session is for world_size {leader.get('world_size')}, not {self.world_size}"
+                elif not self._leader_alive(leader):
+                    why = f"the session it names was left by process {leader.get('pid')}, which is gone"
+                else:
+                    try:
+                        os.close(os.open(session / f"join.{self.rank}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+                        return session
+                    except FileExistsError:
+                        why = f"rank {self.rank}'s seat in the session it names is taken (an earlier run's)"
+                    except FileNotFoundError:
+                        why = "the session it names has ended"
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"FileExchange in {self.dir}: rank 0 has not started a session for rank "
+                                   f"{self.rank} within {self.timeout_s} s ({why})")
+            time.sleep(0.002)
+
+    # ---- rounds ----------------------------------------------------------------------------
     def __call__(self, obj: Any) -> List[Any]:
-        self.round += 1
-        tmp = self.dir / f".{self.round}.{self.rank}.tmp"
-        tmp.write_text(json.dumps(obj))
-        os.replace(tmp, self.dir / f"{self.round}.{self.rank}.json")
+        if self._closed:
+            raise RuntimeError(f"FileExchange in {self.dir} (rank {self.rank}) is closed (Transport closes the "
+                               "FileExchange it was given once its setup is done); create a new one")
         deadline = time.monotonic() + self.timeout_s
+        if self.session is None:
+            self.session = self._create_session() if self.rank == 0 else self._join_session(deadline)
+        self.round += 1
+        _write_private(self.session / f"{self.round}.{self.rank}.json", json.dumps(obj))
         out = []
         for r in range(self.world_size):
-            p = self.dir / f"{self.round}.{r}.json"
-            while not p.exists():
+            p = self.session / f"{self.round}.{r}.json"
+            while True:
+                try:
+                    out.append(json.loads(p.read_text()))
+                    break
+                except FileNotFoundError:
+                    pass
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"FileExchange round {self.round}: rank {r} did not publish {p}")
+                    raise TimeoutError(f"FileExchange round {self.round}: rank {r} did not publish {p} "
+                                       f"within {self.timeout_s} s")
                 time.sleep(0.002)
-            out.append(json.loads(p.read_text()))
+        # Every rank published this round, so every rank has read the previous one: ours can go.
+        if self.round > 1:
+            with contextlib.suppress(OSError):
+                os.unlink(self.session / f"{self.round - 1}.{self.rank}.json")
         return out
+
+    def close(self, timeout_s: Optional[float] = None) -> None:
+        """End the session (idempotent): every rank marks itself done; rank 0 waits (up to
+        ``timeout_s``, default the exchange's) until every rank did, then removes the session folder
+        and ``session.json``. Without a full set of marks it removes only its own files."""
+        if self._closed:
+            return
+        self._closed = True
+        session = self.session
+        if session is None:
+            return
+        with contextlib.suppress(OSError):
+            _write_private(session / f"done.{self.rank}", "")
+        if self.rank != 0:
+            return
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while not all((session / f"done.{r}").exists() for r in range(self.world_size)):
+            if time.monotonic() > deadline:
+                for p in session.glob(f"*.{self.rank}.json"):
+                    with contextlib.suppress(OSError):
+                        p.unlink()
+                return
+            time.sleep(0.002)
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads((self.dir / self.SESSION_FILE).read_text()).get("nonce") == session.name[2:]:
+                os.unlink(self.dir / self.SESSION_FILE)
+        shutil.rmtree(session, ignore_errors=True)
+
+    def __enter__(self) -> "FileExchange":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def group_exchange(group=None) -> Callable[[Any], List[Any]]:
@@ -415,6 +621,7 @@ class LayerStats:
     error_code: int
     error_rank: int
     error_message: str
+    error_peer: int = -1  #: the rank the recorded error is blamed on (-1: none / not poisoned)
 
 
 class Layer:
@@ -441,8 +648,11 @@ class Transport:
         backend: "cuda", "cpu" (memcpy into host buffers) or "auto" (cuda when available).
         device: CUDA device index (default: rank % device_count).
         timeout_ms: a wait that sees no progress for this long poisons the transport.
-        group: torch.distributed group used to exchange shm names (default WORLD) ...
-        exchange: ... or an explicit all-gather callable (e.g. FileExchange); takes precedence.
+        group: torch.distributed group used to exchange shm names (default WORLD) ... It must hold
+            exactly this TP group's ranks, group rank r being TP rank r (checked: ValueError on
+            every rank otherwise; in a job with more processes than tp_size, pass the TP group).
+        exchange: ... or an explicit all-gather callable (e.g. FileExchange); takes precedence. A
+            FileExchange is closed (its files removed) once the setup is done: one per Transport.
         max_inflight: experts in flight per consumer (0 = num_slots; 1 = the seed's design).
         coalesce: merge copies of consecutive slots.
         liveness_ms: how often a waiter checks that the processes it waits on are alive.
@@ -461,8 +671,10 @@ class Transport:
             writer in the loop (BENCHMARKS.md, run 9).
 
     Raises:
-        ValueError: bad arguments, before anything is created; also on every rank when one rank's
-            ``expert_nbytes``, ``num_experts`` or ``num_slots`` differ from rank 0's.
+        ValueError: a bad argument (type or range, naming it), before anything is exchanged or
+            created; also on every rank when one rank's ``expert_nbytes``, ``num_experts`` or
+            ``num_slots`` differ from rank 0's, or the exchange is not exactly the TP group in
+            TP-rank order.
     """
 
     def __init__(self, rank: int, tp_size: int, num_experts: int, expert_nbytes: Sequence[int], *,
@@ -470,30 +682,45 @@ class Transport:
                  timeout_ms: int = 60000, group=None, exchange: Optional[Callable[[Any], List[Any]]] = None,
                  max_inflight: int = 0, coalesce: bool = True, liveness_ms: int = 20, copy_streams: int = 2,
                  coalesce_wait: bool = False, batch_small_kinds: bool = True):
-        _check(1 <= tp_size <= MAX_TP, f"tp_size must be in 1..{MAX_TP}, got {tp_size}")
-        _check(0 <= rank < tp_size, f"rank must be in 0..{tp_size - 1}, got {rank}")
-        _check(num_experts >= 1, f"num_experts must be positive, got {num_experts}")
-        _check(len(expert_nbytes) == 4 and all(int(n) > 0 for n in expert_nbytes),
-               f"expert_nbytes must be 4 positive sizes {KINDS}, got {list(expert_nbytes)}")
+        # Every argument is checked here, before anything is exchanged or created: a bad one raises
+        # ValueError naming it (not a TypeError from the native constructor after the segments exist).
+        tp_size = _int_arg("tp_size", tp_size, 1, MAX_TP)
+        rank = _int_arg("rank", rank, 0, tp_size - 1)
+        num_experts = _int_arg("num_experts", num_experts, 1, (1 << 31) - 1)
+        _check(not isinstance(expert_nbytes, (str, bytes)) and hasattr(expert_nbytes, "__len__")
+               and len(expert_nbytes) == 4,
+               f"expert_nbytes must be 4 positive sizes {KINDS}, got {expert_nbytes!r}")
+        expert_nbytes = [_int_arg(f"expert_nbytes[{k}]", n, 1, ((1 << 63) - 1) // num_experts)
+                         for k, n in enumerate(expert_nbytes)]
         if num_slots is None:
             num_slots = default_num_slots(expert_nbytes)
-        _check(2 <= num_slots <= MAX_SLOTS, f"num_slots must be in 2..{MAX_SLOTS}, got {num_slots}")
-        _check(timeout_ms > 0, f"timeout_ms must be positive, got {timeout_ms}")
-        _check(1 <= copy_streams <= MAX_COPY_STREAMS,
-               f"copy_streams must be in 1..{MAX_COPY_STREAMS}, got {copy_streams}")
+        num_slots = _int_arg("num_slots", num_slots, 2, MAX_SLOTS)
+        timeout_ms = _int_arg("timeout_ms", timeout_ms, 1, _U64_MAX)
+        liveness_ms = _int_arg("liveness_ms", liveness_ms, 1, _U64_MAX)
+        max_inflight = _int_arg("max_inflight", max_inflight, 0, num_slots)
+        copy_streams = _int_arg("copy_streams", copy_streams, 1, MAX_COPY_STREAMS)
+        coalesce = _bool_arg("coalesce", coalesce)
+        coalesce_wait = _bool_arg("coalesce_wait", coalesce_wait)
+        batch_small_kinds = _bool_arg("batch_small_kinds", batch_small_kinds)
+        _check(exchange is None or callable(exchange), f"exchange must be a callable all-gather, got {exchange!r}")
+        _check(isinstance(backend, str) and backend in ("cuda", "cpu", "auto"),
+               f"backend must be 'cuda', 'cpu' or 'auto', got {backend!r}")
+        if device is not None:
+            device = _int_arg("device", device, 0)
         if backend == "auto":
             backend = "cuda" if (_C.built_with_cuda() and torch.cuda.is_available()) else "cpu"
-        _check(backend in ("cuda", "cpu"), f"backend must be 'cuda', 'cpu' or 'auto', got {backend!r}")
         if backend == "cuda":
             if not _C.built_with_cuda():
                 raise TransportError("fp8_layerwise was built without CUDA; use backend='cpu'")
             if not torch.cuda.is_available():
                 raise TransportError("backend='cuda' needs a CUDA device, none is visible; use backend='cpu'")
-            device = rank % torch.cuda.device_count() if device is None else device
+            ndev = torch.cuda.device_count()
+            device = rank % ndev if device is None else device
+            _check(device < ndev, f"device must be in 0..{ndev - 1} (visible CUDA devices), got {device}")
         # Plain ints: they travel through the exchange (JSON for FileExchange), numpy ints do not.
-        self.rank, self.tp_size, self.num_experts = int(rank), int(tp_size), int(num_experts)
-        self.expert_nbytes = [int(n) for n in expert_nbytes]
-        self.num_slots, self.backend, self.device = int(num_slots), backend, device
+        self.rank, self.tp_size, self.num_experts = rank, tp_size, num_experts
+        self.expert_nbytes = expert_nbytes
+        self.num_slots, self.backend, self.device = num_slots, backend, device
         self._exchange = exchange if exchange is not None else group_exchange(group)
         self._control: Optional[ControlRegion] = None
         self._slots: Optional[HostSlots] = None
@@ -510,7 +737,12 @@ class Transport:
             if self._control is not None:
                 self._control.unlink()
             self._release()
+            if isinstance(self._exchange, FileExchange):
+                with contextlib.suppress(Exception):
+                    self._exchange.close(timeout_s=min(self._exchange.timeout_s, 2.0))
             raise
+        if isinstance(self._exchange, FileExchange):
+            self._exchange.close()  # every rank passed the last round: its files can go
 
     def _setup(self, timeout_ms, max_inflight, coalesce, liveness_ms, copy_streams, coalesce_wait,
                batch_small_kinds):
@@ -518,7 +750,9 @@ class Transport:
         # no segment, and a rank whose geometry differs from rank 0's fails on every rank at once.
         geometry = {"expert_nbytes": self.expert_nbytes, "num_experts": self.num_experts,
                     "num_slots": self.num_slots}
-        hello = self._exchange({"pid": os.getpid(), "geometry": geometry})
+        hello = self._exchange({"pid": os.getpid(), "tp_rank": self.rank, "tp_size": self.tp_size,
+                                "geometry": geometry})
+        _check_exchange_group(self.rank, self.tp_size, hello)
         _check_same_geometry(self.rank, [h["geometry"] for h in hello])
         self.peer_pids = [h["pid"] for h in hello]
         # Each name goes as soon as every process that opens it has mapped it (see the module doc).
@@ -583,7 +817,13 @@ class Transport:
         Arguments:
             writer: a ``_C.ShardWriter`` (see :func:`make_shard_writer`; native, no Python per
                 expert) or a callable ``writer(expert, slots)`` where ``slots[rank][kind]`` is a
-                uint8 CPU tensor aliasing that rank's host slot, to be filled completely.
+                uint8 CPU tensor aliasing that rank's host slot, to be filled completely (it keeps
+                the slot memory mapped while it lives). A writer's exception poisons the region
+                (code WRITER); KeyboardInterrupt and SystemExit are then re-raised as they are.
+
+        Raises:
+            ProtocolError: on a rank other than 0, for a layer other than the joined one, or a
+                second run() of the same layer.
         """
         if isinstance(writer, _C.ShardWriter):
             self.native.run(epoch, layer_id, expert_count, writer)
@@ -597,7 +837,8 @@ class Transport:
         self.native.run(epoch, layer_id, expert_count, _raw)
 
     def wait(self, epoch: int) -> LayerStats:
-        """Block (GIL released) until this rank's copies of ``epoch`` landed; returns the stats."""
+        """Block (GIL released, Ctrl-C honoured) until this rank's copies of ``epoch`` landed; returns
+        the stats. On rank 0, ``run()`` of the layer must have started (else ProtocolError at once)."""
         return LayerStats(**self.native.wait(epoch))
 
     @contextlib.contextmanager
