@@ -707,16 +707,10 @@ class Transport::Impl {
       if (ld_acquire(&me.wait_returned_epoch) >= epoch)
         poison_and_throw(kErrProtocol, "rank " + std::to_string(rank_) + " called wait(" + std::to_string(epoch) +
                                            ") twice");
-      // Rank 0 produces every layer: waiting for one whose run() it never started would stall every
-      // rank for the whole timeout, though it can tell now.
-      if (rank_ == 0 && ld_acquire(&c_->layer.producer_done_epoch) < epoch &&
-          ld_acquire(&c_->layer.run_epoch) != epoch)
-        poison_and_throw(kErrProtocol,
-                         commkit::str("rank 0 called wait(", epoch, ") without run() for the joined layer (epoch ",
-                                      epoch, ", layer ", ld_relaxed(&c_->layer.layer_id), ", ",
-                                      ld_relaxed(&c_->layer.expert_count),
-                                      " experts): rank 0 produces every layer; call run() (layer.run(writer)) "
-                                      "before wait()"));
+      // Rank 0 may wait before its run() started: the producer may run in another thread (as with the
+      // seed). A run() that never comes is named when the wait expires ("rank 0 has not called run()
+      // for epoch N", layer_blame), not refused here, where a producer thread about to start would
+      // be indistinguishable from a forgotten run().
       wait_for(
           "this rank's copies and the producer to finish the layer",
           [&] {

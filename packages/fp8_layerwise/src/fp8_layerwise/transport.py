@@ -838,7 +838,8 @@ class Transport:
 
     def wait(self, epoch: int) -> LayerStats:
         """Block (GIL released, Ctrl-C honoured) until this rank's copies of ``epoch`` landed; returns
-        the stats. On rank 0, ``run()`` of the layer must have started (else ProtocolError at once)."""
+        the stats. On rank 0 the producer may be started in another thread before or after this call
+        (a ``run()`` that never comes expires the wait, naming it)."""
         return LayerStats(**self.native.wait(epoch))
 
     @contextlib.contextmanager
