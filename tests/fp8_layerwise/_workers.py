@@ -132,6 +132,21 @@ def kill_producer(rank, ws, rdzv, tmp):
     return dict(type=None)
 
 
+def _one_layer_with_a_late_rank(t, rank, late, wait_s=20.0):
+    """Layer 1 of 4 experts; rank ``late`` joins only once the region is poisoned (the others time out
+    waiting for it), so its join raises the recorded poison."""
+    if rank == late:
+        deadline = time.monotonic() + wait_s
+        while not t.poisoned and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t.join(1, 0, 4)  # too late: raises the recorded poison
+        return
+    t.join(1, 0, 4)
+    if rank == 0:
+        t.run(1, 0, 4, lambda e, s: None)
+    t.wait(1)
+
+
 def never_joins(rank, ws, rdzv, tmp):
     """The last rank never joins: rank 0's producer times out, every rank reports TIMEOUT."""
     nb = [1024, 128, 512, 64]
@@ -139,15 +154,7 @@ def never_joins(rank, ws, rdzv, tmp):
     t = F.Transport(rank, ws, 4, nb, num_slots=2, backend="cpu", timeout_ms=800, exchange=ex)
     t0 = time.monotonic()
     try:
-        if rank == ws - 1:
-            while not t.poisoned:
-                time.sleep(0.01)
-            t.join(1, 0, 4)  # too late: raises the recorded poison
-        else:
-            t.join(1, 0, 4)
-            if rank == 0:
-                t.run(1, 0, 4, lambda e, s: None)
-            t.wait(1)
+        _one_layer_with_a_late_rank(t, rank, ws - 1)
     except F.TransportPoisoned as exc:
         return dict(type=type(exc).__name__, code=int(exc.code), dt=time.monotonic() - t0,
                     is_timeout=isinstance(exc, TimeoutError))
@@ -523,16 +530,7 @@ def rank_never_joins_tp3(rank, ws, rdzv, tmp):
     ex = _exchange(tmp, "x", rank, ws)
     t = F.Transport(rank, ws, 4, nb, num_slots=2, backend="cpu", timeout_ms=800, exchange=ex)
     try:
-        if rank == 1:
-            deadline = time.monotonic() + 20
-            while not t.poisoned and time.monotonic() < deadline:
-                time.sleep(0.01)
-            t.join(1, 0, 4)  # too late: raises the recorded poison
-        else:
-            t.join(1, 0, 4)
-            if rank == 0:
-                t.run(1, 0, 4, lambda e, s: None)
-            t.wait(1)
+        _one_layer_with_a_late_rank(t, rank, 1)
     except F.TransportPoisoned as exc:
         return dict(type=type(exc).__name__, code=int(exc.code), rank=exc.rank, peer=exc.peer, msg=exc.message)
     finally:
