@@ -375,7 +375,7 @@ def case_matrix(kind: str) -> List[dict]:
             cached=i % 2 == 1,
             tma_sf=dtype != "bf16" and i % 4 >= 2,
             sf_strided_input=dtype != "bf16" and i % 3 == 1,
-            stream_opt=["sync", "async", "prev_event", "alloc_comm"][i % 4] if kind == "gpu" else "sync",
+            stream_opt=["sync", "async", "prev_event", "alloc_comm"][i % 4] if kind == "gpu" else ["sync", "async"][i % 2],
             handle_copy=i % 5 != 4,
         ))
     return cases
@@ -416,6 +416,8 @@ def run_case(buf, ref, group, me: int, R: int, case: dict, shape: dict, seed: in
             kw.update(allocate_on_comm_stream=True, previous_event_before_epilogue=b.capture())
         out = b.dispatch(x, topk_idx=None if handle is not None else inp["topk_idx"],
                          topk_weights=inp["topk_weights"] if handle is None else inp["topk_weights"], **kw)
+        if b.deterministic and kw.get("async_with_compute_stream") and out[4].event is not None:
+            check(out[4].hook_after_wait is not None, f"deterministic async dispatch: the sort must run at the wait {case}")
         out[4].current_stream_wait()
         return out, stats
 

@@ -24,7 +24,9 @@ Data layout
 * ``combine`` sums, in fp32 and in a fixed order, the rows each token's expert ranks send back, adds
   up to two biases and rounds to bf16 once. It does not apply top-k weights; it routes them back.
 * ``deterministic=True`` sorts received rows by source token (inside each expert segment in expand
-  mode), so the output order never depends on timing. As in DeepEP, ``handle.recv_src_metadata``
+  mode), so the output order never depends on timing; with ``async_with_compute_stream=True`` the
+  sort runs (in place) when the caller waits on the returned event, as in DeepEP. As in DeepEP,
+  ``handle.recv_src_metadata``
   then describes the sorted rows (non-expand: its rows are sorted too; expand: its columns 2.. point
   at the sorted rows); the backend's own order is kept in ``handle.raw_recv_src_metadata`` and
   ``combine`` undoes the permutation.
@@ -876,28 +878,32 @@ class ElasticBuffer:
                 num_unaligned_recv_tokens_per_expert=unaligned, recv_src_metadata=recv_src_metadata,
                 dst_buffer_slot_idx=dst_buffer_slot_idx, token_metadata_at_forward=token_metadata_at_forward,
                 channel_linked_list=channel_linked_list, buffer_id=id(self))
+        overlap = EventOverlap(event)
         if self.deterministic:
-            if event is not None:
-                event.current_stream_wait()  # the sort runs on the current stream
-            if new_handle.perm is None:  # a fresh dispatch (a cached one reuses the routing and its order)
-                new_handle.perm = self._deterministic_perm(new_handle)
-                raw_meta = new_handle.recv_src_metadata
-                new_handle.raw_recv_src_metadata = raw_meta
-                new_handle.recv_src_metadata = self._sorted_metadata(raw_meta, new_handle.perm, do_expand)
-            p = new_handle.perm
-            recv_x = recv_x[p]
-            recv_sf = recv_sf[p] if recv_sf is not None and not use_tma_aligned_col_major_sf else (
-                self._permute_col_major(recv_sf, p) if recv_sf is not None else None)
-            recv_topk_idx = recv_topk_idx[p] if recv_topk_idx is not None else None
-            recv_topk_weights = recv_topk_weights[p] if recv_topk_weights is not None else None
-        recv = (recv_x, recv_sf) if sf is not None else recv_x
-        return recv, recv_topk_idx, recv_topk_weights, new_handle, EventOverlap(event)
+            outputs = [t for t in (recv_x, recv_sf, recv_topk_idx, recv_topk_weights) if t is not None]
 
-    @staticmethod
-    def _permute_col_major(sf: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_strided(sf.shape, sf.stride(), dtype=sf.dtype, device=sf.device)
-        out.copy_(sf[p])
-        return out
+            def sort() -> None:
+                # On the current stream, after it waited for the communication; in place (strides kept,
+                # so TMA column-major scales stay so), so the tensors returned are the sorted ones.
+                if new_handle.perm is None:  # a fresh dispatch (a cached one reuses the routing and order)
+                    new_handle.perm = self._deterministic_perm(new_handle)
+                    raw_meta = new_handle.recv_src_metadata
+                    new_handle.raw_recv_src_metadata = raw_meta
+                    new_handle.recv_src_metadata = self._sorted_metadata(raw_meta, new_handle.perm, do_expand)
+                p = new_handle.perm
+                for t in outputs:
+                    t.copy_(t[p])
+
+            if async_with_compute_stream and event is not None:
+                # As DeepEP: the sort runs when the caller waits on the event (the outputs may not be
+                # read before that anyway), so the communication still overlaps the caller's compute.
+                overlap.register_hook_after_wait(sort)
+            else:
+                if event is not None:
+                    event.current_stream_wait()
+                sort()
+        recv = (recv_x, recv_sf) if sf is not None else recv_x
+        return recv, recv_topk_idx, recv_topk_weights, new_handle, overlap
 
     @staticmethod
     def _sorted_metadata(meta: torch.Tensor, perm: torch.Tensor, do_expand: bool) -> torch.Tensor:
