@@ -536,3 +536,15 @@ def rank_never_joins_tp3(rank, ws, rdzv, tmp):
     finally:
         t.close()
     return dict(type=None)
+
+
+def bad_argument_on_one_rank(rank, ws, rdzv, tmp):
+    """Rank 1 passes timeout_ms=1.5 (not an int); both ranks report what they raised and how fast."""
+    ex = _exchange(tmp, "badarg", rank, ws)
+    t0 = time.monotonic()
+    try:
+        F.Transport(rank, ws, 4, [256, 64, 128, 32], num_slots=2, backend="cpu", exchange=ex,
+                    timeout_ms=1.5 if rank == 1 else 5000)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return None, "", time.monotonic() - t0

@@ -2,6 +2,7 @@
 argument validation (CPU backend, real processes where signals or crashes are involved)."""
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -300,8 +301,21 @@ def test_constructor_rejects_bad_arguments_before_anything_is_shared(kw, name):
     before = {n for n in os.listdir("/dev/shm") if n.startswith("fp8lw_")}
     with pytest.raises(ValueError, match=name):
         F.Transport(**args)
-    assert calls == []  # nothing exchanged ...
-    assert {n for n in os.listdir("/dev/shm") if n.startswith("fp8lw_")} == before  # ... or created
+    # nothing exchanged but the error record that lets the peers fail at once ...
+    assert len(calls) <= 1 and all(set(c) == {"error"} and re.search(name, c["error"]) for c in calls), calls
+    assert {n for n in os.listdir("/dev/shm") if n.startswith("fp8lw_")} == before  # ... and nothing created
+
+
+def test_bad_argument_on_one_rank_fails_every_rank_at_once(tmp_path):
+    """Rank 1 passes a bad timeout_ms: it raises ValueError naming it, and rank 0, which would wait
+    for rank 1 in the first exchange until that exchange's timeout, raises at once too."""
+    from tests._dist import run_workers
+    from tests.fp8_layerwise import _workers
+
+    res = run_workers(_workers.bad_argument_on_one_rank, 2, str(tmp_path), tmp_path=tmp_path, timeout=60)
+    for rank, (name, msg, dt) in enumerate(res):
+        assert name == "ValueError" and "timeout_ms" in msg and dt < 10.0, (rank, name, msg, dt)
+    assert "entry 1 refused its arguments" in res[0][1], res[0]
 
 
 def test_numpy_bools_and_ints_are_accepted():

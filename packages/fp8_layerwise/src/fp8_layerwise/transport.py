@@ -284,6 +284,25 @@ def _check_same_geometry(rank: int, geometries: Sequence[dict]) -> None:
     raise ValueError(f"{head}: every rank must pass the same expert_nbytes, num_experts and num_slots")
 
 
+def _tell_peers_and_raise(err: ValueError, rank: Any, exchange: Any, group: Any) -> None:
+    """Raises ``err`` (a bad constructor argument on this rank) after offering the peers an error
+    record in the first exchange, where they would otherwise wait for this rank until the exchange's
+    own timeout. Best effort: with an unusable exchange (itself the bad argument, or no process group)
+    the error is raised as it is."""
+    try:
+        if exchange is None:
+            import torch.distributed as dist
+
+            if not dist.is_available() or not dist.is_initialized():
+                raise err
+            exchange = group_exchange(group)
+        if callable(exchange):
+            exchange({"error": f"rank {rank!r}: {err}"})
+    except Exception:  # noqa: BLE001 - the peers then time out as before; this rank's error stands
+        pass
+    raise err
+
+
 def _check_exchange_group(rank: int, tp_size: int, hello: Sequence[Any]) -> None:
     """The exchange must be an all-gather over exactly this TP group, in TP-rank order: entry r from
     TP rank r. A group spanning more processes (the default group=None is WORLD, e.g. in a TP2 x DP2
@@ -682,8 +701,22 @@ class Transport:
                  timeout_ms: int = 60000, group=None, exchange: Optional[Callable[[Any], List[Any]]] = None,
                  max_inflight: int = 0, coalesce: bool = True, liveness_ms: int = 20, copy_streams: int = 2,
                  coalesce_wait: bool = False, batch_small_kinds: bool = True):
-        # Every argument is checked here, before anything is exchanged or created: a bad one raises
-        # ValueError naming it (not a TypeError from the native constructor after the segments exist).
+        # Every argument is checked here, before anything is created: a bad one raises ValueError
+        # naming it (not a TypeError from the native constructor after the segments exist). The
+        # construction is collective, so the rank also tells its peers through the first exchange
+        # (an error record and nothing else): they raise at once instead of waiting in that exchange
+        # until its own timeout (30 min for a default torch.distributed group).
+        try:
+            checked = self._init_checked(rank, tp_size, num_experts, expert_nbytes, num_slots, backend, device,
+                                         timeout_ms, group, exchange, max_inflight, coalesce, liveness_ms,
+                                         copy_streams, coalesce_wait, batch_small_kinds)
+        except ValueError as err:
+            _tell_peers_and_raise(err, rank, exchange, group)
+        self._finish_init(*checked)  # collective from here: its errors are everyone's (see _setup)
+
+    def _init_checked(self, rank, tp_size, num_experts, expert_nbytes, num_slots, backend, device, timeout_ms,
+                      group, exchange, max_inflight, coalesce, liveness_ms, copy_streams, coalesce_wait,
+                      batch_small_kinds):
         tp_size = _int_arg("tp_size", tp_size, 1, MAX_TP)
         rank = _int_arg("rank", rank, 0, tp_size - 1)
         num_experts = _int_arg("num_experts", num_experts, 1, (1 << 31) - 1)
@@ -717,6 +750,11 @@ class Transport:
             ndev = torch.cuda.device_count()
             device = rank % ndev if device is None else device
             _check(device < ndev, f"device must be in 0..{ndev - 1} (visible CUDA devices), got {device}")
+        return (rank, tp_size, num_experts, expert_nbytes, num_slots, backend, device, timeout_ms, group, exchange,
+                max_inflight, coalesce, liveness_ms, copy_streams, coalesce_wait, batch_small_kinds)
+
+    def _finish_init(self, rank, tp_size, num_experts, expert_nbytes, num_slots, backend, device, timeout_ms, group,
+                     exchange, max_inflight, coalesce, liveness_ms, copy_streams, coalesce_wait, batch_small_kinds):
         # Plain ints: they travel through the exchange (JSON for FileExchange), numpy ints do not.
         self.rank, self.tp_size, self.num_experts = rank, tp_size, num_experts
         self.expert_nbytes = expert_nbytes
@@ -752,6 +790,9 @@ class Transport:
                     "num_slots": self.num_slots}
         hello = self._exchange({"pid": os.getpid(), "tp_rank": self.rank, "tp_size": self.tp_size,
                                 "geometry": geometry})
+        errors = [(i, h["error"]) for i, h in enumerate(hello or []) if isinstance(h, dict) and "error" in h]
+        _check(not errors, f"rank {self.rank}: the Transport could not be built: "
+                           + "; ".join(f"entry {i} refused its arguments: {e}" for i, e in errors))
         _check_exchange_group(self.rank, self.tp_size, hello)
         _check_same_geometry(self.rank, [h["geometry"] for h in hello])
         self.peer_pids = [h["pid"] for h in hello]
