@@ -22,6 +22,22 @@ INC = os.path.join(ROOT, "common", "include")
 CXX = os.environ.get("CXX", "g++")
 
 
+def _build_probe(directory, name: str, source: str, extra_includes=(), src_name: str = ""):
+    """Compiles ``source`` (a pybind11 module named ``name`` on the common headers; file ``src_name``,
+    default ``<name>.cpp``) in ``directory`` and imports it; skips when pybind11 is absent."""
+    pybind11 = pytest.importorskip("pybind11")
+    src = directory / (src_name or f"{name}.cpp")
+    src.write_text(source)
+    out = directory / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    includes = [INC, *extra_includes, pybind11.get_include(), sysconfig.get_paths()["include"]]
+    subprocess.run([CXX, "-std=c++17", "-O0", "-shared", "-fPIC", *[a for i in includes for a in ("-I", i)],
+                    str(src), "-o", str(out)], check=True)
+    spec = importlib.util.spec_from_file_location(name, out)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _nvcc():
     for cand in (os.environ.get("CUDACXX"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
         if cand and os.path.exists(cand):
@@ -73,18 +89,7 @@ PYBIND11_MODULE(ck_err_probe, m) {
 
 @pytest.fixture(scope="module")
 def err_probe(tmp_path_factory):
-    pybind11 = pytest.importorskip("pybind11")
-    d = tmp_path_factory.mktemp("probe")
-    src = d / "probe.cpp"
-    src.write_text(_ERR_MODULE)
-    ext = sysconfig.get_config_var("EXT_SUFFIX")
-    out = d / f"ck_err_probe{ext}"
-    subprocess.run([CXX, "-std=c++17", "-O0", "-shared", "-fPIC", "-I", INC, "-I", pybind11.get_include(),
-                    "-I", sysconfig.get_paths()["include"], str(src), "-o", str(out)], check=True)
-    spec = importlib.util.spec_from_file_location("ck_err_probe", out)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _build_probe(tmp_path_factory.mktemp("probe"), "ck_err_probe", _ERR_MODULE, src_name="probe.cpp")
 
 
 def test_value_error_maps_to_builtin(err_probe):
@@ -140,18 +145,10 @@ def test_ipc_handle_checks(tmp_path):
     # commkit/ipc.hpp's handle-list validation (shared by elastic_ep and ipc_all2all): one handle per
     # rank, each of handle size, this rank's own at its index. Compiled against the CUDA headers only:
     # nothing here needs libcudart or a GPU.
-    pybind11 = pytest.importorskip("pybind11")
     inc = _cuda_include()
     if inc is None:
         pytest.skip("CUDA headers not found")
-    src = tmp_path / "ipc_probe.cpp"
-    src.write_text(_IPC_MODULE)
-    out = tmp_path / f"ck_ipc_probe{sysconfig.get_config_var('EXT_SUFFIX')}"
-    subprocess.run([CXX, "-std=c++17", "-O0", "-shared", "-fPIC", "-I", INC, "-I", inc, "-I", pybind11.get_include(),
-                    "-I", sysconfig.get_paths()["include"], str(src), "-o", str(out)], check=True)
-    spec = importlib.util.spec_from_file_location("ck_ipc_probe", out)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _build_probe(tmp_path, "ck_ipc_probe", _IPC_MODULE, extra_includes=[inc])
     n = mod.handle_bytes
     hs = [bytes([r]) * n for r in range(3)]
     mod.check(hs, 1, hs[1])  # well-formed
@@ -192,15 +189,7 @@ PYBIND11_MODULE(ck_ipc_handle_probe, m) {
 def test_described_ipc_handles(tmp_path):
     # commkit/ipc_handle.hpp (host only; ipc_all2all's and elastic_ep's window handles): what must
     # match is checked before any peer is opened, and a handle of another format is refused.
-    pybind11 = pytest.importorskip("pybind11")
-    src = tmp_path / "ipc_handle_probe.cpp"
-    src.write_text(_IPC_HANDLE_MODULE)
-    out = tmp_path / f"ck_ipc_handle_probe{sysconfig.get_config_var('EXT_SUFFIX')}"
-    subprocess.run([CXX, "-std=c++17", "-O0", "-shared", "-fPIC", "-I", INC, "-I", pybind11.get_include(),
-                    "-I", sysconfig.get_paths()["include"], str(src), "-o", str(out)], check=True)
-    spec = importlib.util.spec_from_file_location("ck_ipc_handle_probe", out)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _build_probe(tmp_path, "ck_ipc_handle_probe", _IPC_HANDLE_MODULE)
     raw = [bytes([r + 1]) * 64 for r in range(2)]
     hs = [mod.describe(False, 2, r, 4096, 8192, raw[r]) for r in range(2)]
     assert all(len(h) == mod.handle_bytes for h in hs)
