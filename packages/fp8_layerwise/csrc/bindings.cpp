@@ -192,6 +192,7 @@ PYBIND11_MODULE(_C, m) {
       .def("unlink", &commkit::ShmSegment::unlink)
       .def("close", &commkit::ShmSegment::close);
   m.def("shm_free_bytes", &commkit::shm_free_bytes);
+  m.def("process_start_time", &live_start_time, py::arg("pid"));
 
   py::class_<ShardSpec>(m, "ShardSpec")
       .def(py::init([](uintptr_t base, uint64_t expert_stride, uint64_t row_stride, uint64_t rows, uint64_t row_bytes,

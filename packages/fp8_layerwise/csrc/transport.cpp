@@ -58,37 +58,6 @@ struct Blame {
   std::string text;
 };
 
-// /proc/<pid>/stat start time (field 22); 0 when the process is gone or a zombie.
-uint64_t live_start_time(uint64_t pid) {
-  char path[64];
-  std::snprintf(path, sizeof(path), "/proc/%llu/stat", static_cast<unsigned long long>(pid));
-  FILE* f = std::fopen(path, "r");
-  if (f == nullptr) return 0;
-  char buf[1024];
-  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
-  std::fclose(f);
-  buf[n] = '\0';
-  const char* p = std::strrchr(buf, ')');  // the command name may contain spaces and parens
-  if (p == nullptr) return 0;
-  ++p;
-  char state = 0;
-  uint64_t start = 0;
-  int field = 2;
-  const char* tok = p;
-  while (*tok != '\0' && field < 22) {
-    while (*tok == ' ') ++tok;
-    ++field;
-    if (field == 3) state = *tok;
-    if (field == 22) {
-      start = std::strtoull(tok, nullptr, 10);
-      break;
-    }
-    while (*tok != '\0' && *tok != ' ') ++tok;
-  }
-  if (state == 'Z' || state == 'X' || state == 'x') return 0;
-  return start == 0 ? 1 : start;
-}
-
 double ms(uint64_t ns) { return static_cast<double>(ns) / 1e6; }
 
 const char* code_name(int code) {
@@ -134,6 +103,36 @@ Control* checked_control(uintptr_t ptr, size_t size, int tp) {
 }  // namespace
 
 size_t control_bytes() { return kControlBytes; }
+
+uint64_t live_start_time(uint64_t pid) {
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%llu/stat", static_cast<unsigned long long>(pid));
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return 0;
+  char buf[1024];
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  const char* p = std::strrchr(buf, ')');  // the command name may contain spaces and parens
+  if (p == nullptr) return 0;
+  ++p;
+  char state = 0;
+  uint64_t start = 0;
+  int field = 2;
+  const char* tok = p;
+  while (*tok != '\0' && field < 22) {
+    while (*tok == ' ') ++tok;
+    ++field;
+    if (field == 3) state = *tok;
+    if (field == 22) {
+      start = std::strtoull(tok, nullptr, 10);
+      break;
+    }
+    while (*tok != '\0' && *tok != ' ') ++tok;
+  }
+  if (state == 'Z' || state == 'X' || state == 'x') return 0;
+  return start == 0 ? 1 : start;
+}
 size_t control_struct_bytes() { return sizeof(Control); }
 
 void initialize_control(uintptr_t ptr, size_t size, int tp, int num_slots) {

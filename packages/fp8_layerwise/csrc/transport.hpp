@@ -154,6 +154,9 @@ class ShardWriter {
 };
 
 size_t control_bytes();
+// /proc/<pid>/stat start time (field 22); 0 when the process is gone or a zombie. With the pid it
+// names a process across pid reuse (liveness checks, FileExchange's session leader).
+uint64_t live_start_time(uint64_t pid);
 size_t control_struct_bytes();
 void initialize_control(uintptr_t control_ptr, size_t control_size, int tp_size, int num_slots);
 

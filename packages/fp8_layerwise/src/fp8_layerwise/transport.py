@@ -440,16 +440,12 @@ class HostSlots:
 
 
 def _proc_start_time(pid: int) -> Optional[int]:
-    """``/proc/<pid>/stat`` start time of a live (not zombie) process, else None."""
+    """Start time of a live (not zombie) process, else None (the native liveness check's reading)."""
     try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
+        start = _C.process_start_time(int(pid))
+    except (TypeError, ValueError, OverflowError):
         return None
-    fields = stat[stat.rfind(b")") + 2:].split()
-    if len(fields) < 20 or fields[0] in (b"Z", b"X", b"x"):
-        return None
-    return int(fields[19])
+    return start or None
 
 
 def _write_private(path: pathlib.Path, text: str) -> None:
