@@ -73,10 +73,16 @@ struct alignas(128) Signals {
   uint64_t epoch;             // local: last completed call
   uint32_t cnt[kMaxWorld];    // local: blocks of the current call finished per target
   uint32_t fin;               // local: blocks of the current call finished in total
-  uint64_t broken;            // local and remote-written: 0, or 1 + the rank that marked a failure
+  uint64_t broken;            // local and remote-written: 0, or broken_word(call, rank that marked it)
   uint64_t gave_up;           // local: 1 once a kernel of this rank gave up (mismatch or deadline)
 };
 static_assert(sizeof(Signals) <= kSignalBytes, "Signals must fit its region");
+
+// The failure mark: the call number's low 32 bits in the high half, 1 + the marking rank in the low.
+CK_HD constexpr uint64_t broken_word(uint64_t e, int rank) {
+  return (uint64_t(static_cast<uint32_t>(e)) << 32) | (static_cast<uint64_t>(rank) + 1u);
+}
+CK_HD constexpr int broken_rank(uint64_t word) { return static_cast<int>(static_cast<uint32_t>(word)) - 1; }
 
 // The entry-handshake word: call number e (its low 32 bits, compared in serial-number order by
 // commkit::wait_tag_ge) in the high half, the call's signature in the low half.

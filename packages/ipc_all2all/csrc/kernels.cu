@@ -163,12 +163,13 @@ __device__ __forceinline__ void pack_records(const RowMap& m, int batch, const c
 // ------------------------------------------------------------------------------ failure handling
 // Marks the instance failed here and, with `peers`, on every peer too (stores into the peers'
 // signal blocks, never their slots): the mark is sticky, so every later kernel of this instance
-// moves nothing and posts nothing (see Signals::broken). Value: 1 + the rank that marked it. A
+// moves nothing and posts nothing (see Signals::broken). Value: broken_word(call, rank that marked
+// it), so a kernel can tell a mark of its own call from an earlier one (see the entry post). A
 // timeout marks the peers, so a late peer's call fails at once instead of waiting out its deadline;
 // a signature mismatch does not, as the peer sees the same mismatch and reports it itself (a mark
 // landing first would turn its report into a less telling "abandoned").
-__device__ __forceinline__ void mark_broken(const KernelArgs& a, bool peers) {
-  const uint64_t v = static_cast<uint64_t>(a.rank) + 1u;
+__device__ __forceinline__ void mark_broken(const KernelArgs& a, bool peers, uint64_t e) {
+  const uint64_t v = broken_word(e, a.rank);
   commkit::st_release(&a.sig[a.rank]->gave_up, uint64_t{1});
   if (!peers) {
     commkit::st_release(&a.sig[a.rank]->broken, v);
@@ -182,7 +183,7 @@ __device__ __forceinline__ void mark_broken(const KernelArgs& a, bool peers) {
 // recreate).
 __device__ __forceinline__ void report_not_run(const KernelArgs& a, uint64_t e, uint64_t broken) {
   commkit::report_timeout(a.rec, static_cast<uint32_t>(a.op * 4 + kPhaseBroken), a.rank,
-                          static_cast<int>(broken) - 1, static_cast<int64_t>(e), static_cast<int64_t>(broken), 0);
+                          broken_rank(broken), static_cast<int64_t>(e), static_cast<int64_t>(broken), 0);
 }
 
 // Entry handshake, part 2, run by thread 0 of a block that pushes to `target`: waits until the
@@ -214,11 +215,11 @@ __device__ __noinline__ bool enter_call(const KernelArgs& a, Signals* me, int ta
     if (blk != 0)
       commkit::report_timeout(a.rec, op, q, target, static_cast<int64_t>(static_cast<uint32_t>(e)),
                               static_cast<int64_t>(seen), a.timeout_ns);
-    mark_broken(a, true);
+    mark_broken(a, true, e);
   } else if (seen != word) {
     commkit::report_timeout(a.rec, static_cast<uint32_t>(a.op * 4 + kPhaseMismatch), q, target,
                             static_cast<int64_t>(word), static_cast<int64_t>(seen), 0);
-    mark_broken(a, false);
+    mark_broken(a, false, e);
     ok = false;
   }
   return ok;
@@ -235,6 +236,7 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const __grid_constant__ K
   __shared__ uint64_t s_epoch, s_word;
   __shared__ int s_live;  // the instance was not marked failed when this block started
   __shared__ int s_ok;    // this block may push (live, and the target entered the same call)
+  __shared__ int s_post;  // block 0 posts this rank's entry (see below)
 
   Signals* me = a.sig[a.rank];
   const int W = a.world;
@@ -247,13 +249,18 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const __grid_constant__ K
     // it runs nothing.
     const uint64_t broken = commkit::ld_acquire(&me->broken);
     s_live = s_ok = broken == 0u;
+    // The entry is posted unless the instance was marked failed before this call: a mark that
+    // another block of this same call set first (a mismatch it found, a deadline) must not hide this
+    // rank's entry from peers that have not seen the failure, or they would wait for it until their
+    // deadline (tests/ipc_all2all/test_protocol_model.py models both).
+    s_post = broken == 0u || broken == broken_word(s_epoch, q);
     if (broken != 0u) report_not_run(a, s_epoch, broken);
   }
   __syncthreads();
   const uint64_t e = s_epoch;
 
   // Entry handshake, part 1: tell every peer that my stream has reached call e, and which call.
-  if (blockIdx.x == 0 && threadIdx.x < W && static_cast<int>(threadIdx.x) != q && s_live)
+  if (blockIdx.x == 0 && threadIdx.x < W && static_cast<int>(threadIdx.x) != q && s_post)
     commkit::st_release(&a.sig[threadIdx.x]->ready[q], s_word);
 
   int target, blk, nb;
@@ -319,7 +326,7 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const __grid_constant__ K
           if (b != 0u)
             report_not_run(a, e, b);
           else
-            mark_broken(a, true);
+            mark_broken(a, true, e);
           break;
         }
       }
