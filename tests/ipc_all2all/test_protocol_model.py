@@ -195,8 +195,8 @@ def run_failure_model(W: int, skipper: int, seed: int, post_after_own_failure: b
 
 @pytest.mark.parametrize("W", [2, 3, 4, 8])
 def test_entry_posted_despite_a_failure_of_the_same_call_never_waits_out_a_deadline(W):
-    """The design to move to (README "known limits"): a rank posts its entry unless it was marked
-    failed before the call. Then every rank fails the call at once, each with the mismatch itself."""
+    """The kernel's rule (since 544b7d4): a rank posts its entry unless it was marked failed before
+    the call. Then every rank fails the call at once, each with the mismatch itself."""
     for seed in range(300 if W <= 4 else 60):
         skipper = seed % W
         record = run_failure_model(W, skipper, seed, post_after_own_failure=True)
@@ -205,12 +205,11 @@ def test_entry_posted_despite_a_failure_of_the_same_call_never_waits_out_a_deadl
 
 
 @pytest.mark.parametrize("W", [2, 3])
-def test_current_kernel_can_wait_out_a_deadline_after_a_skipped_call(W):
-    """The kernel as it is: when a block finds the mismatch before the same rank's block 0 started,
-    block 0 does not post the entry and a peer waits for it until its deadline (an error path: the
-    call still fails on every rank, later and as a timeout). The model finds such schedules; the
-    GPU tests (which pass) do not, since block 0 normally starts first. Kept as a record of the known
-    limit until the fix above is run on a GPU."""
+def test_previous_rule_can_wait_out_a_deadline_after_a_skipped_call(W):
+    """Negative control, the rule before 544b7d4: block 0 did not post the entry once the instance
+    was marked failed, even by another block of the same call, so when that block found the mismatch
+    before block 0 started a peer waited for the entry until its deadline. The model must find such
+    schedules, which shows it can tell the two rules apart."""
     found = 0
     for seed in range(400):
         try:
