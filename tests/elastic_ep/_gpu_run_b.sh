@@ -6,6 +6,7 @@ R=$(pwd); O=${1:-/tmp/r}; mkdir -p "$O"
 T0=$(date +%s)
 left() { echo $(( 285 - ($(date +%s) - T0) )); }
 export EP_REUSE_NCCL_COMM=0  # own communicator; test_native_on_torch_communicator covers torch's
+export COMMKIT_REQUIRE_GPU=${COMMKIT_REQUIRE_GPU:-1}  # no GPU, or a CPU-only build: fail, not skip
 timeout 150 bash tools/gpu.sh "$O" --only elastic_ep --no-tests --no-bench > "$O/gpu_sh.log" 2>&1
 echo "build rc=$? after $(( $(date +%s) - T0 )) s"; tail -4 "$O/gpu_sh.log"
 cd /tmp

@@ -26,16 +26,19 @@ def test_cached_mode_names_every_missing_field_and_forbids_cpu_sync():
         _checks().check_dispatch_modes(False, False, True, full)
 
 
-def test_expert_id_check_counts_and_names_an_offender(monkeypatch):
+def test_expert_id_count_and_example(monkeypatch):
     import torch
 
     c = _checks()
     idx = torch.tensor([[0, 1, -1], [7, 3, 2]], dtype=torch.int64)
-    c.check_expert_ids_torch(idx, 8)  # -1 (masked) and 0..7 are fine
+    assert c.count_bad_expert_ids(idx, 8) == (0, 0)  # -1 (masked) and 0..7 are fine
     bad = idx.clone()
     bad[1, 0], bad[0, 2] = 8, -2
-    with pytest.raises(ValueError, match=r"expert ids must be in \[-1, 8\), got 2 outside it \(e\.g\. (-2|8)\)"):
-        c.check_expert_ids_torch(bad, 8)
-    c.check_expert_ids_torch(torch.empty((0, 3), dtype=torch.int64), 8)
+    n, example = c.count_bad_expert_ids(bad, 8)
+    assert n == 2 and example in (8, -2)
+    assert c.count_bad_expert_ids(torch.empty((0, 3), dtype=torch.int64), 8) == (0, 0)
+    with pytest.raises(ValueError, match=r"expert ids must be in \[-1, 8\), got 2 outside it \(e\.g\. 8\)"):
+        raise c.expert_ids_error(2, 8, 8)
+    assert c.index_check_enabled()
     monkeypatch.setenv("EP_SKIP_INDEX_CHECK", "1")
-    c.check_expert_ids_torch(bad, 8)  # the documented escape hatch
+    assert not c.index_check_enabled()  # the documented escape hatch

@@ -5,13 +5,12 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from tests._tools import ROOT
+from tests.elastic_ep._common import native_module_or_skip
 
 
 def test_python_overhead_tool_runs():
-    pytest.importorskip("elastic_ep._C", reason="needs the built elastic_ep package")
+    native_module_or_skip()  # needs the built package; a broken extension fails
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "diag", "ep_python_overhead.py"),
                           "--iters", "20", "--tokens", "64", "--hidden", "128"],
                          capture_output=True, text=True, timeout=120)

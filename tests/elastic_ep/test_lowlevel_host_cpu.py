@@ -14,9 +14,11 @@ fake buffer's device index is -1, what ``Tensor.get_device()`` returns for them)
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("elastic_ep._C")
+from tests.elastic_ep._common import native_module_or_skip
+
+native_module_or_skip()  # skips only without a built package; a broken extension fails
 from elastic_ep import _low_level as ll  # noqa: E402
 
 T, H, K, E = 4, 128, 2, 8

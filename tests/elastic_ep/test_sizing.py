@@ -2,7 +2,7 @@
 agreement of the Python port with the native constexpr layouts when the extension is built."""
 import pytest
 
-from tests.elastic_ep._common import import_elastic_ep
+from tests.elastic_ep._common import import_elastic_ep, native_module_or_skip
 
 ep = import_elastic_ep()
 from elastic_ep import _sizing  # noqa: E402
@@ -46,11 +46,10 @@ def test_bad_sizing_arguments(bad):
 
 
 def test_python_port_matches_native_layouts():
-    try:
-        from elastic_ep import _low_level as ll
-        native = ll.ElasticBuffer.calculate_buffer_size
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"native extension not built: {e}")
+    native_module_or_skip()  # skips only without a built package; a broken extension fails here
+    from elastic_ep import _low_level as ll
+
+    native = ll.ElasticBuffer.calculate_buffer_size
     for R in (1, 2, 4, 8):
         for (M, H, K, fp8, mr) in [(4096, 7168, 8, True, True), (128, 256, 0, False, True),
                                    (96, 512, 8, True, False), (1, 2048, 3, False, False)]:
@@ -59,11 +58,7 @@ def test_python_port_matches_native_layouts():
 
 
 def _native_c():
-    try:
-        from elastic_ep import _C
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"native extension not built: {e}")
-    return _C
+    return native_module_or_skip()
 
 
 def test_hybrid_sizes_by_hand():
@@ -78,10 +73,27 @@ def test_hybrid_sizes_by_hand():
         2080 * (8 * 2 * 128 + 8 * 128 + 8 * 2 * (128 + 1280))
     size = calculate_elastic_buffer_size(8, 128, 1024, 8, num_nvl_ranks=4)
     assert size == -(-max(d, c) // MiB2) * MiB2
-    # allow_hybrid_mode=False: one scale-up domain of 8 ranks, of which only 4 share NVLink (send areas)
-    assert calculate_elastic_buffer_size(8, 128, 1024, 8, allow_hybrid_mode=False, num_nvl_ranks=4) == \
-        _sizing.align_up(max(_sizing.get_dispatch_buffer_size(128, 1024, 0, 8, 2, 1, 8, False),
-                             _sizing.get_combine_buffer_size(128, 1024, 8, 1, 8, False, True)), MiB2)
+    # allow_hybrid_mode=False: one scale-up domain of 8 ranks, of which only 4 share NVLink, so it is not
+    # on NVLink and has send areas. Dispatch: (1 send + 8 receive) x 128 records of 2128 B = 2451456;
+    # combine: 8 ranks x 128 x 2080 (send) + min(8, 8) slots x 128 x 2080 (receive) = 4259840 -> 3 x 2 MiB.
+    assert _sizing.get_dispatch_buffer_size(128, 1024, 0, 8, 2, 1, 8, False) == 2451456
+    assert _sizing.get_combine_buffer_size(128, 1024, 8, 1, 8, False, True) == 4259840
+    assert calculate_elastic_buffer_size(8, 128, 1024, 8, allow_hybrid_mode=False, num_nvl_ranks=4) == 3 * MiB2
+    # without multiple reduction: send 8 ranks x (128 x 8) x 2080 + receive 8 slots x 128 x 2080 = 19169280
+    # -> 10 x 2 MiB (the dispatch area is unchanged and smaller)
+    assert calculate_elastic_buffer_size(8, 128, 1024, 8, allow_hybrid_mode=False, allow_multiple_reduction=False,
+                                         num_nvl_ranks=4) == 10 * MiB2
+
+
+def test_fp8_worst_case_topk_by_hand():
+    # 4 ranks on NVLink, 4096 tokens, hidden 1024, FP8, top-k 0 (sized as 32), ceil(1024 / 32) = 32 scale packs.
+    # Dispatch record 1024 + 128 (sf) + 128 (idx) + 128 (weights) + 16 = 1424 B: 4 x 4096 x 1424 = 23330816.
+    # Combine record 2048 + 128 = 2176 B, min(4, 32) = 4 slots: 4 x 4096 x 2176 = 35651584 = exactly 17 x 2 MiB.
+    assert _sizing.dispatch_token_bytes(1024, 1, 32, 32) == 1424
+    assert _sizing.combine_token_bytes(1024, 2, 32) == 2176
+    assert calculate_elastic_buffer_size(4, 4096, 1024, 0, use_fp8_dispatch=True) == 17 * MiB2
+    # one token more per rank: 4 x 4097 x 2176 = 35660288 -> 18 x 2 MiB
+    assert calculate_elastic_buffer_size(4, 4097, 1024, 0, use_fp8_dispatch=True) == 18 * MiB2
 
 
 @pytest.mark.parametrize("ranks, nvl", [(6, 4), (3, 2), (4, 8), (5, 3)])

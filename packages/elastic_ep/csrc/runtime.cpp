@@ -319,8 +319,8 @@ Runtime::~Runtime() {
 
 void Runtime::set_device() const { CK_CUDA_CHECK(cudaSetDevice(device_)); }
 
-// How long destroy() of a CUDA-IPC window waits for its peers when the buffer has no device deadline.
-constexpr uint64_t kIpcDestroyDeadlineNs = 30ull * 1000000000ull;
+// How long destroy() waits for its peers when the buffer has no device deadline.
+constexpr uint64_t kDestroyDeadlineNs = 30ull * 1000000000ull;
 
 void Runtime::destroy() {
   if (destroyed_) return;
@@ -345,16 +345,20 @@ void Runtime::destroy() {
   }
   set_device();
   cudaDeviceSynchronize();
-  if (ipc_ && peer_bases_ != nullptr && entered_) {
-    // Nothing makes CUDA IPC teardown collective: a device barrier first, so no peer still writes
-    // into (or reads) this window when it is freed. (Not needed when this rank never entered an
-    // operation: a peer writes here only after this rank published an epoch, and this rank read no
-    // peer's window. That is also the case after a failed set-up, where peers may never arrive.) A
-    // peer that never arrives leaves a timeout record; the window is then leaked as after any timeout.
-    // With num_gpu_timeout_secs = 0 (no device deadline) the operations may wait forever, but
-    // teardown may not: it gets its own deadline.
+  if (peer_bases_ != nullptr && (entered_ || !ipc_)) {
+    // A device barrier with a deadline before anything is released.
+    // * CUDA IPC: nothing makes its teardown collective, so the barrier makes sure no peer still
+    //   writes into (or reads) this window when it is freed. Not needed when this rank never entered
+    //   an operation: a peer writes here only after this rank published an epoch, and this rank read
+    //   no peer's window. That is also the case after a failed set-up, where peers may never arrive.
+    // * NCCL: the window and device-communicator teardown below is collective and has no deadline of
+    //   its own; entering it only once every peer reached destroy() keeps a rank whose peer never
+    //   comes (an exception on that rank, a dead process) from blocking in it forever.
+    // A peer that never arrives leaves a timeout record; the window is then leaked as after any
+    // timeout (destroy_nccl_comm / process exit release it). With num_gpu_timeout_secs = 0 (no device
+    // deadline) the operations may wait forever, but teardown may not: it gets its own deadline.
     CommView v = view();
-    if (v.timeout_ns == 0) v.timeout_ns = kIpcDestroyDeadlineNs;
+    if (v.timeout_ns == 0) v.timeout_ns = kDestroyDeadlineNs;
     launch_barrier(v, nullptr);
     cudaDeviceSynchronize();
     (void)cudaGetLastError();

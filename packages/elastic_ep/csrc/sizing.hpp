@@ -294,11 +294,15 @@ CK_HD constexpr HostWorkspaceLayout host_workspace_layout() {
 CK_HD constexpr int64_t worst_case_num_recv_tokens(int64_t num_ranks, int64_t num_max_tokens_per_rank) {
   return num_ranks * num_max_tokens_per_rank;
 }
+// Expand mode: one row per top-k lane whose expert is local, so at most num_topk rows per received
+// token. The seed bounds it by min(num_topk, num_local_experts), which holds only while a token never
+// names the same expert twice; a repeated id then made the epilogue write past the output (nothing
+// refuses repeats, and the CPU-synced path handles them exactly). The bounds differ only when
+// num_local_experts < num_topk.
 CK_HD constexpr int64_t worst_case_num_expanded_tokens(int64_t num_ranks, int64_t num_max_tokens_per_rank,
                                                        int64_t num_topk, int64_t num_local_experts,
                                                        int64_t expert_alignment) {
-  const int64_t k = num_topk < num_local_experts ? num_topk : num_local_experts;
-  const int64_t n = num_ranks * num_max_tokens_per_rank * k + (expert_alignment - 1) * num_local_experts;
+  const int64_t n = num_ranks * num_max_tokens_per_rank * num_topk + (expert_alignment - 1) * num_local_experts;
   return int64_t(align_up(uint64_t(n), uint64_t(expert_alignment)));
 }
 

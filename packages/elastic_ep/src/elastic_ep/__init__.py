@@ -22,6 +22,18 @@ from ._sizing import ALIGNMENT_BYTES
 __version__ = "0.1.0"
 topk_idx_t = torch.int64
 
-__all__ = ["ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap", "native_available", "ALIGNMENT_BYTES",
+
+
+def __getattr__(name: str):
+    # The native exception types live in the extension, which is loaded lazily (importing the package
+    # must work without it): resolved on first use.
+    if name in ("CommError", "CommTimeoutError"):
+        from . import _low_level
+
+        return getattr(_low_level, name)
+    raise AttributeError(f"module 'elastic_ep' has no attribute {name!r}")
+
+
+__all__ = ["CommError", "CommTimeoutError", "ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap", "native_available", "ALIGNMENT_BYTES",
            "topk_idx_t", "calculate_elastic_buffer_size", "get_elastic_buffer_alignment", "get_physical_domain_size",
            "get_logical_domain_size"]

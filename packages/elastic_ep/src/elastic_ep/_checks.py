@@ -19,14 +19,14 @@ def expert_ids_error(num_bad: int, example: int, num_experts: int) -> ValueError
                       f"(e.g. {example})")
 
 
-def check_expert_ids_torch(topk_idx, num_experts: int) -> None:
-    """The expert-id check with plain torch ops (one host sync), for the torch backend."""
-    if topk_idx.numel() == 0 or not index_check_enabled():
-        return
+def count_bad_expert_ids(topk_idx, num_experts: int) -> tuple:
+    """``(count, an example)`` of the ids outside ``[-1, num_experts)``, with plain torch ops (one host
+    sync), for the torch backend; ``(0, 0)`` when there are none."""
+    if topk_idx.numel() == 0:
+        return 0, 0
     bad = (topk_idx < -1) | (topk_idx >= num_experts)
     num_bad = int(bad.sum())
-    if num_bad:
-        raise expert_ids_error(num_bad, int(topk_idx[bad][0]), num_experts)
+    return (num_bad, int(topk_idx[bad][0])) if num_bad else (0, 0)
 
 
 # The cached handle's fields a cached dispatch needs, by the low-level dispatch's argument names.

@@ -40,6 +40,7 @@ rank calls every operation in the same order (they are collective).
 """
 from __future__ import annotations
 
+import numbers
 import os
 from typing import List, Optional, Sequence, Tuple
 
@@ -863,6 +864,11 @@ class ElasticBuffer:
         R, dev = self.num_ranks, self.device
         cached = cached_num_recv_tokens is not None
         _checks.check_dispatch_modes(do_expand, do_zero_padding, do_cpu_sync, _checks.cached_handle_fields(locals()))
+        for name, v in (("num_max_tokens_per_rank", num_max_tokens_per_rank), ("num_experts", num_experts),
+                        ("expert_alignment", expert_alignment)):
+            # The binding's parser refuses anything else, but only once notify may be queued.
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise ValueError(f"{name} must be an int, got {v!r}")
         _check_cuda_tensor("x", x, (torch.bfloat16,) + _FP8_DTYPES, 2, dev)
         T, hidden = x.shape
         hidden_bytes = hidden * x.element_size()

@@ -116,6 +116,8 @@ class ElasticBuffer:
         self.num_gpu_timeout_secs = num_gpu_timeout_secs
         self.explicitly_destroy = explicitly_destroy
         self.destroyed = False
+        # Read once, as the native backend does (EP_SKIP_INDEX_CHECK=1: bad ids are masked silently).
+        self._check_ids = _checks.index_check_enabled()
         # Test hook: a torch.Generator here makes expand mode place rows inside each expert segment in
         # a random order, as the native kernels' atomics may (exercises the deterministic sort).
         self.shuffle_generator: Optional[torch.Generator] = None
@@ -182,19 +184,37 @@ class ElasticBuffer:
     def _epilogue(self, async_with_compute_stream: bool) -> Optional[EventHandle]:
         return EventHandle() if async_with_compute_stream else None
 
-    def _all_to_all(self, send: torch.Tensor, send_counts: List[int], stage: str) -> Tuple[torch.Tensor, List[int]]:
+    def _all_to_all(self, send: torch.Tensor, send_counts: List[int], stage: str,
+                    bad_ids: Optional[Tuple[int, int]] = None,
+                    num_experts: int = 0) -> Tuple[torch.Tensor, List[int]]:
         """Exchange rows of a uint8 ``[n, B]`` tensor; returns the received rows and per-source counts.
+
+        ``bad_ids``: ``(count, example)`` of this rank's expert ids outside ``[-1, num_experts)``. They
+        travel with the counts, so when any rank has some every rank raises the same ``ValueError``
+        before the rows move (as the native backend's refusal): nobody is left waiting in the second
+        exchange, and the buffer stays usable.
 
         On CPU groups every wait is bounded by ``num_cpu_timeout_secs``: a rank that never joins makes
         this raise ``TimeoutError`` naming the stage and the rank (the group must then be recreated).
         On NCCL groups the process group's own watchdog bounds the wait.
         """
         dev = self._device
-        counts = torch.tensor(send_counts, dtype=torch.int64, device=dev)
+        R = self.num_ranks
+        nb, example = bad_ids if bad_ids is not None else (0, 0)
+        # [R, 3]: to each destination, (row count, this rank's bad ids, an example of one)
+        counts = torch.tensor([[c, nb, example] for c in send_counts], dtype=torch.int64, device=dev)
         recv_counts_t = torch.empty_like(counts)
         self._wait(dist.all_to_all_single(recv_counts_t, counts, group=self.group, async_op=True),
                    f"{stage} (exchanging the per-rank counts)", send_counts)
-        recv_counts = [int(c) for c in recv_counts_t.cpu().tolist()]
+        got = recv_counts_t.cpu().tolist()
+        recv_counts = [int(row[0]) for row in got]
+        refused = [r for r in range(R) if got[r][1] > 0]
+        if refused:
+            note = (f"rank(s) {refused} passed top-k expert ids outside [-1, {num_experts}), so every rank "
+                    "refused this dispatch: nothing was sent and the buffer stays usable")
+            if nb > 0:
+                raise ValueError(f"{_checks.expert_ids_error(nb, example, num_experts)} ({note})")
+            raise ValueError(f"dispatch refused: {note}")
         recv = torch.empty((sum(recv_counts), send.shape[1]), dtype=torch.uint8, device=dev)
         self._wait(dist.all_to_all_single(recv, send.contiguous(), recv_counts, list(send_counts), group=self.group,
                                           async_op=True), f"{stage} (exchanging the rows)", recv_counts)
@@ -272,8 +292,9 @@ class ElasticBuffer:
         L = num_experts // R
         if T > num_max_tokens_per_rank:
             raise ValueError(f"x has {T} tokens, more than num_max_tokens_per_rank={num_max_tokens_per_rank}")
-        if not cached_mode and not (topk_idx.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _checks.check_expert_ids_torch(topk_idx, num_experts)
+        bad_ids = None
+        if self._check_ids and not cached_mode and not (topk_idx.is_cuda and torch.cuda.is_current_stream_capturing()):
+            bad_ids = _checks.count_bad_expert_ids(topk_idx, num_experts)
         num_sf_packs = sf.shape[1] if sf is not None else 0
         need = _sizing.get_dispatch_buffer_size(num_max_tokens_per_rank, H, num_sf_packs, K, x.element_size(),
                                                 1, R, True)
@@ -283,7 +304,9 @@ class ElasticBuffer:
         dev = x.device
 
         # ---- send side: one record per (destination rank, token), ascending token per destination
-        dst_rank = torch.where(topk_idx >= 0, topk_idx // L, torch.full_like(topk_idx, -1))  # [T, K]
+        # Ids outside [0, E) go nowhere (-1: masked); unless EP_SKIP_INDEX_CHECK=1 they refuse the call below.
+        dst_rank = torch.where((topk_idx >= 0) & (topk_idx < num_experts), topk_idx // L,
+                               torch.full_like(topk_idx, -1))  # [T, K]
         goes_to = torch.stack([(dst_rank == d).any(dim=1) for d in range(R)], dim=0) if T else \
             torch.zeros((R, 0), dtype=torch.bool, device=dev)  # [R, T]
         token_ids = torch.arange(T, device=dev, dtype=torch.int64)
@@ -313,7 +336,7 @@ class ElasticBuffer:
                 rows = token_ids.view(-1, 1).expand(T, K)
                 dst_buffer_slot_idx[valid] = slot_of[dst_rank[valid], rows[valid]]
 
-        recv, recv_counts = self._all_to_all(send, send_counts, "dispatch")
+        recv, recv_counts = self._all_to_all(send, send_counts, "dispatch", bad_ids, num_experts)
         N = recv.shape[0]
 
         # ---- unpack
@@ -360,7 +383,7 @@ class ElasticBuffer:
             else:
                 num_recv_tokens = num_max_tokens_per_rank * R
                 a = expert_alignment
-                num_expanded_tokens = R * num_max_tokens_per_rank * min(K, L) + (a - 1) * L
+                num_expanded_tokens = R * num_max_tokens_per_rank * K + (a - 1) * L  # K: ids may repeat
                 num_expanded_tokens = (num_expanded_tokens + a - 1) // a * a
                 per_expert_list = []
             if cumulative_local_expert_recv_stats is not None:
@@ -562,8 +585,8 @@ class ElasticBuffer:
         if topk_weights is not None:
             combined_topk_weights = torch.zeros((T, K), dtype=torch.float32, device=dev)
             if M:
-                owner = torch.where(combined_topk_idx >= 0, combined_topk_idx // L,
-                                    torch.full_like(combined_topk_idx, -1))  # [T, K]
+                owner = torch.where((combined_topk_idx >= 0) & (combined_topk_idx < num_experts),
+                                    combined_topk_idx // L, torch.full_like(combined_topk_idx, -1))  # [T, K]
                 r_tok = r_ts[:, 0]
                 take = owner[r_tok] == sender.view(-1, 1)  # [M, K]
                 mi, mk = torch.nonzero(take, as_tuple=True)

@@ -47,6 +47,7 @@ import math
 import operator
 import os
 import warnings
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
@@ -180,6 +181,16 @@ def _as_int(v: Any) -> Any:
 
 def _err(name: str, expected: str, got: Any) -> ValueError:
     return ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def _int_arg(name: str, v: Any, lo: int) -> int:
+    """``v`` as a Python int ``>= lo``. Integers of any kind pass (numpy, torch scalars); bools,
+    floats and strings are refused here, naming the argument: the native parameter parser refuses
+    them too, but only after the first kernels were queued, which leaves the buffer unusable."""
+    i = _as_int(v)
+    if isinstance(i, bool) or not isinstance(i, int) or i < lo:
+        raise _err(name, "a positive int" if lo == 1 else f"an int >= {lo}", repr(v))
+    return i
 
 
 def _describe(t: Any) -> str:
@@ -325,6 +336,14 @@ def _new_nccl_comm(group: dist.ProcessGroup, ll) -> int:
     return int(ll.create_nccl_comm(ids[0], dist.get_world_size(group), rank))
 
 
+def _release_native(runtime, ll, comm: int) -> None:
+    """Finaliser of a buffer with its own communicator: the window first, then the communicator."""
+    try:
+        runtime.destroy()
+    finally:
+        ll.destroy_nccl_comm(comm)
+
+
 def _all_ok(group: dist.ProcessGroup, ok: bool) -> bool:
     flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device="cuda")
     dist.all_reduce(flag, group=group)
@@ -380,10 +399,21 @@ class ElasticBuffer:
             raise ValueError(f"window: expected 'auto', 'nccl' or 'ipc', got {window!r}")
         if window == "ipc" and backend == "torch":
             raise ValueError("window='ipc' is the native backend's window; backend='torch' has none")
-        if num_topk < 0 or num_topk > _MAX_TOPK:
+        num_max_tokens_per_rank = _int_arg("num_max_tokens_per_rank", num_max_tokens_per_rank, 0)
+        hidden = _int_arg("hidden", hidden, 0)
+        num_topk = _int_arg("num_topk", num_topk, 0)
+        if num_topk > _MAX_TOPK:
             raise ValueError(f"num_topk: expected 0..{_MAX_TOPK}, got {num_topk}")
-        if num_cpu_timeout_secs <= 0 or num_gpu_timeout_secs <= 0:
-            raise ValueError(f"timeouts must be positive, got cpu={num_cpu_timeout_secs} gpu={num_gpu_timeout_secs}")
+        if hidden % 16 if use_fp8_dispatch else hidden % 8:
+            raise ValueError(f"hidden: a row must be a multiple of 16 bytes (hidden % 8 == 0 for bf16, % 16 with "
+                             f"use_fp8_dispatch), got {hidden}")
+        if num_bytes is not None:
+            num_bytes = _int_arg("num_bytes", num_bytes, 1)
+        sl_idx = _int_arg("sl_idx", sl_idx, 0)
+        num_allocated_qps = _int_arg("num_allocated_qps", num_allocated_qps, 0)
+        # Whole seconds >= 1: the runtime keeps seconds as an int, where 0 means "no deadline".
+        num_cpu_timeout_secs = _int_arg("num_cpu_timeout_secs", num_cpu_timeout_secs, 1)
+        num_gpu_timeout_secs = _int_arg("num_gpu_timeout_secs", num_gpu_timeout_secs, 1)
         self.group = group
         self.rank = dist.get_rank(group)
         self.rank_idx = self.rank  # DeepEP's name
@@ -429,6 +459,7 @@ class ElasticBuffer:
         self.explicitly_destroy = explicitly_destroy
         self.destroyed = False
         self._owned_comm = None
+        self._comm_finalizer = None
         self.nccl_comm = 0
 
         if num_bytes is None:
@@ -452,7 +483,17 @@ class ElasticBuffer:
         env_sms = os.environ.get("EP_NUM_SMS")
         self._env_num_sms = int(env_sms) if env_sms else 0
         if backend == "native":
-            self.runtime = self._create_native(ll, group, args)
+            try:
+                self.runtime = self._create_native(ll, group, args)
+            except BaseException:
+                self._abort_owned_comm()  # a communicator of our own made before the failure
+                raise
+            if self._owned_comm is not None and not explicitly_destroy:
+                # Freed with the object, as promised: the low-level buffer's finaliser releases the
+                # window, then this one aborts the communicator under it (never at interpreter exit:
+                # peers may be gone by then, and the process exit releases both anyway).
+                self._comm_finalizer = weakref.finalize(self, _release_native, self.runtime, ll, self._owned_comm)
+                self._comm_finalizer.atexit = False
         else:
             from ._torch_backend import ElasticBuffer as _TorchBuffer
             self.runtime = _TorchBuffer(*args, group=group)
@@ -639,12 +680,21 @@ class ElasticBuffer:
         nothing. Unlike DeepEP it does not require ``explicitly_destroy=True``."""
         if self.destroyed:
             return
-        self.runtime.destroy()
         self.destroyed = True
-        if self._owned_comm is not None:
+        try:
+            self.runtime.destroy()
+        finally:
+            self._abort_owned_comm()
+
+    def _abort_owned_comm(self) -> None:
+        """Aborts the communicator this buffer made for itself (local, never blocks), once."""
+        if self._comm_finalizer is not None:
+            self._comm_finalizer.detach()
+            self._comm_finalizer = None
+        comm, self._owned_comm = self._owned_comm, None
+        if comm is not None:
             ll, _ = _load_native()
-            ll.destroy_nccl_comm(self._owned_comm)
-            self._owned_comm = None
+            ll.destroy_nccl_comm(comm)
 
     def __enter__(self) -> "ElasticBuffer":
         return self
@@ -655,14 +705,12 @@ class ElasticBuffer:
 
     # ------------------------------------------------------------------ validation helpers
     def _resolve_sms(self, num_sms: int, num_experts: int, num_topk: int) -> int:
-        num_sms = _as_int(num_sms)
-        if not isinstance(num_sms, int) or num_sms < 0:
-            raise ValueError(f"num_sms: expected an int >= 0 (0 = automatic), got {num_sms!r}")
+        num_sms = _int_arg("num_sms", num_sms, 0)
         if num_sms == 0 and self._env_num_sms:
             return self._env_num_sms  # EP_NUM_SMS, read when the buffer was created
         if self.backend == "native":
             return num_sms  # 0: the native runtime picks (all SMs of the device)
-        return num_sms or self.get_theoretical_num_sms(num_experts, num_topk)
+        return num_sms or self.get_theoretical_num_sms(num_experts, min(num_topk, num_experts))
 
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -710,7 +758,9 @@ class ElasticBuffer:
             topk_weights: ``[T, K]`` float32, or None.
             cumulative_local_expert_recv_stats: ``[E / R]`` int32, incremented by the received counts.
             num_experts: total experts E (divisible by the rank count); from ``handle`` in cached mode.
-            num_max_tokens_per_rank: default: the buffer's; at most the buffer's.
+            num_max_tokens_per_rank: the most tokens any rank sends in this call (default: the
+                buffer's); a larger value is accepted while the buffer is big enough for it (else
+                ``ValueError``).
             expert_alignment: per-expert row alignment (default 1; from ``handle`` in cached mode).
             num_sms: SMs for the kernels (0: every SM with the native backend, ``get_theoretical_num_sms``
                 with the torch backend; ``EP_NUM_SMS`` overrides the 0); kept in the handle for ``combine``.
@@ -723,7 +773,7 @@ class ElasticBuffer:
             handle: an earlier dispatch's handle: cached mode (same routing, no counting).
             do_handle_copy: keep a copy of ``topk_idx`` in the handle.
             do_cpu_sync: exact-size outputs after the CPU waits for the counts; default: True unless
-                cached or capturing a CUDA graph.
+                cached or capturing a CUDA graph (where True raises ``ValueError``).
             do_expand: one row per (token, local expert), segments aligned to ``expert_alignment``.
             do_zero_padding: zero the alignment gaps (expand mode only).
             use_tma_aligned_col_major_sf: return ``recv_sf`` column-major with rows padded to 4.
@@ -803,21 +853,24 @@ class ElasticBuffer:
                 num_max_tokens_per_rank = self.num_max_tokens_per_rank
             if do_cpu_sync is None:
                 do_cpu_sync = not self._capturing()
+            elif do_cpu_sync and self._capturing():
+                raise ValueError("do_cpu_sync: cannot be True while a CUDA graph is being captured (the CPU would "
+                                 "wait for counts that no kernel produces until replay); pass False or None")
         _check_tensor("topk_idx", topk_idx, dtype=torch.int64, ndim=2, shape=(T, None), device=self.device)
         if cached:
             _check_handle_tensors(handle, _CACHED_HANDLE_TENSORS, self.device)
         K = topk_idx.shape[1]
         if not 0 < K <= _MAX_TOPK:
             raise ValueError(f"topk_idx: expected 1..{_MAX_TOPK} experts per token, got {K}")
-        num_experts, expert_alignment = _as_int(num_experts), _as_int(expert_alignment)
-        if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % R:
-            raise ValueError(f"num_experts: expected a positive multiple of the rank count {R}, got {num_experts}")
+        num_experts = _as_int(num_experts)
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0 or num_experts % R:
+            raise ValueError(f"num_experts: expected a positive multiple of the rank count {R}, got {num_experts!r}")
         L = num_experts // R
-        if not isinstance(expert_alignment, int) or expert_alignment <= 0:
-            raise ValueError(f"expert_alignment: expected a positive int, got {expert_alignment}")
-        if num_max_tokens_per_rank is None or num_max_tokens_per_rank <= 0:
+        expert_alignment = _int_arg("expert_alignment", expert_alignment, 1)
+        if num_max_tokens_per_rank is None or num_max_tokens_per_rank == 0:
             raise ValueError("num_max_tokens_per_rank: expected a positive int (the buffer was created without "
                              f"one), got {num_max_tokens_per_rank}")
+        num_max_tokens_per_rank = _int_arg("num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
         if T > num_max_tokens_per_rank:
             raise ValueError(f"x: {T} tokens exceed num_max_tokens_per_rank={num_max_tokens_per_rank}")
         if topk_weights is not None:
@@ -835,7 +888,15 @@ class ElasticBuffer:
                              f"has {self.num_bytes}; size it with get_buffer_size_hint")
         # Expert ids are checked by the backend: before the launch when the CPU syncs anyway, else on the
         # device (reported by the next call); see _low_level.dispatch.
+        if cached and self.backend == "native":
+            # The native backend skips its own argument checks (_prechecked): the handle's fields may
+            # have been replaced since the dispatch that made it, so their shapes are checked here.
+            self.runtime._check_cached_handle(
+                T, K, L, handle.psum_num_recv_tokens_per_scaleup_rank, handle.psum_num_recv_tokens_per_expert,
+                handle.num_unaligned_recv_tokens_per_expert, handle.dst_buffer_slot_idx,
+                handle.backend_recv_src_metadata, handle.num_recv_tokens)
         num_sms = self._resolve_sms(num_sms, num_experts, K)
+        num_qps = _int_arg("num_qps", num_qps, 0)
         if num_qps == 0:
             num_qps = self.get_theoretical_num_qps(num_sms)
 
@@ -1016,6 +1077,7 @@ class ElasticBuffer:
         if need > self.num_bytes:
             raise ValueError(f"buffer too small: this combine needs {need} bytes, the buffer has {self.num_bytes}")
         num_sms = self._resolve_sms(num_sms or handle.num_sms, handle.num_experts, K)
+        num_qps = _int_arg("num_qps", num_qps, 0)
         if num_qps == 0:
             num_qps = self.get_theoretical_num_qps(num_sms)
         if handle.perm is not None:  # deterministic mode: back to the backend's row order
