@@ -9,6 +9,13 @@ communicator between them: NCCL refuses two ranks on one device). With the envir
 ``COMMKIT_TEST_SHARE_GPU=1`` such tests also run on a machine with fewer than n GPUs, their ranks
 placed round-robin on the GPUs there are. Kernels of different processes on one GPU are
 time-sliced, so this checks correctness (bytes, protocol, timeouts), never speed.
+
+``COMMKIT_REQUIRE_GPU=1`` (set by tools/gpu.sh and the other GPU-machine scripts) makes a machine
+without a usable GPU an error instead of a run of skips: the session stops at start-up with the
+reason (no device visible, or the exception CUDA initialisation raised), and a test marked gpu or
+multigpu that skips for any other reason than needing more devices than the machine has (e.g. a
+package built without CUDA, ``skipif(not built_with_cuda())``) fails instead. ``--skip-slow`` skips
+and expected failures (xfail) stay as they are.
 """
 from __future__ import annotations
 
@@ -33,6 +40,10 @@ def share_gpu_enabled() -> bool:
     return os.environ.get("COMMKIT_TEST_SHARE_GPU", "0") not in ("", "0")
 
 
+def require_gpu_enabled() -> bool:
+    return os.environ.get("COMMKIT_REQUIRE_GPU", "0") not in ("", "0")
+
+
 def _gpu_count() -> int:
     try:
         import torch
@@ -42,12 +53,47 @@ def _gpu_count() -> int:
         return 0
 
 
+def _required_gpu_count() -> int:
+    """The number of CUDA devices, or pytest.UsageError naming why there is none (COMMKIT_REQUIRE_GPU=1)."""
+    try:
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            torch.cuda.init()  # raises the reason CUDA is unusable, if it has one
+    except Exception as e:  # noqa: BLE001 - reported, not swallowed
+        raise pytest.UsageError(f"COMMKIT_REQUIRE_GPU=1 but CUDA could not be initialised: "
+                                f"{type(e).__name__}: {e}") from e
+    if n == 0:
+        raise pytest.UsageError("COMMKIT_REQUIRE_GPU=1 but no CUDA device is visible "
+                                f"(torch.cuda.is_available() is False, CUDA_VISIBLE_DEVICES="
+                                f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r})")
+    return n
+
+
+_GPU_COUNT: "int | None" = None
+# The reasons of the skips that stay skips under COMMKIT_REQUIRE_GPU=1, per item.
+_ALLOWED_SKIP = pytest.StashKey[list]()
+
+
+def pytest_configure(config):
+    global _GPU_COUNT
+    if require_gpu_enabled():
+        _GPU_COUNT = _required_gpu_count()
+
+
+def _is_gpu_test(item) -> bool:
+    return item.get_closest_marker("gpu") is not None or item.get_closest_marker("multigpu") is not None
+
+
 def pytest_collection_modifyitems(config, items):
-    n = _gpu_count()
+    n = _GPU_COUNT if _GPU_COUNT is not None else _gpu_count()
     skip_slow = config.getoption("--skip-slow")
     for item in items:
+        allowed = []
         if skip_slow and item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.skip(reason="--skip-slow"))
+            allowed.append("--skip-slow")
         mg = item.get_closest_marker("multigpu")
         need = 0
         if mg is not None:
@@ -57,4 +103,30 @@ def pytest_collection_modifyitems(config, items):
         elif item.get_closest_marker("gpu"):
             need = 1
         if need and n < need:
-            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), found {n}"))
+            reason = f"needs {need} CUDA device(s), found {n}"
+            item.add_marker(pytest.mark.skip(reason=reason))
+            allowed.append(reason)
+        item.stash[_ALLOWED_SKIP] = allowed
+
+
+def _skip_reason(report) -> str:
+    lr = report.longrepr
+    if isinstance(lr, tuple) and len(lr) == 3:
+        return str(lr[2])
+    return str(lr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if not require_gpu_enabled() or not _is_gpu_test(item):
+        return
+    report = outcome.get_result()
+    if not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report)
+    if any(a in reason for a in item.stash.get(_ALLOWED_SKIP, [])):
+        return  # more devices needed than this machine has, or --skip-slow
+    report.outcome = "failed"
+    report.longrepr = (f"COMMKIT_REQUIRE_GPU=1: the GPU test {item.nodeid} skipped ({reason}); on the GPU "
+                       "machine only skips for more devices than it has are allowed")

@@ -12,6 +12,9 @@
 # --no-build reuses what an earlier call in the same machine session installed.
 # COMMKIT_TEST_SHARE_GPU=1 lets tests marked multigpu(n, shared_ok=True) run with ranks sharing a GPU
 # (correctness only; see tests/conftest.py).
+# COMMKIT_REQUIRE_GPU=1 is exported (unless set otherwise): a machine where CUDA is unusable fails the test
+# suites at start-up instead of skipping every GPU test, and a GPU test that skips for any reason but
+# needing more GPUs than there are (e.g. a package built without CUDA) fails (see tests/conftest.py).
 # Each suite runs under `timeout $TEST_TIMEOUT_S` (default 300) and each benchmark under
 # `timeout $BENCH_TIMEOUT_S` (default 240), so one hang cannot eat the whole device session.
 # The device's copy of the tree has no .git: pass COMMKIT_GIT_REV=<short hash> so the results record
@@ -38,6 +41,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export COMMKIT_REQUIRE_GPU=${COMMKIT_REQUIRE_GPU:-1}
 export COMMKIT_GIT_REV=${COMMKIT_GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1 COMMKIT_BUILD_CUDA=${COMMKIT_BUILD_CUDA:-ON} CUDAARCHS=90a
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}

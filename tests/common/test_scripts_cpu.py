@@ -27,9 +27,12 @@ def test_gpu_x2_runs_the_steps_the_status_names():
         assert needle in text, needle
 
 
-def test_gpu_x2b_runs_the_follow_up_steps():
+def test_gpu_x2b_and_x2c_run_the_follow_up_steps():
     text = open(os.path.join(ROOT, "tools", "gpu_x2b.sh")).read()
-    for needle in ("tests/ipc_all2all", "-k soak", "bench_fp8_layerwise.py"):
+    for needle in ("tests/ipc_all2all", "-k soak"):
+        assert needle in text, needle
+    text = open(os.path.join(ROOT, "tools", "gpu_x2c.sh")).read()
+    for needle in ("tests/fp8_layerwise", "bench_fp8_layerwise.py"):
         assert needle in text, needle
 
 
@@ -43,5 +46,5 @@ def test_gpu_step_helper_logs_and_limits_each_step(tmp_path):
     assert "rc=0 after hello" in out.stdout and "rc=124 after slow" in out.stdout and "rc=0 after after" in out.stdout
     assert (tmp_path / "hello.log").read_text() == "hi\n"
     assert (tmp_path / "after.log").read_text().strip() == "/tmp"  # steps run from /tmp
-    for name in ("gpu_x2.sh", "gpu_x2b.sh"):
+    for name in ("gpu_x2.sh", "gpu_x2b.sh", "gpu_x2c.sh"):
         assert 'source "$ROOT/tools/_gpu_steps.sh"' in open(os.path.join(ROOT, "tools", name)).read()
