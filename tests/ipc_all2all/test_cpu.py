@@ -1,6 +1,9 @@
 """CPU tests (run in CI): layout, grid plan, shape planning and input validation of ipc_all2all."""
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 import torch
 
@@ -44,6 +47,33 @@ def test_grid_plan(world, blocks):
         assert per_peer >= 1 and per_peer >= self_blocks // 2  # NVLink targets get most blocks
     total, self_blocks, per_peer = _C.grid_plan(blocks, world, 3)
     assert self_blocks == (3 if world > 1 else blocks)  # one rank: every block copies locally
+
+
+# grid_plan's rule (csrc/a2a_types.hpp): self = the hint if > 0, else num_blocks // (2 * W), at least 1;
+# per_peer = (num_blocks - self) // (W - 1), at least 1; grid = self + per_peer * (W - 1). One rank:
+# every block copies locally. Values worked out by hand from that rule.
+GRID_CASES = [
+    # (num_blocks, W, hint) -> (grid, self, per_peer)
+    ((2, 2, 0), (2, 1, 1)),              # 2 // 4 = 0 -> 1; (2 - 1) // 1 = 1
+    ((16, 2, 0), (16, 4, 12)),           # 16 // 4 = 4; 12 // 1 = 12
+    ((132, 2, 0), (132, 33, 99)),        # 132 // 4 = 33; 99 // 1 = 99
+    ((65535, 2, 0), (65535, 16383, 49152)),
+    ((8, 4, 0), (7, 1, 2)),              # 8 // 8 = 1; 7 // 3 = 2; 1 + 2 * 3 = 7 (one block unused)
+    ((132, 4, 0), (130, 16, 38)),        # 132 // 8 = 16; 116 // 3 = 38; 16 + 114 = 130
+    ((132, 4, 40), (130, 40, 30)),       # hint 40; 92 // 3 = 30; 40 + 90 = 130
+    ((8, 8, 0), (8, 1, 1)),              # 8 // 16 = 0 -> 1; 7 // 7 = 1
+    ((132, 8, 0), (127, 8, 17)),         # 132 // 16 = 8; 124 // 7 = 17; 8 + 119 = 127
+    ((264, 8, 0), (261, 16, 35)),        # 264 // 16 = 16; 248 // 7 = 35; 16 + 245 = 261
+    ((16, 8, 15), (22, 15, 1)),          # hint 15; 1 // 7 = 0 -> 1: the grid exceeds num_blocks
+    ((132, 1, 0), (132, 132, 0)),        # one rank
+    ((132, 1, 3), (132, 132, 0)),        # one rank: the hint is ignored
+    ((0, 1, 0), (1, 1, 0)),
+]
+
+
+@pytest.mark.parametrize("args,want", GRID_CASES, ids=[f"blocks{a[0]}-W{a[1]}-hint{a[2]}" for a, _ in GRID_CASES])
+def test_grid_plan_values(args, want):
+    assert _C.grid_plan(*args) == want
 
 
 def test_element_size_and_capacity():
@@ -500,3 +530,116 @@ def test_numpy_and_torch_integers_are_accepted_like_ints():
             S.check_world(0, bad)
     with pytest.raises(ValueError, match=r"rank_tokens\[0\] must be an int"):
         S.check_counts([1.5, 2], 2)
+
+
+# ------------------------------------------------------------------ set_timeout_seconds, set_grid, counts tensors
+def test_timeout_seconds_checks_match_the_core():
+    for good, want_ns in [(0, 0), (0.5, 500_000_000), (10, 10_000_000_000), (1e9 - 1, 999_999_999_000_000_000)]:
+        assert S.check_timeout_seconds(good) == float(good)
+        assert _C.timeout_ns_from_seconds(float(good)) == want_ns
+    assert S.check_timeout_seconds(np.float32(2.5)) == 2.5 and S.check_timeout_seconds(np.int64(3)) == 3.0
+    for bad in (-1, -1e-9, float("nan"), float("inf"), -float("inf"), 1e9, 1e12):
+        with pytest.raises(ValueError, match="timeout_seconds"):
+            S.check_timeout_seconds(bad)
+        with pytest.raises(ValueError, match="timeout_seconds"):  # the core refuses the same values
+            _C.timeout_ns_from_seconds(bad)
+    for bad in (True, "5", b"5", None, [1.0], object()):
+        with pytest.raises(ValueError, match="timeout_seconds must be a number"):
+            S.check_timeout_seconds(bad)
+
+
+def test_grid_checks_match_the_core():
+    for W in (1, 2, 8):
+        for nb, sb in [(W, 0), (W, W - 1), (132, 0), (132, 131), (65535, 0), (65535, 65534)]:
+            assert S.check_grid(nb, sb, W) == (nb, sb)
+            _C.check_grid_args(W, nb, sb)
+        for nb, sb, match in [(W - 1, 0, "num_blocks"), (0, 0, "num_blocks"), (65536, 0, "num_blocks"),
+                              (132, -1, "self_blocks"), (132, 132, "self_blocks"), (W, W, "self_blocks")]:
+            with pytest.raises(ValueError, match=match):
+                S.check_grid(nb, sb, W)
+            with pytest.raises(ValueError, match=match):
+                _C.check_grid_args(W, nb, sb)
+    assert S.check_grid(np.int32(132), torch.tensor(3), 4) == (132, 3)
+    for nb, sb, match in [(132.0, 0, "num_blocks"), (True, 0, "num_blocks"), ("132", 0, "num_blocks"),
+                          (132, 1.5, "self_blocks"), (132, False, "self_blocks"), (132, None, "self_blocks")]:
+        with pytest.raises(ValueError, match=match):
+            S.check_grid(nb, sb, 2)
+
+
+class _ConfigCore:
+    destroyed = True  # nothing to release when the stand-in instance is dropped
+
+    def __init__(self):
+        self.calls = []
+
+    def set_timeout_seconds(self, s):
+        self.calls.append(("timeout", s))
+
+    def set_grid(self, nb, sb):
+        self.calls.append(("grid", nb, sb))
+
+
+def _config_instance(world=4, device=torch.device("cpu")):
+    a = ipc_all2all.All2All.__new__(ipc_all2all.All2All)
+    a.__dict__.update(_core=_ConfigCore(), world_size=world, device=device, _counts=None, _counts_dev=None,
+                      _plans={"stale": 1})
+    return a
+
+
+def test_set_timeout_seconds_and_set_grid_check_before_the_core():
+    a = _config_instance(world=4)
+    for bad in (-1, float("nan"), float("inf"), 1e9, "10", True):
+        with pytest.raises(ValueError, match="timeout_seconds"):
+            a.set_timeout_seconds(bad)
+    for nb, sb, match in [(3, 0, "num_blocks"), (65536, 0, "num_blocks"), (8, 8, "self_blocks"),
+                          (8, -1, "self_blocks"), (8.0, 0, "num_blocks")]:
+        with pytest.raises(ValueError, match=match):
+            a.set_grid(nb, sb)
+    assert a._core.calls == [], "a refused value must not reach the core"
+    a.set_timeout_seconds(np.int64(3))
+    a.set_grid(np.int64(132), 5)
+    a.set_grid(4)
+    assert a._core.calls == [("timeout", 3.0), ("grid", 132, 5), ("grid", 4, 0)]
+    assert all(type(v) in (int, float) for c in a._core.calls for v in c[1:])
+
+
+def test_constructor_checks_timeout_before_the_device():
+    with pytest.raises(ValueError, match="timeout_seconds"):
+        ipc_all2all.All2All(0, 2, 10, 4096, 132, torch.bfloat16, timeout_seconds=-1)
+    with pytest.raises(ValueError, match="timeout_seconds"):
+        ipc_all2all.All2All(0, 2, 10, 4096, 132, torch.bfloat16, timeout_seconds=float("nan"))
+
+
+def test_counts_tensor_checks():
+    W, dev = 4, torch.device("cpu")
+    good = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    assert S.check_counts_tensor(good, W, dev) is good
+    strided = torch.zeros(2 * W, dtype=torch.int32)[::2]
+    assert strided.shape == (W,)
+    for t, problem in [(good.long(), "dtype torch.int64"), (good.float(), "dtype torch.float32"),
+                       (torch.zeros(W + 1, dtype=torch.int32), f"shape ({W + 1},)"),
+                       (good.view(1, W), f"shape (1, {W})"), (torch.zeros((), dtype=torch.int32), "shape ()"),
+                       (torch.zeros(W, dtype=torch.int32, device="meta"), "device meta"),
+                       (strided, "non-contiguous")]:
+        with pytest.raises(ValueError, match=r"set_rank_tokens: a counts tensor must be int32.*" + re.escape(problem)):
+            S.check_counts_tensor(t, W, dev)
+    with pytest.raises(ValueError, match="device cpu"):  # an instance on a GPU refuses host memory
+        S.check_counts_tensor(good, W, torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"dtype torch.int64, shape \(3,\), device meta"):  # every problem named
+        S.check_counts_tensor(torch.zeros(3, dtype=torch.int64, device="meta"), W, dev)
+    with pytest.raises(ValueError, match="expected a torch.Tensor"):
+        S.check_counts_tensor([1, 2, 3, 4], W, dev)
+
+
+def test_set_rank_tokens_tensor_branch():
+    a = _config_instance(world=2)
+    a.set_rank_tokens([3, 5])
+    for bad in (torch.tensor([3, 5]), torch.tensor([3, 5, 0], dtype=torch.int32),
+                torch.zeros(4, dtype=torch.int32)[::2], torch.zeros(2, dtype=torch.int32, device="meta")):
+        with pytest.raises(ValueError, match="set_rank_tokens"):
+            a.set_rank_tokens(bad)
+        assert a.rank_tokens == [3, 5] and a._counts_dev is None, "a refused tensor must leave the counts alone"
+    t = torch.tensor([4, 4], dtype=torch.int32)
+    a._plans = {"stale": 1}
+    a.set_rank_tokens(t)
+    assert a._counts_dev is t and a.rank_tokens is None and a._plans == {}

@@ -12,12 +12,19 @@ stands for the user reading the zero-copy view. The next call reads the previous
 
 A negative control removes the entry handshake. The same checker must then find a write-after-read,
 which shows that it can fail.
+
+The failure part (a skipped call, a late rank) decides whether a rank posts its entry with the
+kernel's own rule, ``_C.entry_post_allowed`` (csrc/a2a_types.hpp, called by a2a_kernel), on failure
+marks built by ``_C.broken_word``: a change of the kernel's rule changes what these tests see.
 """
 from __future__ import annotations
 
 import random
+from typing import List, NamedTuple, Optional
 
 import pytest
+
+from ipc_all2all import _C
 
 
 class Violation(AssertionError):
@@ -130,78 +137,186 @@ def test_negative_control_without_entry_handshake_finds_the_race():
     assert found > 0, "the checker never caught the race it exists to catch"
 
 
-# ------------------------------------------------------------------------------ a skipped call
-def run_failure_model(W: int, skipper: int, seed: int, post_after_own_failure: bool,
-                      stop_on_gave_up: bool = True) -> list:
-    """One call in which rank ``skipper`` runs a different operation (it skipped the previous one),
-    handled as in csrc/kernels.cu: block 0 of each rank posts its entry word; each (rank, target)
-    block waits for the target's entry, stopping (``stop_on_gave_up``) once its own rank gave up, then
-    compares signatures: a mismatch marks its own rank failed and claims the rank's record. The last
-    block records the call abandoned if the rank failed. A wait that can never end stands for a
-    deadline the rank would wait out. ``post_after_own_failure=False`` is the kernel as it is: block 0
-    posts only if the instance was not marked failed when it started, which includes a mismatch found
-    by another block of the same call that started first; True posts unless the mark predates the
-    call. Returns each rank's record."""
+# ------------------------------------------------------------------------------ failures
+# Entry-post rules other than the kernel's, for the negative controls: the rule before 544b7d4 (post
+# only while the instance is not marked at all), and "post unless marked in an earlier call" (any
+# rank's mark of this call allows it; what the README said of the current rule).
+def _rule_unmarked_only(broken: int, call: int, rank: int) -> bool:
+    return broken == 0
+
+
+def _rule_unless_marked_in_an_earlier_call(broken: int, call: int, rank: int) -> bool:
+    return broken == 0 or broken >> 32 == call % 2**32
+
+
+class FailureRun(NamedTuple):
+    record: List[Optional[str]]  # what each rank's record holds (first writer wins)
+    expired: List[int]           # the ranks whose wait ran into its deadline, in order
+    posted: List[bool]           # whether each rank's block 0 posted its entry
+    done: List[List[bool]]       # done[r][p]: p posted done (it pushed its rows) to r
+
+
+def run_failure_model(W: int, seed: int, *, call: int = 1, skipper: Optional[int] = None,
+                      late: Optional[int] = None, premark: Optional[int] = None,
+                      rule=_C.entry_post_allowed, stop_on_gave_up: bool = True,
+                      deadlines: bool = False) -> FailureRun:
+    """Call number ``call`` of every rank, handled as in csrc/kernels.cu.
+
+    Each rank runs block 0's entry post and one push block per peer, interleaved at random, then its
+    last block. Every block reads the rank's ``broken`` word when it starts: if set, it moves nothing
+    and records the call abandoned (naming ``_C.broken_rank`` of the word). Block 0 posts the entry
+    word (call, signature) to every peer iff ``rule(broken, call, rank)``, by default the kernel's
+    ``_C.entry_post_allowed``. A push block waits for its target's entry, stopping
+    (``stop_on_gave_up``) once its own rank gave up, and compares the words: a mismatch records it and
+    marks the own rank (``_C.broken_word(call, rank)``), a deadline records it and marks every rank. A
+    block that pushed posts ``done`` unless the rank is marked by then. The last block of a marked rank
+    records the call abandoned; otherwise it waits for every peer's ``done`` (stopping once marked).
+
+    Scenarios: ``skipper`` runs a different operation (it skipped the previous call); ``late`` enters
+    only once a peer's deadline mark reached it (it was late by more than the deadline); ``premark``:
+    every rank finds the mark that rank ``premark`` set in call ``call - 1`` (an earlier failure,
+    before the host raised it). Deadlines: when no rank can move, the wait is one a rank would wait
+    out to its deadline. With ``deadlines=False`` that raises ``Violation``; with True one waiting
+    block, chosen at random, expires (``expired`` lists them)."""
     rng = random.Random(seed)
     sig = ["B" if r == skipper else "A" for r in range(W)]
-    ready = [[None] * W for _ in range(W)]   # ready[r][p]: p's entry word in r's signals
+    ready = [[None] * W for _ in range(W)]    # ready[r][p]: p's entry word in r's signals
+    done = [[False] * W for _ in range(W)]    # done[r][p]: p finished pushing to r
+    broken = [0 if premark is None else _C.broken_word(call - 1, premark)] * W
     gave_up = [False] * W
-    record = [None] * W
+    record: List[Optional[str]] = [None] * W
+    posted = [False] * W
+    expired: List[int] = []
+    waiting: dict = {}   # token -> rank of every blocked wait
+    fired: set = set()   # tokens whose deadline expired
+
+    def claim(r, what):
+        if record[r] is None:
+            record[r] = what
+
+    def abandoned(r):
+        claim(r, f"abandoned, marked by {_C.broken_rank(broken[r])}")
+
+    def mark(r, peers):
+        gave_up[r] = True
+        word = _C.broken_word(call, r)
+        for p in (range(W) if peers else [r]):
+            broken[p] = word
+
+    def wait(r, cond, stop):
+        """True once cond(), None when stop() ends it first, False at its deadline."""
+        tok = object()
+        waiting[tok] = r
+        try:
+            while True:
+                if cond():
+                    return True
+                if stop():
+                    return None
+                if tok in fired:
+                    return False
+                yield "wait"
+        finally:
+            waiting.pop(tok, None)
 
     def poster(r):
-        yield
-        if post_after_own_failure or not gave_up[r]:  # s_live, read when block 0 starts
+        yield "step"
+        b = broken[r]
+        if b:
+            abandoned(r)
+        if rule(b, call, r):
+            posted[r] = True
             for p in rng.sample(range(W), W):
                 if p != r:
-                    ready[p][r] = sig[r]
-                    yield
+                    ready[p][r] = (call, sig[r])
+                    yield "step"
 
-    def block(r, p):
-        while ready[r][p] is None:
-            if stop_on_gave_up and gave_up[r]:
-                return  # stopped: records nothing
-            yield "wait"
-        if ready[r][p] != sig[r]:
-            gave_up[r] = True
-            if record[r] is None:
-                record[r] = f"mismatch with {p}"
-        yield
+    def push_block(r, p):
+        yield "step"
+        if broken[r]:
+            abandoned(r)
+            return
+        ok = yield from wait(r, lambda: ready[r][p] is not None, lambda: stop_on_gave_up and gave_up[r])
+        if ok is None:
+            return  # stopped: the block that gave up recorded why
+        if ok is False:
+            claim(r, f"entry timeout on {p}")
+            mark(r, peers=True)
+            return
+        if ready[r][p] != (call, sig[r]):
+            claim(r, f"mismatch with {p}")
+            mark(r, peers=False)
+            return
+        yield "step"  # the push
+        if broken[r]:
+            abandoned(r)
+        else:
+            done[p][r] = True
 
     def rank_program(r):
-        active = [poster(r)] + [block(r, p) for p in range(W) if p != r]
+        active = [poster(r)] + [push_block(r, p) for p in range(W) if p != r]
         while active:
             g = rng.choice(active)
             try:
                 yield next(g)
             except StopIteration:
                 active.remove(g)
-        if gave_up[r] and record[r] is None:
-            record[r] = "abandoned"
+        if broken[r]:
+            abandoned(r)
+            return
+        for k in range(1, W):
+            src = (r + k) % W
+            ok = yield from wait(r, lambda: done[r][src], lambda: broken[r] != 0)
+            if not ok:
+                if broken[r]:
+                    abandoned(r)
+                else:
+                    claim(r, f"completion timeout on {src}")
+                    mark(r, peers=True)
+                return
 
-    progs = [rank_program(r) for r in range(W)]
-    alive = list(range(W))
+    progs = {r: rank_program(r) for r in range(W) if r != late}
+    alive = list(progs)
     stalled = 0
-    while alive:
+    while alive or (late is not None and late not in progs):
+        if late is not None and late not in progs and broken[late] != 0:
+            progs[late] = rank_program(late)
+            alive.append(late)
+        if stalled > 5000:
+            if not deadlines:
+                raise Violation(f"ranks {sorted(set(waiting.values()))} wait out their deadline (records {record})")
+            tok = rng.choice([t for t in waiting if t not in fired])
+            fired.add(tok)
+            expired.append(waiting[tok])
+            stalled = 0
         r = rng.choice(alive)
         try:
             kind = next(progs[r])
             stalled = stalled + 1 if kind == "wait" else 0
-            if stalled > 20000:
-                raise Violation(f"ranks {alive} wait out their deadline (records {record})")
         except StopIteration:
             alive.remove(r)
-    return record
+    return FailureRun(record, expired, posted, done)
+
+
+def _done_with(run: FailureRun, r: int) -> bool:
+    """Whether rank r posted done to a peer or a peer to r (rows moved to or from r)."""
+    return any(run.done[r]) or any(row[r] for row in run.done)
+
+
+BIG_CALLS = [1, 2**32 - 1, 2**32, 2**32 + 1, 2**33 + 7]  # call numbers around and past the 32-bit wrap
 
 
 @pytest.mark.parametrize("W", [2, 3, 4, 8])
-def test_entry_posted_despite_a_failure_of_the_same_call_never_waits_out_a_deadline(W):
-    """The kernel's rule (since 544b7d4): a rank posts its entry unless it was marked failed before
-    the call. Then every rank fails the call at once, each with the mismatch itself."""
+def test_skipped_call_every_rank_fails_at_once_with_the_mismatch(W):
+    """A skipped call under the kernel's rule: every rank fails the call at once (no deadline), each
+    with the mismatch itself, at any call number, including past 2^32 (the mark keeps 32 bits)."""
     for seed in range(300 if W <= 4 else 60):
         skipper = seed % W
-        record = run_failure_model(W, skipper, seed, post_after_own_failure=True)
-        assert all(rec is not None and rec.startswith("mismatch") for rec in record), (seed, record)
-        assert all(record[r] == f"mismatch with {skipper}" for r in range(W) if r != skipper), (seed, record)
+        call = BIG_CALLS[seed % len(BIG_CALLS)]
+        run = run_failure_model(W, seed, call=call, skipper=skipper)
+        assert all(rec is not None and rec.startswith("mismatch") for rec in run.record), (seed, call, run)
+        assert all(run.record[r] == f"mismatch with {skipper}" for r in range(W) if r != skipper), (seed, call, run)
+        assert run.expired == [] and not _done_with(run, skipper), (seed, call, run)
 
 
 @pytest.mark.parametrize("W", [2, 3])
@@ -213,8 +328,53 @@ def test_previous_rule_can_wait_out_a_deadline_after_a_skipped_call(W):
     found = 0
     for seed in range(400):
         try:
-            run_failure_model(W, seed % W, seed, post_after_own_failure=False)
+            run_failure_model(W, seed, skipper=seed % W, rule=_rule_unmarked_only)
         except Violation as v:
             assert "wait out their deadline" in str(v)
             found += 1
     assert found > 0
+
+
+@pytest.mark.parametrize("W", [2, 3, 4, 8])
+def test_late_rank_after_a_peer_deadline(W):
+    """A rank late by more than the deadline enters after the first peer's entry deadline expired and
+    that peer marked every rank (broken_word(call, peer)). The kernel's rule withholds the late rank's
+    entry (a peer's mark, though of this same call), so every other rank waits out its own entry
+    deadline on it and records an entry timeout naming it; the late rank records the call abandoned,
+    naming the first rank that timed out. No rows move to or from the late rank."""
+    for seed in range(40 if W <= 4 else 12):
+        late = seed % W
+        call = BIG_CALLS[seed % len(BIG_CALLS)]
+        run = run_failure_model(W, seed, call=call, late=late, deadlines=True)
+        first = run.expired[0]
+        others = [r for r in range(W) if r != late]
+        assert sorted(run.expired) == others, (seed, run)
+        assert run.record[late] == f"abandoned, marked by {first}", (seed, run)
+        assert all(run.record[r] == f"entry timeout on {late}" for r in others), (seed, run)
+        assert not run.posted[late] and all(run.posted[r] for r in others), (seed, run)
+        assert not _done_with(run, late), (seed, run)
+
+
+@pytest.mark.parametrize("W", [3, 4])
+def test_late_rank_under_the_earlier_call_rule_costs_one_deadline(W):
+    """Control for the test above: under "post unless marked in an earlier call" (any rank's mark of
+    this call allows the post) the late rank posts, the other ranks stop waiting for it and record the
+    call abandoned: one deadline in all. The model tells the two rules apart at W >= 3."""
+    for seed in range(30):
+        late = seed % W
+        run = run_failure_model(W, seed, late=late, deadlines=True, rule=_rule_unless_marked_in_an_earlier_call)
+        (first,) = run.expired
+        assert run.record[first] == f"entry timeout on {late}", (seed, run)
+        assert all(run.record[r] == f"abandoned, marked by {first}" for r in range(W) if r != first), (seed, run)
+        assert all(run.posted), (seed, run)
+
+
+@pytest.mark.parametrize("W", [2, 3, 8])
+@pytest.mark.parametrize("call", BIG_CALLS[1:])
+def test_a_mark_of_an_earlier_call_stops_every_rank_at_once(W, call):
+    """Every rank finds the mark that rank 0 set in the previous call (also across the 32-bit wrap of
+    the call number): no rank posts its entry, pushes or waits; every call is recorded abandoned."""
+    for seed in range(20):
+        run = run_failure_model(W, seed, call=call, premark=0)
+        assert run.record == ["abandoned, marked by 0"] * W and run.expired == [], (seed, run)
+        assert not any(run.posted) and not any(map(any, run.done)), (seed, run)

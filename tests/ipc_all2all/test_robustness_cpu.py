@@ -141,6 +141,48 @@ def test_mismatch_and_not_run_messages_name_operation_rank_and_peer():
     assert "gather_heads on rank 1 (call 13) was abandoned" in msg and "(on this rank)" in msg, msg
 
 
+# ------------------------------------------------------------------ the failure mark and the entry-post rule
+_CALLS = [0, 1, 7, 2**31, 2**32 - 1, 2**32, 2**32 + 1, 2**33 + 7, 2**64 - 1]
+
+
+def test_broken_word_layout_and_round_trip():
+    """broken_word(call, rank): the call number's low 32 bits in the high half, 1 + rank in the low
+    (never 0, which means "not marked"); broken_rank reads the rank back, for any call number."""
+    for call in _CALLS:
+        for rank in range(_C.MAX_WORLD_SIZE):
+            w = _C.broken_word(call, rank)
+            assert w == ((call % 2**32) << 32) | (rank + 1), (call, rank)
+            assert w != 0 and _C.broken_rank(w) == rank and w >> 32 == call % 2**32
+    assert _C.broken_word(2**32 + 5, 3) == _C.broken_word(5, 3)  # the mark keeps 32 bits of the call
+    assert _C.broken_word(2**32, 0) == 1  # call 2^32 wraps to 0: the word is still not 0
+    assert _C.broken_rank(0) == -1
+    for bad in (-1, _C.MAX_WORLD_SIZE):
+        with pytest.raises(ValueError, match="rank"):
+            _C.broken_word(1, bad)
+
+
+@pytest.mark.parametrize("call", _CALLS)
+def test_entry_post_rule_truth_table(call):
+    """The kernel posts call `call`'s entry on `rank` iff the instance is not marked, or the mark is
+    this rank's own of this same call; a peer's mark withholds it, also one of this same call."""
+    W = _C.MAX_WORLD_SIZE
+    mod = 2**64
+    for rank in range(W):
+        post = lambda broken: _C.entry_post_allowed(broken, call, rank)  # noqa: E731
+        assert post(0)
+        assert post(_C.broken_word(call, rank))                      # another block of this call marked it
+        assert not post(_C.broken_word((call - 1) % mod, rank))      # own mark, earlier call
+        assert not post(_C.broken_word((call + 1) % mod, rank))
+        for peer in range(W):
+            if peer != rank:
+                assert not post(_C.broken_word(call, peer))          # a peer's mark of this same call
+                assert not post(_C.broken_word((call - 1) % mod, peer))
+        if call % 2**32:
+            assert not post((call % 2**32) << 32)                    # a word naming no rank
+        # call numbers compare modulo 2^32: a mark this rank set 2^32 calls earlier reads as this call's
+        assert post(_C.broken_word((call - 2**32) % mod, rank))
+
+
 # ------------------------------------------------------------------ sync()'s handle checks
 _CAP = 1 << 20
 _TOTAL = _C.buffer_layout(_CAP)["total"]

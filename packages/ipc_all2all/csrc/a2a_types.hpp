@@ -29,8 +29,9 @@
 //                 kernel ends, so the next call starts from 0.
 //   * broken    : sticky failure mark. A kernel that gives up sets it here, and after a deadline
 //                 also in every peer's block (a mismatch is seen by the peer itself); a kernel that
-//                 finds it set moves nothing, posts neither ready nor done, and leaves a record for
-//                 the host. gave_up, local only, says that this rank itself gave up: a wait for a
+//                 finds it set moves nothing, posts no done and no ready (unless it is this rank's
+//                 own mark of this same call: entry_post_allowed), and leaves a record for the host.
+//                 gave_up, local only, says that this rank itself gave up: a wait for a
 //                 peer's entry stops on it (no waiting out a deadline for a rank that failed before it
 //                 entered), and a wait for a peer's done stops on broken. So calls queued behind a failed one can never complete with data derived
 //                 from it, and a late peer's next call fails at once instead of waiting out its
@@ -83,6 +84,18 @@ CK_HD constexpr uint64_t broken_word(uint64_t e, int rank) {
   return (uint64_t(static_cast<uint32_t>(e)) << 32) | (static_cast<uint64_t>(rank) + 1u);
 }
 CK_HD constexpr int broken_rank(uint64_t word) { return static_cast<int>(static_cast<uint32_t>(word)) - 1; }
+
+// The entry-post rule of call e on rank `rank`, given the `broken` word it finds when it starts
+// (a2a_kernel, block 0): post unless the instance is marked failed, except by a mark that this rank
+// itself set during this same call (another block of the call that started first found a mismatch or
+// a deadline), which must not hide this rank's entry from peers that have not seen the failure.
+// Withheld, then, for a mark of an earlier call and for a peer's mark, including one a peer set during
+// this same call (its entry deadline expired waiting for this rank). The call number is compared
+// modulo 2^32 (broken_word keeps its low 32 bits), so a mark this rank set exactly k * 2^32 calls
+// earlier reads as this call's (tests/ipc_all2all/test_protocol_model.py).
+CK_HD constexpr bool entry_post_allowed(uint64_t broken, uint64_t e, int rank) {
+  return broken == 0u || broken == broken_word(e, rank);
+}
 
 // The entry-handshake word: call number e (its low 32 bits, compared in serial-number order by
 // commkit::wait_tag_ge) in the high half, the call's signature in the low half.

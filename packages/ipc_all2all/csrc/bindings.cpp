@@ -122,6 +122,26 @@ PYBIND11_MODULE(_C, m) {
       py::arg("op"), py::arg("world_size"), py::arg("batch"), py::arg("out_rows"), py::arg("cap_rows"),
       py::arg("chunk_bytes"), py::arg("wide_bytes"), py::arg("pack_head_dim"), py::arg("slot"), py::arg("counts"),
       py::arg("call"));
+  // The failure mark and the kernel's entry-post rule (a2a_types.hpp), for the CPU tests and the
+  // protocol model (tests/ipc_all2all/test_protocol_model.py decides with the kernel's own rule).
+  m.def(
+      "broken_word",
+      [](uint64_t call, int rank) {
+        CK_CHECK_ARG(rank >= 0 && rank < ipc_all2all::kMaxWorld, "rank must be in [0, ", ipc_all2all::kMaxWorld,
+                     "), got ", rank);
+        return ipc_all2all::broken_word(call, rank);
+      },
+      py::arg("call"), py::arg("rank"));
+  m.def("broken_rank", &ipc_all2all::broken_rank, py::arg("word"));
+  m.def(
+      "entry_post_allowed",
+      [](uint64_t broken, uint64_t call, int rank) { return ipc_all2all::entry_post_allowed(broken, call, rank); },
+      py::arg("broken"), py::arg("call"), py::arg("rank"),
+      "Whether block 0 of call `call` on `rank` posts its entry, given the broken word it finds.");
+  // Core::set_timeout_seconds's and Core::set_grid's checks, for the CPU tests.
+  m.def("timeout_ns_from_seconds", &ipc_all2all::timeout_ns_from_seconds, py::arg("seconds"));
+  m.def("check_grid_args", &ipc_all2all::check_grid_args, py::arg("world_size"), py::arg("num_blocks"),
+        py::arg("self_blocks"));
   // The message the host raises for a device-side record (timeouts raise CommTimeoutError with it).
   m.def(
       "failure_message",

@@ -376,16 +376,22 @@ void Core::synchronize(uint64_t stream) {
   check();
 }
 
-void Core::set_timeout_seconds(double s) {
-  CK_CHECK_ARG(std::isfinite(s) && s >= 0 && s < 1e9, "timeout_seconds must be finite and >= 0 (0 = wait forever), got ", s);
-  timeout_ns_ = static_cast<uint64_t>(s * 1e9);
+uint64_t timeout_ns_from_seconds(double s) {
+  CK_CHECK_ARG(std::isfinite(s) && s >= 0 && s < 1e9, "timeout_seconds must be finite and in [0, 1e9) (0 = wait forever), got ", s);
+  return static_cast<uint64_t>(s * 1e9);
 }
 
-void Core::set_grid(int num_blocks, int self_blocks) {
-  CK_CHECK_ARG(num_blocks >= world_ && num_blocks < 65536, "num_blocks must be in [world_size, 65535], got ",
-               num_blocks);
+void check_grid_args(int world, int num_blocks, int self_blocks) {
+  CK_CHECK_ARG(num_blocks >= world && num_blocks < 65536, "num_blocks must be in [world_size=", world,
+               ", 65535], got ", num_blocks);
   CK_CHECK_ARG(self_blocks >= 0 && self_blocks < num_blocks, "self_blocks must be in [0, num_blocks), got ",
                self_blocks);
+}
+
+void Core::set_timeout_seconds(double s) { timeout_ns_ = timeout_ns_from_seconds(s); }
+
+void Core::set_grid(int num_blocks, int self_blocks) {
+  check_grid_args(world_, num_blocks, self_blocks);
   num_blocks_ = num_blocks;
   self_blocks_hint_ = self_blocks;
 }

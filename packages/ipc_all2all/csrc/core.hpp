@@ -118,6 +118,13 @@ class Core {
   std::string broken_reason_;
 };
 
+// The checks of Core::set_timeout_seconds and Core::set_grid (the constructor's too), host only and
+// bound for the CPU tests. timeout_ns_from_seconds raises ValueError unless s is finite and in
+// [0, 1e9) (0 = wait forever) and returns it in nanoseconds; check_grid_args raises ValueError unless
+// num_blocks is in [world, 65535] and self_blocks in [0, num_blocks).
+uint64_t timeout_ns_from_seconds(double s);
+void check_grid_args(int world, int num_blocks, int self_blocks);
+
 // The name of a record's op code (kind * 4 + phase), e.g. for TimeoutError.operation.
 const char* op_name(uint32_t op);
 // The message the host raises for a record (host only; exposed for the CPU tests).

@@ -81,6 +81,9 @@ from ._shapes import (
     as_int,
     capacity_bytes,
     check_counts,
+    check_counts_tensor,
+    check_grid,
+    check_timeout_seconds,
     check_world,
     element_size,
     prefix_sums,
@@ -243,8 +246,7 @@ class All2All:
         capacity = capacity_bytes(num_tokens, hidden_dim, tensor_dtype)
         if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < world_size:
             raise ValueError(f"num_sms must be an int >= world_size ({world_size}), got {num_sms!r}")
-        if timeout_seconds is None:
-            timeout_seconds = DEFAULT_TIMEOUT_SECONDS
+        timeout_seconds = check_timeout_seconds(DEFAULT_TIMEOUT_SECONDS if timeout_seconds is None else timeout_seconds)
         if not torch.cuda.is_available():
             raise RuntimeError("ipc_all2all.All2All needs a CUDA device; none is available")
         if not built_with_cuda():
@@ -374,24 +376,19 @@ class All2All:
                 are then fixed by the inputs, see ``ipc_all2all._shapes``). No host synchronisation.
         """
         if isinstance(rank_num_tokens, torch.Tensor):
-            t = rank_num_tokens
-            if t.dtype != torch.int32 or t.device != self.device or tuple(t.shape) != (self.world_size,) \
-                    or not t.is_contiguous():
-                raise ValueError(
-                    f"set_rank_tokens: a tensor must be int32, contiguous, shape ({self.world_size},) on {self.device}; "
-                    f"got {t.dtype}, shape {tuple(t.shape)} on {t.device}")
-            self._counts, self._counts_dev = None, t
+            self._counts, self._counts_dev = None, check_counts_tensor(rank_num_tokens, self.world_size, self.device)
         else:
             self._counts, self._counts_dev = check_counts(rank_num_tokens, self.world_size), None
         self._plans = {}
 
     def set_timeout_seconds(self, seconds: float) -> None:
         """Sets the device-side deadline of every wait (0 = forever); applies to later launches."""
-        self._core.set_timeout_seconds(float(seconds))
+        self._core.set_timeout_seconds(check_timeout_seconds(seconds))
 
     def set_grid(self, num_blocks: int, self_blocks: int = 0) -> None:
-        """Tuning: blocks per launch and how many copy to the own rank (0 = automatic)."""
-        self._core.set_grid(num_blocks, self_blocks)
+        """Tuning: blocks per launch (``[world_size, 65535]``) and how many copy to the own rank
+        (``[0, num_blocks)``, 0 = automatic)."""
+        self._core.set_grid(*check_grid(num_blocks, self_blocks, self.world_size))
 
     @property
     def rank_tokens(self) -> Optional[List[int]]:

@@ -119,6 +119,56 @@ def check_counts(counts: Sequence[int], world_size: int) -> List[int]:
     return counts
 
 
+def check_counts_tensor(t: torch.Tensor, world_size: int, device: torch.device) -> torch.Tensor:
+    """Validates device token counts: an int32, contiguous tensor of shape ``(world_size,)`` on ``device``
+    (the instance's device; the kernel reads it there). Raises ``ValueError`` naming every violation."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"set_rank_tokens: expected a torch.Tensor, got {type(t).__name__}")
+    problems = []
+    if t.dtype != torch.int32:
+        problems.append(f"dtype {t.dtype}")
+    if tuple(t.shape) != (world_size,):
+        problems.append(f"shape {tuple(t.shape)}")
+    if t.device != device:
+        problems.append(f"device {t.device}")
+    if not t.is_contiguous():
+        problems.append("non-contiguous strides")
+    if problems:
+        raise ValueError(f"set_rank_tokens: a counts tensor must be int32, contiguous, shape ({world_size},) on "
+                         f"{device}; got " + ", ".join(problems))
+    return t
+
+
+#: Core's bounds (csrc/core.cpp): a deadline below 1e9 s, at most 65535 blocks per launch.
+MAX_TIMEOUT_SECONDS = 1e9
+MAX_BLOCKS = 65535
+
+
+def check_timeout_seconds(seconds) -> float:
+    """``seconds`` as a float; raises ``ValueError`` unless it is a real number, finite and in
+    ``[0, 1e9)`` (0 = wait forever)."""
+    if isinstance(seconds, (bool, str, bytes)):
+        raise ValueError(f"timeout_seconds must be a number of seconds, got {seconds!r}")
+    try:
+        s = float(seconds)
+    except (TypeError, ValueError):
+        raise ValueError(f"timeout_seconds must be a number of seconds, got {seconds!r}") from None
+    if not (math.isfinite(s) and 0 <= s < MAX_TIMEOUT_SECONDS):
+        raise ValueError(f"timeout_seconds must be finite and in [0, 1e9) (0 = wait forever), got {seconds!r}")
+    return s
+
+
+def check_grid(num_blocks, self_blocks, world_size: int) -> Tuple[int, int]:
+    """``(num_blocks, self_blocks)`` as ints; raises ``ValueError`` unless ``num_blocks`` is an int in
+    ``[world_size, 65535]`` and ``self_blocks`` an int in ``[0, num_blocks)`` (0 = automatic)."""
+    num_blocks, self_blocks = as_int(num_blocks), as_int(self_blocks)
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not world_size <= num_blocks <= MAX_BLOCKS:
+        raise ValueError(f"num_blocks must be an int in [world_size={world_size}, {MAX_BLOCKS}], got {num_blocks!r}")
+    if isinstance(self_blocks, bool) or not isinstance(self_blocks, int) or not 0 <= self_blocks < num_blocks:
+        raise ValueError(f"self_blocks must be an int in [0, num_blocks={num_blocks}), got {self_blocks!r}")
+    return num_blocks, self_blocks
+
+
 def _check_shape(shape: Sequence[int], what: str) -> Tuple[int, int, int, int]:
     if len(shape) != 4:
         raise ValueError(f"{what}: x must have 4 dimensions [batch, tokens, heads, head_dim], got shape {tuple(shape)}")
