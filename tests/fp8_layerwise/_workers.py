@@ -12,8 +12,16 @@ import time
 import torch
 
 import fp8_layerwise as F
+from tests.fp8_layerwise import _reference as R
 
 H, I = 256, 1024  # I/tp = 128 at TP 8: the smallest legal block-FP8 shard
+#: The liveness interval of the dead-peer workers (the package default, passed explicitly: the
+#: tests derive their detection-time bounds from it).
+LIVENESS_MS = 20
+#: Their timeout: a death noticed only by it is the failure mode the bounds must exclude.
+DEAD_PEER_TIMEOUT_MS = 30000
+#: sigint_in_wait's timeout (likewise).
+SIGINT_TIMEOUT_MS = 30000
 
 
 def _exchange(tmp, name, rank, ws):
@@ -28,7 +36,7 @@ def _sources(num_experts, seed):
 def _check_delivery(t, sources, tp, rank, n):
     bad = []
     for e in range(n):
-        ref = F.reference_shard(sources, tp, rank, e)
+        ref = R.expert_shard(sources, tp, rank, e)
         for k in range(4):
             got = t.expert_view(k, e).cpu()
             if not torch.equal(got, ref[k]):
@@ -80,7 +88,8 @@ def kill_consumer(rank, ws, rdzv, tmp, backend="cpu"):
     faulthandler.enable(open(os.path.join(tmp, f"fault.{rank}.txt"), "w"), all_threads=True)
     nb = [4096, 512, 2048, 256]
     ex = _exchange(tmp, "x", rank, ws)
-    t = F.Transport(rank, ws, 64, nb, num_slots=2, backend=backend, timeout_ms=30000, exchange=ex)
+    t = F.Transport(rank, ws, 64, nb, num_slots=2, backend=backend, timeout_ms=DEAD_PEER_TIMEOUT_MS, exchange=ex,
+                    liveness_ms=LIVENESS_MS)
     victim = ws - 1
     t.join(1, 0, 64)
     t0 = None
@@ -109,7 +118,8 @@ def kill_producer(rank, ws, rdzv, tmp):
     """Rank 0 SIGKILLs itself in the middle of the writer; the consumers must see PeerDied fast."""
     nb = [4096, 512, 2048, 256]
     ex = _exchange(tmp, "x", rank, ws)
-    t = F.Transport(rank, ws, 64, nb, num_slots=3, backend="cpu", timeout_ms=30000, exchange=ex)
+    t = F.Transport(rank, ws, 64, nb, num_slots=3, backend="cpu", timeout_ms=DEAD_PEER_TIMEOUT_MS, exchange=ex,
+                    liveness_ms=LIVENESS_MS)
     t.join(1, 0, 64)
     if rank == 0:
         def writer(e, slots):
@@ -302,22 +312,43 @@ def writer_error_reset(rank, ws, rdzv, tmp, backend):
 def close_while_blocked(rank, ws, rdzv, tmp, case):
     """Another thread of this process is inside run() / wait() (or the writer itself closes) when
     close() runs: that call must raise TransportClosed and the process must not crash (a crash shows
-    up as this worker dying by a signal). Returns what the blocked call raised and what the writer saw."""
+    up as this worker dying by a signal). Returns what the blocked call raised and what the writer saw.
+
+    No fixed sleeps: each step waits for the state the next one needs (the writer inside its expert,
+    close() started, the main thread inside the native wait()).
+    """
     import threading
     import warnings
 
+    from tests.fp8_layerwise._timing import InsideCall, poll
+
     nb = [4096, 512, 2048, 256]
     t = F.Transport(0, 1, 8, nb, num_slots=2, backend="cpu", timeout_ms=20000, exchange=lambda o: [o])
+    native = t.native
     out = {"wrote_after_close": False}
-    started = threading.Event()
+    order = []  # "writer_done" / "close_returned", in the order they happened
+    order_lock = threading.Lock()
+    close_returned = threading.Event()
 
-    def slow_writer(e, slots):
-        started.set()
-        time.sleep(0.3)  # close() runs meanwhile: it must wait for this expert before unmapping
+    def mark(what):
+        with order_lock:
+            order.append(what)
+
+    def fill(e, slots):
         for r in slots:
             for v in r:
                 v.fill_(e)
+
+    def slow_writer(e, slots):
+        in_writer.set()
+        poll(lambda: native.closed, what="close() starting")  # the main thread is in close() now
+        # close() must wait for this expert before it unmaps anything: had it returned, the main thread
+        # would set close_returned at once. Give it a generous second to show such a bug (in a correct
+        # transport the wait always runs out, whatever the machine's load).
+        out["close_returned_during_writer"] = close_returned.wait(1.0)
+        fill(e, slots)
         out["wrote_after_close"] = t.closed
+        mark("writer_done")
 
     def closing_writer(e, slots):
         if e == 1:
@@ -325,55 +356,52 @@ def close_while_blocked(rank, ws, rdzv, tmp, case):
                 warnings.simplefilter("always")
                 t.close()  # from inside the writer: cannot wait for itself, keeps the memory mapped
             out["warnings"] = [str(w.message) for w in caught]
-        for r in slots:
-            for v in r:
-                v.fill_(e)  # the slots must still be mapped
+        fill(e, slots)  # the slots must still be mapped
         out["wrote_after_close"] = t.closed
 
     def parked_writer(e, slots):
-        # Keeps run() (in its own thread) inside expert 0 until close() starts, so wait() blocks.
-        writing.set()
-        while not t._native.closed:  # native close() started: it stops the run after this expert
-            time.sleep(0.005)
-        time.sleep(0.05)
+        # Keeps run() (in its own thread) inside expert 0 until close() has stopped it, so wait() blocks.
+        in_writer.set()
+        poll(lambda: native.poisoned, what="close() poisoning the active layer")  # set after its stop flag
 
-    writing = threading.Event()
+    in_writer = threading.Event()
 
-    def produce():
+    def record_exc(key, fn):
         try:
-            t.run(1, 0, 8, parked_writer)
+            fn()
+            out[key] = None
         except BaseException as exc:  # noqa: BLE001 - reported to the test
-            out["run_exc"] = type(exc).__name__
+            out[key] = (type(exc).__name__, str(exc), isinstance(exc, F.TransportError))
 
-    def call():
-        try:
-            t.join(1, 0, 8)
-            if case == "wait":
-                # Rank 0 must have started run() before it waits (else ProtocolError at once): the
-                # producer runs in another thread and never finishes its first expert.
-                producer = threading.Thread(target=produce)
-                producer.start()
-                writing.wait(10)
-                started.set()
-                try:
-                    t.wait(1)
-                finally:
-                    producer.join(30)
-            else:
-                t.run(1, 0, 8, slow_writer if case == "run" else closing_writer)
-        except BaseException as exc:  # noqa: BLE001 - reported to the test
-            out["exc"] = (type(exc).__name__, str(exc), isinstance(exc, F.TransportError))
-
-    th = threading.Thread(target=call)
+    t.join(1, 0, 8)
+    if case == "wait":
+        # The main thread waits (rank 0 must have started run() first, else ProtocolError at once: the
+        # producer runs in another thread and never finishes its first expert); a third thread closes
+        # once the main thread is inside the native wait().
+        producer = threading.Thread(target=record_exc, args=("run_exc", lambda: t.run(1, 0, 8, parked_writer)))
+        producer.start()
+        assert in_writer.wait(30)
+        with InsideCall(F.Transport.wait, "native.wait(") as probe:
+            closer = threading.Thread(target=record_exc, args=("closer_exc", lambda: (probe.wait(), t.close())))
+            closer.start()
+            record_exc("exc", lambda: t.wait(1))
+            closer.join(30)
+        producer.join(30)
+        out["thread_alive"] = producer.is_alive() or closer.is_alive()
+        return out
+    th = threading.Thread(target=record_exc, args=(
+        "exc", lambda: t.run(1, 0, 8, slow_writer if case == "run" else closing_writer)))
     th.start()
-    if case != "close_inside_writer":
-        started.wait(10)
-        time.sleep(0.05)
+    if case == "run":
+        assert in_writer.wait(30)
         t0 = time.monotonic()
         t.close()
         out["close_s"] = time.monotonic() - t0
+        mark("close_returned")
+        close_returned.set()
     th.join(30)
     out["thread_alive"] = th.is_alive()
+    out["order"] = order
     return out
 
 
@@ -429,7 +457,8 @@ def reset_with_dead_rank(rank, ws, rdzv, tmp):
     the liveness interval (every rank watches every rank during reset), not at the timeout."""
     nb = [1024, 128, 512, 64]
     ex = _exchange(tmp, "x", rank, ws)
-    t = F.Transport(rank, ws, 4, nb, num_slots=2, backend="cpu", timeout_ms=20000, exchange=ex)
+    t = F.Transport(rank, ws, 4, nb, num_slots=2, backend="cpu", timeout_ms=DEAD_PEER_TIMEOUT_MS, exchange=ex,
+                    liveness_ms=LIVENESS_MS)
     sync = _exchange(tmp, "sync", rank, ws)
     if rank == 0:
         t.poison(F.ErrorCode.USER, "poisoned by the test")
@@ -448,22 +477,36 @@ def reset_with_dead_rank(rank, ws, rdzv, tmp):
 def sigint_in_wait(rank, ws, rdzv, tmp):
     """Rank 0 SIGINTs rank 1 while rank 1 is blocked in wait() (GIL released): rank 1 must raise
     KeyboardInterrupt at once, and rank 0's run() must stop with the interruption as its cause."""
+    import threading
+
+    from tests.fp8_layerwise._timing import InsideCall, poll
+
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if the launcher ignored SIGINT
     nb = [1024, 128, 512, 64]
     ex = _exchange(tmp, "x", rank, ws)
-    t = F.Transport(rank, ws, 64, nb, num_slots=2, backend="cpu", timeout_ms=30000, exchange=ex)
+    t = F.Transport(rank, ws, 64, nb, num_slots=2, backend="cpu", timeout_ms=SIGINT_TIMEOUT_MS, exchange=ex,
+                    liveness_ms=LIVENESS_MS)
     sent = os.path.join(tmp, "sigint_sent_at")
+    inside = os.path.join(tmp, "rank1_inside_wait")
     try:
         t.join(1, 0, 64)
         if rank == 0:
             def writer(e, slots):
-                if e == 10:  # rank 1 has been inside wait(1) for a while (experts take 20 ms each)
+                if e == 10:
+                    poll(lambda: os.path.exists(inside), what="rank 1 blocking in wait(1)")
                     with open(sent, "w") as f:
                         f.write(repr(time.monotonic()))
                     os.kill(t.peer_pids[1], signal.SIGINT)
                 time.sleep(0.02)
             t.run(1, 0, 64, writer)
-        t.wait(1)
+            t.wait(1)
+        else:
+            with InsideCall(F.Transport.wait, "native.wait(") as probe:
+                def tell():
+                    probe.wait()
+                    open(inside, "w").close()
+                threading.Thread(target=tell, daemon=True).start()
+                t.wait(1)
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         t_exc = time.monotonic()
         with open(sent) as f:

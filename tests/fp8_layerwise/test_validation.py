@@ -7,6 +7,7 @@ import torch
 
 import fp8_layerwise as F
 from fp8_layerwise import _C
+from tests.fp8_layerwise import _shm
 
 NB = [1024, 128, 512, 64]
 
@@ -191,22 +192,48 @@ def test_shm_owner_only_unguessable_and_size_checked():
 
 
 def test_transport_leaves_no_shm_names():
-    before = set(os.listdir("/dev/shm"))
-    with F.Transport(0, 1, 4, NB, num_slots=2, backend="cpu", exchange=lambda o: [o]) as t:
-        assert set(os.listdir("/dev/shm")) == before  # unlinked as soon as everyone mapped
-        assert t.native.backend == "cpu"
-    assert set(os.listdir("/dev/shm")) == before
+    # Only the names this test's transport creates are looked at (tagged, see _shm.py): other
+    # processes may create and remove fp8lw_* names meanwhile.
+    with _shm.tagged_segments() as shm:
+        with F.Transport(0, 1, 4, NB, num_slots=2, backend="cpu", exchange=lambda o: [o]) as t:
+            names = [t._control.name, t._slots.name]
+            assert sorted(shm.created) == sorted(names), (shm.created, names)  # the control region and the slots
+            assert shm.linked() == []  # unlinked as soon as everyone mapped
+            assert t.native.backend == "cpu"
+            with t.layer(1, 0, 4) as layer:  # and the mappings still work
+                layer.run(lambda e, slots: [v.fill_(e + 1) for views in slots for v in views])
+            assert all(int(t.expert_view(k, 3).min()) == 4 for k in range(4))
+        assert shm.linked() == []
 
 
-def test_setup_failure_cleans_up():
-    before = set(os.listdir("/dev/shm"))
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 4])
+def test_setup_failure_cleans_up(rank, fail_at):
+    # One rank of TP 2, its peer played by the test's exchange: the exchange fails at its round
+    # fail_at (1: before anything exists; 2: the names; 3: "mapped"; 4: "ready"). Every name this rank
+    # created must be gone afterwards, and so must the peer's segment once this rank had mapped it
+    # (rank 0 maps rank 1's slots, rank 1 maps rank 0's control region).
+    calls = []
+    with _shm.tagged_segments() as shm:
+        peer = F.ControlRegion.create(2, 2) if rank == 1 else F.HostSlots.create(NB, 2)
+        peer_name = peer.name
 
-    def bad_exchange(obj):
-        raise RuntimeError("exchange failed")
+        def exchange(obj):
+            calls.append(obj)
+            if len(calls) == fail_at:
+                raise RuntimeError(f"exchange failed at round {fail_at}")
+            other = {1: {"pid": os.getpid(), "tp_rank": 1 - rank, "tp_size": 2, "geometry": calls[0]["geometry"]},
+                     2: {"control": peer_name if rank == 1 else None, "slots": peer_name if rank == 0 else None},
+                     }.get(len(calls), obj)
+            return [obj, other] if rank == 0 else [other, obj]
 
-    with pytest.raises(RuntimeError, match="exchange failed"):
-        F.Transport(0, 1, 4, NB, num_slots=2, backend="cpu", exchange=bad_exchange)
-    assert set(os.listdir("/dev/shm")) == before
+        with pytest.raises(RuntimeError, match=f"exchange failed at round {fail_at}"):
+            F.Transport(rank, 2, 4, NB, num_slots=2, backend="cpu", exchange=exchange)
+        own = [n for n in shm.created if n != peer_name]
+        # rank 0 creates the control region and its slots, rank 1 its slots; both only after round 1
+        assert len(own) == (0 if fail_at == 1 else 2 - rank), shm.created
+        assert shm.linked() == ([peer_name[1:]] if fail_at <= 2 else []), (shm.linked(), peer_name)
+        peer.close()
 
 
 def _low_level(region, rank, nb=NB, n=4, timeout_ms=1000, tp=2):

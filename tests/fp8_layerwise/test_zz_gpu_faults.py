@@ -4,6 +4,7 @@ import pytest
 import fp8_layerwise as F
 from tests._dist import run_workers
 from tests.fp8_layerwise import _workers as W
+from tests.fp8_layerwise._timing import fast_bound
 
 pytestmark = pytest.mark.skipif(not F.built_with_cuda(), reason="built without CUDA")
 
@@ -18,4 +19,5 @@ def test_gpu_sigkill_consumer(tmp_path):
         raise AssertionError(f"{exc}\nfaulthandler output:\n{faults}") from None
     r0 = res[0]
     assert r0["type"] == "PeerDied" and r0["rank"] == 1, r0
-    assert r0["t_exc"] - r0["t0"] < 2.0, r0
+    # detected by the liveness check, not by the timeout
+    assert r0["t_exc"] - r0["t0"] < fast_bound(W.LIVENESS_MS / 1000, W.DEAD_PEER_TIMEOUT_MS / 1000), r0
