@@ -193,6 +193,15 @@ PYBIND11_MODULE(_C, m) {
       .def("close", &commkit::ShmSegment::close);
   m.def("shm_free_bytes", &commkit::shm_free_bytes);
   m.def("process_start_time", &live_start_time, py::arg("pid"));
+  // Test hooks for the liveness check (tests/fp8_layerwise/test_liveness_records.py): the per-rank
+  // (pid, start time) records live in the control region at offsets Python does not know.
+  m.def("_debug_rank_process_alive", &rank_process_alive, py::arg("pid"), py::arg("recorded_start"),
+        "Test hook: the transport's liveness predicate for a rank record (pid, start time recorded on "
+        "attach): False when the pid is gone, a zombie, or now names a process with another start time.");
+  m.def("_debug_set_rank_process", &debug_set_rank_process, py::arg("control_ptr"), py::arg("control_size"),
+        py::arg("rank"), py::arg("pid"), py::arg("start_time"),
+        "Test hook: record (pid, start_time) as `rank`'s process in an initialized control region and mark "
+        "the rank attached, so the transport's liveness checks judge that record. Forges a rank: tests only.");
 
   py::class_<ShardSpec>(m, "ShardSpec")
       .def(py::init([](uintptr_t base, uint64_t expert_stride, uint64_t row_stride, uint64_t rows, uint64_t row_bytes,

@@ -133,7 +133,35 @@ uint64_t live_start_time(uint64_t pid) {
   if (state == 'Z' || state == 'X' || state == 'x') return 0;
   return start == 0 ? 1 : start;
 }
+
+bool rank_process_alive(uint64_t pid, uint64_t recorded_start) {
+  const uint64_t start = live_start_time(pid);
+  if (start == 0) return false;  // no such process, or a zombie
+  // The pid names another process now (pid reuse): the rank's own process is gone.
+  if (recorded_start != 0 && start != recorded_start) return false;
+  return true;
+}
+
 size_t control_struct_bytes() { return sizeof(Control); }
+
+void debug_set_rank_process(uintptr_t control_ptr, size_t control_size, int rank, uint64_t pid,
+                            uint64_t start_time) {
+  CK_CHECK_ARG(control_ptr != 0, "control_ptr is null");
+  CK_CHECK_ARG(control_ptr % 64 == 0, "control_ptr must be 64-byte aligned, got 0x", commkit::hex(control_ptr));
+  CK_CHECK_ARG(control_size >= kControlBytes, "control region must be at least ", kControlBytes, " bytes, got ",
+               control_size);
+  const auto* h = reinterpret_cast<const Header*>(control_ptr);
+  CK_CHECK_ARG(ld_acquire(&h->magic) == kMagic,
+               "control region is not initialized (bad magic); call initialize_control first");
+  const uint64_t tp = h->tp_size;
+  CK_CHECK_ARG(tp >= 1 && tp <= static_cast<uint64_t>(kMaxTP), "control region has tp_size ", tp);
+  Control* c = checked_control(control_ptr, control_size, static_cast<int>(tp));
+  CK_CHECK_ARG(rank >= 0 && static_cast<uint64_t>(rank) < tp, "rank must be in 0..", tp - 1, ", got ", rank);
+  auto& rs = c->ranks[rank];
+  st_relaxed(&rs.pid, pid);
+  st_relaxed(&rs.pid_start, start_time);
+  st_release(&rs.status, static_cast<uint64_t>(kRankAttached));
+}
 
 void initialize_control(uintptr_t ptr, size_t size, int tp, int num_slots) {
   CK_CHECK_ARG(ptr != 0, "control_ptr is null");
@@ -204,7 +232,10 @@ class Transport::Impl {
                  kMaxCopyStreams, ", got ", opt_.copy_streams);
 
     auto& me = c_->ranks[rank_];
-    CK_CHECK_ARG(ld_acquire(&me.status) != kRankAttached || live_start_time(ld_relaxed(&me.pid)) == 0 ||
+    // A record left by a process that is gone (dead, a zombie, or its pid now another process's)
+    // does not block the seat; one of a live process does, unless it is this process (re-attach).
+    CK_CHECK_ARG(ld_acquire(&me.status) != kRankAttached ||
+                     !rank_process_alive(ld_relaxed(&me.pid), ld_relaxed(&me.pid_start)) ||
                      ld_relaxed(&me.pid) == static_cast<uint64_t>(::getpid()),
                  "rank ", rank_, " is already attached by live process ", ld_relaxed(&me.pid));
     generation_ = ld_acquire(&c_->layer.generation);
@@ -342,8 +373,7 @@ class Transport::Impl {
       if (status == kRankClosed && closed < 0) closed = r;
       if (status != kRankAttached) continue;  // not attached yet: only the deadline applies
       const uint64_t pid = ld_relaxed(&rs.pid);
-      const uint64_t start = live_start_time(pid);
-      if (start == 0 || (ld_relaxed(&rs.pid_start) != 0 && start != ld_relaxed(&rs.pid_start)))
+      if (!rank_process_alive(pid, ld_relaxed(&rs.pid_start)))
         departed(r, commkit::str("rank ", r, " (pid ", pid, ") died"), what, record);
     }
     if (closed >= 0) departed(closed, commkit::str("rank ", closed, " closed its transport"), what, record);

@@ -157,7 +157,18 @@ size_t control_bytes();
 // /proc/<pid>/stat start time (field 22); 0 when the process is gone or a zombie. With the pid it
 // names a process across pid reuse (liveness checks, FileExchange's session leader).
 uint64_t live_start_time(uint64_t pid);
+// Whether the process a rank recorded on attach (its pid and that pid's start time then) is still
+// running: false when the pid is gone or a zombie, and when it now names another process (a pid
+// reused after the rank died: the start time differs). recorded_start 0 (unknown) trusts the pid.
+// The liveness check of every wait (check_peers) asks this about each rank it depends on.
+bool rank_process_alive(uint64_t pid, uint64_t recorded_start);
 size_t control_struct_bytes();
+// Test hook (bound as _C._debug_set_rank_process): stores (pid, start_time) as rank's process in
+// the control region and marks the rank attached, as a rank of that process would have left its
+// record, so that tests can make the liveness checks judge records that no real rank can produce
+// (a live pid with another process's start time). Not for production use: it forges a rank.
+void debug_set_rank_process(uintptr_t control_ptr, size_t control_size, int rank, uint64_t pid,
+                            uint64_t start_time);
 void initialize_control(uintptr_t control_ptr, size_t control_size, int tp_size, int num_slots);
 
 class Transport {
