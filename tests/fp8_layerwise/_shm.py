@@ -29,6 +29,17 @@ def new_tag() -> str:
     return "t" + secrets.token_hex(8)
 
 
+def spawn_tagged(body: str, *args: str, **popen_kw):
+    """A child Python process running ``body`` with its segments tagged; ``sys.argv[1]`` is the tag,
+    ``sys.argv[2:]`` are ``args``. Returns ``(process, tag)``."""
+    import subprocess
+    import sys
+
+    tag = new_tag()
+    code = "import sys\n_tag_ = sys.argv[1]\n" + CHILD_TAG_CODE + body
+    return subprocess.Popen([sys.executable, "-c", code, tag, *args], **popen_kw), tag
+
+
 def linked_with_tag(tag: str) -> List[str]:
     """The /dev/shm entries whose name carries ``tag`` (sorted, without the leading '/')."""
     return sorted(n for n in os.listdir(SHM_DIR) if f"_{tag}_" in n)

@@ -9,45 +9,17 @@ after it start after the *last* ')'; field 3 is the state, field 22 the start ti
 import json
 import os
 import subprocess
-import sys
-import time
 
 import pytest
 
 import fp8_layerwise as F
 from fp8_layerwise import _C
+from tests.fp8_layerwise._procs import proc_stat as _stat
+from tests.fp8_layerwise._procs import sleeper as _sleeper
+from tests.fp8_layerwise._procs import stop as _stop
 from tests.fp8_layerwise._timing import poll
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
-
-
-def _stat(pid):
-    """(comm, state, start time) of ``pid`` from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        raw = f.read().decode("utf-8", "surrogateescape")
-    comm = raw[raw.index("(") + 1: raw.rindex(")")]
-    fields = raw[raw.rindex(")") + 2:].split(" ")  # fields 3, 4, ...
-    return comm, fields[0], int(fields[22 - 3])
-
-
-def _sleeper(name=None):
-    """A child Python process that sets its command name to ``name`` (prctl PR_SET_NAME), prints
-    "ready" and lives until its stdin closes."""
-    code = ("import ctypes, sys\n"
-            "name = sys.argv[1].encode()\n"
-            "if name:\n"
-            "    assert ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(name), 0, 0, 0) == 0\n"
-            "print('ready', flush=True)\n"
-            "sys.stdin.read()\n")
-    p = subprocess.Popen([sys.executable, "-c", code, name or ""], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         text=True)
-    assert p.stdout.readline().strip() == "ready"
-    return p
-
-
-def _stop(p):
-    p.stdin.close()
-    p.wait(30)
 
 
 # ---- _C.process_start_time -------------------------------------------------------------------

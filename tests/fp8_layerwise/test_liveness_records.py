@@ -17,7 +17,6 @@ import ctypes
 import mmap
 import os
 import subprocess
-import sys
 import time
 
 import pytest
@@ -25,6 +24,9 @@ import torch
 
 import fp8_layerwise as F
 from fp8_layerwise import _C
+from tests.fp8_layerwise._procs import proc_stat
+from tests.fp8_layerwise._procs import sleeper as _sleeper
+from tests.fp8_layerwise._procs import stop as _stop
 from tests.fp8_layerwise._timing import fast_bound, poll
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
@@ -38,29 +40,11 @@ DEAD_PEER_TIMEOUT_MS = 10000
 
 
 def _start(pid):
-    """Field 22 of /proc/<pid>/stat (the fields after the command name start after the last ')')."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        raw = f.read().decode("utf-8", "surrogateescape")
-    return int(raw[raw.rindex(")") + 2:].split(" ")[22 - 3])
+    return proc_stat(pid)[2]
 
 
 def _state(pid):
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        raw = f.read().decode("utf-8", "surrogateescape")
-    return raw[raw.rindex(")") + 2:].split(" ")[0]
-
-
-def _sleeper():
-    """A child process that lives until its stdin closes."""
-    p = subprocess.Popen([sys.executable, "-c", "import sys; print('ready', flush=True); sys.stdin.read()"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "ready"
-    return p
-
-
-def _stop(p):
-    p.stdin.close()
-    p.wait(30)
+    return proc_stat(pid)[1]
 
 
 # ---- the predicate -----------------------------------------------------------------------------

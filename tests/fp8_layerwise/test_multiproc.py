@@ -166,20 +166,14 @@ def test_sigkill_while_waiting_for_peers_leaves_no_shm(tmp_path):
     # The child tags the names of the segments it creates (tests/fp8_layerwise/_shm.py), so only
     # this test's names are looked at, whatever else uses /dev/shm meanwhile.
     import signal
-    import subprocess
-    import sys
 
     from tests.fp8_layerwise._timing import poll
 
-    tag = _shm.new_tag()
-    code = ("import sys\n"
-            "_tag_ = sys.argv[2]\n"
-            + _shm.CHILD_TAG_CODE +
-            "import fp8_layerwise as F\n"
-            "ex = F.FileExchange(sys.argv[1], 0, 2, timeout_s=60)\n"
-            "F.Transport(0, 2, 8, [4096, 512, 2048, 256], num_slots=2, backend='cpu', exchange=ex)\n")
     xdir = tmp_path / "x"
-    p = subprocess.Popen([sys.executable, "-c", code, str(xdir), tag])
+    p, tag = _shm.spawn_tagged("import fp8_layerwise as F\n"
+                               "ex = F.FileExchange(sys.argv[2], 0, 2, timeout_s=60)\n"
+                               "F.Transport(0, 2, 8, [4096, 512, 2048, 256], num_slots=2, backend='cpu', exchange=ex)\n",
+                               str(xdir))
     try:
         # Rank 0 published round 1 and now waits for rank 1.
         poll(lambda: list(xdir.glob("s.*/1.0.json")) or p.poll() is not None, timeout_s=60,
@@ -197,20 +191,14 @@ def test_sigkill_while_waiting_for_peers_leaves_no_shm(tmp_path):
 def test_child_segment_tagging_works(tmp_path):
     # The check above is only as good as the tagging: a child that does create segments shows them.
     import subprocess
-    import sys
 
-    tag = _shm.new_tag()
-    code = ("import sys\n"
-            "_tag_ = sys.argv[1]\n"
-            + _shm.CHILD_TAG_CODE +
-            "import fp8_layerwise as F\n"
-            "c = F.ControlRegion.create(2)\n"
-            "s = F.HostSlots.create([4096, 512, 2048, 256], 2)\n"
-            "print(c.name, s.name, flush=True)\n"
-            "sys.stdin.read()\n"
-            "c.close()\n"
-            "s.close()\n")
-    p = subprocess.Popen([sys.executable, "-c", code, tag], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    p, tag = _shm.spawn_tagged("import fp8_layerwise as F\n"
+                               "c = F.ControlRegion.create(2)\n"
+                               "s = F.HostSlots.create([4096, 512, 2048, 256], 2)\n"
+                               "print(c.name, s.name, flush=True)\n"
+                               "sys.stdin.read()\n"
+                               "c.close()\n"
+                               "s.close()\n", stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         names = p.stdout.readline().split()
         assert len(names) == 2, names
