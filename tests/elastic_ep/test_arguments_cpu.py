@@ -196,3 +196,33 @@ def test_bad_ids_on_one_rank_refuse_every_rank(tmp_path):
         assert "rank(s) [0]" in msg and "buffer stays usable" in msg, msg
     for msg in res[1]:
         assert msg is not None and msg.startswith("dispatch refused: rank(s) [0] passed top-k expert ids"), msg
+
+
+def absent_destroy_worker(rank, world, rdzv):
+    import time
+
+    from tests.elastic_ep._common import import_elastic_ep
+
+    ep = import_elastic_ep()
+    group = _group(rank, world, rdzv, "torch", "auto")
+    buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, num_topk=K, backend="torch",
+                           num_cpu_timeout_secs=2)
+    if rank != 0:
+        time.sleep(8)  # never reaches destroy()
+        return "idle"
+    t0 = time.monotonic()
+    try:
+        buf.destroy()
+    except TimeoutError as e:
+        return str(e), time.monotonic() - t0
+    return "no timeout", time.monotonic() - t0
+
+
+def test_destroy_with_an_absent_peer_times_out_naming_it(tmp_path):
+    """destroy() is collective: on a gloo group a peer that never comes makes it raise TimeoutError
+    after num_cpu_timeout_secs, naming the peer, instead of waiting for the process group's timeout."""
+    res = run_workers(absent_destroy_worker, 2, tmp_path=tmp_path, timeout=60)
+    msg, dt = res[0]
+    assert "barrier timed out on rank 0 of 2 after 2 s" in msg and "Rank 1 failed to pass" in msg, msg
+    assert dt < 7, dt
+    assert res[1] == "idle"

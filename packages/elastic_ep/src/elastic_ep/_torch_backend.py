@@ -151,11 +151,24 @@ class ElasticBuffer:
         return 1, self.num_ranks
 
     def barrier(self, use_comm_stream: bool, with_cpu_sync: bool, sequential: bool = True) -> None:
-        """Wait until every rank reached this point (and, with ``with_cpu_sync``, finished its GPU work)."""
+        """Wait until every rank reached this point (and, with ``with_cpu_sync``, finished its GPU work).
+
+        On a gloo group the wait is bounded by ``num_cpu_timeout_secs`` and a rank that never arrives
+        makes this raise ``TimeoutError`` naming it (``monitored_barrier``); on NCCL groups the process
+        group's own watchdog bounds it.
+        """
         self._check_alive()
         if with_cpu_sync and self._device.type == "cuda":
             torch.cuda.synchronize()
-        dist.barrier(group=self.group)
+        if dist.get_backend(self.group) == "gloo":
+            try:
+                dist.monitored_barrier(group=self.group,
+                                       timeout=datetime.timedelta(seconds=self.num_cpu_timeout_secs))
+            except RuntimeError as e:
+                raise TimeoutError(f"elastic_ep barrier timed out on rank {self.rank_idx} of {self.num_ranks} after "
+                                   f"{self.num_cpu_timeout_secs} s: {e}") from None
+        else:
+            dist.barrier(group=self.group)
         if with_cpu_sync and self._device.type == "cuda":
             torch.cuda.synchronize()
 
