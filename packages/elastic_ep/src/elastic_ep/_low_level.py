@@ -793,9 +793,14 @@ class ElasticBuffer:
                 if status == 1:
                     self._alive()  # raises the device timeout
                 elif status == 2:
+                    # Which peer is late is known on the GPU only: this rank's notify publishes the counts
+                    # once every peer's arrived, and its own deadline names the peer it waits for.
                     raise self._cpu_timeout("dispatch CPU wait for the token counts",
-                                            f"ranks whose counts arrived {nr}/{R}, local experts {ne}/{L}; destroy "
-                                            "this buffer and create a new one", R + L, nr + ne)
+                                            f"ranks whose counts arrived {nr}/{R}, local experts {ne}/{L} (the "
+                                            "notify kernel publishes them only once every peer's counts arrived; "
+                                            "a num_gpu_timeout_secs shorter than num_cpu_timeout_secs makes the "
+                                            "device deadline report first, naming the peer); destroy this buffer "
+                                            "and create a new one", R + L, nr + ne)
                 elif status == 3:
                     # Refused on every rank: the push kernel ended the operation without an epilogue, so
                     # nothing is owed and the buffer stays usable.
