@@ -139,33 +139,37 @@ def check_counts_tensor(t: torch.Tensor, world_size: int, device: torch.device) 
     return t
 
 
-#: Core's bounds (csrc/core.cpp): a deadline below 1e9 s, at most 65535 blocks per launch.
-MAX_TIMEOUT_SECONDS = 1e9
-MAX_BLOCKS = 65535
-
-
 def check_timeout_seconds(seconds) -> float:
-    """``seconds`` as a float; raises ``ValueError`` unless it is a real number, finite and in
-    ``[0, 1e9)`` (0 = wait forever)."""
+    """``seconds`` as a float; raises ``ValueError`` unless it is a real number that the core accepts
+    (finite, in ``[0, 1e9)``, 0 = wait forever). The bounds are the core's own
+    (``_C.timeout_ns_from_seconds``, csrc/core.cpp), checked here before any CUDA work."""
     if isinstance(seconds, (bool, str, bytes)):
         raise ValueError(f"timeout_seconds must be a number of seconds, got {seconds!r}")
     try:
         s = float(seconds)
     except (TypeError, ValueError):
         raise ValueError(f"timeout_seconds must be a number of seconds, got {seconds!r}") from None
-    if not (math.isfinite(s) and 0 <= s < MAX_TIMEOUT_SECONDS):
-        raise ValueError(f"timeout_seconds must be finite and in [0, 1e9) (0 = wait forever), got {seconds!r}")
+    from . import _C
+
+    _C.timeout_ns_from_seconds(s)  # ValueError naming timeout_seconds when out of range
     return s
 
 
 def check_grid(num_blocks, self_blocks, world_size: int) -> Tuple[int, int]:
-    """``(num_blocks, self_blocks)`` as ints; raises ``ValueError`` unless ``num_blocks`` is an int in
-    ``[world_size, 65535]`` and ``self_blocks`` an int in ``[0, num_blocks)`` (0 = automatic)."""
+    """``(num_blocks, self_blocks)`` as ints; raises ``ValueError`` unless both are integers that the
+    core accepts (``num_blocks`` in ``[world_size, 65535]``, ``self_blocks`` in ``[0, num_blocks)``,
+    0 = automatic). The bounds are the core's own (``_C.check_grid_args``, csrc/core.cpp)."""
     num_blocks, self_blocks = as_int(num_blocks), as_int(self_blocks)
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not world_size <= num_blocks <= MAX_BLOCKS:
-        raise ValueError(f"num_blocks must be an int in [world_size={world_size}, {MAX_BLOCKS}], got {num_blocks!r}")
-    if isinstance(self_blocks, bool) or not isinstance(self_blocks, int) or not 0 <= self_blocks < num_blocks:
-        raise ValueError(f"self_blocks must be an int in [0, num_blocks={num_blocks}), got {self_blocks!r}")
+    for name, v in (("num_blocks", num_blocks), ("self_blocks", self_blocks)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{name} must be an int, got {v!r}")
+    from . import _C
+
+    try:
+        _C.check_grid_args(world_size, num_blocks, self_blocks)  # ValueError naming the argument
+    except TypeError:  # beyond a C int: outside every bound
+        raise ValueError(f"num_blocks must be in [world_size={world_size}, 65535] and self_blocks in "
+                         f"[0, num_blocks), got {num_blocks}, {self_blocks}") from None
     return num_blocks, self_blocks
 
 
