@@ -68,6 +68,14 @@ def arguments_worker(rank, world, rdzv):
     bad("num_experts: expected a positive multiple", lambda: d(x, topk_idx=idx, num_experts=True))
     bad("num_qps: expected an int >= 0, got 'a'", lambda: d(x, topk_idx=idx, num_experts=E, num_qps="a"))
     recv, _, rw, h, _ = d(x, topk_idx=idx, topk_weights=w, num_experts=E, num_sms=np.int16(4))
+    import dataclasses
+
+    # a cached handle whose fields were replaced since the dispatch that made it
+    short = dataclasses.replace(h, dst_buffer_slot_idx=h.dst_buffer_slot_idx[:-1])
+    bad("handle.dst_buffer_slot_idx: expected an int32 tensor of shape", lambda: d(x, handle=short))
+    wide = dataclasses.replace(h, num_unaligned_recv_tokens_per_expert=h.num_unaligned_recv_tokens_per_expert.long())
+    bad("handle.num_unaligned_recv_tokens_per_expert: expected an int32 tensor", lambda: d(x, handle=wide))
+    d(x, handle=h)  # the untouched handle still works
     bad("num_qps: expected an int >= 0, got 1.5", lambda: buf.combine(recv, h, num_qps=1.5))
     bad("num_sms: expected an int >= 0, got 'x'", lambda: buf.combine(recv, h, num_sms="x"))
     # more experts per token than experts (repeats) runs: the SM estimate must not refuse it
@@ -80,7 +88,7 @@ def arguments_worker(rank, world, rdzv):
 
 def test_integer_arguments_are_checked_by_name(tmp_path):
     n = run_workers(arguments_worker, 2, tmp_path=tmp_path, timeout=120)
-    assert n == [19, 19], n
+    assert n == [21, 21], n
 
 
 def _repeating_inputs(rank, world, seed, dev):

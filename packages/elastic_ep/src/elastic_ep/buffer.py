@@ -228,15 +228,20 @@ def _off_device(t: torch.Tensor, device: torch.device) -> bool:
     return t.device != device
 
 
-def _check_handle_tensors(handle: "EPHandle", names: Sequence[str], device: torch.device) -> None:
+def _check_handle_tensors(handle: "EPHandle", names: Sequence[str], device: torch.device,
+                          shapes: Optional[dict] = None) -> None:
     """The handle's tensors a call passes to the backend must be on the buffer's device (the handle
-    is a plain dataclass: its fields may have been replaced since the dispatch that made it)."""
+    is a plain dataclass: its fields may have been replaced since the dispatch that made it). With
+    ``shapes`` (name -> shape) each must also be an int32 tensor of that shape."""
     for name in names:
         t = getattr(handle, name)
         if not isinstance(t, torch.Tensor):
             raise _err(f"handle.{name}", "a torch.Tensor", _describe(t))
         if _off_device(t, device):
             raise _err(f"handle.{name}", f"a tensor on {device} (the buffer's device)", t.device)
+        if shapes is not None and (t.dtype != torch.int32 or tuple(t.shape) != shapes[name]):
+            raise _err(f"handle.{name}", f"an int32 tensor of shape {shapes[name]} (the handle must come from a "
+                       "dispatch of these tokens, top-k and ranks)", f"{t.dtype} of shape {tuple(t.shape)}")
 
 
 def _check_combine_handle(handle: "EPHandle", T: int, K: int, device: torch.device) -> None:
@@ -857,8 +862,6 @@ class ElasticBuffer:
                 raise ValueError("do_cpu_sync: cannot be True while a CUDA graph is being captured (the CPU would "
                                  "wait for counts that no kernel produces until replay); pass False or None")
         _check_tensor("topk_idx", topk_idx, dtype=torch.int64, ndim=2, shape=(T, None), device=self.device)
-        if cached:
-            _check_handle_tensors(handle, _CACHED_HANDLE_TENSORS, self.device)
         K = topk_idx.shape[1]
         if not 0 < K <= _MAX_TOPK:
             raise ValueError(f"topk_idx: expected 1..{_MAX_TOPK} experts per token, got {K}")
@@ -888,13 +891,14 @@ class ElasticBuffer:
                              f"has {self.num_bytes}; size it with get_buffer_size_hint")
         # Expert ids are checked by the backend: before the launch when the CPU syncs anyway, else on the
         # device (reported by the next call); see _low_level.dispatch.
-        if cached and self.backend == "native":
-            # The native backend skips its own argument checks (_prechecked): the handle's fields may
-            # have been replaced since the dispatch that made it, so their shapes are checked here.
-            self.runtime._check_cached_handle(
-                T, K, L, handle.psum_num_recv_tokens_per_scaleup_rank, handle.psum_num_recv_tokens_per_expert,
-                handle.num_unaligned_recv_tokens_per_expert, handle.dst_buffer_slot_idx,
-                handle.backend_recv_src_metadata, handle.num_recv_tokens)
+        if cached:
+            # One pass over the handle's tensors (the native backend skips its own checks: _prechecked).
+            meta = (handle.num_recv_tokens, K + 2)
+            names = _CACHED_HANDLE_TENSORS + (("raw_recv_src_metadata",) if handle.perm is not None else ())
+            _check_handle_tensors(handle, names, self.device, dict(
+                psum_num_recv_tokens_per_scaleup_rank=(R,), psum_num_recv_tokens_per_expert=(L,),
+                num_unaligned_recv_tokens_per_expert=(L,), dst_buffer_slot_idx=(T, K), recv_src_metadata=meta,
+                raw_recv_src_metadata=meta))
         num_sms = self._resolve_sms(num_sms, num_experts, K)
         num_qps = _int_arg("num_qps", num_qps, 0)
         if num_qps == 0:
