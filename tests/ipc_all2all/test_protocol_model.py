@@ -139,14 +139,14 @@ def test_negative_control_without_entry_handshake_finds_the_race():
 
 # ------------------------------------------------------------------------------ failures
 # Entry-post rules other than the kernel's, for the negative controls: the rule before 544b7d4 (post
-# only while the instance is not marked at all), and "post unless marked in an earlier call" (any
-# rank's mark of this call allows it; what the README said of the current rule).
+# only while the instance is not marked at all), and the rule of 544b7d4..bb9d675 (post unless marked,
+# except by this rank's own mark of this same call: a peer's mark of the call withheld the entry).
 def _rule_unmarked_only(broken: int, call: int, rank: int) -> bool:
     return broken == 0
 
 
-def _rule_unless_marked_in_an_earlier_call(broken: int, call: int, rank: int) -> bool:
-    return broken == 0 or broken >> 32 == call % 2**32
+def _rule_own_mark_only(broken: int, call: int, rank: int) -> bool:
+    return broken == 0 or broken == _C.broken_word(call, rank)
 
 
 class FailureRun(NamedTuple):
@@ -336,37 +336,37 @@ def test_previous_rule_can_wait_out_a_deadline_after_a_skipped_call(W):
 
 
 @pytest.mark.parametrize("W", [2, 3, 4, 8])
-def test_late_rank_after_a_peer_deadline(W):
+def test_late_rank_after_a_peer_deadline_costs_one_deadline(W):
     """A rank late by more than the deadline enters after the first peer's entry deadline expired and
-    that peer marked every rank (broken_word(call, peer)). The kernel's rule withholds the late rank's
-    entry (a peer's mark, though of this same call), so every other rank waits out its own entry
-    deadline on it and records an entry timeout naming it; the late rank records the call abandoned,
-    naming the first rank that timed out. No rows move to or from the late rank."""
+    that peer marked every rank (broken_word(call, peer)). The kernel's rule lets the late rank post
+    its entry (the mark is of this same call), so the other ranks stop waiting for it and record the
+    call abandoned: one deadline in all, at any W and call number, and no rows move to or from the
+    late rank (it moves nothing and posts no done)."""
     for seed in range(40 if W <= 4 else 12):
         late = seed % W
         call = BIG_CALLS[seed % len(BIG_CALLS)]
         run = run_failure_model(W, seed, call=call, late=late, deadlines=True)
+        (first,) = run.expired
+        assert run.record[first] == f"entry timeout on {late}", (seed, run)
+        assert all(run.record[r] == f"abandoned, marked by {first}" for r in range(W) if r != first), (seed, run)
+        assert all(run.posted), (seed, run)
+        assert not _done_with(run, late), (seed, run)
+
+
+@pytest.mark.parametrize("W", [3, 4])
+def test_late_rank_under_the_own_mark_rule_costs_a_deadline_per_rank(W):
+    """Negative control, the rule of 544b7d4..bb9d675: a peer's mark of this same call withheld the
+    late rank's entry, so every other rank waited out its own entry deadline on it (W - 1 deadlines).
+    The model tells the two rules apart at W >= 3."""
+    for seed in range(30):
+        late = seed % W
+        run = run_failure_model(W, seed, late=late, deadlines=True, rule=_rule_own_mark_only)
         first = run.expired[0]
         others = [r for r in range(W) if r != late]
         assert sorted(run.expired) == others, (seed, run)
         assert run.record[late] == f"abandoned, marked by {first}", (seed, run)
         assert all(run.record[r] == f"entry timeout on {late}" for r in others), (seed, run)
-        assert not run.posted[late] and all(run.posted[r] for r in others), (seed, run)
-        assert not _done_with(run, late), (seed, run)
-
-
-@pytest.mark.parametrize("W", [3, 4])
-def test_late_rank_under_the_earlier_call_rule_costs_one_deadline(W):
-    """Control for the test above: under "post unless marked in an earlier call" (any rank's mark of
-    this call allows the post) the late rank posts, the other ranks stop waiting for it and record the
-    call abandoned: one deadline in all. The model tells the two rules apart at W >= 3."""
-    for seed in range(30):
-        late = seed % W
-        run = run_failure_model(W, seed, late=late, deadlines=True, rule=_rule_unless_marked_in_an_earlier_call)
-        (first,) = run.expired
-        assert run.record[first] == f"entry timeout on {late}", (seed, run)
-        assert all(run.record[r] == f"abandoned, marked by {first}" for r in range(W) if r != first), (seed, run)
-        assert all(run.posted), (seed, run)
+        assert not run.posted[late], (seed, run)
 
 
 @pytest.mark.parametrize("W", [2, 3, 8])

@@ -164,7 +164,7 @@ def test_broken_word_layout_and_round_trip():
 @pytest.mark.parametrize("call", _CALLS)
 def test_entry_post_rule_truth_table(call):
     """The kernel posts call `call`'s entry on `rank` iff the instance is not marked, or the mark is
-    this rank's own of this same call; a peer's mark withholds it, also one of this same call."""
+    of this same call (by this rank or a peer); a mark of another call withholds it."""
     W = _C.MAX_WORLD_SIZE
     mod = 2**64
     for rank in range(W):
@@ -175,7 +175,7 @@ def test_entry_post_rule_truth_table(call):
         assert not post(_C.broken_word((call + 1) % mod, rank))
         for peer in range(W):
             if peer != rank:
-                assert not post(_C.broken_word(call, peer))          # a peer's mark of this same call
+                assert post(_C.broken_word(call, peer))              # a peer's mark of this same call
                 assert not post(_C.broken_word((call - 1) % mod, peer))
         if call % 2**32:
             assert not post((call % 2**32) << 32)                    # a word naming no rank

@@ -29,8 +29,8 @@
 //                 kernel ends, so the next call starts from 0.
 //   * broken    : sticky failure mark. A kernel that gives up sets it here, and after a deadline
 //                 also in every peer's block (a mismatch is seen by the peer itself); a kernel that
-//                 finds it set moves nothing, posts no done and no ready (unless it is this rank's
-//                 own mark of this same call: entry_post_allowed), and leaves a record for the host.
+//                 finds it set moves nothing, posts no done and no ready (unless the mark is of this
+//                 same call: entry_post_allowed), and leaves a record for the host.
 //                 gave_up, local only, says that this rank itself gave up: a wait for a
 //                 peer's entry stops on it (no waiting out a deadline for a rank that failed before it
 //                 entered), and a wait for a peer's done stops on broken. So calls queued behind a failed one can never complete with data derived
@@ -86,15 +86,16 @@ CK_HD constexpr uint64_t broken_word(uint64_t e, int rank) {
 CK_HD constexpr int broken_rank(uint64_t word) { return static_cast<int>(static_cast<uint32_t>(word)) - 1; }
 
 // The entry-post rule of call e on rank `rank`, given the `broken` word it finds when it starts
-// (a2a_kernel, block 0): post unless the instance is marked failed, except by a mark that this rank
-// itself set during this same call (another block of the call that started first found a mismatch or
-// a deadline), which must not hide this rank's entry from peers that have not seen the failure.
-// Withheld, then, for a mark of an earlier call and for a peer's mark, including one a peer set during
-// this same call (its entry deadline expired waiting for this rank). The call number is compared
-// modulo 2^32 (broken_word keeps its low 32 bits), so a mark this rank set exactly k * 2^32 calls
-// earlier reads as this call's (tests/ipc_all2all/test_protocol_model.py).
-CK_HD constexpr bool entry_post_allowed(uint64_t broken, uint64_t e, int rank) {
-  return broken == 0u || broken == broken_word(e, rank);
+// (a2a_kernel, block 0): post unless the instance was marked failed in an earlier call. A mark of this
+// same call, by any rank (another block of this call found a mismatch or a deadline first; a peer's
+// entry deadline expired waiting for this rank), must not hide this rank's entry from peers still
+// waiting for it, or each of them would wait out its own deadline (W - 1 deadlines at W >= 3 for one
+// late rank). Posting moves no data: the call stays failed here (nothing is pushed, no done posted).
+// The call number is compared modulo 2^32 (broken_word keeps its low 32 bits), so a mark set exactly
+// k * 2^32 calls earlier reads as this call's (tests/ipc_all2all/test_protocol_model.py).
+CK_HD constexpr bool entry_post_allowed(uint64_t broken, uint64_t e, int /*rank*/) {
+  return broken == 0u ||
+         (static_cast<uint32_t>(broken >> 32) == static_cast<uint32_t>(e) && static_cast<uint32_t>(broken) != 0u);
 }
 
 // The entry-handshake word: call number e (its low 32 bits, compared in serial-number order by

@@ -249,11 +249,11 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(const __grid_constant__ K
     // it runs nothing.
     const uint64_t broken = commkit::ld_acquire(&me->broken);
     s_live = s_ok = broken == 0u;
-    // The entry is posted unless the instance is marked failed, except by this rank's own mark of
-    // this same call: a mark that another block of this call set first (a mismatch it found, a
-    // deadline) must not hide this rank's entry from peers that have not seen the failure, or they
-    // would wait for it until their deadline. A peer's mark withholds it, also one of this same call
-    // (see entry_post_allowed; tests/ipc_all2all/test_protocol_model.py runs the rule).
+    // The entry is posted unless the instance was marked failed in an earlier call: a mark of this
+    // same call (another block of it found a mismatch or a deadline first, or a peer's entry deadline
+    // expired waiting for this rank) must not hide this rank's entry from peers still waiting for it,
+    // or each would wait out its own deadline (see entry_post_allowed;
+    // tests/ipc_all2all/test_protocol_model.py runs the rule).
     s_post = entry_post_allowed(broken, s_epoch, q);
     if (broken != 0u) report_not_run(a, s_epoch, broken);
   }
