@@ -100,7 +100,8 @@ def _repeating_inputs(rank, world, seed, dev):
     from tests.elastic_ep._common import make_inputs
 
     E = E_PER_RANK * world
-    inp = make_inputs(rank, M, H, K, E, "bf16", seed, dev)
+    # make_inputs draws distinct ids (needs K <= E); only its x is kept, the ids are redrawn below
+    inp = make_inputs(rank, M, H, K, max(E, K), "bf16", seed, dev)
     g = torch.Generator().manual_seed(seed * 31 + rank)
     idx = torch.randint(0, E, (M, K), generator=g)
     idx[::3] = idx[::3, :1]  # all K lanes on one expert
