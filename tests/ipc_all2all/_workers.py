@@ -728,3 +728,53 @@ def worker_fp8_wire(rank, world, rdzv):
         else:
             raise AssertionError("fp8_wire on a float16 instance did not raise")
     return checked
+
+
+def worker_destroy_races_calls(rank, world, rdzv, rounds):
+    """One rank alone (W = 1: no peers, no process group) on GPU 0. A second thread keeps calling while
+    this one destroys: each call must either complete or raise CommError "destroyed"; none may launch
+    into the freed buffer or use the freed event or record (destroy() runs without the GIL). The CUDA
+    context must be healthy afterwards."""
+    import threading
+
+    import ipc_all2all
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    H, D, L = 8, 128, 256
+    x = torch.randn(1, L, H, D, device=dev, dtype=torch.bfloat16)
+    ends = {"completed": 0, "refused": 0}
+    for i in range(rounds):
+        a = ipc_all2all.All2All(0, 1, L, H * D, 8, torch.bfloat16, timeout_seconds=5)
+        a.sync([a.get_local_ipc_handle()])
+        a.set_rank_tokens([L])
+        errors, started = [], threading.Event()
+
+        def caller():
+            try:
+                while True:
+                    y = a.send_recv_heads(x, copy_output=bool(i % 2))
+                    started.set()
+                    a.check()
+                    assert y.shape == (1, L, H, D)
+                    ends["completed"] += 1
+            except ipc_all2all.CommError as e:
+                if "destroyed" not in str(e):
+                    errors.append(repr(e))
+                ends["refused"] += 1
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+            finally:
+                started.set()
+
+        t = threading.Thread(target=caller)
+        t.start()
+        started.wait(30)
+        time.sleep(random.Random(i).random() * 0.002)
+        a.destroy()
+        t.join(60)
+        assert not t.is_alive(), "the calling thread hangs after destroy()"
+        assert not errors, errors
+    torch.cuda.synchronize()  # an illegal address from a launch into freed memory would surface here
+    torch.zeros(1, device=dev).add_(1).item()
+    return ends

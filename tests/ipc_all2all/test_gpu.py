@@ -156,3 +156,12 @@ def test_three_ranks_back_to_back_and_graphs(tmp_path):
 @pytest.mark.multigpu(4, shared_ok=True)
 def test_four_ranks_fp8_wire(tmp_path):
     assert run_workers(w.worker_fp8_wire, 4, tmp_path=tmp_path, timeout=200) == [2 * 4 * 3] * 4
+
+
+@pytest.mark.gpu
+def test_destroy_racing_calls_in_another_thread(tmp_path):
+    """destroy() (which waits for the device without the GIL) while another thread keeps calling: every
+    call completes or raises CommError "destroyed", none touches freed memory, the context stays usable.
+    Not yet run on a GPU."""
+    (ends,) = run_workers(w.worker_destroy_races_calls, 1, 50, tmp_path=tmp_path, timeout=180)
+    assert ends["refused"] == 50, ends

@@ -210,6 +210,7 @@ void Core::order_after_last_call(void* stream, bool capturing) {
 }
 
 void Core::record_last_call(void* stream, bool capturing) {
+  const std::lock_guard<std::recursive_mutex> lock(mu_);
 #if COMMKIT_WITH_CUDA
   if (capturing) return;
   CK_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(last_done_), static_cast<cudaStream_t>(stream)));
@@ -228,6 +229,7 @@ void Core::require_usable(const char* what) const {
 }
 
 void Core::open_peers(const std::vector<std::string>& handles) {
+  const std::lock_guard<std::recursive_mutex> lock(mu_);
   require_usable("sync");
   CK_CHECK_ARG(!opened_, "sync(): the peers' handles are already open");
   CK_CHECK_ARG(static_cast<int>(handles.size()) == world_, "sync(): expected ", world_,
@@ -248,6 +250,7 @@ void Core::open_peers(const std::vector<std::string>& handles) {
 int Core::launch(int op, uint64_t x_ptr, uint64_t stream, int batch, int64_t x_rows, int64_t out_rows,
                  int64_t cap_rows, int64_t chunk_bytes, int64_t wide_bytes, const std::vector<int64_t>& counts,
                  uint64_t counts_ptr, int pack_head_dim) {
+  const std::lock_guard<std::recursive_mutex> lock(mu_);
   require_usable(op_name(static_cast<uint32_t>(op) * 4));
   CK_CHECK(opened_, "call sync() with every rank's handle before the first operation");
   check();
@@ -330,6 +333,7 @@ void check_fp8_args(const char* what, uint64_t a, uint64_t b, int64_t groups, in
 }  // namespace
 
 void Core::fp8_unpack(uint64_t in_ptr, uint64_t out_ptr, int64_t groups, int head_dim, uint64_t stream) {
+  const std::lock_guard<std::recursive_mutex> lock(mu_);
   require_usable("fp8_unpack");
   check_fp8_args("fp8_unpack", in_ptr, out_ptr, groups, head_dim);
 #if COMMKIT_WITH_CUDA
@@ -346,6 +350,7 @@ void Core::fp8_unpack(uint64_t in_ptr, uint64_t out_ptr, int64_t groups, int hea
 }
 
 void Core::check() {
+  const std::lock_guard<std::recursive_mutex> lock(mu_);
   if (destroyed_ || rec_host_ == nullptr) return;
   if (commkit::ld_acquire(&rec_host_->flag) == 0) return;
   // flag 2 means a device thread is still filling the record; it finishes within microseconds.
@@ -366,6 +371,7 @@ void Core::check() {
 }
 
 void Core::synchronize(uint64_t stream) {
+  const std::lock_guard<std::recursive_mutex> lock(mu_);
   CK_CHECK(!destroyed_, "synchronize: this All2All instance was destroyed");
 #if COMMKIT_WITH_CUDA
   DeviceGuard g(device_);
@@ -378,7 +384,9 @@ void Core::synchronize(uint64_t stream) {
 
 uint64_t timeout_ns_from_seconds(double s) {
   CK_CHECK_ARG(std::isfinite(s) && s >= 0 && s < 1e9, "timeout_seconds must be finite and in [0, 1e9) (0 = wait forever), got ", s);
-  return static_cast<uint64_t>(s * 1e9);
+  const uint64_t ns = static_cast<uint64_t>(s * 1e9);
+  // 0 ns is the "wait forever" sentinel: a positive timeout below 1 ns must not turn into it.
+  return ns == 0 && s > 0 ? 1u : ns;
 }
 
 void check_grid_args(int world, int num_blocks, int self_blocks) {
@@ -402,6 +410,7 @@ std::array<int, 3> Core::grid() const {
 }
 
 void Core::destroy(bool free_buffer) {
+  const std::lock_guard<std::recursive_mutex> lock(mu_);
   if (destroyed_) {
     if (free_buffer) release_buffer();
     return;
@@ -440,6 +449,7 @@ void Core::destroy(bool free_buffer) {
 }
 
 void Core::release_buffer() {
+  const std::lock_guard<std::recursive_mutex> lock(mu_);
 #if COMMKIT_WITH_CUDA
   if (base_[rank_] == nullptr) return;
   DeviceGuard g(device_);

@@ -5,6 +5,7 @@
 
 #include <array>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -116,12 +117,16 @@ class Core {
   bool have_last_ = false;
   bool opened_ = false, broken_ = false, destroyed_ = false;
   std::string broken_reason_;
+  // destroy() and synchronize() run without the GIL (they wait for the device), so another Python
+  // thread may enter launch(), check() or record_last_call() meanwhile: those would use the peers'
+  // mappings, the record and the event while destroy() frees them. Recursive: launch() calls check().
+  mutable std::recursive_mutex mu_;
 };
 
 // The checks of Core::set_timeout_seconds and Core::set_grid (the constructor's too), host only and
 // bound for the CPU tests. timeout_ns_from_seconds raises ValueError unless s is finite and in
-// [0, 1e9) (0 = wait forever) and returns it in nanoseconds; check_grid_args raises ValueError unless
-// num_blocks is in [world, 65535] and self_blocks in [0, num_blocks).
+// [0, 1e9) (0 = wait forever) and returns it in nanoseconds, at least 1 for any s > 0; check_grid_args
+// raises ValueError unless num_blocks is in [world, 65535] and self_blocks in [0, num_blocks).
 uint64_t timeout_ns_from_seconds(double s);
 void check_grid_args(int world, int num_blocks, int self_blocks);
 

@@ -111,7 +111,11 @@ DEFAULT_TIMEOUT_SECONDS = 10.0
 
 
 def built_with_cuda() -> bool:
-    """True when the extension was compiled with its CUDA kernels."""
+    """Whether the extension was compiled with its CUDA kernels.
+
+    Returns:
+        True for a CUDA build; False for a host-only build, whose :class:`All2All` cannot be constructed.
+    """
     return bool(_C.built_with_cuda())
 
 
@@ -162,7 +166,12 @@ def _release_when_safe(release, device: Optional[torch.device] = None) -> None:
 def release_deferred() -> int:
     """Frees what was released inside a CUDA-graph capture (a zero-copy view outliving ``destroy()``
     and dropped during a capture; an instance dropped during one). Called by every construction, call
-    and ``destroy()``; returns how many releases ran (0 while a capture is still in progress)."""
+    and ``destroy()``.
+
+    Returns:
+        How many deferred releases ran (0 while a capture is still in progress). A release that fails
+        is reported as a ``ResourceWarning``, not raised.
+    """
     if not _DEFERRED:
         return 0
     with _DEFERRED_LOCK:
@@ -211,6 +220,18 @@ def _buffer_tensor(keeper: _CudaBytes, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(keeper, device=device)
 
 
+def _discard(obj: Optional["All2All"]) -> None:
+    """Releases an instance that from_group will not return (not collective: no rank got it)."""
+    if obj is None or obj._core.destroyed:
+        return
+    obj._unregister()
+    try:
+        obj._core.destroy()
+    except Exception as e:  # noqa: BLE001 - the failure being raised is the one that matters
+        warnings.warn(f"ipc_all2all: releasing a failed from_group instance failed: {e}", ResourceWarning,
+                      stacklevel=3)
+
+
 class All2All:
     """One CUDA-IPC all-to-all instance (the original library's API, plus a collective constructor).
 
@@ -246,6 +267,10 @@ class All2All:
         capacity = capacity_bytes(num_tokens, hidden_dim, tensor_dtype)
         if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < world_size:
             raise ValueError(f"num_sms must be an int >= world_size ({world_size}), got {num_sms!r}")
+        try:  # the upper bound too, before the device checks below: an argument error must say so
+            check_grid(num_sms, 0, world_size)
+        except ValueError as e:
+            raise ValueError(f"num_sms ({num_sms}) is out of range: {e}") from None
         timeout_seconds = check_timeout_seconds(DEFAULT_TIMEOUT_SECONDS if timeout_seconds is None else timeout_seconds)
         if not torch.cuda.is_available():
             raise RuntimeError("ipc_all2all.All2All needs a CUDA device; none is available")
@@ -305,46 +330,53 @@ class All2All:
             payload = ("ok", obj.get_local_ipc_handle(), obj.capacity, str(tensor_dtype))
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             err, payload = e, ("error", f"{type(e).__name__}: {e}")
-        gathered: List = [None] * world
-        dist.all_gather_object(gathered, payload, group=group)
-        bad = [(r, p[1]) for r, p in enumerate(gathered) if p[0] != "ok"]
-        if bad:
-            if obj is not None:
-                obj._core.destroy()
-                obj._unregister()
-            if err is not None and all(r == rank for r, _ in bad):
-                raise err
-            msg = "All2All.from_group failed on " + "; ".join(f"rank {r}: {m}" for r, m in bad)
-            if isinstance(err, ValueError):  # this rank's own arguments were wrong too: keep the type
-                raise ValueError(msg) from err
-            raise CommError(msg) from err
-        # Peers address each other's slots by this rank's layout: every rank must size alike.
-        shapes = {(p[2], p[3]) for p in gathered}
-        if len(shapes) != 1:
-            obj._core.destroy()
-            obj._unregister()
-            raise ValueError("All2All.from_group: every rank must pass the same num_tokens * hidden_dim and "
-                             "tensor_dtype; got " + "; ".join(f"rank {r}: {p[2]} bytes {p[3]}" for r, p in enumerate(gathered)))
         try:
-            obj.sync([p[1] for p in gathered])
-            status = ("ok", "")
-        except Exception as e:  # noqa: BLE001
-            err, status = e, ("error", f"{type(e).__name__}: {e}")
-        statuses: List = [None] * world
-        dist.all_gather_object(statuses, status, group=group)
-        bad = [(r, s[1]) for r, s in enumerate(statuses) if s[0] != "ok"]
-        if bad:
-            obj._core.destroy()
-            obj._unregister()
-            raise CommError("All2All.from_group: opening the peers' buffers failed on "
-                            + "; ".join(f"rank {r}: {m}" for r, m in bad))
+            gathered: List = [None] * world
+            dist.all_gather_object(gathered, payload, group=group)
+            bad = [(r, p[1]) for r, p in enumerate(gathered) if p[0] != "ok"]
+            if bad:
+                _discard(obj)
+                if err is not None and all(r == rank for r, _ in bad):
+                    raise err
+                msg = "All2All.from_group failed on " + "; ".join(f"rank {r}: {m}" for r, m in bad)
+                if isinstance(err, ValueError):  # this rank's own arguments were wrong too: keep the type
+                    raise ValueError(msg) from err
+                raise CommError(msg) from err
+            # Peers address each other's slots by this rank's layout: every rank must size alike.
+            shapes = {(p[2], p[3]) for p in gathered}
+            if len(shapes) != 1:
+                _discard(obj)
+                raise ValueError("All2All.from_group: every rank must pass the same num_tokens * hidden_dim and "
+                                 "tensor_dtype; got " + "; ".join(f"rank {r}: {p[2]} bytes {p[3]}" for r, p in enumerate(gathered)))
+            try:
+                obj.sync([p[1] for p in gathered])
+                status = ("ok", "")
+            except Exception as e:  # noqa: BLE001
+                err, status = e, ("error", f"{type(e).__name__}: {e}")
+            statuses: List = [None] * world
+            dist.all_gather_object(statuses, status, group=group)
+            bad = [(r, s[1]) for r, s in enumerate(statuses) if s[0] != "ok"]
+            if bad:
+                _discard(obj)
+                raise CommError("All2All.from_group: opening the peers' buffers failed on "
+                                + "; ".join(f"rank {r}: {m}" for r, m in bad))
+        except BaseException:
+            # The exchange itself failed (a peer died, the group timed out, an interrupt): the
+            # buffer and the peers' mappings must not wait for the garbage collector.
+            _discard(obj)
+            raise
         obj._group = group  # None is the default group (WORLD): destroy() is collective over it too
         obj._collective = True
         return obj
 
     def get_local_ipc_handle(self) -> bytes:
-        """Returns this rank's handle for the other ranks' :meth:`sync`: opaque bytes holding the CUDA IPC
-        handle of the buffer and what every rank must agree on (world size, rank, slot capacity)."""
+        """This rank's handle, for every rank's :meth:`sync`.
+
+        Returns:
+            Opaque bytes (``_C.HANDLE_BYTES`` long) holding the CUDA IPC handle of the buffer and what
+            every rank must agree on (world size, rank, slot capacity). Raises ``CommError`` after
+            :meth:`destroy`.
+        """
         return self._core.ipc_handle()
 
     def sync(self, all_gathered_handles: Sequence[Union[bytes, bytearray]]) -> None:
@@ -382,12 +414,22 @@ class All2All:
         self._plans = {}
 
     def set_timeout_seconds(self, seconds: float) -> None:
-        """Sets the device-side deadline of every wait (0 = forever); applies to later launches."""
+        """Sets the device-side deadline of every wait; applies to later launches (a captured CUDA
+        graph keeps the deadline it was captured with).
+
+        Arguments:
+            seconds: a real number in ``[0, 1e9)``; 0 waits forever. Any positive value, however small,
+                is a deadline (at least 1 ns), never "forever". Raises ``ValueError`` otherwise.
+        """
         self._core.set_timeout_seconds(check_timeout_seconds(seconds))
 
     def set_grid(self, num_blocks: int, self_blocks: int = 0) -> None:
-        """Tuning: blocks per launch (``[world_size, 65535]``) and how many copy to the own rank
-        (``[0, num_blocks)``, 0 = automatic)."""
+        """Tuning of later launches (ranks may differ; results do not depend on it).
+
+        Arguments:
+            num_blocks: CUDA blocks per launch, in ``[world_size, 65535]``.
+            self_blocks: how many of them copy to the own rank, in ``[0, num_blocks)``; 0 = automatic.
+        """
         self._core.set_grid(*check_grid(num_blocks, self_blocks, self.world_size))
 
     @property
@@ -407,8 +449,17 @@ class All2All:
 
     # ----------------------------------------------------------------------------- operations
     def plan(self, op: int, shape: Sequence[int], itemsize: Optional[int] = None) -> Plan:
-        """Validates shapes for ``op`` against the current token counts and returns the launch plan
-        (``itemsize``: bytes per element of what moves; default the instance's dtype)."""
+        """Validates a shape for ``op`` against the current token counts, without launching anything.
+
+        Arguments:
+            op: ``_shapes.OP_SEND_RECV_HEADS``, ``OP_GATHER_HEADS`` or ``OP_ALLGATHER``.
+            shape: the input's shape ``[b, tokens, heads, head_dim]``.
+            itemsize: bytes per element of what moves; default the instance's dtype.
+
+        Returns:
+            The launch plan (``_shapes.Plan``: output shape and bytes, row geometry). Raises
+            ``ValueError`` naming what is wrong.
+        """
         if self._counts is None and self._counts_dev is None:
             raise ValueError(f"{OP_NAMES[op]}: call set_rank_tokens() first")
         itemsize = self.itemsize if itemsize is None else itemsize
@@ -428,7 +479,12 @@ class All2All:
             release_deferred()
         if self._core.destroyed:
             raise CommError(f"{what}: this All2All instance was destroyed")
-        if self._buf is None:
+        # One read: destroy() from another thread may clear self._buf meanwhile, and this reference
+        # keeps the slots allocated until the output below is made.
+        buf = self._buf
+        if buf is None:
+            if self._core.opened:
+                raise CommError(f"{what}: this All2All instance was destroyed")
             raise CommError(f"{what}: call sync() (or use All2All.from_group) before the first operation")
         self._check_input(x, what)
         stream = torch.cuda.current_stream(self.device).cuda_stream
@@ -439,7 +495,7 @@ class All2All:
         slot = self._check_slot(x, what, capture)
         self._launch(op, x.data_ptr(), p, slot, stream)
         off = self._core.slot_offset(slot)
-        out = self._buf[off:off + p.out_bytes].view(self.tensor_dtype).view(p.out_shape)
+        out = buf[off:off + p.out_bytes].view(self.tensor_dtype).view(p.out_shape)
         # Once calls of this instance sit in a CUDA graph, any replay may rewrite either slot behind
         # the host's back, so an eager view could not keep its promise (valid until call N+2): eager
         # calls then always return a copy, made on this stream before anything else can run.
@@ -545,7 +601,9 @@ class All2All:
 
     # ----------------------------------------------------------------------------- errors, teardown
     def check(self) -> None:
-        """Raises what a finished launch recorded, as :meth:`synchronize` does, without waiting."""
+        """Raises what a finished launch recorded, as :meth:`synchronize` does, without waiting:
+        ``CommTimeoutError`` (with ``.operation``, ``.rank``, ``.peer``) or ``CommError``. Returns
+        None when nothing was recorded (also after :meth:`destroy`)."""
         self._core.check()
 
     def synchronize(self) -> None:
@@ -562,6 +620,7 @@ class All2All:
 
     @property
     def destroyed(self) -> bool:
+        """True once :meth:`destroy` ran; every later call raises ``CommError``."""
         return self._core.destroyed
 
     def _unregister(self) -> None:

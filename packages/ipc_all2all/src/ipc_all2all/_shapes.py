@@ -27,6 +27,9 @@ MAX_WORLD_SIZE = 8
 ALIGN = 16
 SUPPORTED_ITEMSIZES = (1, 2, 4)
 
+_QUANTIZED_DTYPES = frozenset(getattr(torch, n) for n in ("quint8", "qint8", "qint32", "quint4x2", "quint2x4")
+                              if hasattr(torch, n))
+
 OP_SEND_RECV_HEADS = 0
 OP_GATHER_HEADS = 1
 OP_ALLGATHER = 2
@@ -48,7 +51,8 @@ class Plan(NamedTuple):
 
 
 def element_size(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype``; raises ``ValueError`` unless it is 1, 2 or 4 bytes wide.
+    """Bytes per element of ``dtype``; raises ``ValueError`` unless it is 1, 2 or 4 bytes wide (and not
+    complex, bool or quantized).
 
     Arguments:
         dtype: a torch dtype (bf16, fp16, fp32, float8_e4m3fn, float8_e5m2, int8, ...).
@@ -60,6 +64,11 @@ def element_size(dtype: torch.dtype) -> int:
         raise ValueError(f"tensor_dtype must be a torch.dtype, got {dtype!r}")
     if dtype.is_complex or dtype == torch.bool:
         raise ValueError(f"tensor_dtype {dtype} is not supported (complex and bool are not)")
+    # A quantized tensor's scale and zero point live outside its bytes: moving the bytes would hand
+    # back values without them, and copy_output cannot even allocate one.
+    if dtype in _QUANTIZED_DTYPES:
+        raise ValueError(f"tensor_dtype {dtype} is a quantized dtype, which is not supported; pass its int_repr() "
+                         "with the matching int dtype and move the scale and zero point yourself")
     size = torch.empty((), dtype=dtype).element_size()
     if size not in SUPPORTED_ITEMSIZES:
         raise ValueError(f"tensor_dtype {dtype} has {size}-byte elements; supported sizes are 1, 2 and 4 bytes")
@@ -263,9 +272,21 @@ def ranges_overlap(a_start: int, a_bytes: int, b_start: int, b_bytes: int) -> bo
 
 
 def validate_input(x, dtype: torch.dtype, device: torch.device, what: str) -> None:
-    """Raises ``ValueError`` unless ``x`` is a 4-d, contiguous, 16-byte aligned ``dtype`` tensor on ``device``."""
+    """Raises ``ValueError`` unless ``x`` is a dense 4-d, contiguous, 16-byte aligned ``dtype`` tensor on
+    ``device``.
+
+    Arguments:
+        x: the operation's input.
+        dtype: the instance's ``tensor_dtype``.
+        device: the instance's device.
+        what: the operation's name, for the message.
+    """
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{what}: x must be a torch.Tensor, got {type(x).__name__}")
+    # Before the checks below: is_contiguous() and data_ptr() raise on sparse layouts instead of
+    # naming the argument.
+    if x.layout != torch.strided:
+        raise ValueError(f"{what}: x must be a dense (strided) tensor, got layout {x.layout}; call .to_dense()")
     if x.dim() != 4:
         raise ValueError(f"{what}: x must have 4 dimensions [batch, tokens, heads, head_dim], got shape {tuple(x.shape)}")
     if x.dtype != dtype:

@@ -16,6 +16,10 @@ independent call. A mutated argument makes every call an effect that is never re
 chain of mutations of one token keeps all calls on a device in program order. Neither
 ``has_side_effect`` nor an ordered-effect registration kept the call under inductor.
 
+The real ops check the ``out_tokens`` and ``world_size`` they are given (which the fake uses) against
+the instance before the collective call, so an output can never differ from the fake's shape. There
+is no autograd formula: a backward through these ops raises.
+
 Use the wrappers::
 
     q = ipc_all2all.ops.send_recv_heads(q_local, a2a)
@@ -34,9 +38,16 @@ _TOKENS_LOCK = threading.Lock()
 
 
 def order_token(device) -> torch.Tensor:
-    """The order token of ``device`` (one per device, shared by every instance on it): a one-element
-    tensor that every op here declares as mutated, so that compiled graphs keep each collective call
-    and their order. Its value means nothing and is never written."""
+    """The order token of ``device``, shared by every instance on it.
+
+    Arguments:
+        device: a ``torch.device`` or string; ``"cuda"`` means the current CUDA device.
+
+    Returns:
+        A one-element int32 tensor with a static address that every op here declares as mutated, so
+        that compiled graphs keep each collective call and their order. Its value means nothing and
+        is never written.
+    """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -57,40 +68,65 @@ def _lookup(comm_id: int):
     return lookup(comm_id)
 
 
+def _fake_shape(op: int, x: torch.Tensor, out_tokens: int, world_size: int):
+    """The output shape the fake implementations promise (the real ops check theirs against it)."""
+    b, _, h, d = x.shape
+    if op == _shapes.OP_SEND_RECV_HEADS:
+        h = h // world_size
+    elif op == _shapes.OP_GATHER_HEADS:
+        h = h * world_size
+    return (b, out_tokens, h, d)
+
+
+def _run_checked(op: int, x: torch.Tensor, comm_id: int, out_tokens: int, world_size: int, **kw) -> torch.Tensor:
+    """Runs ``op`` on the instance, after checking that ``out_tokens`` and ``world_size`` describe the
+    output it will return: a compiled graph sizes everything downstream from the fake's shape, and an
+    output of another shape would be read as that shape without any error."""
+    comm = _lookup(comm_id)
+    name = _shapes.OP_NAMES[op]
+    if world_size != comm.world_size or out_tokens != _out_tokens(comm, op, x):
+        raise ValueError(f"ipc_all2all.ops.{name}: out_tokens={out_tokens}, world_size={world_size} do not match "
+                         f"the instance (world_size {comm.world_size}, output tokens {_out_tokens(comm, op, x)} for "
+                         f"x of shape {tuple(x.shape)} with its current set_rank_tokens); call the op through "
+                         f"ipc_all2all.ops.{name}(x, comm), which derives both from the instance")
+    out = getattr(comm, name)(x, copy_output=True, **kw)
+    want = _fake_shape(op, x, out_tokens, world_size)
+    if tuple(out.shape) != want:  # the fake and the planner disagree: a bug here, not the caller's
+        raise RuntimeError(f"ipc_all2all.ops.{name}: returned shape {tuple(out.shape)}, the fake promised {want}")
+    return out
+
+
 # mutates_args=("token",): see the module docstring (the token is never written).
 @torch.library.custom_op("ipc_all2all::send_recv_heads", mutates_args=("token",))
 def _send_recv_heads(x: torch.Tensor, token: torch.Tensor, comm_id: int, out_tokens: int, world_size: int,
                      fp8_wire: bool = False) -> torch.Tensor:
-    return _lookup(comm_id).send_recv_heads(x, copy_output=True, fp8_wire=fp8_wire)
+    return _run_checked(_shapes.OP_SEND_RECV_HEADS, x, comm_id, out_tokens, world_size, fp8_wire=fp8_wire)
 
 
 @_send_recv_heads.register_fake
 def _(x, token, comm_id, out_tokens, world_size, fp8_wire=False):
-    b, _, h, d = x.shape
-    return x.new_empty((b, out_tokens, h // world_size, d))
+    return x.new_empty(_fake_shape(_shapes.OP_SEND_RECV_HEADS, x, out_tokens, world_size))
 
 
 @torch.library.custom_op("ipc_all2all::gather_heads", mutates_args=("token",))
 def _gather_heads(x: torch.Tensor, token: torch.Tensor, comm_id: int, out_tokens: int, world_size: int,
                   fp8_wire: bool = False) -> torch.Tensor:
-    return _lookup(comm_id).gather_heads(x, copy_output=True, fp8_wire=fp8_wire)
+    return _run_checked(_shapes.OP_GATHER_HEADS, x, comm_id, out_tokens, world_size, fp8_wire=fp8_wire)
 
 
 @_gather_heads.register_fake
 def _(x, token, comm_id, out_tokens, world_size, fp8_wire=False):
-    b, _, h, d = x.shape
-    return x.new_empty((b, out_tokens, h * world_size, d))
+    return x.new_empty(_fake_shape(_shapes.OP_GATHER_HEADS, x, out_tokens, world_size))
 
 
 @torch.library.custom_op("ipc_all2all::allgather", mutates_args=("token",))
 def _allgather(x: torch.Tensor, token: torch.Tensor, comm_id: int, out_tokens: int, world_size: int) -> torch.Tensor:
-    return _lookup(comm_id).allgather(x, copy_output=True)
+    return _run_checked(_shapes.OP_ALLGATHER, x, comm_id, out_tokens, world_size)
 
 
 @_allgather.register_fake
 def _(x, token, comm_id, out_tokens, world_size):
-    b, _, h, d = x.shape
-    return x.new_empty((b, out_tokens, h, d))
+    return x.new_empty(_fake_shape(_shapes.OP_ALLGATHER, x, out_tokens, world_size))
 
 
 def _out_tokens(comm, op: int, x: torch.Tensor) -> int:
