@@ -357,7 +357,7 @@ def test_python_layer_slots_views_and_aliasing(monkeypatch):
     a = ipc_all2all.All2All.__new__(ipc_all2all.All2All)
     core = _RecordingCore(cap, buf)
     a.__dict__.update(_plans={}, rank=1, world_size=2, tensor_dtype=torch.bfloat16, itemsize=2,
-                      device=torch.device("cpu"), capacity=cap, _core=core, _counts=None, _counts_dev=None,
+                      device=torch.device("cpu"), capacity=cap, _core=core, _counts=None, _counts_dev=None, _captured_counts={},
                       _group=None, _collective=False, comm_id=-1, _buf=buf, _keeper=None)
     with pytest.raises(ValueError, match="set_rank_tokens"):
         a.send_recv_heads(torch.zeros(1, 5, 8, 32, dtype=torch.bfloat16))
@@ -401,7 +401,7 @@ def test_python_layer_fp8_wire_plans_records(monkeypatch):
     core.fp8_unpack = lambda *a: conv.append(("unpack",) + a)
     a = ipc_all2all.All2All.__new__(ipc_all2all.All2All)
     a.__dict__.update(_plans={}, rank=1, world_size=2, tensor_dtype=torch.bfloat16, itemsize=2,
-                      device=torch.device("cpu"), capacity=cap, _core=core, _counts=None, _counts_dev=None,
+                      device=torch.device("cpu"), capacity=cap, _core=core, _counts=None, _counts_dev=None, _captured_counts={},
                       _group=None, _collective=False, comm_id=-1, _buf=buf, _keeper=None)
     a.set_rank_tokens([3, 5])
     x = torch.zeros(2, 5, 8, 64, dtype=torch.bfloat16)
@@ -452,7 +452,7 @@ def test_destroy_of_a_from_group_instance_is_collective(monkeypatch, group):
         a = ipc_all2all.All2All.__new__(ipc_all2all.All2All)
         a.__dict__.update(_core=_RecordingCore(cap, torch.zeros(16, dtype=torch.uint8)), _group=group,
                           _collective=collective, device=torch.device("cpu"), comm_id=-2, _buf=None,
-                          _counts_dev=None, _keeper=None)
+                          _counts_dev=None, _captured_counts={}, _keeper=None)
         a.destroy()
         assert a._core.destroyed
         assert calls == ([("sync", torch.device("cpu")), ("barrier", group)] if collective else []), calls
@@ -581,7 +581,7 @@ class _ConfigCore:
 
 def _config_instance(world=4, device=torch.device("cpu")):
     a = ipc_all2all.All2All.__new__(ipc_all2all.All2All)
-    a.__dict__.update(_core=_ConfigCore(), world_size=world, device=device, _counts=None, _counts_dev=None,
+    a.__dict__.update(_core=_ConfigCore(), world_size=world, device=device, _counts=None, _counts_dev=None, _captured_counts={},
                       _plans={"stale": 1})
     return a
 

@@ -103,7 +103,7 @@ class _StubAll2All(ipc_all2all.All2All):
         _StubAll2All.cores.append(core)
         self.__dict__.update(_core=core, rank=rank, world_size=world_size, capacity=4096, comm_id=-77,
                              device=torch.device("cpu"), _buf=None, _keeper=None, _group=None, _collective=False,
-                             _counts=None, _counts_dev=None, _plans={})
+                             _counts=None, _counts_dev=None, _captured_counts={}, _plans={})
         _REGISTRY[self.comm_id] = self
 
 
@@ -148,3 +148,41 @@ def test_a_call_survives_destroy_between_its_launch_and_its_output(monkeypatch):
     core.launch = launch
     with pytest.raises(ipc_all2all.CommError, match="destroyed"):
         a.send_recv_heads(torch.zeros(1, 5, 8, 32, dtype=torch.bfloat16))
+
+
+# ------------------------------------------------------------------ counts tensors read by captured graphs
+def test_a_captured_counts_tensor_outlives_set_rank_tokens(monkeypatch):
+    """A graph captured with device counts reads that tensor by address at every replay: replacing it
+    with set_rank_tokens(other) must not let it be freed. An eager call keeps no extra reference."""
+    import types
+    import weakref
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=7))
+    cap = 1000 * 256 * 2
+    buf = torch.zeros(_C.buffer_layout(cap)["total"], dtype=torch.uint8)
+    core = _RecordingCore(cap, buf)
+    a = ipc_all2all.All2All.__new__(ipc_all2all.All2All)
+    a.__dict__.update(_plans={}, rank=1, world_size=2, tensor_dtype=torch.bfloat16, itemsize=2,
+                      device=torch.device("cpu"), capacity=cap, _core=core, _counts=None, _counts_dev=None,
+                      _captured_counts={}, _group=None, _collective=False, comm_id=-1, _buf=buf, _keeper=None)
+    x = torch.zeros(1, 5, 8, 32, dtype=torch.bfloat16)
+
+    eager = torch.tensor([3, 5], dtype=torch.int32)
+    a.set_rank_tokens(eager)
+    a.send_recv_heads(x, copy_output=True)
+    assert core.launches[-1][10] == eager.data_ptr()
+    gone = weakref.ref(eager)
+    a.set_rank_tokens(torch.tensor([5, 5], dtype=torch.int32))
+    del eager
+    assert gone() is None, "an eager call must not keep the counts tensor"
+
+    captured = torch.tensor([2, 4], dtype=torch.int32)
+    a.set_rank_tokens(captured)
+    core.capture = 9
+    a.send_recv_heads(x, copy_output=True)
+    core.capture = 0
+    kept = weakref.ref(captured)
+    a.set_rank_tokens(torch.tensor([1, 1], dtype=torch.int32))
+    del captured
+    assert kept() is not None, "a replay would read a freed counts tensor"
+    assert core.launches[-1][10] == kept().data_ptr()

@@ -253,7 +253,7 @@ def _instance(monkeypatch, cap=1000 * 256 * 2):
     core = _RecordingCore(cap, backing)
     a = ipc_all2all.All2All.__new__(ipc_all2all.All2All)
     a.__dict__.update(_plans={}, rank=1, world_size=2, tensor_dtype=torch.bfloat16, itemsize=2,
-                      device=torch.device("cpu"), capacity=cap, _core=core, _counts=None, _counts_dev=None,
+                      device=torch.device("cpu"), capacity=cap, _core=core, _counts=None, _counts_dev=None, _captured_counts={},
                       _group=None, _collective=False, comm_id=-3, _buf=None, _keeper=None,
                       order_token=ops.order_token("cpu"))
     a.sync([b"h0", b"h1"])

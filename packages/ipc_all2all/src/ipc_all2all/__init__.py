@@ -65,7 +65,7 @@ import itertools
 import threading
 import warnings
 import weakref
-from typing import List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch  # noqa: F401  (loads the CUDA runtime before _C)
 
@@ -294,6 +294,7 @@ class All2All:
         self.order_token = ops.order_token(self.device)
         self._counts: Optional[List[int]] = None
         self._counts_dev: Optional[torch.Tensor] = None
+        self._captured_counts: Dict[int, torch.Tensor] = {}  # counts tensors captured graphs read
         self._plans: dict = {}
         self.comm_id = next(_IDS)
         with _REGISTRY_LOCK:
@@ -493,7 +494,7 @@ class All2All:
             return self._run_fp8(op, x, what, stream, capture)
         p = self.plan(op, x.shape)
         slot = self._check_slot(x, what, capture)
-        self._launch(op, x.data_ptr(), p, slot, stream)
+        self._launch(op, x.data_ptr(), p, slot, stream, capture)
         off = self._core.slot_offset(slot)
         out = buf[off:off + p.out_bytes].view(self.tensor_dtype).view(p.out_shape)
         # Once calls of this instance sit in a CUDA graph, any replay may rewrite either slot behind
@@ -526,8 +527,13 @@ class All2All:
                              "clone x into a static tensor before capturing")
         return slot
 
-    def _launch(self, op: int, x_ptr: int, p: Plan, slot: int, stream: int, pack_head_dim: int = 0) -> None:
+    def _launch(self, op: int, x_ptr: int, p: Plan, slot: int, stream: int, capture: int,
+                pack_head_dim: int = 0) -> None:
         counts_ptr = 0 if self._counts_dev is None else self._counts_dev.data_ptr()
+        if capture and counts_ptr:
+            # Every replay reads the counts tensor set at capture time by address: a later
+            # set_rank_tokens(other) must not let it be freed (and its memory reused) under the graph.
+            self._captured_counts[id(self._counts_dev)] = self._counts_dev
         got = self._core.launch(op, x_ptr, stream, p.batch, p.x_rows, p.out_rows, p.cap_rows,
                                 p.chunk_bytes, p.wide_bytes, self._counts or [], counts_ptr, pack_head_dim)
         assert got == slot
@@ -546,7 +552,7 @@ class All2All:
             raise ValueError(f"{what}: fp8_wire needs head_dim (x.shape[3]) in {FP8_WIRE_HEAD_DIMS}, got {D}")
         p = self.plan(op, (b, rows, heads, D + _C.FP8_RECORD_PAD), itemsize=1)  # every check before the launch
         slot = self._check_slot(x, what, capture)
-        self._launch(op, x.data_ptr(), p, slot, stream, pack_head_dim=D)
+        self._launch(op, x.data_ptr(), p, slot, stream, capture, pack_head_dim=D)
         ob, orows, oheads, _ = p.out_shape
         out = torch.empty((ob, orows, oheads, D), dtype=torch.bfloat16, device=self.device)
         self._core.fp8_unpack(self._core.buffer_ptr + self._core.slot_offset(slot), out.data_ptr(),
@@ -645,6 +651,7 @@ class All2All:
             dist.barrier(group=self._group)
         self._buf = None
         self._counts_dev = None
+        self._captured_counts.clear()
         self._unregister()
         keeper = self._keeper() if self._keeper is not None else None
         if keeper is None:
