@@ -591,3 +591,43 @@ def bad_argument_on_one_rank(rank, ws, rdzv, tmp):
     except Exception as exc:  # noqa: BLE001 - reported to the test
         return type(exc).__name__, str(exc), time.monotonic() - t0
     return None, "", time.monotonic() - t0
+
+
+#: setup_step_fails' exchange timeout: a peer that waits for the failed rank until it is the bug.
+SETUP_EXCHANGE_TIMEOUT_S = 30.0
+
+
+def setup_step_fails(rank, ws, rdzv, tmp, case):
+    """One rank fails one step of the collective setup (``case``): its peers must raise at once, naming
+    it, instead of waiting in the next exchange until its timeout; no segment and no exchange file
+    may stay. Returns (exception type, message, seconds, names this rank left in /dev/shm)."""
+    from fp8_layerwise import _C
+    from fp8_layerwise import transport as T
+    from tests.fp8_layerwise import _shm
+
+    bad = 0 if case == "attach" else 1
+    kw = dict(backend="cpu", timeout_ms=5000)
+
+    def fail(*a, **k):
+        raise T.TransportError(f"simulated failure on rank {rank} ({case})")
+
+    if rank == bad:
+        if case == "badarg":
+            kw["timeout_ms"] = 1.5
+        elif case == "cuda":
+            kw["backend"] = "cuda"  # no usable CUDA device here: TransportError before the first exchange
+        elif case == "create":
+            T.HostSlots.create = classmethod(lambda cls, *a: (_ for _ in ()).throw(
+                ValueError("shared memory too small: simulated")))
+        elif case == "attach":
+            T.HostSlots.attach = classmethod(lambda cls, *a: fail())
+        elif case == "start":
+            _C.FP8LayerwiseTransport = fail
+    ex = F.FileExchange(os.path.join(tmp, "x"), rank, ws, timeout_s=SETUP_EXCHANGE_TIMEOUT_S)
+    t0 = time.monotonic()
+    with _shm.tagged_segments() as shm:
+        try:
+            F.Transport(rank, ws, 4, [1024, 128, 512, 64], num_slots=2, exchange=ex, **kw).close()
+            return None, "", time.monotonic() - t0, shm.linked()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return type(exc).__name__, str(exc), time.monotonic() - t0, shm.linked()

@@ -405,3 +405,27 @@ def test_second_run_says_the_layer_was_already_produced():
                 layer.run(lambda e, slots: None)
         assert "was called again: rank 0 already produced this layer" in info.value.message, info.value
         assert "does not match" not in info.value.message
+
+
+@pytest.mark.parametrize("case", ["badarg", "cuda", "create", "attach", "start"])
+def test_a_rank_failing_its_setup_fails_every_rank_at_once_and_leaves_nothing(tmp_path, case):
+    """A rank whose constructor fails (a bad argument; backend="cuda" without a device; creating its
+    segments, e.g. a full /dev/shm; mapping its peers' segments; starting the native transport)
+    still takes part in the exchange its peers are in, with an error record: every rank raises at
+    once, not after the exchange's timeout, and neither /dev/shm nor the exchange folder keeps
+    anything."""
+    from tests._dist import run_workers
+    from tests.fp8_layerwise import _workers
+    from tests.fp8_layerwise._timing import fast_bound
+
+    if case == "cuda" and F.built_with_cuda() and torch.cuda.is_available():
+        pytest.skip("backend='cuda' works here")
+    res = run_workers(_workers.setup_step_fails, 2, str(tmp_path), case, tmp_path=tmp_path, timeout=120)
+    bound = fast_bound(2.0, _workers.SETUP_EXCHANGE_TIMEOUT_S)  # 2 s: a FileExchange close waiting for marks
+    bad = 0 if case == "attach" else 1
+    for rank, (name, msg, dt, left) in enumerate(res):
+        assert name is not None and dt < bound, (rank, name, msg, dt)
+        assert left == [], (rank, left)
+        if rank != bad and case not in ("badarg", "cuda"):
+            assert name == "TransportError" and f"failed on rank {bad}" in msg, (rank, name, msg)
+    assert os.listdir(tmp_path / "x") == [], os.listdir(tmp_path / "x")

@@ -451,14 +451,15 @@ def _low_level_transports(tp, nb=16, experts=4, slots=2, timeout_ms=5000):
     _C.initialize_fp8_layerwise_control(seg.ptr, 8192, tp, slots)
     keep = [seg]
     ts = []
+    nbs = list(nb) if isinstance(nb, (list, tuple)) else [nb] * 4
     for rank in range(tp):
-        k = [torch.zeros(4096, dtype=torch.uint8) for _ in range(4)]
-        dst = [torch.zeros(experts * nb, dtype=torch.uint8) for _ in range(4)]
+        k = [torch.zeros(max(4096, n), dtype=torch.uint8) for n in nbs]
+        dst = [torch.zeros(experts * n, dtype=torch.uint8) for n in nbs]
         keep += k + dst
         host = [k[i].data_ptr() for _ in range(slots) for i in range(4)]
         all_ = [k[i].data_ptr() for _ in range(slots) for _ in range(tp) for i in range(4)] if rank == 0 else []
         ts.append(_C.FP8LayerwiseTransport(seg.ptr, 8192, rank, tp, -1, host, [d.data_ptr() for d in dst], all_,
-                                           [nb] * 4, experts, timeout_ms, backend="cpu"))
+                                           nbs, experts, timeout_ms, backend="cpu"))
     return ts, keep
 
 
@@ -528,3 +529,193 @@ def test_numpy_integer_arguments_are_accepted(tmp_path):
     with F.Transport(np.int64(0), np.int64(1), np.int64(4), [np.int64(16)] * 4, num_slots=np.int64(2), backend="cpu",
                      exchange=ex) as t:
         assert t.num_experts == 4 and t.num_slots == 2 and type(t.num_experts) is int
+
+
+def test_reset_while_a_producer_thread_is_inside_the_writer():
+    # Rank 0's producer runs in its own thread and is inside expert 0's writer when the region is
+    # poisoned and reset() (every rank: here the only one) completes on the main thread. That run()
+    # belongs to the abandoned generation: once its writer returns it must raise at once and publish
+    # nothing, else it keeps filling and publishing slots of the old layer (and waits for acks that
+    # no consumer will send) while the next layer uses the same slots.
+    timeout_ms = 20000
+    nb = [256, 32, 128, 16]
+    t = make(8, nb, 2, timeout_ms=timeout_ms)
+    try:
+        t.join(1, 0, 8)
+        in_writer, release = threading.Event(), threading.Event()
+        res = {}
+
+        def stale_writer(e, slots):
+            if e == 0:
+                in_writer.set()
+                release.wait(30)
+            pattern_writer(1)(e, slots)
+
+        def produce():
+            try:
+                t.run(1, 0, 8, stale_writer)
+                res["run"] = None
+            except BaseException as exc:  # noqa: BLE001 - asserted in the main thread
+                res["run"] = exc
+            res["t_run"] = time.monotonic()
+
+        th = threading.Thread(target=produce)
+        th.start()
+        assert in_writer.wait(30)
+        assert t.poison(F.ErrorCode.USER, "poisoned by the test") is True
+        assert t.reset() == 1
+        t0 = time.monotonic()
+        release.set()
+        th.join(timeout_ms / 1000 + 30)
+        assert not th.is_alive()
+        exc = res["run"]
+        assert isinstance(exc, F.TransportError) and not isinstance(exc, F.TransportPoisoned), repr(exc)
+        assert "reset" in str(exc), str(exc)
+        assert res["t_run"] - t0 < fast_bound(0, timeout_ms / 1000)
+        assert not t.poisoned
+        # The new generation is clean: the next layer is exact.
+        with t.layer(2, 0, 8) as layer:
+            layer.run(pattern_writer(2))
+        assert not layer.stats.poisoned
+        for e in range(8):
+            for k in range(4):
+                assert torch.equal(t.expert_view(k, e), expect(2, e, k, nb[k])), (e, k)
+    finally:
+        t.close()
+
+
+def test_shard_writer_cut_for_fewer_ranks_is_refused():
+    # A layer of I=256 cut for TP 1 has the per-rank expert_nbytes of a layer of I=512 at TP 2, so the
+    # shard sizes agree; but rank 1's rows would come from past the end of each expert (the next
+    # expert, or past the source tensor for the last one).
+    E, H, I = 2, 128, 256
+    src = F.make_block_fp8_sources(E, H, I, generator=torch.Generator().manual_seed(3))
+    nb = F.block_fp8_expert_nbytes(H, I, 1)
+    assert nb == F.block_fp8_expert_nbytes(H, 2 * I, 2)
+    w1 = F.make_shard_writer(src, 1, threads=1)
+    dst = [[torch.zeros(n, dtype=torch.uint8) for _ in range(2)] for n in nb]
+    ptrs = [[d.data_ptr() for d in ds] for ds in dst]
+    with pytest.raises(ValueError, match="built for fewer ranks"):
+        w1.write(0, ptrs)
+    w1.write(0, [p[:1] for p in ptrs])  # its own TP size is fine
+    F.make_shard_writer(F.make_block_fp8_sources(E, H, 2 * I), 2, threads=1).write(E - 1, ptrs)
+    ts, keep = _low_level_transports(2, nb=nb, experts=E)
+    try:
+        ts[0].join(1, 0, E)
+        ts[1].join(1, 0, E)
+        with pytest.raises(ValueError, match="built for fewer ranks"):
+            ts[0].run(1, 0, E, w1)
+        assert not ts[0].poisoned  # refused before the layer started
+    finally:
+        for t in ts:
+            t.close()
+
+
+# Byte offsets in the control block (csrc/control.hpp, version 6) for tests that forge one field.
+_LAYER_PRODUCER_DONE = 384 + 4 * 8  # LayerState follows Header (64) and PoisonRecord (320)
+_RANKS, _RANK_BYTES = 512, 320  # RankState[8] follows ProducerStats
+_RANK_CONSUMER_DONE, _RANK_STATUS = 8, 24
+
+
+def _forge(region_ptr, offset, value):
+    import ctypes
+
+    from fp8_layerwise import _C
+
+    assert _C.CONTROL_STRUCT_BYTES == 4096, "the offsets above no longer match csrc/control.hpp"
+    ctypes.c_uint64.from_address(region_ptr + offset).value = value
+
+
+def _blocking_wait(t, epoch):
+    return t.wait(epoch)  # the line InsideCall watches
+
+
+def test_wait_no_longer_depends_on_rank_0_once_it_produced_the_layer():
+    # Rank 1's wait() started while rank 0 was producing, so it watched rank 0's process. Once rank 0's
+    # producer has finished the layer (every slot acknowledged), rank 0 may return from its own wait()
+    # and close or exit while rank 1's consumer still finishes up: rank 1's wait() must return, not
+    # raise PeerDied for a rank it no longer needs. Forged: the producer's done epoch, rank 0's closed
+    # record, and (later) rank 1's consumer done epoch.
+    from tests.fp8_layerwise._timing import InsideCall
+
+    liveness_s = 0.02
+    ts, keep = _low_level_transports(2, timeout_ms=30000)
+    region = keep[0].ptr
+    res = {}
+    try:
+        ts[0].join(1, 0, 4)
+        ts[1].join(1, 0, 4)
+
+        def finish_layer(probe):
+            try:
+                probe.wait()  # rank 1 is inside wait(1), watching rank 0
+                _forge(region, _LAYER_PRODUCER_DONE, 1)
+                _forge(region, _RANKS + 0 * _RANK_BYTES + _RANK_STATUS, 2)  # kRankClosed
+                time.sleep(25 * liveness_s)  # many liveness checks
+                _forge(region, _RANKS + 1 * _RANK_BYTES + _RANK_CONSUMER_DONE, 1)
+            except BaseException as exc:  # noqa: BLE001 - asserted in the main thread
+                res["helper"] = exc
+
+        with InsideCall(_blocking_wait, "t.wait(") as probe:
+            helper = threading.Thread(target=finish_layer, args=(probe,))
+            helper.start()
+            stats = _blocking_wait(ts[1], 1)
+            helper.join(30)
+        assert "helper" not in res, res
+        assert stats["epoch"] == 1 and not stats["poisoned"], stats
+    finally:
+        for t in ts:
+            t.close()
+
+
+@pytest.mark.parametrize("pad", [0, 1, 2, 3])
+def test_poison_message_cut_to_the_record_stays_valid_utf8(pad):
+    # The record holds 255 bytes of message; a writer exception in any language may have a multi-byte
+    # character across that limit. Cut inside it, the message could not be decoded: every rank would
+    # raise UnicodeDecodeError instead of the poison, and last_poison() would fail too.
+    with make(2, [16] * 4) as t:
+        text = "x" * pad + "é" * 100 + "中文" * 40
+
+        def writer(e, slots):
+            raise ValueError(text)
+
+        with pytest.raises(F.TransportPoisoned) as info:
+            with t.layer(1, 0, 2) as layer:
+                layer.run(writer)
+        exc = info.value
+        assert exc.code == F.ErrorCode.WRITER
+        prefix = "writer failed at expert 0: ValueError: "
+        assert exc.message.startswith(prefix) and text.startswith(exc.message[len(prefix):]), exc.message
+        assert 255 - 3 <= len(exc.message.encode()) <= 255, len(exc.message.encode())
+        assert t.native.last_poison()["error_message"] == exc.message
+
+
+def test_expert_view_refuses_indices_outside_the_layer():
+    # A slice past the layer buffer is an empty tensor, and a negative expert another empty (or
+    # wrong) slice: both would pass unnoticed into a kernel. They raise ValueError naming the index.
+    with make(3, [16, 8, 4, 2]) as t:
+        assert t.expert_view(3, 2).numel() == 2
+        for kind, expert, name in [(0, 3, "expert"), (0, -1, "expert"), (4, 0, "kind"), (-1, 0, "kind"),
+                                   (0, 1.0, "expert")]:
+            with pytest.raises(ValueError, match=name):
+                t.expert_view(kind, expert)
+
+
+def test_a_rank_that_skips_an_epoch_rank_0_opened_fails_at_once():
+    # Rank 0 opened epoch 1; rank 1 joins epoch 2 instead. Rank 0 will not open 2 before rank 1
+    # returned from wait(1), so rank 1 would wait for the whole timeout: it is a ProtocolError, now.
+    timeout_ms = 20000
+    ts, keep = _low_level_transports(2, timeout_ms=timeout_ms)
+    try:
+        ts[0].join(1, 0, 4)
+        t0 = time.monotonic()
+        with pytest.raises(F.ProtocolError, match="rank 1 joined epoch 2 but rank 0 opened epoch 1, which rank 1 "
+                                                  "skipped") as info:
+            ts[1].join(2, 0, 4)
+        assert time.monotonic() - t0 < fast_bound(0, timeout_ms / 1000)
+        assert info.value.rank == 1
+        with pytest.raises(F.ProtocolError):
+            ts[0].run(1, 0, 4, lambda *a: None)  # every rank sees it
+    finally:
+        for t in ts:
+            t.close()

@@ -298,3 +298,12 @@ def test_native_errors_are_transport_errors(region):
     assert t.poisoned  # accessors report what close() kept
     with pytest.raises(F.TransportError, match="shm_open"):
         _C.ShmSegment.attach("/fp8lw_test_does_not_exist", 4096)
+
+
+@pytest.mark.parametrize("args,name", [((7168.0, 2048, 1), "hidden"), ((7168, 2048.0, 1), "intermediate"),
+                                       ((7168, 2048, 2.0), "tp_size"), ((7168, 2048, True), "tp_size")])
+def test_block_fp8_sizes_refuse_non_integers(args, name):
+    # A float passed the range checks and came back as float sizes, which the Transport then refused
+    # as "expert_nbytes[0] must be an integer": the argument at fault is named instead.
+    with pytest.raises(ValueError, match=name):
+        F.block_fp8_expert_nbytes(*args)

@@ -232,11 +232,31 @@ void run_piece(const Piece& p, CacheHint hint) {
 }
 }  // namespace
 
+void ShardWriter::check_ranks(size_t tp) const {
+  CK_CHECK_ARG(tp >= 1, "ShardWriter: no ranks to write");
+  for (size_t k = 0; k < kinds_.size(); ++k) {
+    const auto& s = kinds_[k];
+    // A single-expert source whose stride is never used (0) has no extent to check against.
+    if (s.num_experts == 1 && s.expert_stride == 0) continue;
+    // The last byte rank tp-1 reads must lie inside its expert: a writer whose specs were cut for
+    // fewer ranks than the transport has (e.g. make_shard_writer(sources, 1) on a TP-2 transport
+    // with the same expert_nbytes) would otherwise read the next expert, or past the source tensor.
+    const uint64_t r = tp - 1;
+    const uint64_t end = ((s.chunks - 1) * s.chunk_row_step + r * s.rank_row_step + s.rows - 1) * s.row_stride +
+                         r * s.rank_col_step + s.row_bytes;
+    CK_CHECK_ARG(end <= s.expert_stride, "ShardWriter kind ", k, ": rank ", r, "'s shard ends at byte ", end,
+                 " of its expert, but an expert of the source is ", s.expert_stride,
+                 " bytes: the writer was built for fewer ranks than the ", tp, " it is asked to write (pass the "
+                 "transport's tp_size to make_shard_writer)");
+  }
+}
+
 void ShardWriter::write(int expert, const std::vector<uintptr_t>* dst[kKinds]) const {
   // The sources hold num_experts experts: any other index would read outside them.
   CK_CHECK_ARG(expert >= 0 && static_cast<uint64_t>(expert) < kinds_[0].num_experts, "ShardWriter.write: expert ",
                expert, " is outside the source tensors' experts 0..", kinds_[0].num_experts - 1);
   const size_t tp = dst[0]->size();
+  check_ranks(tp);
   std::vector<Piece> pieces;
   uint64_t total = 0;
   for (int k = 0; k < kKinds; ++k) {

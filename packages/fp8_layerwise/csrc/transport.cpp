@@ -35,6 +35,7 @@
 #include <deque>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 
 #include "backend.hpp"
 #include "commkit/atomics.hpp"
@@ -78,6 +79,19 @@ const char* code_name(int code) {
 // "expert_nbytes [a, b, c, d], num_experts E": how a rank's geometry appears in errors.
 std::string geometry_str(const uint64_t* nb, uint64_t num_experts) {
   return commkit::str("expert_nbytes [", nb[0], ", ", nb[1], ", ", nb[2], ", ", nb[3], "], num_experts ", num_experts);
+}
+
+// The first bytes of `msg` that fit a record field of `cap` bytes (with its NUL), cut before a UTF-8
+// sequence that would not fit whole: messages carry writer exceptions, which may be any text, and a
+// record ending in half a character could not be turned into a Python str (UnicodeDecodeError
+// instead of the poison on every rank).
+std::string fit_utf8(const std::string& msg, size_t cap) {
+  if (msg.size() < cap) return msg;
+  // msg[n] is the first byte that does not fit; if it continues a character (10xxxxxx), that
+  // character starts further back and goes as a whole.
+  size_t n = cap - 1;
+  while (n > 0 && (static_cast<unsigned char>(msg[n]) & 0xC0u) == 0x80u) --n;
+  return msg.substr(0, n);
 }
 
 // close() waits for the calls other threads are in for the transport's timeout, but at most this
@@ -308,7 +322,8 @@ class Transport::Impl {
     st_relaxed(&c_->poison.rank, static_cast<int64_t>(rank));
     st_relaxed(&c_->poison.peer, peer >= 0 && peer < tp_ ? static_cast<uint64_t>(peer) + 1u : uint64_t{0});
     st_relaxed(&c_->poison.generation, ld_relaxed(&c_->layer.generation));
-    std::snprintf(c_->poison.message, sizeof(c_->poison.message), "%s", msg.c_str());
+    std::snprintf(c_->poison.message, sizeof(c_->poison.message), "%s",
+                  fit_utf8(msg, sizeof(c_->poison.message)).c_str());
     commkit::fence_system();
     st_release(&c_->poison.state, uint64_t{1});
     return true;
@@ -417,18 +432,33 @@ class Transport::Impl {
   // not ..." for the message); an expiry names it and records it as the error's peer. Without
   // honor_poison (reset(), which waits on a poisoned region) an expiry raises a TimeoutError
   // instead of poisoning.
-  template <typename Pred, typename Progress, typename Describe>
-  void wait_for(const char* what, Pred&& pred, Progress&& progress, uint32_t mask, bool honor_poison,
+  // A liveness mask is a constant, or a callable read at each check for waits whose dependencies
+  // end part-way (wait() needs rank 0 only until its producer finished the layer).
+  template <typename Mask>
+  static uint32_t mask_now(const Mask& mask) {
+    if constexpr (std::is_invocable_v<const Mask&>) {
+      return mask();
+    } else {
+      return static_cast<uint32_t>(mask);
+    }
+  }
+
+  template <typename Pred, typename Progress, typename Mask, typename Describe>
+  void wait_for(const char* what, Pred&& pred, Progress&& progress, const Mask& live_mask, bool honor_poison,
                 Describe&& describe) {
     commkit::ProgressDeadline deadline(timeout_ms_);
     uint64_t next_live = next_liveness_check();
     uint64_t next_intr = next_interrupt_check();
     auto interrupted = [&] {
-      if (honor_poison) check_poison();
+      if (honor_poison) {
+        check_poison();
+        check_not_reset();
+      }
       if (stopping_.load(std::memory_order_acquire)) throw Stopping{};
       const uint64_t now = monotonic_ns();
-      if (mask != 0 && now >= next_live) {
-        check_peers(mask, what, honor_poison);
+      if (now >= next_live) {
+        const uint32_t mask = mask_now(live_mask);
+        if (mask != 0) check_peers(mask, what, honor_poison);
         next_live = next_liveness_check();
       }
       if (now >= next_intr) {
@@ -449,7 +479,12 @@ class Transport::Impl {
                                     " ms without progress waiting for ", what, blame.text),
                        blame.peer);
     }
-    if (honor_poison) check_poison();
+    // pred() is tested before the checks above: a reset() that marked the awaited epoch done must not
+    // pass for the layer having been delivered.
+    if (honor_poison) {
+      check_poison();
+      check_not_reset();
+    }
   }
 
   template <typename Pred, typename Progress>
@@ -476,6 +511,24 @@ class Transport::Impl {
                                          "() while waiting for ", what);
     publish_poison(kErrInterrupted, rank_, msg);
     throw InterruptedError(commkit::str("fp8_layerwise transport: ", msg, " [raised on rank ", rank_, "]"), rank_);
+  }
+
+  // The generation the innermost public call of this thread started in. A reset() that completes
+  // while the call is blocked (another thread of this rank ran it) abandons that call's layer: rank 0
+  // zeroes sequences and acks and marks the epoch done, so the call must not go on as if it were
+  // still current (a stale run() would keep writing and publishing the old layer's slots next to
+  // the new layer, a stale wait() would return the abandoned layer as complete).
+  static uint64_t& call_generation_slot() {
+    static thread_local uint64_t gen = 0;
+    return gen;
+  }
+
+  void check_not_reset() const {
+    const uint64_t now = ld_acquire(&c_->layer.generation);
+    const uint64_t at = call_generation_slot();
+    if (now != at)
+      CK_THROW("fp8_layerwise transport on rank ", rank_, ": reset() ran (generation ", at, " -> ", now, ") while ",
+               current_call(), "() was blocked in it; the layer of that call was abandoned, so it stops here");
   }
 
   // The public call this thread is inside of (for messages).
@@ -567,18 +620,22 @@ class Transport::Impl {
   }
 
   struct CallGuard {
-    CallGuard(Impl* impl, const char* call) : impl(impl), outer(current_call_slot()) {
+    CallGuard(Impl* impl, const char* call)
+        : impl(impl), outer(current_call_slot()), outer_gen(call_generation_slot()) {
       impl->enter_call(call);
       current_call_slot() = call;
+      call_generation_slot() = ld_acquire(&impl->c_->layer.generation);
     }
     ~CallGuard() {
       current_call_slot() = outer;
+      call_generation_slot() = outer_gen;
       impl->leave_call();
     }
     CallGuard(const CallGuard&) = delete;
     CallGuard& operator=(const CallGuard&) = delete;
     Impl* impl;
     const char* outer;
+    uint64_t outer_gen;
   };
 
   void enter_call(const char* call) {
@@ -678,6 +735,9 @@ class Transport::Impl {
                 return b;
               });
         }
+        std::lock_guard<std::mutex> publishing(publish_mu_);
+        check_poison();
+        check_not_reset();
         st_relaxed(&c_->layer.layer_id, layer_id);
         st_relaxed(&c_->layer.expert_count, static_cast<uint64_t>(expert_count));
         st_relaxed(&c_->layer.layer_start_ns, monotonic_ns());
@@ -695,6 +755,13 @@ class Transport::Impl {
                 poison_and_throw(kErrProtocol, "rank " + std::to_string(rank_) + " joined epoch " +
                                                    std::to_string(epoch) + " but rank 0 already opened epoch " +
                                                    std::to_string(a));
+              // Rank 0 opened an epoch between this rank's previous one and this one: this rank skipped
+              // it, and rank 0 never opens the next before this rank returned from wait() of that one,
+              // so waiting here could only end in the timeout.
+              if (a > prev_join && a < epoch)
+                poison_and_throw(kErrProtocol, commkit::str("rank ", rank_, " joined epoch ", epoch, " but rank 0 opened ",
+                                                            "epoch ", a, ", which rank ", rank_, " skipped (its previous ",
+                                                            "epoch was ", prev_join, "): every rank joins every epoch"));
               return a == epoch;
             },
             [&] { return ld_relaxed(&c_->layer.active_epoch); }, 1u, true, [&] {
@@ -749,7 +816,11 @@ class Transport::Impl {
             return ld_relaxed(&c_->layer.next_sequence) * 31 + ld_relaxed(&me.consumer_done_epoch) * 7 +
                    ld_relaxed(&c_->layer.producer_done_epoch);
           },
-          ld_acquire(&c_->layer.producer_done_epoch) >= epoch ? 0u : 1u, true, [&] { return layer_blame(epoch); });
+          // Rank 0 only while its producer has not finished the layer: once it has, every slot was
+          // acknowledged and only this rank's own consumer is left, so rank 0 closing (or exiting) after
+          // its own wait() returned must not fail this one.
+          [&] { return ld_acquire(&c_->layer.producer_done_epoch) >= epoch ? 0u : 1u; }, true,
+          [&] { return layer_blame(epoch); });
       Stats s = fill_stats(epoch);
       st_release(&me.wait_returned_epoch, epoch);
       return s;
@@ -879,7 +950,11 @@ class Transport::Impl {
         writer_ns += monotonic_ns() - w0;
         // close() may have run while the writer did (it waited for the writer to return): stop.
         if (stopping_.load(std::memory_order_acquire)) throw Stopping{};
+        // Under publish_mu_, which rank 0's reset() holds while it clears the slots: a reset that
+        // completed while the writer ran is seen here, and none can complete between check and publish.
+        std::lock_guard<std::mutex> publishing(publish_mu_);
         check_poison();  // a consumer may have failed meanwhile: stop publishing
+        check_not_reset();
         const uint64_t seq = ld_relaxed(&c_->layer.next_sequence) + 1;
         st_relaxed(&c_->layer.next_sequence, seq);
         st_relaxed(&c_->ready[slot].epoch, epoch);
@@ -891,6 +966,9 @@ class Transport::Impl {
       for (int s = 0; s < slots_; ++s)
         if (published[s] != 0) wait_slot_acks(s, published[s]);
       slot_wait_ns += monotonic_ns() - w0;
+      std::lock_guard<std::mutex> publishing(publish_mu_);
+      check_poison();
+      check_not_reset();
       st_relaxed(&c_->pstats.writer_ns, writer_ns);
       st_relaxed(&c_->pstats.slot_wait_ns, slot_wait_ns);
       st_relaxed(&c_->pstats.total_ns, monotonic_ns() - t0);
@@ -1194,6 +1272,7 @@ class Transport::Impl {
             },
             // A rank that died or closed can never call reset(): report it now, not at the timeout.
             all_mask(), /*honor_poison=*/false, [&] { return reset_missing(gen); });
+        std::lock_guard<std::mutex> publishing(publish_mu_);
         const uint64_t active = ld_relaxed(&c_->layer.active_epoch);
         for (int s = 0; s < kMaxSlots; ++s) {
           st_relaxed(&c_->ready[s].sequence, uint64_t{0});
@@ -1268,6 +1347,9 @@ class Transport::Impl {
   bool final_ready_ = false;  // final_poison_ is set: the region may be gone (under final_mu_)
   mutable std::mutex final_mu_;
   std::mutex close_mu_;
+  // Rank 0: held while a call publishes layer state (join's open, run's slots and done epoch) and
+  // while reset() clears it, so a reset never interleaves with a publication of the old generation.
+  std::mutex publish_mu_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -1292,6 +1374,7 @@ void Transport::run_producer_native(uint64_t epoch, int64_t layer_id, int expert
   for (int k = 0; k < kKinds; ++k)
     CK_CHECK_ARG(writer.kinds()[k].shard_bytes() == impl_->nb_[k], "ShardWriter kind ", k, " shard is ",
                  writer.kinds()[k].shard_bytes(), " bytes but expert_nbytes[", k, "] is ", impl_->nb_[k]);
+  writer.check_ranks(static_cast<size_t>(impl_->tp_));
   // Experts 0..expert_count-1 are read from the writer's sources: they must hold that many.
   CK_CHECK_ARG(expert_count <= writer.num_experts(), "expert_count ", expert_count,
                " exceeds the experts of the ShardWriter's source tensors (", writer.num_experts(), ")");

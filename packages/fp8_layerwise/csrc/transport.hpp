@@ -141,6 +141,9 @@ class ShardWriter {
   ShardWriter& operator=(const ShardWriter&) = delete;
   // Copies every rank's shard of `expert` (0..num_experts()-1, else ValueError) into dst[kind][rank].
   void write(int expert, const std::vector<uintptr_t>* dst[kKinds]) const;
+  // ValueError unless every rank 0..tp-1's shard lies inside one expert of each source (write()
+  // checks it too; run() checks it before the layer starts, so a mismatch poisons nothing).
+  void check_ranks(size_t tp) const;
   const std::vector<ShardSpec>& kinds() const { return kinds_; }
   int64_t num_experts() const { return static_cast<int64_t>(kinds_[0].num_experts); }  // same for every kind
   int threads() const { return threads_; }

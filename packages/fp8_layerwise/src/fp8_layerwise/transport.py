@@ -139,7 +139,9 @@ def block_fp8_expert_nbytes(hidden: int, intermediate: int, tp_size: int, block:
         ``[w13, w13_scale, w2, w2_scale]`` bytes: ``2*(I/tp)*H``, ``4*2*(I/tp/128)*(H/128)``,
         ``H*(I/tp)``, ``4*(H/128)*(I/tp/128)``.
     """
-    _check(1 <= tp_size <= MAX_TP, f"tp_size must be in 1..{MAX_TP}, got {tp_size}")
+    tp_size = _int_arg("tp_size", tp_size, 1, MAX_TP)
+    hidden, intermediate = _int_arg("hidden", hidden, 1), _int_arg("intermediate", intermediate, 1)
+    block = _int_arg("block", block, 1)
     _check(hidden > 0 and hidden % block == 0, f"hidden must be a positive multiple of {block}, got {hidden}")
     _check(intermediate > 0 and intermediate % tp_size == 0,
            f"intermediate {intermediate} must be divisible by tp_size {tp_size}")
@@ -169,6 +171,13 @@ def make_block_fp8_sources(num_experts: int, hidden: int, intermediate: int,
 
 def reference_shard(sources: Sequence[torch.Tensor], tp_size: int, rank: int, expert: int) -> List[torch.Tensor]:
     """Plain-torch rank shard of one expert, as uint8 (the independent reference for tests).
+
+    Arguments:
+        sources: the whole-layer tensors, as for :func:`make_shard_writer`.
+        tp_size: tensor-parallel size; rank: 0..tp_size-1; expert: 0..E-1.
+
+    Returns:
+        ``[w13, w13_scale, w2, w2_scale]`` flat uint8 tensors: what ``rank`` receives for ``expert``.
 
     w13 keeps rows ``[r*I/tp, (r+1)*I/tp)`` of the gate half and of the up half; w2 keeps columns
     ``[r*I/tp, (r+1)*I/tp)``; the scales follow the same split in 128-blocks.
@@ -284,11 +293,12 @@ def _check_same_geometry(rank: int, geometries: Sequence[dict]) -> None:
     raise ValueError(f"{head}: every rank must pass the same expert_nbytes, num_experts and num_slots")
 
 
-def _tell_peers_and_raise(err: ValueError, rank: Any, exchange: Any, group: Any) -> None:
-    """Raises ``err`` (a bad constructor argument on this rank) after offering the peers an error
-    record in the first exchange, where they would otherwise wait for this rank until the exchange's
-    own timeout. Best effort: with an unusable exchange (itself the bad argument, or no process group)
-    the error is raised as it is."""
+def _tell_peers_and_raise(err: Exception, rank: Any, exchange: Any, group: Any) -> None:
+    """Raises ``err`` (a bad constructor argument, or a backend this process cannot use) after
+    offering the peers an error record in the first exchange, where they would otherwise wait for
+    this rank until the exchange's own timeout. Best effort: with an unusable exchange (itself the bad
+    argument, or no process group) the error is raised as it is. A FileExchange is closed afterwards,
+    as a Transport closes it once its setup is over, so that its session folder does not stay."""
     try:
         if exchange is None:
             import torch.distributed as dist
@@ -300,6 +310,9 @@ def _tell_peers_and_raise(err: ValueError, rank: Any, exchange: Any, group: Any)
             exchange({"error": f"rank {rank!r}: {err}"})
     except Exception:  # noqa: BLE001 - the peers then time out as before; this rank's error stands
         pass
+    if isinstance(exchange, FileExchange):
+        with contextlib.suppress(Exception):
+            exchange.close(timeout_s=min(exchange.timeout_s, 2.0))
     raise err
 
 
@@ -545,6 +558,18 @@ class FileExchange:
 
     # ---- rounds ----------------------------------------------------------------------------
     def __call__(self, obj: Any) -> List[Any]:
+        """One all-gather round.
+
+        Arguments:
+            obj: this rank's entry (JSON-serialisable).
+
+        Returns:
+            Every rank's entry of this round, in rank order.
+
+        Raises:
+            TimeoutError: a rank's entry (or, for a rank other than 0, rank 0's session) did not
+                appear within ``timeout_s``.
+        """
         if self._closed:
             raise RuntimeError(f"FileExchange in {self.dir} (rank {self.rank}) is closed (Transport closes the "
                                "FileExchange it was given once its setup is done); create a new one")
@@ -607,7 +632,14 @@ class FileExchange:
 
 
 def group_exchange(group=None) -> Callable[[Any], List[Any]]:
-    """All-gather through a torch.distributed group (gloo is enough)."""
+    """All-gather through a torch.distributed group (gloo is enough).
+
+    Arguments:
+        group: the TP group, its group rank r being TP rank r (None: WORLD).
+
+    Returns:
+        ``exchange(obj) -> [obj of group rank 0, obj of group rank 1, ...]``, as ``Transport`` takes it.
+    """
     import torch.distributed as dist
 
     def _exchange(obj):
@@ -706,7 +738,7 @@ class Transport:
             checked = self._init_checked(rank, tp_size, num_experts, expert_nbytes, num_slots, backend, device,
                                          timeout_ms, group, exchange, max_inflight, coalesce, liveness_ms,
                                          copy_streams, coalesce_wait, batch_small_kinds)
-        except ValueError as err:
+        except (ValueError, TransportError) as err:  # TransportError: backend="cuda" unusable here
             _tell_peers_and_raise(err, rank, exchange, group)
         self._finish_init(*checked)  # collective from here: its errors are everyone's (see _setup)
 
@@ -792,50 +824,95 @@ class Transport:
         _check_exchange_group(self.rank, self.tp_size, hello)
         _check_same_geometry(self.rank, [h["geometry"] for h in hello])
         self.peer_pids = [h["pid"] for h in hello]
-        # Each name goes as soon as every process that opens it has mapped it (see the module doc).
-        if self.rank == 0:
-            self._control = ControlRegion.create(self.tp_size, self.num_slots)
-            if self.tp_size == 1:
+
+        # Each later step is this rank's local work, then an exchange that its peers are already in.
+        # A rank whose step failed still takes part in that exchange, with an error record instead of
+        # its payload, so every rank raises at once (naming it) rather than waiting for it until the
+        # exchange's own timeout (30 min for a default torch.distributed group): a full /dev/shm, an
+        # unpinnable segment or a GPU out of memory on one rank must not hang the others.
+        def create():
+            # Each name goes as soon as every process that opens it has mapped it (see the module doc).
+            if self.rank == 0:
+                self._control = ControlRegion.create(self.tp_size, self.num_slots)
+                if self.tp_size == 1:
+                    self._control.unlink()
+            self._slots = HostSlots.create(self.expert_nbytes, self.num_slots)
+            if self.rank == 0:
+                self._slots.unlink()  # only rank 0 maps its own slots
+
+        info = self._setup_step("creating its shared memory", create,
+                                lambda: {"control": self._control.name if self._control else None,
+                                         "slots": self._slots.name})
+        all_ptrs: List[int] = []
+
+        def attach():
+            if self.rank != 0:
+                self._control = ControlRegion.attach(info[0]["control"])
+            else:
+                self._peer_slots = [self._slots]
+                for r in range(1, self.tp_size):
+                    self._peer_slots.append(HostSlots.attach(info[r]["slots"], self.expert_nbytes, self.num_slots))
+                    self._peer_slots[-1].unlink()  # rank 0 is the only other process that maps rank r's slots
+                all_ptrs.extend(self._peer_slots[r].ptr(s, k)
+                                for s in range(self.num_slots) for r in range(self.tp_size) for k in range(4))
+            if self.backend == "cuda":
+                torch.cuda.set_device(self.device)
+                self._slots.register_cuda(self.device)
+                dev = torch.device("cuda", self.device)
+            else:
+                dev = torch.device("cpu")
+            #: The layer buffers: one flat uint8 tensor per kind, expert e at [e*nbytes, (e+1)*nbytes).
+            self.buffers = [torch.empty(self.num_experts * nb, dtype=torch.uint8, device=dev)
+                            for nb in self.expert_nbytes]
+
+        # Everyone has mapped everything after this exchange: then the remaining names can go.
+        self._setup_step("mapping its peers' shared memory", attach, lambda: "mapped")
+
+        def start():
+            self._slots.unlink()
+            if self.rank == 0:
                 self._control.unlink()
-        self._slots = HostSlots.create(self.expert_nbytes, self.num_slots)
-        if self.rank == 0:
-            self._slots.unlink()  # only rank 0 maps its own slots
-        info = self._exchange({"control": self._control.name if self._control else None,
-                               "slots": self._slots.name})
-        if self.rank != 0:
-            self._control = ControlRegion.attach(info[0]["control"])
-            all_ptrs: List[int] = []
-        else:
-            self._peer_slots = [self._slots]
-            for r in range(1, self.tp_size):
-                self._peer_slots.append(HostSlots.attach(info[r]["slots"], self.expert_nbytes, self.num_slots))
-                self._peer_slots[-1].unlink()  # rank 0 is the only other process that maps rank r's slots
-            all_ptrs = [self._peer_slots[r].ptr(s, k)
-                        for s in range(self.num_slots) for r in range(self.tp_size) for k in range(4)]
-        if self.backend == "cuda":
-            torch.cuda.set_device(self.device)
-            self._slots.register_cuda(self.device)
-            dev = torch.device("cuda", self.device)
-        else:
-            dev = torch.device("cpu")
-        #: The layer buffers: one flat uint8 tensor per kind, expert e at [e*nbytes, (e+1)*nbytes).
-        self.buffers = [torch.empty(self.num_experts * nb, dtype=torch.uint8, device=dev) for nb in self.expert_nbytes]
-        # Everyone has mapped everything: drop the remaining names (the control region's).
-        self._exchange("mapped")
-        self._slots.unlink()
-        if self.rank == 0:
-            self._control.unlink()
-        self._native = _C.FP8LayerwiseTransport(
-            self._control.ptr, self._control.nbytes, self.rank, self.tp_size,
-            self.device if self.backend == "cuda" else -1, self._slots.ptrs(),
-            [b.data_ptr() for b in self.buffers], all_ptrs, self.expert_nbytes, self.num_experts,
-            timeout_ms, backend=self.backend, max_inflight=max_inflight, coalesce=coalesce, liveness_ms=liveness_ms,
-            copy_streams=copy_streams, coalesce_wait=coalesce_wait, batch_small_kinds=bool(batch_small_kinds))
-        if self.rank == 0:
-            self._views = [[[self._peer_slots[r].view(s, k) for k in range(4)] for r in range(self.tp_size)]
-                           for s in range(self.num_slots)]
+            self._native = _C.FP8LayerwiseTransport(
+                self._control.ptr, self._control.nbytes, self.rank, self.tp_size,
+                self.device if self.backend == "cuda" else -1, self._slots.ptrs(),
+                [b.data_ptr() for b in self.buffers], all_ptrs, self.expert_nbytes, self.num_experts,
+                timeout_ms, backend=self.backend, max_inflight=max_inflight, coalesce=coalesce,
+                liveness_ms=liveness_ms, copy_streams=copy_streams, coalesce_wait=coalesce_wait,
+                batch_small_kinds=bool(batch_small_kinds))
+            if self.rank == 0:
+                self._views = [[[self._peer_slots[r].view(s, k) for k in range(4)] for r in range(self.tp_size)]
+                               for s in range(self.num_slots)]
+
         # A second barrier so no rank starts a layer before every consumer is attached.
-        self._exchange("ready")
+        self._setup_step("starting its transport", start, lambda: "ready")
+
+    def _setup_step(self, what: str, local: Callable[[], None], payload: Callable[[], Any]) -> List[Any]:
+        """One step of the collective setup: ``local()``, then an exchange of ``payload()``. When
+        ``local()`` raises, the exchange carries an error record instead and the exception propagates;
+        when a peer's entry is an error record, raises TransportError naming that rank and its error.
+
+        Arguments:
+            what: the step, for the peers' message ("creating its shared memory").
+            local: this rank's work of the step.
+            payload: what this rank contributes to the step's exchange once ``local()`` succeeded.
+
+        Returns:
+            The exchange's entries (one per rank, in TP-rank order).
+        """
+        try:
+            local()
+        except Exception as exc:
+            # Best effort: an exchange that fails here leaves the peers to its own timeout, as before.
+            # Not for KeyboardInterrupt / SystemExit: they leave at once, even if a peer never comes.
+            with contextlib.suppress(Exception):
+                self._exchange({"error": f"{type(exc).__name__}: {exc}", "step": what})
+            raise
+        got = self._exchange(payload())
+        failed = [(r, e) for r, e in enumerate(got or []) if isinstance(e, dict) and "error" in e]
+        if failed:
+            raise TransportError(f"rank {self.rank}: the Transport setup failed on "
+                                 + "; ".join(f"rank {r} while {e.get('step', what)}: {e['error']}" for r, e in failed))
+        return got
 
     # ---- protocol ------------------------------------------------------------------------------
     @property
@@ -845,7 +922,18 @@ class Transport:
         return self._native
 
     def join(self, epoch: int, layer_id: int, expert_count: int) -> None:
-        """Join layer ``layer_id`` under ``epoch`` (strictly increasing, >= 1) with ``expert_count`` experts."""
+        """Join a layer (every rank, same arguments; GIL released, Ctrl-C honoured).
+
+        Arguments:
+            epoch: >= 1, above this rank's previous epoch; every rank joins every epoch rank 0 opens.
+            layer_id: >= 0, the same on every rank (checked against rank 0's).
+            expert_count: experts of this layer, 1..num_experts (checked against rank 0's).
+
+        Raises:
+            ValueError: an argument out of range (nothing is poisoned).
+            ProtocolError: a reused or skipped epoch, a join without ``wait()`` of the previous one,
+                or a layer that differs from rank 0's (the region is poisoned: every rank raises).
+        """
         self.native.join(epoch, layer_id, expert_count)
 
     def run(self, epoch: int, layer_id: int, expert_count: int, writer) -> None:
@@ -874,14 +962,34 @@ class Transport:
         self.native.run(epoch, layer_id, expert_count, _raw)
 
     def wait(self, epoch: int) -> LayerStats:
-        """Block (GIL released, Ctrl-C honoured) until this rank's copies of ``epoch`` landed; returns
-        the stats. On rank 0 the producer may be started in another thread before or after this call
-        (a ``run()`` that never comes expires the wait, naming it)."""
+        """Block (GIL released, Ctrl-C honoured) until this rank's copies of ``epoch`` landed.
+
+        On rank 0 the producer may be started in another thread before or after this call (a
+        ``run()`` that never comes expires the wait, naming it).
+
+        Arguments:
+            epoch: the epoch this rank joined last; once per epoch.
+
+        Returns:
+            The layer's :class:`LayerStats` on this rank (``bytes`` is what this rank copied).
+
+        Raises:
+            TransportPoisoned: any rank's failure during the layer (its subclasses name the kind).
+            TransportError: a ``reset()`` on another thread of this rank abandoned the layer.
+        """
         return LayerStats(**self.native.wait(epoch))
 
     @contextlib.contextmanager
     def layer(self, epoch: int, layer_id: int, expert_count: int, sync_stream: bool = True):
         """``with t.layer(epoch, layer_id, n) as layer:`` joins on enter and waits on exit.
+
+        Arguments:
+            epoch, layer_id, expert_count: as for :meth:`join`.
+            sync_stream: CUDA backend: synchronise the current torch stream first (see below).
+
+        Returns:
+            A context manager yielding a :class:`Layer` (``layer.run(writer)`` on rank 0), whose
+            ``stats`` holds the :class:`LayerStats` once the block exited without an exception.
 
         With the CUDA backend and ``sync_stream`` (default) it first synchronises the current torch
         stream, because the consumer's copies run on their own stream and would otherwise race
@@ -906,7 +1014,15 @@ class Transport:
         handle.stats = self.wait(epoch)
 
     def poison(self, code: int, message: str) -> bool:
-        """Claim the poison record; True iff this call won (exactly one concurrent claim wins)."""
+        """Claim the poison record, so that every rank's current or next call raises this cause.
+
+        Arguments:
+            code: a positive :class:`ErrorCode` (e.g. ``ErrorCode.USER``).
+            message: the cause (at most 255 UTF-8 bytes are kept).
+
+        Returns:
+            True iff this call won the claim (exactly one of concurrent claims wins).
+        """
         return self.native.poison(int(code), message)
 
     @property
@@ -924,7 +1040,19 @@ class Transport:
         return self.native.reset()
 
     def expert_view(self, kind: int, expert: int) -> torch.Tensor:
-        """This rank's delivered bytes of ``expert`` for ``kind`` (a view of the layer buffer)."""
+        """This rank's delivered bytes of one expert of one kind.
+
+        Arguments:
+            kind: 0..3, the index in :data:`KINDS` (w13, w13 scale, w2, w2 scale).
+            expert: 0..num_experts-1.
+
+        Returns:
+            A flat uint8 view of ``buffers[kind]`` (``expert_nbytes[kind]`` bytes; on the rank's GPU
+            with the CUDA backend). Out-of-range indices raise ValueError (a slice past the buffer
+            would be a silently empty or wrong view).
+        """
+        kind = _int_arg("kind", kind, 0, len(KINDS) - 1)
+        expert = _int_arg("expert", expert, 0, self.num_experts - 1)
         nb = self.expert_nbytes[kind]
         return self.buffers[kind][expert * nb:(expert + 1) * nb]
 
