@@ -60,6 +60,9 @@ class EventOverlap:
     def current_stream_wait(self, release_handle: bool = False) -> Any:
         """Makes the current stream wait for the event, then runs the registered hook once.
 
+        Without an event (the torch backend on a CPU group records none) the wait is a no-op where
+        DeepEP asserts, so code written for GPUs runs unchanged on the CPU.
+
         Arguments:
             release_handle: drop the event afterwards (it may keep output tensors alive).
 
@@ -80,15 +83,16 @@ class EventOverlap:
         """``current_stream_wait()``; returns the hook's result."""
         return self.current_stream_wait()
 
-    def register_hook_after_wait(self, hook: Callable[[], Any]) -> None:
-        """Registers ``hook``, run (on the current stream) by the next ``current_stream_wait``.
+    def register_hook_after_wait(self, hook_after_wait: Callable[[], Any]) -> None:
+        """Registers a hook, run (on the current stream) by the next ``current_stream_wait``.
 
         Arguments:
-            hook: a callable without arguments; at most one may be registered at a time.
+            hook_after_wait: a callable without arguments (DeepEP's parameter name, so keyword calls
+                port unchanged); at most one may be registered at a time.
         """
         if self.hook_after_wait is not None:
             raise RuntimeError("EventOverlap: a hook is already registered")
-        self.hook_after_wait = hook
+        self.hook_after_wait = hook_after_wait
 
     def __call__(self, release_handle: bool = False) -> "EventOverlap":
         """Sets whether leaving the next ``with`` block releases the event; returns ``self``."""

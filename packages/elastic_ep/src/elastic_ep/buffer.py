@@ -43,6 +43,7 @@ groups when the kernels are built, torch otherwise). Launch one process per GPU 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import os
@@ -158,6 +159,49 @@ class EPHandle:
         def c(v):
             return v.clone() if isinstance(v, torch.Tensor) else (list(v) if isinstance(v, list) else v)
         return replace(self, **{f: c(getattr(self, f)) for f in self.__dataclass_fields__})
+
+    @property
+    def cached_recv_src_metadata_before_sort(self) -> Optional[torch.Tensor]:
+        """DeepEP's name for the metadata before the deterministic sort (None until a sort ran)."""
+        return self.raw_recv_src_metadata
+
+    def deterministic_sort(self, do_cpu_sync: bool, is_cached_dispatch: bool, recv_x: torch.Tensor,
+                           recv_sf: Optional[torch.Tensor], recv_topk_idx: Optional[torch.Tensor],
+                           recv_topk_weights: Optional[torch.Tensor],
+                           channel_linked_list: Optional[torch.Tensor]) -> None:
+        """Sorts a dispatch's outputs in place by source token (DeepEP's method, same arguments).
+
+        A deterministic buffer calls this itself (when the caller waits, with
+        ``async_with_compute_stream``); it is public because DeepEP's is, e.g. to sort the outputs
+        of a non-deterministic buffer. The first sort of a handle fixes its permutation and turns
+        ``recv_src_metadata`` into the sorted rows' metadata (the backend's is kept in
+        ``raw_recv_src_metadata``, which ``combine`` reads). Outputs of a cached dispatch arrive in
+        the backend's order in both modes here, so ``is_cached_dispatch=True`` applies the same
+        permutation; a second non-cached call on an already sorted handle does nothing, as the
+        outputs it was made with are sorted already.
+
+        Arguments:
+            do_cpu_sync: accepted; rows past the real count are found on the device either way.
+            is_cached_dispatch: the outputs come from ``dispatch(handle=self)``.
+            recv_x, recv_sf, recv_topk_idx, recv_topk_weights: the dispatch's outputs (None skipped).
+            channel_linked_list: must be None (hybrid mode, which does not exist here).
+        """
+        if channel_linked_list is not None:
+            raise ValueError("channel_linked_list: expected None (it exists only in hybrid mode, which this "
+                             "package does not implement)")
+        if self.perm is None:
+            # Not sorted yet: recv_src_metadata is still the backend's, whatever the call kind.
+            self.perm = ElasticBuffer._deterministic_perm(self)
+            self.raw_recv_src_metadata = self.recv_src_metadata
+            self.recv_src_metadata = ElasticBuffer._sorted_metadata(self.raw_recv_src_metadata, self.perm,
+                                                                    self.do_expand)
+        elif not is_cached_dispatch:
+            return
+        p = self.perm
+        for t in (recv_x, recv_sf, recv_topk_idx, recv_topk_weights):
+            if t is not None:
+                # In place with strides kept, so TMA column-major scales stay so.
+                t.copy_(t[p])
 
     def num_valid_recv_tokens(self) -> torch.Tensor:
         """The real received token count, without a CPU sync.
@@ -372,7 +416,9 @@ class ElasticBuffer:
         prefer_overlap_with_compute: accepted and kept; it changes only ``get_theoretical_num_sms``
             (at least 64 SMs when False): with ``num_sms=0`` the native kernels use every SM (what
             the benchmark measured; pass ``num_sms`` to leave SMs to overlapped compute).
-        sl_idx, num_allocated_qps: RDMA settings, accepted for compatibility (no RDMA here).
+        sl_idx, num_allocated_qps: RDMA settings, accepted for compatibility (no RDMA here). They change
+            nothing but ``num_allocated_qps`` (0: DeepEP's automatic 129 with hybrid mode allowed, else
+            17), which ``get_theoretical_num_qps`` and the ``num_qps`` bound read, as in DeepEP.
         num_cpu_timeout_secs: how long the CPU waits for counts before raising ``TimeoutError``.
         num_gpu_timeout_secs: how long a kernel waits for a peer before recording a timeout.
         explicitly_destroy: require an explicit ``destroy()`` (else the buffer is freed with the object).
@@ -477,8 +523,14 @@ class ElasticBuffer:
             raise ValueError(f"num_bytes: expected a positive multiple of {_sizing.ALIGNMENT_BYTES} "
                              f"(see get_buffer_size_hint), got {num_bytes}")
         self.num_bytes = int(num_bytes)
+        if os.environ.get("EP_BUFFER_DEBUG"):  # DeepEP's switch for the same report
+            print(f"elastic_ep: rank {self.rank}/{self.num_ranks}: buffer of {self.num_bytes} bytes, "
+                  f"backend {backend}", flush=True)
         if num_allocated_qps == 0:
-            num_allocated_qps = 17  # DeepEP's direct-mode default; unused without RDMA
+            # DeepEP's automatic count (hybrid allowed: 129, or 65 with MT4131 NICs, which a machine
+            # without RDMA lacks; direct: 17). Unused without RDMA, but get_theoretical_num_qps and
+            # the num_qps bound read it, so they give DeepEP's values.
+            num_allocated_qps = 129 if allow_hybrid_mode else 17
         self.num_allocated_qps = num_allocated_qps
         args = (self.rank, self.num_ranks, self.nccl_comm, None, self.num_bytes, 0, allow_hybrid_mode,
                 allow_multiple_reduction, prefer_overlap_with_compute, sl_idx, num_allocated_qps,
@@ -569,6 +621,62 @@ class ElasticBuffer:
         return calculate_elastic_buffer_size(dist.get_world_size(group), num_max_tokens_per_rank, hidden, num_topk,
                                              use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
 
+    @staticmethod
+    def get_engram_storage_size_hint(num_entries: int, hidden: int, num_max_tokens_per_rank: int,
+                                     dtype: torch.dtype = torch.bfloat16) -> Tuple[int, int]:
+        """Bytes an Engram storage would need (DeepEP's hint; Engram itself is not implemented here).
+
+        Each entry is ``hidden`` elements of ``dtype`` rounded up to 32 B; the GPU part receives
+        ``num_max_tokens_per_rank`` entries, the CPU part stores ``num_entries``.
+
+        Returns:
+            ``(num_gpu_bytes, num_cpu_bytes)``, both 2 MiB-aligned.
+        """
+        entry = _sizing.align_up(hidden * dtype.itemsize, 32)
+        return (_sizing.align_up(entry * num_max_tokens_per_rank, _sizing.ALIGNMENT_BYTES),
+                _sizing.align_up(entry * num_entries, _sizing.ALIGNMENT_BYTES))
+
+    @staticmethod
+    def get_pp_buffer_size_hint(num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> int:
+        """Bytes PP send/recv would need (DeepEP's hint; PP itself is not implemented here).
+
+        Four regions (send and receive, towards the previous and the next rank), each
+        ``num_max_inflight_tensors`` slots of ``num_max_tensor_bytes`` rounded up to 32 B.
+
+        Returns:
+            The size, 2 MiB-aligned.
+        """
+        slot = _sizing.align_up(num_max_tensor_bytes, 32)
+        return _sizing.align_up(4 * num_max_inflight_tensors * slot, _sizing.ALIGNMENT_BYTES)
+
+    @staticmethod
+    def get_agrs_num_max_session_bytes(group: dist.ProcessGroup,
+                                       shapes: Union[Tuple[int, ...], Sequence[Tuple[int, ...]]],
+                                       dtype: torch.dtype) -> int:
+        """Bytes one AGRS session gathering tensors of ``shapes`` would use (DeepEP's hint).
+
+        Arguments:
+            group: the process group (each gathered tensor holds one slice per rank).
+            shapes: one local shape, or a sequence of shape tuples (several gathers in one session).
+            dtype: the element type.
+
+        Returns:
+            The sum over the gathers of ``ranks x elements x itemsize``, each rounded up to 32 B.
+        """
+        if not isinstance(shapes[0], tuple):  # one shape (a torch.Size starts with an int too)
+            shapes = (shapes,)
+        R = dist.get_world_size(group)
+        return sum(_sizing.align_up(R * math.prod(s) * dtype.itemsize, 32) for s in shapes)
+
+    @staticmethod
+    def get_agrs_buffer_size_hint(group: dist.ProcessGroup, num_max_session_bytes: int) -> int:
+        """Bytes AGRS sessions of ``num_max_session_bytes`` would need (DeepEP's hint).
+
+        Returns:
+            ``num_max_session_bytes`` rounded up to 2 MiB.
+        """
+        return _sizing.align_up(num_max_session_bytes, _sizing.ALIGNMENT_BYTES)
+
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
                                 rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
                                 sm_write_gbs: float = 50) -> int:
@@ -617,15 +725,80 @@ class ElasticBuffer:
         return min(n, device_sms)
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
-        """RDMA queue pairs for ``num_sms`` SMs in direct mode (unused: no RDMA here).
+        """RDMA queue pairs for ``num_sms`` SMs, as DeepEP computes them (unused: no RDMA here).
 
         Arguments:
             num_sms: the SM count of the kernels.
 
         Returns:
-            ``min(num_sms, 9, num_allocated_qps)``.
+            ``16 * num_sms + 1`` when hybrid mode is allowed, else ``min(num_sms, 9)``; at most
+            ``num_allocated_qps``.
         """
-        return min(num_sms, 9, self.num_allocated_qps)
+        n = 16 * num_sms + 1 if self.allow_hybrid_mode else min(num_sms, 9)
+        return min(n, self.num_allocated_qps)
+
+    def _resolve_qps(self, num_qps: Any) -> int:
+        """``num_qps`` has no effect without RDMA, so 0 stays 0 (no estimate on the hot path), but
+        DeepEP refuses more than were allocated: the same refusal keeps code that runs here from
+        failing there."""
+        num_qps = _int_arg("num_qps", num_qps, 0)
+        if num_qps > self.num_allocated_qps:
+            raise ValueError(f"num_qps: expected at most num_allocated_qps={self.num_allocated_qps}, got {num_qps}")
+        return num_qps
+
+    # ------------------------------------------------------------------ Engram / PP / AGRS (not implemented)
+    def _not_implemented(self, what: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"elastic_ep.ElasticBuffer.{what}: not implemented (this package implements DeepEP V2's dispatch and "
+            "combine inside one NVLink domain; Engram, PP send/recv and AGRS sessions are not available yet)")
+
+    def engram_write(self, storage: torch.Tensor, sf: Optional[torch.Tensor] = None) -> None:
+        """DeepEP's Engram storage write. Raises ``NotImplementedError`` (no Engram here)."""
+        raise self._not_implemented("engram_write")
+
+    def engram_fetch(self, indices: torch.Tensor, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = False):
+        """DeepEP's Engram fetch. Raises ``NotImplementedError`` (no Engram here)."""
+        raise self._not_implemented("engram_fetch")
+
+    def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
+        """DeepEP's PP configuration. Raises ``NotImplementedError`` (no PP send/recv here)."""
+        raise self._not_implemented("pp_set_config")
+
+    def pp_send(self, t: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
+        """DeepEP's PP send. Raises ``NotImplementedError`` (no PP send/recv here)."""
+        raise self._not_implemented("pp_send")
+
+    def pp_recv(self, t: torch.Tensor, src_rank_idx: int, num_sms: int = 0) -> None:
+        """DeepEP's PP receive. Raises ``NotImplementedError`` (no PP send/recv here)."""
+        raise self._not_implemented("pp_recv")
+
+    def create_agrs_session(self) -> None:
+        """DeepEP's AGRS session start. Raises ``NotImplementedError`` (no AGRS here)."""
+        raise self._not_implemented("create_agrs_session")
+
+    def destroy_agrs_session(self) -> None:
+        """DeepEP's AGRS session end. Raises ``NotImplementedError`` (no AGRS here)."""
+        raise self._not_implemented("destroy_agrs_session")
+
+    @contextlib.contextmanager
+    def agrs_new_session(self, enabled: bool = True):
+        """DeepEP's AGRS session context manager. ``enabled=False`` is a no-op there and here; an
+        enabled session raises ``NotImplementedError`` (no AGRS here)."""
+        if enabled:
+            raise self._not_implemented("agrs_new_session")
+        yield
+
+    def agrs_set_config(self, num_max_session_bytes: int, num_max_all_gathers_per_session: int) -> None:
+        """DeepEP's AGRS configuration. Raises ``NotImplementedError`` (no AGRS here)."""
+        raise self._not_implemented("agrs_set_config")
+
+    def agrs_get_inplace_tensor(self, shapes, dtype: torch.dtype):
+        """DeepEP's AGRS in-place tensor. Raises ``NotImplementedError`` (no AGRS here)."""
+        raise self._not_implemented("agrs_get_inplace_tensor")
+
+    def all_gather(self, t):
+        """DeepEP's AGRS all-gather. Raises ``NotImplementedError`` (no AGRS here)."""
+        raise self._not_implemented("all_gather")
 
     # ------------------------------------------------------------------ info / lifecycle
     def _check_alive(self) -> None:
@@ -769,7 +942,8 @@ class ElasticBuffer:
             expert_alignment: per-expert row alignment (default 1; from ``handle`` in cached mode).
             num_sms: SMs for the kernels (0: every SM with the native backend, ``get_theoretical_num_sms``
                 with the torch backend; ``EP_NUM_SMS`` overrides the 0); kept in the handle for ``combine``.
-            num_qps: RDMA queue pairs (unused here).
+            num_qps: RDMA queue pairs: no effect here, but more than ``num_allocated_qps`` raises
+                ``ValueError`` (DeepEP refuses it too).
             previous_event: start only after this event, an ``EventHandle`` (``capture()``) or an
                 ``EventOverlap`` (needs ``allocate_on_comm_stream=True``).
             previous_event_before_epilogue: the copy epilogue waits for this event (the same types).
@@ -900,9 +1074,7 @@ class ElasticBuffer:
                 num_unaligned_recv_tokens_per_expert=(L,), dst_buffer_slot_idx=(T, K), recv_src_metadata=meta,
                 raw_recv_src_metadata=meta))
         num_sms = self._resolve_sms(num_sms, num_experts, K)
-        num_qps = _int_arg("num_qps", num_qps, 0)
-        if num_qps == 0:
-            num_qps = self.get_theoretical_num_qps(num_sms)
+        num_qps = self._resolve_qps(num_qps)
 
         h = handle
         out = self.runtime.dispatch(
@@ -945,19 +1117,11 @@ class ElasticBuffer:
                 channel_linked_list=channel_linked_list, buffer_id=id(self))
         overlap = EventOverlap(event)
         if self.deterministic:
-            outputs = [t for t in (recv_x, recv_sf, recv_topk_idx, recv_topk_weights) if t is not None]
-
             def sort() -> None:
-                # On the current stream, after it waited for the communication; in place (strides kept,
-                # so TMA column-major scales stay so), so the tensors returned are the sorted ones.
-                if new_handle.perm is None:  # a fresh dispatch (a cached one reuses the routing and order)
-                    new_handle.perm = self._deterministic_perm(new_handle)
-                    raw_meta = new_handle.recv_src_metadata
-                    new_handle.raw_recv_src_metadata = raw_meta
-                    new_handle.recv_src_metadata = self._sorted_metadata(raw_meta, new_handle.perm, do_expand)
-                p = new_handle.perm
-                for t in outputs:
-                    t.copy_(t[p])
+                # On the current stream, after it waited for the communication, so the tensors
+                # returned are the sorted ones.
+                new_handle.deterministic_sort(bool(do_cpu_sync), cached, recv_x, recv_sf, recv_topk_idx,
+                                              recv_topk_weights, None)
 
             if async_with_compute_stream and event is not None:
                 # As DeepEP: the sort runs when the caller waits on the event (the outputs may not be
@@ -1081,9 +1245,7 @@ class ElasticBuffer:
         if need > self.num_bytes:
             raise ValueError(f"buffer too small: this combine needs {need} bytes, the buffer has {self.num_bytes}")
         num_sms = self._resolve_sms(num_sms or handle.num_sms, handle.num_experts, K)
-        num_qps = _int_arg("num_qps", num_qps, 0)
-        if num_qps == 0:
-            num_qps = self.get_theoretical_num_qps(num_sms)
+        num_qps = self._resolve_qps(num_qps)
         if handle.perm is not None:  # deterministic mode: back to the backend's row order
             # The scatter runs on the current stream. With previous_event the communication stream
             # waits for that event only, so the scatter has to come after it and a new event, after
