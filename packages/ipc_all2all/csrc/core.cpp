@@ -212,7 +212,9 @@ void Core::order_after_last_call(void* stream, bool capturing) {
 void Core::record_last_call(void* stream, bool capturing) {
   const std::lock_guard<std::recursive_mutex> lock(mu_);
 #if COMMKIT_WITH_CUDA
-  if (capturing) return;
+  // A destroy() from another thread may have run between this call's launch and its output copy:
+  // the event is gone, and no later call of this instance will need ordering after the copy.
+  if (capturing || destroyed_) return;
   CK_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(last_done_), static_cast<cudaStream_t>(stream)));
   last_stream_ = stream;
   have_last_ = true;
