@@ -307,3 +307,22 @@ def test_block_fp8_sizes_refuse_non_integers(args, name):
     # as "expert_nbytes[0] must be an integer": the argument at fault is named instead.
     with pytest.raises(ValueError, match=name):
         F.block_fp8_expert_nbytes(*args)
+
+
+def test_layer_call_arguments_are_integers_named_by_argument():
+    """join / run / wait refuse floats, strings, bools and values wider than the protocol's fields
+    with a ValueError naming the argument (the binding alone raised TypeError), before anything
+    reaches the control block: the transport then still delivers a layer."""
+    with F.Transport(0, 1, 4, NB, num_slots=2, backend="cpu", exchange=lambda o: [o]) as t:
+        for call, name in [(lambda: t.join(1.0, 0, 4), "epoch"), (lambda: t.join("1", 0, 4), "epoch"),
+                           (lambda: t.join(True, 0, 4), "epoch"), (lambda: t.join(-1, 0, 4), "epoch"),
+                           (lambda: t.join(2 ** 64, 0, 4), "epoch"), (lambda: t.join(1, 0.5, 4), "layer_id"),
+                           (lambda: t.join(1, 2 ** 63, 4), "layer_id"), (lambda: t.join(1, 0, 4.0), "expert_count"),
+                           (lambda: t.join(1, 0, 2 ** 31), "expert_count"), (lambda: t.wait(1.5), "epoch"),
+                           (lambda: t.run(1, "0", 4, lambda e, s: None), "layer_id")]:
+            with pytest.raises(ValueError, match=f"^{name} must be"):
+                call()
+        assert not t.poisoned
+        with t.layer(1, 0, 4) as layer:
+            layer.run(lambda e, slots: [v.fill_(e + 1) for row in slots for v in row])
+        assert all(bool((t.expert_view(k, e) == e + 1).all()) for k in range(4) for e in range(4))

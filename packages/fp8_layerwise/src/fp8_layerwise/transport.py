@@ -62,7 +62,7 @@ import secrets
 import shutil
 import time
 import warnings
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -117,6 +117,17 @@ def _int_arg(name: str, value: Any, lo: int, hi: Optional[int] = None) -> int:
     _check(ok, f"{name} must be an integer ({rng}), got {value!r} ({type(value).__name__})")
     _check(lo <= value and (hi is None or value <= hi), f"{name} must be in {rng}, got {value}")
     return int(value)
+
+
+_U64_MAX, _I64_MIN, _I64_MAX, _I32_MAX = 2 ** 64 - 1, -2 ** 63, 2 ** 63 - 1, 2 ** 31 - 1
+
+
+def _layer_args(epoch: Any, layer_id: Any = 0, expert_count: Any = 1) -> Tuple[int, int, int]:
+    """The integer arguments of join / run / wait, checked for type and width only (the native
+    protocol checks their meaning: epoch 0, the layer's range, what rank 0 opened), so that a float
+    or a string is a ValueError naming the argument instead of the binding's TypeError."""
+    return (_int_arg("epoch", epoch, 0, _U64_MAX), _int_arg("layer_id", layer_id, _I64_MIN, _I64_MAX),
+            _int_arg("expert_count", expert_count, -_I32_MAX - 1, _I32_MAX))
 
 
 def _bool_arg(name: str, value: Any) -> bool:
@@ -934,7 +945,7 @@ class Transport:
             ProtocolError: a reused or skipped epoch, a join without ``wait()`` of the previous one,
                 or a layer that differs from rank 0's (the region is poisoned: every rank raises).
         """
-        self.native.join(epoch, layer_id, expert_count)
+        self.native.join(*_layer_args(epoch, layer_id, expert_count))
 
     def run(self, epoch: int, layer_id: int, expert_count: int, writer) -> None:
         """Rank 0: produce the joined layer.
@@ -950,6 +961,7 @@ class Transport:
             ProtocolError: on a rank other than 0, for a layer other than the joined one, or a
                 second run() of the same layer.
         """
+        epoch, layer_id, expert_count = _layer_args(epoch, layer_id, expert_count)
         if isinstance(writer, _C.ShardWriter):
             self.native.run(epoch, layer_id, expert_count, writer)
             return
@@ -977,7 +989,7 @@ class Transport:
             TransportPoisoned: any rank's failure during the layer (its subclasses name the kind).
             TransportError: a ``reset()`` on another thread of this rank abandoned the layer.
         """
-        return LayerStats(**self.native.wait(epoch))
+        return LayerStats(**self.native.wait(_layer_args(epoch)[0]))
 
     @contextlib.contextmanager
     def layer(self, epoch: int, layer_id: int, expert_count: int, sync_stream: bool = True):
