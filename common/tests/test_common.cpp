@@ -3,7 +3,9 @@
 // CPU test suite of the common/ header library (no GPU, no torch). Built by the superbuild as
 // `commkit_common_tests` and by tests/common/test_common_headers.py with g++ directly.
 // Exits 0 when every check passed, 1 otherwise; prints one line per test.
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -19,7 +21,9 @@
 #include "commkit/atomics.hpp"
 #include "commkit/check.hpp"
 #include "commkit/deadline.hpp"
+#include "commkit/ipc_handle.hpp"
 #include "commkit/layout.hpp"
+#include "commkit/shm.hpp"
 #include "commkit/timeout_record.hpp"
 
 namespace {
@@ -259,6 +263,72 @@ int main() {
     EXPECT(l.total(4096) == 4096);
     char buf[2048];
     EXPECT(reinterpret_cast<char*>(b.at<int>(buf)) == buf + 1024);
+  });
+  run("layout: sizes near 2^64 saturate instead of wrapping to a small total", [] {
+    constexpr uint64_t kMax = ~uint64_t(0);
+    EXPECT(commkit::align_up(kMax - 5, 16) == kMax);  // wrapped to 0
+    EXPECT(commkit::align_up(kMax, 1) == kMax && commkit::align_up(kMax - 15, 16) == kMax - 15);
+    EXPECT(commkit::ceil_div(kMax, 2) == (kMax >> 1) + 1);  // wrapped to 0
+    EXPECT(commkit::ceil_div(kMax, 1) == kMax && commkit::ceil_div(0, 7) == 0 && commkit::ceil_div(14, 7) == 2);
+    EXPECT((commkit::Region{4096, kMax}.end() == kMax));
+    // ipc_all2all's buffer for a capacity of INT64_MAX: two 2^63-byte slots after a 4 KiB header.
+    // Wrapping made the whole layout 4 KiB while each slot stayed 2^63 bytes long.
+    commkit::Layout l;
+    const commkit::Region sig = l.add(4096, 4096);
+    const uint64_t slot = commkit::align_up(uint64_t(INT64_MAX), 256);
+    const commkit::Region s0 = l.add(slot, 256), s1 = l.add(slot, 256);
+    EXPECT(!sig.overlaps(s0) && !s0.overlaps(s1));
+    EXPECT(l.overflowed() && l.total(4096) == kMax);
+    EXPECT(l.total(4096) >= s1.end() && s1.end() >= s1.offset);
+    commkit::Layout a;
+    a.add_array<uint64_t>(kMax / 4);  // count * 8 wrapped to a small size
+    EXPECT(a.overflowed() && a.total() == kMax);
+    commkit::Layout ok;
+    ok.add(100, 64);
+    EXPECT(!ok.overflowed() && ok.total(64) == 128);
+  });
+  run("ipc handle: a rank outside the world is refused before it indexes the handles", [] {
+    const commkit::IpcHandleFormat fmt{{'t', 'e', 's', 't', 'f', 'm', 't', 1}, "test", "slots of", ""};
+    const std::string raw(commkit::kIpcHandleBytes, 'h');
+    commkit::IpcWindowInfo bad{2, 5, 64, 128};  // rank 5 of 2
+    std::vector<std::string> hs;
+    for (int r = 0; r < 2; ++r) hs.push_back(commkit::describe_ipc_handle(fmt, {2, r, 64, 128}, raw));
+    auto e = expect_throw<commkit::ValueError>(
+        [&] { commkit::check_described_ipc_handles(fmt, hs, bad, hs[0], "sync()"); });
+    EXPECT(std::string(e.what()).find("rank 5 is outside [0, world_size=2)") != std::string::npos);
+    EXPECT(commkit::check_described_ipc_handles(fmt, hs, {2, 1, 64, 128}, hs[1], "sync()").size() == 2);
+  });
+  run("shm: create is owner-only, attach refuses segments others can access or too small", [] {
+    commkit::ShmSegment s = commkit::ShmSegment::create("ck_test", 4096);
+    int fd = ::shm_open(s.name().c_str(), O_RDWR, 0);
+    EXPECT(fd >= 0);
+    struct stat st;
+    EXPECT(::fstat(fd, &st) == 0 && (st.st_mode & 0777) == 0600 && st.st_size == 4096);
+    EXPECT(commkit::ShmSegment::attach(s.name(), 4096).size() == 4096);
+    expect_throw<commkit::ValueError>([&] { commkit::ShmSegment::attach(s.name(), 8192); });
+    EXPECT(::fchmod(fd, 0666) == 0);
+    auto e = expect_throw<commkit::Error>([&] { commkit::ShmSegment::attach(s.name(), 4096); });
+    EXPECT(std::string(e.what()).find("accessible to other users (mode 0666)") != std::string::npos);
+    ::close(fd);
+    const std::string name = s.name();
+    s.close();  // the creator unlinks
+    EXPECT(::shm_open(name.c_str(), O_RDWR, 0) < 0 && errno == ENOENT);
+  });
+  run("deadline: Backoff sleeps of a second or more really sleep", [] {
+    // tv_nsec >= 1e9 made nanosleep fail at once: a busy spin instead of a sleep.
+    commkit::Backoff b(0, 1000000000L);
+    for (int i = 0; i < 64; ++i) b.pause();
+    const uint64_t t0 = commkit::monotonic_ns();
+    b.pause();
+    EXPECT(commkit::monotonic_ns() - t0 >= 1000000000ull);
+  });
+  run("timeout record: a record still being written (flag 2) is left alone", [] {
+    commkit::TimeoutRecord rec{};
+    commkit::clear_timeout_record(&rec);
+    rec.op = 7;
+    commkit::st_release(&rec.flag, 2u);
+    CK_RAISE_IF_TIMED_OUT(&rec, [](uint32_t) { return std::string("op"); });
+    EXPECT(rec.flag == 2u && rec.op == 7u);
   });
   run("timeout record: host raises TimeoutError naming op, rank, peer; then clears", [] {
     commkit::TimeoutRecord rec{};

@@ -22,7 +22,7 @@ INC = os.path.join(ROOT, "common", "include")
 CXX = os.environ.get("CXX", "g++")
 
 
-def _build_probe(directory, name: str, source: str, extra_includes=(), src_name: str = ""):
+def _build_probe(directory, name: str, source: str, extra_includes=(), src_name: str = "", link_args=()):
     """Compiles ``source`` (a pybind11 module named ``name`` on the common headers; file ``src_name``,
     default ``<name>.cpp``) in ``directory`` and imports it; skips when pybind11 is absent."""
     pybind11 = pytest.importorskip("pybind11")
@@ -31,7 +31,7 @@ def _build_probe(directory, name: str, source: str, extra_includes=(), src_name:
     out = directory / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
     includes = [INC, *extra_includes, pybind11.get_include(), sysconfig.get_paths()["include"]]
     subprocess.run([CXX, "-std=c++17", "-O0", "-shared", "-fPIC", *[a for i in includes for a in ("-I", i)],
-                    str(src), "-o", str(out)], check=True)
+                    str(src), "-o", str(out), *link_args], check=True)
     spec = importlib.util.spec_from_file_location(name, out)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -158,6 +158,38 @@ def test_ipc_handle_checks(tmp_path):
         mod.check([hs[1], hs[0], hs[2]], 1, hs[1])
     with pytest.raises(ValueError, match=r"sync\(\): expected one handle per rank, got 1 for rank 1"):
         mod.check(hs[:1], 1, hs[1])
+
+
+_IPC_OPEN_MODULE = r"""
+#include <cuda_runtime.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include "commkit/ipc.hpp"
+#include "commkit/python_errors.hpp"
+PYBIND11_MODULE(ck_ipc_open_probe, m) {
+  commkit::register_python_errors(m);
+  m.def("open", [](const std::vector<pybind11::bytes>& hs, int rank) {
+    std::vector<std::string> v(hs.begin(), hs.end());
+    auto ptrs = commkit::open_ipc_handles(v, rank, "open_ipc_peers");
+    commkit::close_ipc_handles(ptrs);
+  });
+}
+"""
+
+
+def test_open_ipc_handles_refuses_short_handles(tmp_path):
+    # open_ipc_handles copies 64 bytes out of every peer entry: a shorter one must be refused before
+    # that copy reads past it (and before CUDA is touched, so no GPU is needed here).
+    inc = _cuda_include()
+    if inc is None:
+        pytest.skip("CUDA headers not found")
+    libdir = os.path.join(os.path.dirname(inc), "lib64")
+    if not os.path.exists(os.path.join(libdir, "libcudart.so")):
+        pytest.skip("libcudart.so not found")
+    mod = _build_probe(tmp_path, "ck_ipc_open_probe", _IPC_OPEN_MODULE, extra_includes=[inc],
+                       link_args=[f"-L{libdir}", f"-Wl,-rpath,{libdir}", "-lcudart"])
+    with pytest.raises(ValueError, match=r"open_ipc_peers: handle of rank 1 has 5 bytes, expected 64"):
+        mod.open([b"\0" * 64, b"x" * 5], 0)
 
 
 _IPC_HANDLE_MODULE = r"""

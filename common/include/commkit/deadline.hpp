@@ -103,7 +103,10 @@ class Backoff {
     } else if (monotonic_ns() - since_ < yield_ns_) {
       sched_yield();
     } else {
-      timespec ts{0, sleep_ns_};
+      // nanosleep refuses tv_nsec outside [0, 1e9) with EINVAL and returns at once, which would
+      // turn a long sleep into a busy spin.
+      const long ns = sleep_ns_ < 0 ? 0 : sleep_ns_;
+      timespec ts{static_cast<time_t>(ns / 1000000000L), ns % 1000000000L};
       nanosleep(&ts, nullptr);
     }
   }

@@ -9,6 +9,10 @@
 //                                      total(align) is the size of the whole layout rounded up.
 //   Every buffer layout in the project is a constexpr function returning Regions built with
 //   Layout, so the CPU test suite checks offsets, alignment and non-overlap of every layout.
+//   Overflow (host code): align_up, Region::end, Layout::add / add_array / total saturate at
+//   kLayoutOverflow (UINT64_MAX, a size no allocator grants) instead of wrapping, and
+//   Layout::overflowed() tells; ceil_div is exact for every x. Device code keeps the plain
+//   arithmetic (its sizes come from layouts the host checked).
 #pragma once
 
 #include <cstddef>
@@ -18,16 +22,53 @@
 
 namespace commkit {
 
+// Sizes reach the layout math from user arguments (a capacity, a token count). A sum that wrapped
+// past 2^64 would give a small total while the regions inside it stay huge, so callers would
+// allocate little and write far past it. Saturating instead makes the total unallocatable.
+constexpr uint64_t kLayoutOverflow = ~uint64_t(0);
+
+// Device code keeps the plain arithmetic: kernels only see sizes the host already laid out and
+// checked, and the kernels that passed on the GPU stay instruction for instruction the same.
+namespace layout_detail {
+CK_HD constexpr uint64_t sat_add(uint64_t a, uint64_t b) {
+#ifdef __CUDA_ARCH__
+  return a + b;
+#else
+  return b > kLayoutOverflow - a ? kLayoutOverflow : a + b;
+#endif
+}
+CK_HD constexpr uint64_t sat_mul(uint64_t a, uint64_t b) {
+#ifdef __CUDA_ARCH__
+  return a * b;
+#else
+  return a != 0 && b > kLayoutOverflow / a ? kLayoutOverflow : a * b;
+#endif
+}
+}  // namespace layout_detail
+
 CK_HD constexpr bool is_pow2(uint64_t a) { return a != 0 && (a & (a - 1)) == 0; }
-CK_HD constexpr uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+CK_HD constexpr uint64_t align_up(uint64_t x, uint64_t a) {
+#ifdef __CUDA_ARCH__
+  return (x + a - 1) / a * a;
+#else
+  // a == 0 still divides by zero, so a zero alignment stays a compile error in constant expressions.
+  return a != 0 && x > kLayoutOverflow - (a - 1) ? kLayoutOverflow : (x + a - 1) / a * a;
+#endif
+}
 CK_HD constexpr uint64_t align_down(uint64_t x, uint64_t a) { return x / a * a; }
 CK_HD constexpr bool is_aligned(uint64_t x, uint64_t a) { return x % a == 0; }
-CK_HD constexpr uint64_t ceil_div(uint64_t x, uint64_t y) { return (x + y - 1) / y; }
+CK_HD constexpr uint64_t ceil_div(uint64_t x, uint64_t y) {
+#ifdef __CUDA_ARCH__
+  return (x + y - 1) / y;
+#else
+  return x / y + (x % y != 0 ? 1 : 0);
+#endif
+}
 
 struct Region {
   uint64_t offset = 0;
   uint64_t bytes = 0;
-  CK_HD constexpr uint64_t end() const { return offset + bytes; }
+  CK_HD constexpr uint64_t end() const { return layout_detail::sat_add(offset, bytes); }
   CK_HD constexpr bool overlaps(const Region& o) const {
     return bytes != 0 && o.bytes != 0 && offset < o.end() && o.offset < end();
   }
@@ -51,9 +92,10 @@ class Layout {
   }
   template <typename T>
   CK_HD constexpr Region add_array(uint64_t count, uint64_t align = alignof(T) < 16 ? 16 : alignof(T)) {
-    return add(count * sizeof(T), align);
+    return add(layout_detail::sat_mul(count, sizeof(T)), align);
   }
   CK_HD constexpr uint64_t cursor() const { return cursor_; }
+  CK_HD constexpr bool overflowed() const { return cursor_ == kLayoutOverflow; }
   CK_HD constexpr uint64_t total(uint64_t align = 1) const { return align_up(cursor_, align); }
 
  private:

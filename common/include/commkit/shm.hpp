@@ -8,7 +8,8 @@
 //                                    (a full /dev/shm fails here with a clear error instead of a
 //                                    SIGBUS on first touch), mapped read-write and shared.
 //   ShmSegment::attach(name, n)      opens an existing segment (O_RDWR), checks that it is owned by
-//                                    this user and at least n bytes long, and maps it.
+//                                    this user, closed to group and others, and at least n bytes
+//                                    long, and maps it.
 //   unlink()                         removes the name (idempotent); the mapping stays valid, and the
 //                                    memory is freed once every process unmapped it. Call it as
 //                                    soon as every peer has attached, so no exit path can leak it.
@@ -120,6 +121,12 @@ class ShmSegment {
     if (st.st_uid != ::geteuid()) {
       ::close(fd);
       CK_THROW("shm segment ", name, " is owned by uid ", st.st_uid, ", not by this user");
+    }
+    // create() makes 0600 segments; group or other access means another user may have written it.
+    if ((st.st_mode & 077) != 0) {
+      ::close(fd);
+      CK_THROW("shm segment ", name, " is accessible to other users (mode 0", (st.st_mode >> 6) & 7,
+               (st.st_mode >> 3) & 7, st.st_mode & 7, "); refusing to attach");
     }
     if (bytes == 0) bytes = static_cast<uint64_t>(st.st_size);
     if (static_cast<uint64_t>(st.st_size) < bytes) {

@@ -48,7 +48,9 @@ inline void clear_timeout_record(TimeoutRecord* rec) {
 // Throws commkit::TimeoutError if a device deadline expired. op_name maps op codes to names.
 template <typename OpName>
 inline void raise_if_timed_out(TimeoutRecord* rec, OpName&& op_name, const char* file, int line) {
-  if (ld_acquire(&rec->flag) == 0) return;
+  // flag 2: a device thread is still filling the record. Reading it now would report torn fields,
+  // and clearing it would let that thread's final flag = 1 revive the record for a later operation.
+  if (ld_acquire(&rec->flag) != 1u) return;
   TimeoutRecord copy = *rec;
   clear_timeout_record(rec);
   std::string op = op_name(copy.op);

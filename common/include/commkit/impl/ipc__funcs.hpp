@@ -34,6 +34,10 @@ inline cudaError_t close_ipc_handles(std::vector<void*>& ptrs) {
 }
 
 inline std::vector<void*> open_ipc_handles(const std::vector<std::string>& handles, int rank, const char* what) {
+  // The handles come from peers: a short entry would be copied past its end into the handle.
+  for (size_t p = 0; p < handles.size(); ++p)
+    CK_CHECK_ARG(handles[p].size() == sizeof(cudaIpcMemHandle_t), what, ": handle of rank ", p, " has ",
+                 handles[p].size(), " bytes, expected ", sizeof(cudaIpcMemHandle_t));
   std::vector<void*> ptrs(handles.size(), nullptr);
   for (size_t p = 0; p < handles.size(); ++p) {
     if (static_cast<int>(p) == rank) continue;

@@ -32,6 +32,9 @@ inline std::vector<std::string> check_described_ipc_handles(const IpcHandleForma
                                                             const char* what) {
   CK_CHECK_ARG(handles.size() == static_cast<size_t>(self.world), what, ": expected ", self.world,
                " handles (one per rank, in rank order), got ", handles.size());
+  // self.rank indexes `handles` below; an out-of-range rank would read past the vector.
+  CK_CHECK_ARG(self.rank >= 0 && self.rank < self.world, what, ": rank ", self.rank, " is outside [0, world_size=",
+               self.world, ")");
   std::vector<std::string> raw(handles.size());
   for (size_t p = 0; p < handles.size(); ++p) {
     const std::string& h = handles[p];
