@@ -15,6 +15,7 @@ from tests.elastic_ep._common import native_module_or_skip
 
 _C = native_module_or_skip()  # skips only without a built package; a broken extension fails
 from elastic_ep import _low_level as ll  # noqa: E402
+from elastic_ep import _sizing  # noqa: E402
 
 MIB2 = 2 << 20
 
@@ -182,3 +183,20 @@ def test_hybrid_layouts_follow_the_seed():
         (max(d, c) + MIB2 - 1) // MIB2 * MIB2
     # Larger than the direct-mode figure of the same 8 ranks, which would undersize a hybrid buffer.
     assert d > ll.ElasticBuffer.get_dispatch_buffer_size(128, 1024, 0, 8, 2, 1, 8, True)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: ll.ElasticBuffer.get_dispatch_buffer_size(2 ** 30, 2 ** 31 - 1, 0, 8, 2, 1, 8, True),
+    lambda: ll.ElasticBuffer.get_combine_buffer_size(2 ** 30, 2 ** 28, 32, 1, 64, True, True),
+    lambda: ll.ElasticBuffer.calculate_buffer_size(8, 2 ** 30, 2 ** 31 - 1, 8, False, True, True),
+], ids=["dispatch", "combine", "calculate"])
+def test_sizes_beyond_int64_are_refused_not_wrapped(call):
+    # The native sizing is int64: these products wrapped to small positive sizes (e.g. 687 GB for a
+    # 3.7e19-byte request), which a buffer-too-small check would then accept.
+    with pytest.raises(ValueError, match="more than any buffer can hold"):
+        call()
+
+
+def test_large_sizes_below_int64_still_agree_with_the_python_sizing():
+    got = ll.ElasticBuffer.get_dispatch_buffer_size(2 ** 20, 2 ** 24, 0, 8, 2, 1, 8, True)
+    assert got == _sizing.get_dispatch_buffer_size(2 ** 20, 2 ** 24, 0, 8, 2, 1, 8, True) < 2 ** 63
