@@ -19,9 +19,12 @@ all-reduce (the GPUs leave it together) and a ~0.4 ms GEMM queued behind it, so 
 enqueued the call before its GPU reaches it. Without that, the first kernel of a rank whose host is
 late (by 100+ us on the GPU machine's VM) is counted on the other rank as waiting time, which is
 host skew, not communication (``--align barrier`` measures that way: barrier, then the call):
-* kernel time: device time of the elastic_ep kernels of the call, from the CUDA profiler (Kineto),
-  split into the communication kernels (dispatch: notify + push; combine: push) and the epilogue
-  (dispatch copy epilogue; combine reduce);
+* kernel time: device time of the elastic_ep kernels of the call, from the CUDA profiler (Kineto):
+  the time at least one of them runs (the union of their intervals, so overlapping kernels count
+  once and host gaps between kernels, such as a CPU-synced dispatch's wait for the counts, not at
+  all), split into the communication kernels (dispatch: notify + push, what DeepEP's one
+  ``dispatch_impl`` kernel does; combine: push, DeepEP's ``combine_impl``) and the epilogue
+  (dispatch copy epilogue; combine reduce), which DeepEP times separately and leaves out of its GB/s;
 * end-to-end time: CUDA events around the Python call on the current stream (includes the CPU sync
   of dispatch and every allocation), the median over the iterations (mean and minimum in the JSON),
   all measured in the same run, for
@@ -35,10 +38,17 @@ host skew, not communication (``--align barrier`` measures that way: barrier, th
   - a bare ``all_to_all_single`` of exactly the bytes that must move ("torch_a2a"): the floor of any
     all_to_all-based path.
 
-Bandwidth is counted as DeepEP does: bytes received by this GPU / time, where a dispatched token
-carries ``hidden * elem + scale bytes + top-k ids (int64) + top-k weights (fp32)`` and a combined row
-``hidden * 2 + top-k weights``. "excl. local" counts only tokens that crossed NVLink (from / to other
-ranks); "incl. local" counts every received token. GB/s = 1e9 bytes/s.
+Bandwidth: bytes received by this GPU / time, where a dispatched token carries ``hidden * elem +
+scale bytes + top-k ids (int64) + top-k weights (fp32)`` (DeepEP's ``count_bytes(recv_x,
+recv_topk_idx, recv_topk_weights)`` per token) and a combined row ``hidden * 2 + top-k weights``.
+"excl. local" counts only tokens that crossed NVLink (from / to other ranks; DeepEP's
+``--ignore-local-traffic``); "incl. local" counts every received token (DeepEP's default). GB/s =
+1e9 bytes/s. Three times per case:
+* ``comm_gbps_*``: over the communication kernels' time: **DeepEP's definition** (its test_ep.py
+  divides by the ``dispatch_impl`` / ``combine_impl`` kernel time, not the epilogues; the overlapped
+  combine is one kernel that also reduces, so its figure includes the reduce);
+* ``kernel_gbps_*``: over all of the call's kernels (epilogue included; stricter than DeepEP's);
+* ``e2e_gbps_*``: over the end-to-end time.
 
 Writes ``bench_elastic_ep.json``, ``bench_elastic_ep.md`` (table) and ``bench_elastic_ep.png`` into --out.
 """
@@ -48,6 +58,7 @@ import argparse
 import datetime
 import json
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -135,11 +146,62 @@ def _e2e_stats(times_us):
                 e2e_min_us=min(times_us))
 
 
+def _gbps(nbytes, us):
+    """GB/s (1e9 bytes per second) of ``nbytes`` moved in ``us`` microseconds; None without a time."""
+    return nbytes / us / 1e3 if us else None
+
+
+def _bandwidths(remote, total, e2e_us, kernel_us=None, comm_us=None) -> dict:
+    """The GB/s of one case from its received bytes (``remote``: from other ranks; ``total``: all) and
+    times: over the end-to-end time, over all kernels, and over the communication kernels (DeepEP's
+    definition: dispatch_impl / combine_impl time, epilogues excluded)."""
+    return dict(e2e_gbps_excl_local=_gbps(remote, e2e_us), e2e_gbps_incl_local=_gbps(total, e2e_us),
+                kernel_gbps_excl_local=_gbps(remote, kernel_us), kernel_gbps_incl_local=_gbps(total, kernel_us),
+                comm_gbps_excl_local=_gbps(remote, comm_us), comm_gbps_incl_local=_gbps(total, comm_us))
+
+
+def _token_bytes(hidden: int, topk: int, fp8: bool) -> int:
+    """Bytes of one dispatched token as DeepEP counts them: the row (1 byte per element in FP8, 2 in
+    BF16), FP8's FP32 scale per 128 elements, top-k ids (int64) and top-k weights (fp32)."""
+    return hidden * (1 if fp8 else 2) + (hidden // 128 * 4 if fp8 else 0) + topk * 8 + topk * 4
+
+
+def _case_bytes(name: str, hidden: int, topk: int, sent, recv_counts, rank: int):
+    """(bytes per row, bytes received from other ranks, bytes received in all) of case ``name`` on
+    ``rank``, from ``sent[d]`` (tokens this rank sends to rank d: tokens with an expert there) and
+    ``recv_counts[s]`` (tokens it receives from rank s). A dispatch receives one token record per
+    (token, destination rank); a combine receives back one row (``hidden * 2`` BF16 + top-k weights)
+    per token it sent."""
+    if name.startswith("combine"):
+        b, counts = hidden * 2 + topk * 4, sent
+    else:
+        b, counts = _token_bytes(hidden, topk, "fp8" in name), recv_counts
+    return b, (sum(counts) - counts[rank]) * b, sum(counts) * b
+
+
+def _busy_us(ranges, iters: int):
+    """Mean device time per iteration during which at least one of ``ranges`` (kernel start, end) runs:
+    the length of their union / ``iters``; None without ranges."""
+    if not ranges:
+        return None
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(ranges):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    return busy / iters
+
+
 def _kernel_times(prof, iters: int):
     """Average device time (us) per iteration of the elastic_ep kernels: (comm, epilogue, per kernel,
-    span). The span is from the first kernel's start to the last one's end in each iteration (every
-    call launches the same number of kernels), which is the operation's device time when kernels
-    overlap (overlapped dispatch); it also contains host gaps between kernels (CPU sync)."""
+    span, busy). The span is from the first kernel's start to the last one's end in each iteration
+    (every call launches the same number of kernels); it also contains host gaps between kernels (CPU
+    sync). Busy is the union of the kernels' intervals: the device time of the call, counting
+    overlapping kernels (overlapped dispatch) once and gaps not at all."""
     comm = epi = 0.0
     per_kernel = {}
     ranges = []
@@ -157,7 +219,7 @@ def _kernel_times(prof, iters: int):
             comm += t
         else:
             epi += t
-    return comm / iters, epi / iters, per_kernel, _span_us(ranges, iters)
+    return comm / iters, epi / iters, per_kernel, _span_us(ranges, iters), _busy_us(ranges, iters)
 
 
 def _span_us(ranges, iters: int):
@@ -174,9 +236,7 @@ def _e2e_only_result(backend: str, case: str, times_us, remote: int, total: int)
     """The result row of a backend timed end to end only (no elastic_ep kernels to profile)."""
     stats = _e2e_stats(times_us)
     return dict(backend=backend, case=case, num_sms=0, **stats, comm_kernel_us=None, epilogue_us=None,
-                kernel_us=None, bytes_remote=remote, bytes_total=total,
-                e2e_gbps_excl_local=remote / stats["e2e_us"] / 1e3, e2e_gbps_incl_local=total / stats["e2e_us"] / 1e3,
-                kernel_gbps_excl_local=None, kernel_gbps_incl_local=None, comm_gbps_excl_local=None)
+                kernel_us=None, bytes_remote=remote, bytes_total=total, **_bandwidths(remote, total, stats["e2e_us"]))
 
 
 def _row_checksums(rows: torch.Tensor) -> torch.Tensor:
@@ -206,22 +266,9 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
     recv_from = [None] * world
     dist.all_gather_object(recv_from, sent, group=group)
     recv_counts = [recv_from[s][rank] for s in range(world)]
-    n_recv_all = sum(recv_counts)
-    n_recv_remote = n_recv_all - recv_counts[rank]
-    n_sent_remote = sum(sent) - sent[rank]  # combine: rows this rank receives back = what it sent out
-    P = H // 128
-
-    def tok_bytes(elem: int, sf: bool) -> int:
-        return H * elem + (P * 4 if sf else 0) + K * 8 + K * 4
 
     def case_bytes(name: str):
-        """(bytes per row, bytes received from other ranks, bytes received in all) of case ``name``:
-        a combine receives back a row per token it sent; a dispatch receives one token record per row."""
-        if name.startswith("combine"):
-            b = H * 2 + K * 4
-            return b, n_sent_remote * b, sum(sent) * b
-        b = tok_bytes(1 if "fp8" in name else 2, "fp8" in name)
-        return b, n_recv_remote * b, n_recv_all * b
+        return _case_bytes(name, H, K, sent, recv_counts, rank)
 
     native_rows = None  # checksums of the native BF16 dispatch's rows, to check the torch reference path
     for backend in backends:
@@ -267,7 +314,7 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                 dist.barrier(group=group)
                 # end-to-end, CUDA events on the current stream
                 e2e = _timed_us(fn, iters, align)
-                comm_us = epi_us = span_us = None
+                comm_us = epi_us = span_us = busy_us = None
                 per_kernel = {}
                 if backend == "native":
                     from torch.profiler import ProfilerActivity, profile
@@ -277,22 +324,21 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                             align()
                             fn()
                             torch.cuda.synchronize()
-                    comm_us, epi_us, per_kernel, span_us = _kernel_times(prof, iters)
+                    comm_us, epi_us, per_kernel, span_us, busy_us = _kernel_times(prof, iters)
                 _, remote, total = case_bytes(name)
                 stats = _e2e_stats(e2e)
                 e2e_us = stats["e2e_us"]
-                kern_us = (comm_us + epi_us) if comm_us is not None else None
-                if kern_us is not None and name.startswith("dispatch") and "_overlap" in name and span_us:
-                    kern_us = span_us  # push and epilogue run at once: the sum would count both
+                # The union of the kernels' intervals: for sequential kernels the sum comm + epilogue;
+                # for overlapped dispatch (push and epilogue at once) each instant once, and without
+                # the host's gap between notify and epilogue that the span (first start to last end)
+                # of a CPU-synced dispatch contains.
+                kern_us = busy_us if busy_us else ((comm_us + epi_us) if comm_us is not None else None)
                 out["results"].append(dict(
                     backend=backend, case=name, num_sms=num_sms, **stats,
                     comm_kernel_us=comm_us, epilogue_us=epi_us, kernel_us=kern_us, span_us=span_us,
-                    per_kernel_us=per_kernel,
+                    busy_us=busy_us, per_kernel_us=per_kernel,
                     bytes_remote=remote, bytes_total=total,
-                    e2e_gbps_excl_local=remote / e2e_us / 1e3, e2e_gbps_incl_local=total / e2e_us / 1e3,
-                    kernel_gbps_excl_local=remote / kern_us / 1e3 if kern_us else None,
-                    kernel_gbps_incl_local=total / kern_us / 1e3 if kern_us else None,
-                    comm_gbps_excl_local=remote / comm_us / 1e3 if comm_us else None))
+                    **_bandwidths(remote, total, e2e_us, kern_us, comm_us)))
                 if name in case_overlap:
                     case_overlap[name][0].enabled = False
             buf.destroy()
@@ -362,10 +408,10 @@ def _summarise(per_rank, meta):
     for (backend, case, sms), lst in rows.items():
         table.append(dict(backend=backend, case=case, num_sms=sms,
                           **{k: mean(lst, k) for k in ("e2e_us", "e2e_mean_us", "kernel_us", "comm_kernel_us",
-                                                        "epilogue_us", "span_us",
+                                                        "epilogue_us", "span_us", "busy_us",
                                                         "e2e_gbps_excl_local", "e2e_gbps_incl_local",
                                                         "kernel_gbps_excl_local", "kernel_gbps_incl_local",
-                                                        "comm_gbps_excl_local")},
+                                                        "comm_gbps_excl_local", "comm_gbps_incl_local")},
                           per_kernel_us={k: sum(v.get("per_kernel_us", {}).get(k, 0.0) for v in lst) / len(lst)
                                          for k in sorted({k for v in lst for k in v.get("per_kernel_us", {})})},
                           per_kernel_us_by_rank=[v.get("per_kernel_us", {}) for v in lst]))
@@ -394,17 +440,21 @@ def _markdown(table, meta) -> str:
              f"shape: {meta['tokens']} tokens/rank, hidden 7168, top-8 of 256 experts, uniform routing; "
              f"per-GPU averages of: kernel time (mean), e2e (median of the iterations), each iteration started "
              f"{'aligned on all GPUs (all-reduce + GEMM)' if meta.get('align', 'gemm') == 'gemm' else 'after a host barrier'}; "
-             "GB/s = received bytes / time",
+             "GB/s = received bytes / time (1e9 B/s); DeepEP's GB/s divide by the communication kernels' time "
+             "(dispatch: notify + push = its dispatch_impl; combine: push = its combine_impl), all-kernels GB/s "
+             "by the time any of the call's kernels runs (epilogue / reduce included)",
              "",
-             "| backend | case | SMs | kernel us | comm us | epilogue us | e2e us | kernel GB/s excl. local | "
-             "kernel GB/s incl. local | comm-kernel GB/s excl. local | e2e GB/s excl. local | e2e speed-up vs torch "
+             "| backend | case | SMs | kernel us | comm us | epilogue us | e2e us | DeepEP GB/s excl. local | "
+             "DeepEP GB/s incl. local | all-kernels GB/s excl. local | all-kernels GB/s incl. local | "
+             "e2e GB/s excl. local | e2e speed-up vs torch "
              "reference path | e2e speed-up vs torch backend | e2e speed-up vs bare all_to_all | kernel span us |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in table:
         lines.append(f"| {t['backend']} | {t['case']} | {t['num_sms'] or 'all'} | {_fmt(t['kernel_us'])} | "
                      f"{_fmt(t['comm_kernel_us'])} | {_fmt(t['epilogue_us'])} | {_fmt(t['e2e_us'])} | "
+                     f"{_fmt(t.get('comm_gbps_excl_local'))} | {_fmt(t.get('comm_gbps_incl_local'))} | "
                      f"{_fmt(t['kernel_gbps_excl_local'])} | {_fmt(t['kernel_gbps_incl_local'])} | "
-                     f"{_fmt(t['comm_gbps_excl_local'])} | {_fmt(t['e2e_gbps_excl_local'])} | "
+                     f"{_fmt(t['e2e_gbps_excl_local'])} | "
                      f"{_fmt(t.get('speedup_vs_ref_e2e'), 2)} | {_fmt(t['speedup_vs_torch_e2e'], 2)} | {_fmt(t['speedup_vs_a2a_e2e'], 2)} | "
                      f"{_fmt(t.get('span_us'))} |")
     kern = [t for t in table if t.get("per_kernel_us")]
@@ -428,19 +478,25 @@ def _plot(table, path):
     except Exception as e:  # noqa: BLE001
         print(f"no plot: {e}")
         return
-    labels, vals, colors = [], [], []
+    labels, vals, colors, whole = [], [], [], []
     for t in table:
-        v = t["kernel_gbps_excl_local"] if t["backend"] == "native" else t["e2e_gbps_excl_local"]
+        # native: DeepEP's GB/s (communication kernels), and over all kernels as a black tick
+        v = t.get("comm_gbps_excl_local") if t["backend"] == "native" else t["e2e_gbps_excl_local"]
         labels.append(f"{t['backend']}\n{t['case']}\n{t['num_sms'] or 'all'} SMs" if t["backend"] == "native"
                       else f"{t['backend']}\n{t['case']}\n(e2e)")
         vals.append(v or 0.0)
+        whole.append(t["kernel_gbps_excl_local"] if t["backend"] == "native" else None)
         colors.append("tab:green" if t["backend"] == "native" else "tab:gray")
     fig, ax = plt.subplots(figsize=(max(6, len(vals) * 1.2), 4))
     ax.bar(range(len(vals)), vals, color=colors)
+    pts = [(i, w) for i, w in enumerate(whole) if w is not None]
+    if pts:
+        ax.scatter([i for i, _ in pts], [w for _, w in pts], marker="_", s=400, color="k",
+                   label="native, over all kernels (epilogue included)")
     ax.axhline(320, color="tab:red", linestyle="--", label="target 320 GB/s")
     ax.set_xticks(range(len(vals)))
     ax.set_xticklabels(labels, fontsize=7)
-    ax.set_ylabel("GB/s per GPU, excl. local traffic")
+    ax.set_ylabel("GB/s per GPU, excl. local traffic\n(native: DeepEP's, comm kernels; torch: e2e)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -476,7 +532,8 @@ def main() -> int:
     errors = [e for r in per_rank for e in r.get("errors", [])]
     if errors:
         print("errors:\n  " + "\n  ".join(errors))
-    meta = dict(errors=errors, date=datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC"), gpus=world,
+    meta = dict(errors=errors, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                host=socket.gethostname(), gpus=world,
                 gpu_name=torch.cuda.get_device_name(0), git=git, torch=torch.__version__,
                 nccl=".".join(map(str, torch.cuda.nccl.version())), tokens=args.tokens,
                 command=" ".join(sys.argv), align=args.align, seconds=round(time.time() - t0, 1))

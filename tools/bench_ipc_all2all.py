@@ -82,10 +82,23 @@ def _time_graph(fn, iters, per_graph=5):
     return start.elapsed_time(end) * 1e3 / (reps * per_graph)
 
 
+def _bytes_per_rank(total_tokens: int, world: int) -> int:
+    """One rank's input of send_recv_heads (= its output of gather_heads): its total/W tokens of
+    32 heads x 128 bf16 (2 bytes) elements."""
+    return (total_tokens // world) * HEADS * HEAD_DIM * 2
+
+
+def _bandwidths(nbytes: float, us: float, world: int):
+    """(algbw, busbw) in GB/s (1e9 bytes/s) of an all-to-all that moves ``nbytes`` per rank in ``us``
+    microseconds over ``world`` ranks, as nccl-tests counts an alltoall: algbw = bytes per rank / time,
+    busbw = algbw * (W-1)/W (the share of each rank's bytes that leaves the GPU)."""
+    algbw = nbytes / (us * 1e-6) / 1e9
+    return algbw, algbw * (world - 1) / world
+
+
 def _sweep_busbw(s) -> float:
     """Bus bandwidth (GB/s) of one grid-sweep point: one rank's input bytes * (W-1)/W over its time."""
-    W = s["world"]
-    return (s["total_tokens"] // W) * HEADS * HEAD_DIM * 2 * (W - 1) / W / s["send_us"] / 1e3
+    return _bandwidths(_bytes_per_rank(s["total_tokens"], s["world"]), s["send_us"], s["world"])[1]
 
 
 def _worker(rank, world, rdzv, sizes, sweep, q, num_blocks=0):
@@ -162,7 +175,7 @@ def _worker(rank, world, rdzv, sizes, sweep, q, num_blocks=0):
             equal = bool(torch.equal(ours_send(), nccl_send()))
             equal &= bool(torch.equal(ours_gather(), nccl_gather()))
             equal &= bool(torch.equal(ours_rt(), x))
-            bytes_rank = n * HEADS * HEAD_DIM * 2
+            bytes_rank = _bytes_per_rank(total, world)
             iters = int(max(10, min(200, 4e9 / max(bytes_rank, 1))))
             row = {"world": world, "total_tokens": total, "bytes_per_rank": bytes_rank, "bitwise_equal": equal}
             for name, fn in (("ours_send", ours_send), ("ours_gather", ours_gather), ("ours_rt", ours_rt),
@@ -237,13 +250,14 @@ def _run_world(world, sizes, sweep, timeout, num_blocks=0):
 
 
 def _derive(row):
+    """Adds ``<name>_<mode>_algbw`` / ``_busbw`` (GB/s) for every timing ``<name>_<mode>_us`` of a row; a
+    round trip (``_rt_``) is two all-to-alls, so it counts twice one rank's bytes."""
     W = row["world"]
     for k in list(row):
         if k.endswith("_us") and row[k]:
             base = k[:-3]
             b = row["bytes_per_rank"] * (2 if "_rt_" in k else 1)
-            row[base + "_algbw"] = b / (row[k] * 1e-6) / 1e9
-            row[base + "_busbw"] = row[base + "_algbw"] * (W - 1) / W
+            row[base + "_algbw"], row[base + "_busbw"] = _bandwidths(b, row[k], W)
     return row
 
 

@@ -50,3 +50,26 @@ def test_report_functions(tmp_path):
     pytest.importorskip("matplotlib")
     path = b._plot(data, tmp_path)
     assert path is not None and path.exists() and path.stat().st_size > 0
+
+
+def test_sizes_and_bandwidths_hand_computed():
+    b = load_tool("bench_ipc_all2all")
+    # "MiB per rank" of the sizes at W = 2: total/2 tokens x 32 heads x 128 x 2 bytes (bf16)
+    mib = {t: b._bytes_per_rank(t, 2) / 2**20 for t in (4096, 8192, 16384, 32768, 65536, 131072)}
+    assert mib == {4096: 16, 8192: 32, 16384: 64, 32768: 128, 65536: 256, 131072: 512}
+    assert b._bytes_per_rank(4096, 4) == 1024 * 8192 and b._bytes_per_rank(4096, 8) == 4 * 2**20
+    # nccl-tests alltoall: algbw = bytes per rank / time (GB = 1e9 B), busbw = algbw * (W-1)/W.
+    # 16 MiB = 16777216 B in 33.5 us: 500.81 GB/s algbw; W = 2 -> 250.40, W = 4 -> 375.61, W = 8 -> 438.21
+    alg, bus = b._bandwidths(16777216, 33.5, 2)
+    assert alg == pytest.approx(500.812, abs=1e-3) and bus == pytest.approx(250.406, abs=1e-3)
+    assert b._bandwidths(16777216, 33.5, 4)[1] == pytest.approx(375.609, abs=1e-3)
+    assert b._bandwidths(16777216, 33.5, 8)[1] == pytest.approx(438.211, abs=1e-3)
+    # the recorded 64 MiB point (2 x H200, 103.8 us eager): 67108864 B / 103.8 us / 2 = 323.26 GB/s
+    assert b._bandwidths(64 * 2**20, 103.8, 2)[1] == pytest.approx(323.26, abs=0.01)
+    # a round trip is two all-to-alls: twice the bytes over its time
+    row = b._derive({"world": 2, "total_tokens": 4096, "bytes_per_rank": 16777216, "ours_rt_eager_us": 67.0,
+                     "ours_send_eager_us": 33.5})
+    assert row["ours_rt_eager_algbw"] == pytest.approx(500.812, abs=1e-3)
+    assert row["ours_send_eager_busbw"] == pytest.approx(250.406, abs=1e-3)
+    # the grid sweep's bus bandwidth is the same formula
+    assert b._sweep_busbw({"world": 2, "total_tokens": 4096, "send_us": 33.5}) == pytest.approx(250.406, abs=1e-3)

@@ -1,0 +1,62 @@
+"""The metric formulas of tools/bench_elastic_ep.py against hand-computed numbers (issue 5, item 9:
+"GB/s counted as DeepEP does (received bytes over kernel time), both including and excluding local
+traffic")."""
+import pytest
+
+from tests._tools import load_tool
+
+
+def test_token_and_case_bytes():
+    b = load_tool("bench_elastic_ep")
+    H, K = 7168, 8
+    # DeepEP's count_bytes(recv_x, recv_topk_idx, recv_topk_weights) per token:
+    # BF16 7168*2 + 8*8 (int64 ids) + 8*4 (fp32 weights) = 14336 + 64 + 32 = 14432
+    assert b._token_bytes(H, K, fp8=False) == 14432
+    # FP8 7168*1 + 56 fp32 scales (224) + 64 + 32 = 7488
+    assert b._token_bytes(H, K, fp8=True) == 7488
+    # rank 0 of the EP 2 record (17d5c98): it receives 4082 tokens from rank 1 and 4084 of its own,
+    # and sends 4074 to rank 1 (and 4084 to itself)
+    sent, recv = [4084, 4074], [4084, 4082]
+    row, remote, total = b._case_bytes("dispatch_bf16", H, K, sent, recv, rank=0)
+    assert (row, remote, total) == (14432, 4082 * 14432, 8166 * 14432)
+    assert (remote, total) == (58911424, 117851712)  # the recorded bytes_remote / bytes_total of that rank
+    assert b._case_bytes("dispatch_bf16_cached", H, K, sent, recv, 0) == (row, remote, total)
+    assert b._case_bytes("dispatch_fp8_overlap_p49", H, K, sent, recv, 0) == (7488, 4082 * 7488, 8166 * 7488)
+    # combine: a row of 7168*2 + 8*4 = 14368 bytes comes back for each (token, rank) this rank sent
+    assert b._case_bytes("combine_bf16", H, K, sent, recv, 0) == (14368, 4074 * 14368, 8158 * 14368)
+    assert b._case_bytes("combine_bf16", H, K, sent, recv, 0)[1:] == (58535232, 117214144)  # recorded
+    # rank 1's view: local is its own index
+    assert b._case_bytes("dispatch_bf16", H, K, [4082, 4081], [4074, 4081], 1)[1:] == (4074 * 14432, 8155 * 14432)
+
+
+def test_bandwidths_hand_computed():
+    b = load_tool("bench_elastic_ep")
+    # rank 0, BF16 dispatch, EP 2 record: 58911424 B from the peer, 117851712 B in all; notify + push
+    # 206.9 us (DeepEP's dispatch_impl), + epilogue 275.0 us, e2e 429.4 us
+    bw = b._bandwidths(58911424, 117851712, 429.4, 275.0, 206.9)
+    assert bw["comm_gbps_excl_local"] == pytest.approx(284.73, abs=0.01)   # 58911424 / 206.9e-6 / 1e9
+    assert bw["comm_gbps_incl_local"] == pytest.approx(569.61, abs=0.01)
+    assert bw["kernel_gbps_excl_local"] == pytest.approx(214.22, abs=0.01)
+    assert bw["kernel_gbps_incl_local"] == pytest.approx(428.55, abs=0.01)
+    assert bw["e2e_gbps_excl_local"] == pytest.approx(137.19, abs=0.01)
+    assert bw["e2e_gbps_incl_local"] == pytest.approx(274.46, abs=0.01)
+    none = b._bandwidths(1e6, 2e6, 100.0)
+    assert none["e2e_gbps_excl_local"] == pytest.approx(10.0) and none["e2e_gbps_incl_local"] == pytest.approx(20.0)
+    assert none["kernel_gbps_excl_local"] is None and none["comm_gbps_incl_local"] is None
+    r = b._e2e_only_result("torch_ref", "combine_bf16", [100.0, 300.0, 200.0], 50e6, 100e6)
+    assert r["comm_gbps_incl_local"] is None and r["e2e_gbps_excl_local"] == pytest.approx(250.0)
+
+
+def test_kernel_time_is_the_union_of_kernel_intervals():
+    b = load_tool("bench_elastic_ep")
+    # sequential kernels: the union is the sum of their durations
+    assert b._busy_us([(0, 14), (14, 21), (21, 56)], 1) == pytest.approx(56.0)
+    # a CPU-synced dispatch: notify, push, then the host waits ~150 us before the epilogue: the span
+    # counts the host's gap, the device time does not
+    seq = [(0, 14), (14, 26), (176, 215)]
+    assert b._span_us(seq, 1) == pytest.approx(215.0)
+    assert b._busy_us(seq, 1) == pytest.approx(14 + 12 + 39)
+    # overlapped push and epilogue count once; two iterations average
+    two = [(0, 4), (4, 33), (10, 56), (1000, 1004), (1004, 1030), (1008, 1050)]
+    assert b._busy_us(two, 2) == pytest.approx((56 + 50) / 2)
+    assert b._busy_us([], 1) is None
