@@ -23,6 +23,13 @@ VENV="$OUT/venv"
 rm -rf "$VENV"
 if [ -z "${TORCH_SPEC:-}" ] && $PY -c "import torch" 2>/dev/null; then
   $PY -m venv --system-site-packages "$VENV"
+  # When $PYTHON is itself a virtual environment's, --system-site-packages shows the base
+  # interpreter's packages, not that environment's (where torch is): a .pth file adds them, after the
+  # new venv's own site-packages, so the package under check still imports from the new venv.
+  if [ "$($PY -c 'import sys; print(sys.prefix != sys.base_prefix)')" = True ]; then
+    "$PY" -c 'import sysconfig; p = sysconfig.get_paths(); print(p["purelib"]); print(p["platlib"])' \
+      > "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_check_dist_parent.pth"
+  fi
 else
   $PY -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q "${TORCH_SPEC:-torch==2.14.1}"
