@@ -451,8 +451,7 @@ class Transport::Impl {
     uint64_t next_intr = next_interrupt_check();
     auto interrupted = [&] {
       if (honor_poison) {
-        check_poison();
-        check_not_reset();
+        check_poison_or_reset();
       }
       if (stopping_.load(std::memory_order_acquire)) throw Stopping{};
       const uint64_t now = monotonic_ns();
@@ -482,8 +481,7 @@ class Transport::Impl {
     // pred() is tested before the checks above: a reset() that marked the awaited epoch done must not
     // pass for the layer having been delivered.
     if (honor_poison) {
-      check_poison();
-      check_not_reset();
+      check_poison_or_reset();
     }
   }
 
@@ -521,6 +519,13 @@ class Transport::Impl {
   static uint64_t& call_generation_slot() {
     static thread_local uint64_t gen = 0;
     return gen;
+  }
+
+  // Both checks a public call makes before acting on the layer it started in (not the consumer
+  // thread, which is outside any call).
+  void check_poison_or_reset() const {
+    check_poison();
+    check_not_reset();
   }
 
   void check_not_reset() const {
@@ -736,8 +741,7 @@ class Transport::Impl {
               });
         }
         std::lock_guard<std::mutex> publishing(publish_mu_);
-        check_poison();
-        check_not_reset();
+        check_poison_or_reset();
         st_relaxed(&c_->layer.layer_id, layer_id);
         st_relaxed(&c_->layer.expert_count, static_cast<uint64_t>(expert_count));
         st_relaxed(&c_->layer.layer_start_ns, monotonic_ns());
@@ -953,8 +957,7 @@ class Transport::Impl {
         // Under publish_mu_, which rank 0's reset() holds while it clears the slots: a reset that
         // completed while the writer ran is seen here, and none can complete between check and publish.
         std::lock_guard<std::mutex> publishing(publish_mu_);
-        check_poison();  // a consumer may have failed meanwhile: stop publishing
-        check_not_reset();
+        check_poison_or_reset();  // a consumer may have failed meanwhile: stop publishing
         const uint64_t seq = ld_relaxed(&c_->layer.next_sequence) + 1;
         st_relaxed(&c_->layer.next_sequence, seq);
         st_relaxed(&c_->ready[slot].epoch, epoch);
@@ -967,8 +970,7 @@ class Transport::Impl {
         if (published[s] != 0) wait_slot_acks(s, published[s]);
       slot_wait_ns += monotonic_ns() - w0;
       std::lock_guard<std::mutex> publishing(publish_mu_);
-      check_poison();
-      check_not_reset();
+      check_poison_or_reset();
       st_relaxed(&c_->pstats.writer_ns, writer_ns);
       st_relaxed(&c_->pstats.slot_wait_ns, slot_wait_ns);
       st_relaxed(&c_->pstats.total_ns, monotonic_ns() - t0);
