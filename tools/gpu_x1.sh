@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU test suites on a one-GPU machine, in two device calls of under 600 s each: ranks of the
+# multi-rank tests share the GPU (COMMKIT_TEST_SHARE_GPU=1, correctness only; see tests/conftest.py).
+#
+#   COMMKIT_GIT_REV=<hash> bash tools/gpu_x1.sh OUT_DIR a    # build; fp8_layerwise and ipc_all2all GPU tests
+#   COMMKIT_GIT_REV=<hash> bash tools/gpu_x1.sh OUT_DIR b    # elastic_ep GPU tests (reuses part a's build)
+#
+# Part a (limits in seconds): build ~40, fp8_layerwise 120, ipc_all2all 400.  Part b: elastic_ep 560.
+# Part b must start while the machine from part a is still held (its packages are installed there);
+# if the machine was released in between, pass BUILD=1 to rebuild first (~40 s more).
+# On the device:  timeout 590 bash tools/gpu_x1.sh /tmp/r a; tar czf $OUT/r.tgz -C /tmp/r .
+set -u
+OUT=${1:?usage: bash tools/gpu_x1.sh OUT_DIR a|b}
+PART=${2:?usage: bash tools/gpu_x1.sh OUT_DIR a|b}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+export COMMKIT_TEST_SHARE_GPU=1
+source "$ROOT/tools/_gpu_steps.sh"
+case "$PART" in
+  a)
+    build_all
+    step tests_fp8 120 "${PYTEST[@]}" --junitxml="$OUT/junit_fp8.xml" "$ROOT/tests/fp8_layerwise"
+    step tests_ipc 400 "${PYTEST[@]}" --junitxml="$OUT/junit_ipc.xml" "$ROOT/tests/ipc_all2all"
+    ;;
+  b)
+    [ "${BUILD:-0}" = 1 ] && build_all
+    step tests_elastic 560 "${PYTEST[@]}" --junitxml="$OUT/junit_elastic.xml" "$ROOT/tests/elastic_ep"
+    ;;
+  *) echo "unknown part $PART (a or b)" >&2; exit 2 ;;
+esac
+echo "gpu_x1.sh $PART done $(date -u +%T)"
