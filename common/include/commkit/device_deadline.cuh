@@ -10,13 +10,14 @@
 //       expected, observed) in `rec` if no one else had -- or when another thread already
 //       recorded a timeout (rec->flag != 0), so every waiter of a failed operation leaves fast.
 //       The caller must leave the kernel (return) on false; the host then raises via
-//       CK_RAISE_IF_TIMED_OUT. timeout_ns == 0 disables the deadline.
+//       CK_RAISE_IF_TIMED_OUT. timeout_ns == 0 disables the deadline. A timer read that is earlier
+//       than the wait's start (the global timer stepped back) restarts the deadline.
 //   wait_tag_ge(ptr, tag, timeout_ns, rec, op, rank, peer)
 //       the same for u64 words "(tag << 32) | payload": until the high half is at or past `tag` in
 //       32-bit serial-number order, (int32_t)(high - tag) >= 0, so the tag may wrap around 2^32
 //       (a plain >= on the word would accept every stale word once it had).
 //   All three take three optional last arguments: poll_log2 (default 6): the abort flag (host memory,
-//   a PCIe read) and the timer are checked every 2^poll_log2 spins; sleep_ns (default 0): a
+//   a PCIe read) and the timer are checked every 2^poll_log2 spins (2^32 for 32 and above); sleep_ns (default 0): a
 //   __nanosleep between spins. Waits that thousands of warps run at once (per-chunk arrival
 //   counters) pass larger values so the waiters flood neither PCIe nor L2. stop (default none): a
 //   u64 word checked with the abort flag; once it is non-zero the wait returns false without
@@ -78,7 +79,8 @@ template <Cmp kCmp, typename T>
 __device__ __forceinline__ bool wait_impl(const T* ptr, T expected, uint64_t timeout_ns,
                                           TimeoutRecord* rec, uint32_t op, int rank, int peer,
                                           uint32_t poll_log2, uint32_t sleep_ns, const uint64_t* stop) {
-  const uint32_t poll_mask = (1u << poll_log2) - 1u;
+  // poll_log2 >= 32 means "every 2^32 spins" (a shift by 32 or more is undefined).
+  const uint32_t poll_mask = poll_log2 >= 32u ? 0xffffffffu : (1u << poll_log2) - 1u;
   T seen = ld_acquire(ptr);
   uint64_t start = globaltimer_ns();
   uint32_t spins = 0;
@@ -87,6 +89,9 @@ __device__ __forceinline__ bool wait_impl(const T* ptr, T expected, uint64_t tim
       if (aborted(rec)) return false;
       if (stop != nullptr && ld_relaxed(stop) != 0u) return false;
       uint64_t now = globaltimer_ns();
+      // The timer may be stepped back (the driver re-syncs it): restart rather than read the
+      // negative difference as ~2^64 ns waited and time out at once.
+      if (now < start) start = now;
       if (timeout_ns != 0 && now - start > timeout_ns) {
         report_timeout(rec, op, rank, peer, static_cast<int64_t>(expected),
                        static_cast<int64_t>(seen), now - start);
