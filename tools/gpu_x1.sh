@@ -4,14 +4,16 @@
 #
 #   COMMKIT_GIT_REV=<hash> bash tools/gpu_x1.sh OUT_DIR a    # build; fp8_layerwise and ipc_all2all GPU tests
 #   COMMKIT_GIT_REV=<hash> bash tools/gpu_x1.sh OUT_DIR b    # elastic_ep GPU tests (reuses part a's build)
+#   COMMKIT_GIT_REV=<hash> bash tools/gpu_x1.sh OUT_DIR waits  # build; the tests of the device-side waits:
+#       the whole ipc_all2all suite and elastic_ep's timeout, late-peer and IPC-window soak tests (~500 s)
 #
 # Part a (limits in seconds): build ~40, fp8_layerwise 120, ipc_all2all 400.  Part b: elastic_ep 560.
 # Part b must start while the machine from part a is still held (its packages are installed there);
 # if the machine was released in between, pass BUILD=1 to rebuild first (~40 s more).
 # On the device:  timeout 590 bash tools/gpu_x1.sh /tmp/r a; tar czf $OUT/r.tgz -C /tmp/r .
 set -u
-OUT=${1:?usage: bash tools/gpu_x1.sh OUT_DIR a|b}
-PART=${2:?usage: bash tools/gpu_x1.sh OUT_DIR a|b}
+OUT=${1:?usage: bash tools/gpu_x1.sh OUT_DIR a|b|waits}
+PART=${2:?usage: bash tools/gpu_x1.sh OUT_DIR a|b|waits}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export COMMKIT_TEST_SHARE_GPU=1
 source "$ROOT/tools/_gpu_steps.sh"
@@ -25,6 +27,12 @@ case "$PART" in
     [ "${BUILD:-0}" = 1 ] && build_all
     step tests_elastic 560 "${PYTEST[@]}" --junitxml="$OUT/junit_elastic.xml" "$ROOT/tests/elastic_ep"
     ;;
-  *) echo "unknown part $PART (a or b)" >&2; exit 2 ;;
+  waits)
+    build_all
+    step tests_ipc 330 "${PYTEST[@]}" --junitxml="$OUT/junit_ipc.xml" "$ROOT/tests/ipc_all2all"
+    step tests_elastic_waits 200 "${PYTEST[@]}" --junitxml="$OUT/junit_elastic_waits.xml" \
+      -k "timeout or late_peer or soak_ipc_window or matrix_ipc_window" "$ROOT/tests/elastic_ep"
+    ;;
+  *) echo "unknown part $PART (a, b or waits)" >&2; exit 2 ;;
 esac
 echo "gpu_x1.sh $PART done $(date -u +%T)"
