@@ -189,12 +189,30 @@ def test_hybrid_layouts_follow_the_seed():
     lambda: ll.ElasticBuffer.get_dispatch_buffer_size(2 ** 30, 2 ** 31 - 1, 0, 8, 2, 1, 8, True),
     lambda: ll.ElasticBuffer.get_combine_buffer_size(2 ** 30, 2 ** 28, 32, 1, 64, True, True),
     lambda: ll.ElasticBuffer.calculate_buffer_size(8, 2 ** 30, 2 ** 31 - 1, 8, False, True, True),
-], ids=["dispatch", "combine", "calculate"])
+    # the native functions themselves (the low-level class adds nothing), hybrid domains included
+    lambda: _C.get_dispatch_buffer_size(2 ** 31 - 1, 2 ** 31 - 1, 0, 32, 8, 2 ** 31 - 1, 2 ** 31 - 1, False),
+    lambda: _C.get_combine_buffer_size(2 ** 31 - 1, 2 ** 31 - 1, 32, 2 ** 31 - 1, 2 ** 31 - 1, False, False),
+    lambda: _C.get_combine_buffer_size(2 ** 31 - 1, 2 ** 31 - 1, 32, 1, 2 ** 31 - 1, False, False),
+    lambda: _C.calculate_buffer_size_for_domain(2 ** 31 - 1, 2 ** 31 - 1, 32, False, 2 ** 31 - 1, 2 ** 31 - 1,
+                                                True, True),
+    lambda: _C.dispatch_token_bytes(2 ** 62, 4, 0, 8),
+    lambda: _C.combine_token_bytes(2 ** 62, 8),
+], ids=["dispatch", "combine", "calculate", "native_dispatch_hybrid", "native_combine_hybrid",
+        "native_combine_direct", "native_calculate", "native_dispatch_token", "native_combine_token"])
 def test_sizes_beyond_int64_are_refused_not_wrapped(call):
     # The native sizing is int64: these products wrapped to small positive sizes (e.g. 687 GB for a
-    # 3.7e19-byte request), which a buffer-too-small check would then accept.
+    # 3.7e19-byte request), which a buffer-too-small check would then accept. It saturates instead
+    # and the binding refuses the saturated size.
     with pytest.raises(ValueError, match="more than any buffer can hold"):
         call()
+
+
+def test_largest_size_below_int64_is_exact():
+    # Just below the limit the native sizing is still exact (saturation only where int64 ends).
+    for n in (2 ** 20, 2 ** 24, 2 ** 27):
+        want = _sizing.get_dispatch_buffer_size(n, 2 ** 31 - 1, 0, 8, 2, 1, 8, True)
+        assert want < 2 ** 63
+        assert _C.get_dispatch_buffer_size(n, 2 ** 31 - 1, 0, 8, 2, 1, 8, True) == want
 
 
 def test_large_sizes_below_int64_still_agree_with_the_python_sizing():

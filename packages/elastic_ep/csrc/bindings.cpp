@@ -21,6 +21,13 @@ using namespace elastic_ep;
 
 namespace {
 
+// The sizing saturates at kSizeOverflow instead of wrapping (sizing.hpp): refuse it by name.
+int64_t fits_int64(const char* what, int64_t bytes) {
+  CK_CHECK_ARG(bytes != kSizeOverflow, what, ": these arguments ask for 2^63 bytes or more, more than any buffer can "
+               "hold (the sizes are int64); check num_max_tokens_per_rank and hidden");
+  return bytes;
+}
+
 // Kernel parameter blocks come from Python as dicts of ints; a missing key is a programming error.
 int64_t get_i(const py::dict& d, const char* key) {
   CK_CHECK(d.contains(key), "internal: parameter '", key, "' missing");
@@ -165,9 +172,14 @@ PYBIND11_MODULE(_C, m) {
 
   // Sizing: pure functions of the shapes (the CPU suite checks them).
   m.def("dispatch_token_bytes", [](int64_t hidden, int64_t elem_size, int64_t num_sf_packs, int64_t num_topk) {
-    return int64_t(dispatch_token_layout(hidden, elem_size, num_sf_packs, num_topk).bytes);
+    CK_CHECK_ARG(hidden >= 0 && elem_size >= 0 && num_sf_packs >= 0 && num_topk >= 0,
+                 "dispatch_token_bytes: sizes must be non-negative");
+    return fits_int64("dispatch_token_bytes", sizing_detail::from_u64(
+                                                  dispatch_token_layout(hidden, elem_size, num_sf_packs, num_topk).bytes));
   });
   m.def("dispatch_token_layout", [](int64_t hidden, int64_t elem_size, int64_t num_sf_packs, int64_t num_topk) {
+    CK_CHECK_ARG(hidden >= 0 && elem_size >= 0 && num_sf_packs >= 0 && num_topk >= 0,
+                 "dispatch_token_layout: sizes must be non-negative");
     auto t = dispatch_token_layout(hidden, elem_size, num_sf_packs, num_topk);
     py::dict d;
     auto reg = [](const commkit::Region& r) { return py::make_tuple(r.offset, r.bytes); };
@@ -180,7 +192,8 @@ PYBIND11_MODULE(_C, m) {
     return d;
   });
   m.def("combine_token_bytes", [](int64_t hidden, int64_t num_topk) {
-    return int64_t(combine_token_layout(hidden, 2, num_topk).bytes);
+    CK_CHECK_ARG(hidden >= 0 && num_topk >= 0, "combine_token_bytes: sizes must be non-negative");
+    return fits_int64("combine_token_bytes", sizing_detail::from_u64(combine_token_layout(hidden, 2, num_topk).bytes));
   });
   m.def("get_dispatch_buffer_size",
         [](int num_max_tokens_per_rank, int hidden, int num_sf_packs, int num_topk, int elem_size,
@@ -190,8 +203,9 @@ PYBIND11_MODULE(_C, m) {
                        "get_dispatch_buffer_size: every size must be positive (num_sf_packs >= 0)");
           CK_CHECK_ARG(num_topk <= kMaxTopk, "get_dispatch_buffer_size: num_topk must be at most ", kMaxTopk,
                        ", got ", num_topk);
-          return dispatch_buffer_size(num_max_tokens_per_rank, hidden, num_sf_packs, num_topk, elem_size,
-                                      num_scaleout_ranks, num_scaleup_ranks, is_scaleup_nvlink);
+          return fits_int64("get_dispatch_buffer_size",
+                            dispatch_buffer_size(num_max_tokens_per_rank, hidden, num_sf_packs, num_topk, elem_size,
+                                                 num_scaleout_ranks, num_scaleup_ranks, is_scaleup_nvlink));
         });
   m.def("get_combine_buffer_size",
         [](int num_max_tokens_per_rank, int hidden, int num_topk, int num_scaleout_ranks, int num_scaleup_ranks,
@@ -201,8 +215,9 @@ PYBIND11_MODULE(_C, m) {
                        "get_combine_buffer_size: every size must be positive");
           CK_CHECK_ARG(num_topk <= kMaxTopk, "get_combine_buffer_size: num_topk must be at most ", kMaxTopk,
                        ", got ", num_topk);
-          return combine_buffer_size(num_max_tokens_per_rank, hidden, num_topk, num_scaleout_ranks,
-                                     num_scaleup_ranks, is_scaleup_nvlink, allow_multiple_reduction);
+          return fits_int64("get_combine_buffer_size",
+                            combine_buffer_size(num_max_tokens_per_rank, hidden, num_topk, num_scaleout_ranks,
+                                                num_scaleup_ranks, is_scaleup_nvlink, allow_multiple_reduction));
         });
   m.def("calculate_buffer_size_for_domain",
         [](int num_max_tokens_per_rank, int hidden, int num_topk, bool use_fp8_dispatch, int num_scaleout_ranks,
@@ -216,9 +231,10 @@ PYBIND11_MODULE(_C, m) {
           CK_CHECK_ARG(num_topk >= 0 && num_topk <= kMaxTopk, "num_topk must be in [0, ", kMaxTopk, "], got ",
                        num_topk);
           CK_CHECK_ARG(num_scaleout_ranks > 0 && num_scaleup_ranks > 0, "domain sizes must be positive");
-          return calculate_buffer_size(num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
-                                       num_scaleout_ranks, num_scaleup_ranks, is_scaleup_nvlink,
-                                       allow_multiple_reduction);
+          return fits_int64("calculate_buffer_size",
+                            calculate_buffer_size(num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
+                                                  num_scaleout_ranks, num_scaleup_ranks, is_scaleup_nvlink,
+                                                  allow_multiple_reduction));
         });
   m.def("worst_case_num_recv_tokens", &worst_case_num_recv_tokens);
   m.def("chunk_order", [](int num_ranks, int rank, const std::vector<int>& rows_per_source) {

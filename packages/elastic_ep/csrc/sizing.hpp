@@ -32,6 +32,37 @@ using commkit::ceil_div;
 using commkit::Layout;
 using commkit::Region;
 
+// Sizes come from user arguments (int token counts, hidden sizes, rank counts), so their int64
+// products can exceed int64: signed overflow is undefined, and in practice it wrapped to a small
+// positive size that a buffer-too-small check then accepted. Host code saturates at kSizeOverflow
+// (INT64_MAX, no allocation's size) and the bindings refuse it; device code keeps the plain
+// arithmetic, as commkit/layout.hpp does. Operands are non-negative (the bindings check them).
+constexpr int64_t kSizeOverflow = INT64_MAX;
+namespace sizing_detail {
+CK_HD constexpr int64_t mul(int64_t a, int64_t b) {
+#ifdef __CUDA_ARCH__
+  return a * b;
+#else
+  return a != 0 && b > kSizeOverflow / a ? kSizeOverflow : a * b;
+#endif
+}
+CK_HD constexpr int64_t add(int64_t a, int64_t b) {
+#ifdef __CUDA_ARCH__
+  return a + b;
+#else
+  return b > kSizeOverflow - a ? kSizeOverflow : a + b;
+#endif
+}
+// A layout total (saturated at UINT64_MAX by commkit::Layout) as an int64 size.
+CK_HD constexpr int64_t from_u64(uint64_t v) {
+#ifdef __CUDA_ARCH__
+  return int64_t(v);
+#else
+  return v > uint64_t(kSizeOverflow) ? kSizeOverflow : int64_t(v);
+#endif
+}
+}  // namespace sizing_detail
+
 // Symmetric allocations and the buffer size are multiples of 2 MiB (cuMem granularity on H100/H200).
 constexpr int64_t kBufferAlignmentBytes = int64_t(2) << 20;
 // Direct mode limits (one NVLink domain).
@@ -106,10 +137,10 @@ CK_HD constexpr DispatchTokenLayout dispatch_token_layout(int64_t hidden, int64_
                                                           int64_t num_sf_packs, int64_t num_topk) {
   Layout l;
   DispatchTokenLayout t{};
-  t.x = l.add(uint64_t(hidden * elem_size), 16);
-  t.sf = l.add(uint64_t(num_sf_packs * 4), 16);
-  t.topk_idx = l.add(uint64_t(num_topk * 4), 16);
-  t.topk_weights = l.add(uint64_t(num_topk * 4), 16);
+  t.x = l.add(uint64_t(sizing_detail::mul(hidden, elem_size)), 16);
+  t.sf = l.add(uint64_t(sizing_detail::mul(num_sf_packs, 4)), 16);
+  t.topk_idx = l.add(uint64_t(sizing_detail::mul(num_topk, 4)), 16);
+  t.topk_weights = l.add(uint64_t(sizing_detail::mul(num_topk, 4)), 16);
   t.src_meta = l.add(8, 16);
   t.bytes = l.total(16);
   return t;
@@ -123,15 +154,15 @@ struct CombineTokenLayout {
 CK_HD constexpr CombineTokenLayout combine_token_layout(int64_t hidden, int64_t elem_size, int64_t num_topk) {
   Layout l;
   CombineTokenLayout t{};
-  t.x = l.add(uint64_t(hidden * elem_size), 16);
-  t.topk_weights = l.add(uint64_t(num_topk * 4), 16);
+  t.x = l.add(uint64_t(sizing_detail::mul(hidden, elem_size)), 16);
+  t.topk_weights = l.add(uint64_t(sizing_detail::mul(num_topk, 4)), 16);
   t.bytes = l.total(16);
   return t;
 }
 
-// A [num_ranks][num_tokens][record] area.
+// A [num_ranks][num_tokens][record] area (kSizeOverflow on the host when it exceeds int64).
 CK_HD constexpr int64_t buffer_layout_bytes(uint64_t token_bytes, int64_t num_ranks, int64_t num_tokens) {
-  return int64_t(token_bytes) * num_ranks * num_tokens;
+  return sizing_detail::mul(sizing_detail::mul(sizing_detail::from_u64(token_bytes), num_ranks), num_tokens);
 }
 
 CK_HD constexpr int combine_num_slots(int num_ranks, int num_topk, bool allow_multiple_reduction) {
@@ -153,42 +184,48 @@ CK_HD constexpr int64_t dispatch_buffer_size(int64_t num_max_tokens_per_rank, in
                                              int64_t num_sf_packs, int64_t num_topk, int64_t elem_size,
                                              int64_t num_scaleout_ranks, int64_t num_scaleup_ranks,
                                              bool is_scaleup_nvlink) {
+  using sizing_detail::add;
+  using sizing_detail::mul;
   const auto tok = dispatch_token_layout(hidden, elem_size, num_sf_packs, num_topk).bytes;
-  const int64_t num_ranks = num_scaleout_ranks * num_scaleup_ranks;
+  const int64_t num_ranks = mul(num_scaleout_ranks, num_scaleup_ranks);
   if (num_scaleout_ranks == 1) {
     // Peers outside NVLink would need a staging send buffer; inside NVLink records go straight to the peer.
     const int64_t send = buffer_layout_bytes(tok, is_scaleup_nvlink ? 0 : 1, num_max_tokens_per_rank);
     const int64_t recv = buffer_layout_bytes(tok, num_ranks, num_max_tokens_per_rank);
-    return send + recv;
+    return add(send, recv);
   }
   // Hybrid: scale-up receive area for every scale-out peer's tokens, one scale-out send area, and a
   // scale-out receive area with room for one partly filled chunk per channel.
-  return buffer_layout_bytes(tok, num_scaleup_ranks, num_scaleout_ranks * num_max_tokens_per_rank) +
-         buffer_layout_bytes(tok, 1, num_max_tokens_per_rank) +
-         buffer_layout_bytes(tok, num_scaleout_ranks, num_max_tokens_per_rank + kHybridNumMaxChannels);
+  return add(add(buffer_layout_bytes(tok, num_scaleup_ranks, mul(num_scaleout_ranks, num_max_tokens_per_rank)),
+                 buffer_layout_bytes(tok, 1, num_max_tokens_per_rank)),
+             buffer_layout_bytes(tok, num_scaleout_ranks, add(num_max_tokens_per_rank, kHybridNumMaxChannels)));
 }
 
 // The seed's get_combine_buffer_size.
 CK_HD constexpr int64_t combine_buffer_size(int64_t num_max_tokens_per_rank, int64_t hidden, int64_t num_topk,
                                             int64_t num_scaleout_ranks, int64_t num_scaleup_ranks,
                                             bool is_scaleup_nvlink, bool allow_multiple_reduction) {
-  const int64_t num_ranks = num_scaleout_ranks * num_scaleup_ranks;
+  using sizing_detail::add;
+  using sizing_detail::mul;
+  const int64_t num_ranks = mul(num_scaleout_ranks, num_scaleup_ranks);
   const auto tok = combine_token_layout(hidden, 2, num_topk).bytes;
   if (num_scaleout_ranks == 1) {
-    const int64_t slots = combine_num_slots(int(num_ranks), int(num_topk), allow_multiple_reduction);
+    // min(R, K) needs no more than K's range: the bindings bound K, so the int narrowing is exact.
+    const int64_t slots = combine_num_slots(num_ranks < num_topk ? int(num_ranks) : int(num_topk), int(num_topk),
+                                            allow_multiple_reduction);
     const int64_t send = buffer_layout_bytes(tok, is_scaleup_nvlink ? 0 : num_ranks,
-                                             num_max_tokens_per_rank * (allow_multiple_reduction ? 1 : num_topk));
+                                             mul(num_max_tokens_per_rank, allow_multiple_reduction ? 1 : num_topk));
     const int64_t recv = buffer_layout_bytes(tok, slots, num_max_tokens_per_rank);
-    return send + recv;
+    return add(send, recv);
   }
   // Hybrid: scale-up receive slots per token of every scale-out peer, scale-out receive slots, and the
   // scale-out send area (one row per token with multiple reduction, else one per top-k lane).
   const int64_t up_slots = combine_num_slots(int(num_scaleup_ranks), int(num_topk), allow_multiple_reduction);
   const int64_t out_slots = combine_num_slots(int(num_scaleout_ranks), int(num_topk), allow_multiple_reduction);
-  return buffer_layout_bytes(tok, up_slots, num_scaleout_ranks * num_max_tokens_per_rank) +
-         buffer_layout_bytes(tok, out_slots, num_max_tokens_per_rank) +
-         buffer_layout_bytes(tok, allow_multiple_reduction ? 1 : num_topk,
-                             num_scaleout_ranks * (num_max_tokens_per_rank + kHybridNumMaxChannels));
+  return add(add(buffer_layout_bytes(tok, up_slots, mul(num_scaleout_ranks, num_max_tokens_per_rank)),
+                 buffer_layout_bytes(tok, out_slots, num_max_tokens_per_rank)),
+             buffer_layout_bytes(tok, allow_multiple_reduction ? 1 : num_topk,
+                                 mul(num_scaleout_ranks, add(num_max_tokens_per_rank, kHybridNumMaxChannels))));
 }
 
 // Approximate SF pack count used for sizing: one 4 B pack per 32 elements is the worst case
@@ -198,7 +235,8 @@ CK_HD constexpr int64_t sizing_num_sf_packs(int64_t hidden, bool use_fp8_dispatc
 }
 
 // The seed's calculate_buffer_size, with the domain sizes given explicitly. Returns -1 when the
-// arguments are invalid (the binding turns that into a ValueError with the reason).
+// arguments are invalid (the binding turns that into a ValueError with the reason), kSizeOverflow
+// when the size exceeds int64 (host).
 CK_HD constexpr int64_t calculate_buffer_size(int64_t num_max_tokens_per_rank, int64_t hidden, int64_t num_topk,
                                               bool use_fp8_dispatch, int64_t num_scaleout_ranks,
                                               int64_t num_scaleup_ranks, bool is_scaleup_nvlink,
@@ -212,7 +250,7 @@ CK_HD constexpr int64_t calculate_buffer_size(int64_t num_max_tokens_per_rank, i
                                          k, elem, num_scaleout_ranks, num_scaleup_ranks, is_scaleup_nvlink);
   const int64_t c = combine_buffer_size(num_max_tokens_per_rank, hidden, k, num_scaleout_ranks, num_scaleup_ranks,
                                         is_scaleup_nvlink, allow_multiple_reduction);
-  return int64_t(align_up(uint64_t(d > c ? d : c), uint64_t(kBufferAlignmentBytes)));
+  return sizing_detail::from_u64(align_up(uint64_t(d > c ? d : c), uint64_t(kBufferAlignmentBytes)));
 }
 
 // Per-rank count words of dispatch notify, to the peers (tag = epoch) and to the host (tag = the

@@ -46,7 +46,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _C, _checks, _sizing
+from . import _C, _checks
 from ._events import EventHandle
 
 __all__ = [
@@ -72,21 +72,6 @@ CommError = _C.CommError
 CommTimeoutError = _C.CommTimeoutError
 
 _MAX_RANKS = int(_C.MAX_RANKS)
-_INT64_MAX = 2 ** 63 - 1
-
-
-def _fits_int64(what: str, exact) -> None:
-    """Raises ValueError when the exact size (``exact()``, in Python ints) is beyond int64: the native
-    sizing computes in int64, and a product that wrapped could come back small, pass the
-    buffer-too-small check and let the kernels write far outside the buffer. Argument errors are left
-    to the native binding, which names them."""
-    try:
-        v = exact()
-    except (ValueError, TypeError, ZeroDivisionError):
-        return
-    if v > _INT64_MAX:
-        raise ValueError(f"{what}: these arguments ask for {v} bytes, more than any buffer can hold "
-                         f"(the sizes are int64); check num_max_tokens_per_rank and hidden")
 _MAX_EXPERTS = int(_C.MAX_EXPERTS)
 _MAX_LOCAL_EXPERTS = int(_C.MAX_LOCAL_EXPERTS)
 _MAX_TOPK = int(_C.MAX_TOPK)
@@ -539,9 +524,6 @@ class ElasticBuffer:
         Returns:
             The byte count (not aligned).
         """
-        _fits_int64("get_dispatch_buffer_size", lambda: _sizing.get_dispatch_buffer_size(
-            num_max_tokens_per_rank, hidden, num_sf_packs, num_topk, elem_size, num_scaleout_ranks, num_scaleup_ranks,
-            bool(is_scaleup_nvlink)))
         return int(_C.get_dispatch_buffer_size(num_max_tokens_per_rank, hidden, num_sf_packs, num_topk, elem_size,
                                                num_scaleout_ranks, num_scaleup_ranks, bool(is_scaleup_nvlink)))
 
@@ -555,9 +537,6 @@ class ElasticBuffer:
         Returns:
             The byte count (not aligned).
         """
-        _fits_int64("get_combine_buffer_size", lambda: _sizing.get_combine_buffer_size(
-            num_max_tokens_per_rank, hidden, num_topk, num_scaleout_ranks, num_scaleup_ranks, bool(is_scaleup_nvlink),
-            bool(allow_multiple_reduction)))
         return int(_C.get_combine_buffer_size(num_max_tokens_per_rank, hidden, num_topk, num_scaleout_ranks,
                                               num_scaleup_ranks, bool(is_scaleup_nvlink),
                                               bool(allow_multiple_reduction)))
@@ -579,9 +558,6 @@ class ElasticBuffer:
             scaleout, scaleup = 1, int(nccl_comm)  # a rank count (no communicator needed)
         else:
             scaleout, scaleup = get_logical_domain_size(int(nccl_comm), allow_hybrid_mode)
-        _fits_int64("calculate_buffer_size", lambda: _sizing.calculate_buffer_size(
-            num_max_tokens_per_rank, hidden, num_topk, bool(use_fp8_dispatch), num_ranks=scaleout * scaleup,
-            num_nvl_ranks=scaleup, allow_hybrid_mode=True, allow_multiple_reduction=bool(allow_multiple_reduction)))
         return int(_C.calculate_buffer_size_for_domain(num_max_tokens_per_rank, hidden, num_topk,
                                                        bool(use_fp8_dispatch), scaleout, scaleup, True,
                                                        bool(allow_multiple_reduction)))
