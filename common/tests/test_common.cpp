@@ -66,6 +66,8 @@ static_assert(commkit::align_up(10, 16) == 16, "align_up");
 static_assert(commkit::align_up(32, 16) == 32, "align_up exact");
 static_assert(commkit::align_down(33, 16) == 32, "align_down");
 static_assert(commkit::ceil_div(33, 16) == 3, "ceil_div");
+static_assert(commkit::sat_mul(int64_t(3), int64_t(5)) == 15 && commkit::sat_mul(INT64_MAX, int64_t(2)) == INT64_MAX,
+              "sat_mul is constexpr and saturates");
 static_assert(commkit::is_pow2(64) && !commkit::is_pow2(48) && !commkit::is_pow2(0), "is_pow2");
 static_assert(kA.offset == 0 && kA.bytes == 10 && kA.end() == 10, "first region");
 
@@ -286,6 +288,24 @@ int main() {
     commkit::Layout ok;
     ok.add(100, 64);
     EXPECT(!ok.overflowed() && ok.total(64) == 128);
+  });
+  run("saturating arithmetic for signed and narrow types: the maximum instead of overflow", [] {
+    constexpr int64_t kI = INT64_MAX;
+    EXPECT(commkit::max_of<int64_t>() == kI && commkit::max_of<uint32_t>() == UINT32_MAX &&
+           commkit::max_of<int32_t>() == INT32_MAX && commkit::max_of<uint64_t>() == ~uint64_t(0));
+    // (2^31 - 1)^2 * 2^31 overflows int64 (undefined; it wrapped to a small size in elastic_ep's sizing)
+    const int64_t big = INT32_MAX;
+    EXPECT(commkit::sat_mul(commkit::sat_mul(big, big), int64_t(1) << 31) == kI);
+    EXPECT(commkit::sat_mul(big, big) == big * big);  // exact below the limit
+    EXPECT(commkit::sat_mul(int64_t(0), kI) == 0 && commkit::sat_mul(kI, int64_t(1)) == kI);
+    EXPECT(commkit::sat_mul(int64_t(1) << 31, int64_t(1) << 32) == kI);  // exactly 2^63
+    EXPECT(commkit::sat_mul((int64_t(1) << 31) - 1, int64_t(1) << 32) == kI - ((int64_t(1) << 32) - 1));
+    EXPECT(commkit::sat_add(kI - 1, int64_t(1)) == kI && commkit::sat_add(kI - 1, int64_t(2)) == kI);
+    EXPECT(commkit::sat_add(kI, kI) == kI && commkit::sat_add(int64_t(5), int64_t(7)) == 12);
+    EXPECT(commkit::sat_add(uint32_t(UINT32_MAX - 1), uint32_t(5)) == UINT32_MAX);  // wrapped to 3
+    EXPECT(commkit::sat_cast<int64_t>(~uint64_t(0)) == kI);  // was -1
+    EXPECT(commkit::sat_cast<int64_t>(uint64_t(kI)) == kI && commkit::sat_cast<int64_t>(uint64_t(kI) + 1) == kI);
+    EXPECT(commkit::sat_cast<int32_t>(uint64_t(1) << 40) == INT32_MAX && commkit::sat_cast<int32_t>(uint64_t(77)) == 77);
   });
   run("ipc handle: a rank outside the world is refused before it indexes the handles", [] {
     const commkit::IpcHandleFormat fmt{{'t', 'e', 's', 't', 'f', 'm', 't', 1}, "test", "slots of", ""};

@@ -13,6 +13,10 @@
 //   kLayoutOverflow (UINT64_MAX, a size no allocator grants) instead of wrapping, and
 //   Layout::overflowed() tells; ceil_div is exact for every x. Device code keeps the plain
 //   arithmetic (its sizes come from layouts the host checked).
+//   sat_add(a, b) / sat_mul(a, b) / sat_cast<To>(v)   the same saturating arithmetic for any integer
+//       type, for operands >= 0: the type's maximum instead of a wrapped (unsigned) or undefined
+//       (signed) result on the host, plain arithmetic on the device. Packages size their own
+//       buffers with them (e.g. elastic_ep's int64 sizes saturate at INT64_MAX).
 #pragma once
 
 #include <cstddef>
@@ -27,24 +31,40 @@ namespace commkit {
 // allocate little and write far past it. Saturating instead makes the total unallocatable.
 constexpr uint64_t kLayoutOverflow = ~uint64_t(0);
 
+// The largest value of an integer type (numeric_limits is not constexpr in device code without
+// --expt-relaxed-constexpr).
+template <typename T>
+CK_HD constexpr T max_of() {
+  return T(-1) > T(0) ? T(~T(0)) : T((uint64_t(1) << (8 * sizeof(T) - 1)) - 1);
+}
+
 // Device code keeps the plain arithmetic: kernels only see sizes the host already laid out and
 // checked, and the kernels that passed on the GPU stay instruction for instruction the same.
-namespace layout_detail {
-CK_HD constexpr uint64_t sat_add(uint64_t a, uint64_t b) {
+template <typename T>
+CK_HD constexpr T sat_add(T a, T b) {
 #ifdef __CUDA_ARCH__
   return a + b;
 #else
-  return b > kLayoutOverflow - a ? kLayoutOverflow : a + b;
+  return b > max_of<T>() - a ? max_of<T>() : T(a + b);
 #endif
 }
-CK_HD constexpr uint64_t sat_mul(uint64_t a, uint64_t b) {
+template <typename T>
+CK_HD constexpr T sat_mul(T a, T b) {
 #ifdef __CUDA_ARCH__
   return a * b;
 #else
-  return a != 0 && b > kLayoutOverflow / a ? kLayoutOverflow : a * b;
+  return a != 0 && b > max_of<T>() / a ? max_of<T>() : T(a * b);
 #endif
 }
-}  // namespace layout_detail
+// v (>= 0) as a To, saturating at To's maximum on the host.
+template <typename To, typename From>
+CK_HD constexpr To sat_cast(From v) {
+#ifdef __CUDA_ARCH__
+  return To(v);
+#else
+  return uint64_t(v) > uint64_t(max_of<To>()) ? max_of<To>() : To(v);
+#endif
+}
 
 CK_HD constexpr bool is_pow2(uint64_t a) { return a != 0 && (a & (a - 1)) == 0; }
 CK_HD constexpr uint64_t align_up(uint64_t x, uint64_t a) {
@@ -68,7 +88,7 @@ CK_HD constexpr uint64_t ceil_div(uint64_t x, uint64_t y) {
 struct Region {
   uint64_t offset = 0;
   uint64_t bytes = 0;
-  CK_HD constexpr uint64_t end() const { return layout_detail::sat_add(offset, bytes); }
+  CK_HD constexpr uint64_t end() const { return sat_add(offset, bytes); }
   CK_HD constexpr bool overlaps(const Region& o) const {
     return bytes != 0 && o.bytes != 0 && offset < o.end() && o.offset < end();
   }
@@ -92,7 +112,7 @@ class Layout {
   }
   template <typename T>
   CK_HD constexpr Region add_array(uint64_t count, uint64_t align = alignof(T) < 16 ? 16 : alignof(T)) {
-    return add(layout_detail::sat_mul(count, sizeof(T)), align);
+    return add(sat_mul<uint64_t>(count, sizeof(T)), align);
   }
   CK_HD constexpr uint64_t cursor() const { return cursor_; }
   CK_HD constexpr bool overflowed() const { return cursor_ == kLayoutOverflow; }

@@ -35,32 +35,14 @@ using commkit::Region;
 // Sizes come from user arguments (int token counts, hidden sizes, rank counts), so their int64
 // products can exceed int64: signed overflow is undefined, and in practice it wrapped to a small
 // positive size that a buffer-too-small check then accepted. Host code saturates at kSizeOverflow
-// (INT64_MAX, no allocation's size) and the bindings refuse it; device code keeps the plain
-// arithmetic, as commkit/layout.hpp does. Operands are non-negative (the bindings check them).
-constexpr int64_t kSizeOverflow = INT64_MAX;
+// (INT64_MAX, no allocation's size; commkit::sat_mul / sat_add / sat_cast) and the bindings refuse
+// it; device code keeps the plain arithmetic. Operands are non-negative (the bindings check them).
+constexpr int64_t kSizeOverflow = commkit::max_of<int64_t>();
 namespace sizing_detail {
-CK_HD constexpr int64_t mul(int64_t a, int64_t b) {
-#ifdef __CUDA_ARCH__
-  return a * b;
-#else
-  return a != 0 && b > kSizeOverflow / a ? kSizeOverflow : a * b;
-#endif
-}
-CK_HD constexpr int64_t add(int64_t a, int64_t b) {
-#ifdef __CUDA_ARCH__
-  return a + b;
-#else
-  return b > kSizeOverflow - a ? kSizeOverflow : a + b;
-#endif
-}
+CK_HD constexpr int64_t mul(int64_t a, int64_t b) { return commkit::sat_mul(a, b); }
+CK_HD constexpr int64_t add(int64_t a, int64_t b) { return commkit::sat_add(a, b); }
 // A layout total (saturated at UINT64_MAX by commkit::Layout) as an int64 size.
-CK_HD constexpr int64_t from_u64(uint64_t v) {
-#ifdef __CUDA_ARCH__
-  return int64_t(v);
-#else
-  return v > uint64_t(kSizeOverflow) ? kSizeOverflow : int64_t(v);
-#endif
-}
+CK_HD constexpr int64_t from_u64(uint64_t v) { return commkit::sat_cast<int64_t>(v); }
 }  // namespace sizing_detail
 
 // Symmetric allocations and the buffer size are multiples of 2 MiB (cuMem granularity on H100/H200).
