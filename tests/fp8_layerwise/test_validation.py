@@ -126,7 +126,7 @@ def test_default_writer_threads():
     assert F.default_writer_threads(8, cpus=192) == 64
     assert 1 <= F.default_writer_threads(2) <= 16
     src = F.make_block_fp8_sources(2, 256, 256)
-    with pytest.raises(ValueError, match="threads must be an int in 1..64"):
+    with pytest.raises(ValueError, match="threads must be in 1..64"):
         F.make_shard_writer(src, 2, threads=0)
 
 

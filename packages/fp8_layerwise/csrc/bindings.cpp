@@ -234,11 +234,13 @@ PYBIND11_MODULE(_C, m) {
   py::class_<ShardWriter>(m, "ShardWriter")
       // The specs hold raw pointers into the source tensors: `sources` (any object, e.g. the tensors)
       // is kept alive as long as the writer, so the tensors cannot be freed under it.
-      .def(py::init([](std::vector<ShardSpec> kinds, int threads, const std::string& cache_hint, py::object) {
-             return std::make_unique<ShardWriter>(std::move(kinds), threads, parse_cache_hint(cache_hint));
+      .def(py::init([](std::vector<ShardSpec> kinds, int threads, const std::string& cache_hint, py::object,
+                       int tp_size) {
+             return std::make_unique<ShardWriter>(std::move(kinds), threads, parse_cache_hint(cache_hint), tp_size);
            }),
            py::arg("kinds"), py::arg("threads") = 1, py::arg("cache_hint") = "none", py::arg("sources") = py::none(),
-           py::keep_alive<1, 5>())
+           py::arg("tp_size") = 0, py::keep_alive<1, 5>())
+      .def_property_readonly("tp_size", &ShardWriter::tp_size)
       .def_property_readonly("threads", &ShardWriter::threads)
       .def_property_readonly("num_experts", &ShardWriter::num_experts)
       .def_property_readonly("cache_hint",

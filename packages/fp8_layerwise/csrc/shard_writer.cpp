@@ -192,12 +192,14 @@ void apply_hint(CacheHint h, char* p, uint64_t n) {
 
 ShardWriter::~ShardWriter() = default;
 
-ShardWriter::ShardWriter(std::vector<ShardSpec> kinds, int threads, CacheHint hint)
-    : kinds_(std::move(kinds)), threads_(threads), hint_(hint) {
+ShardWriter::ShardWriter(std::vector<ShardSpec> kinds, int threads, CacheHint hint, int tp_size)
+    : kinds_(std::move(kinds)), threads_(threads), hint_(hint), tp_size_(tp_size) {
   CK_CHECK_ARG(cache_hint_supported(hint_), "cache_hint '", cache_hint_name(hint_),
                "' needs an instruction this CPU does not have");
   CK_CHECK_ARG(kinds_.size() == kKinds, "ShardWriter needs exactly 4 kind specs, got ", kinds_.size());
   CK_CHECK_ARG(threads_ >= 1 && threads_ <= 64, "ShardWriter threads must be in 1..64, got ", threads_);
+  CK_CHECK_ARG(tp_size_ >= 0 && tp_size_ <= kMaxTP, "ShardWriter tp_size must be in 0..", kMaxTP,
+               " (0: not known), got ", tp_size_);
   for (size_t k = 0; k < kinds_.size(); ++k) {
     const auto& s = kinds_[k];
     CK_CHECK_ARG(s.base != 0, "ShardWriter kind ", k, ": source pointer is null");
@@ -211,6 +213,7 @@ ShardWriter::ShardWriter(std::vector<ShardSpec> kinds, int threads, CacheHint hi
     CK_CHECK_ARG(s.num_experts == kinds_[0].num_experts, "ShardWriter kind ", k, ": num_experts ", s.num_experts,
                  " differs from kind 0's ", kinds_[0].num_experts, " (all four sources must hold the same experts)");
   }
+  if (tp_size_ > 0) check_ranks(static_cast<size_t>(tp_size_));
   if (threads_ > 1) pool_ = std::make_unique<WriterPool>(threads_);
 }
 

@@ -1377,6 +1377,9 @@ void Transport::run_producer_native(uint64_t epoch, int64_t layer_id, int expert
     CK_CHECK_ARG(writer.kinds()[k].shard_bytes() == impl_->nb_[k], "ShardWriter kind ", k, " shard is ",
                  writer.kinds()[k].shard_bytes(), " bytes but expert_nbytes[", k, "] is ", impl_->nb_[k]);
   writer.check_ranks(static_cast<size_t>(impl_->tp_));
+  CK_CHECK_ARG(writer.tp_size() == 0 || writer.tp_size() == impl_->tp_, "the ShardWriter was cut for tp_size ",
+               writer.tp_size(), " but the transport has ", impl_->tp_, " ranks: each rank would get its slice of a ",
+               "layer cut for ", writer.tp_size(), " ranks (pass the transport's tp_size to make_shard_writer)");
   // Experts 0..expert_count-1 are read from the writer's sources: they must hold that many.
   CK_CHECK_ARG(expert_count <= writer.num_experts(), "expert_count ", expert_count,
                " exceeds the experts of the ShardWriter's source tensors (", writer.num_experts(), ")");

@@ -135,7 +135,10 @@ bool cache_hint_supported(CacheHint h);  // this CPU has the instruction
 
 class ShardWriter {
  public:
-  ShardWriter(std::vector<ShardSpec> kinds, int threads, CacheHint hint = CacheHint::kNone);
+  // tp_size: the ranks the specs were cut for (0: not known). check_ranks() refuses a transport with
+  // more ranks; only a known tp_size lets run() refuse one with fewer, whose writer would fill every
+  // rank's slot with its slice of a wider layer, bytes of the right size in the wrong place.
+  ShardWriter(std::vector<ShardSpec> kinds, int threads, CacheHint hint = CacheHint::kNone, int tp_size = 0);
   ~ShardWriter();
   ShardWriter(const ShardWriter&) = delete;
   ShardWriter& operator=(const ShardWriter&) = delete;
@@ -148,11 +151,13 @@ class ShardWriter {
   int64_t num_experts() const { return static_cast<int64_t>(kinds_[0].num_experts); }  // same for every kind
   int threads() const { return threads_; }
   CacheHint cache_hint() const { return hint_; }
+  int tp_size() const { return tp_size_; }
 
  private:
   std::vector<ShardSpec> kinds_;
   int threads_;
   CacheHint hint_;
+  int tp_size_;
   std::unique_ptr<WriterPool> pool_;  // threads_ - 1 workers; the caller is worker 0
 };
 

@@ -51,9 +51,11 @@ Epochs start at 1 and strictly increase. Any failure poisons all ranks (see :mod
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import ctypes
 import dataclasses
+import inspect
 import json
 import operator
 import os
@@ -89,7 +91,10 @@ def default_num_slots(expert_nbytes: Sequence[int]) -> int:
     slots and 72 % with 4 (a larger slot footprint slows the writer); TP4-sized (11 MB) and
     TP8-sized (5.5 MB) shards ran at 82 % and 63 % with 4 slots against 72 % and 41 % with 2.
     """
-    return DEFAULT_SLOTS if sum(int(n) for n in expert_nbytes) >= SMALL_EXPERT_BYTES else SMALL_EXPERT_SLOTS
+    nbytes = _expert_nbytes_arg(expert_nbytes, lo=0)
+    return DEFAULT_SLOTS if sum(nbytes) >= SMALL_EXPERT_BYTES else SMALL_EXPERT_SLOTS
+
+
 BLOCK = 128
 _KIND_ALIGN = 4096
 
@@ -137,6 +142,26 @@ def _bool_arg(name: str, value: Any) -> bool:
     return bool(value)
 
 
+def _expert_nbytes_arg(expert_nbytes: Any, num_experts: int = 1, lo: int = 1) -> List[int]:
+    """``expert_nbytes`` as 4 plain ints in ``lo..`` whose product with ``num_experts`` fits an int64
+    (a layer buffer's size), else ValueError naming the argument (or the entry) at fault."""
+    _check(not isinstance(expert_nbytes, (str, bytes)) and hasattr(expert_nbytes, "__len__")
+           and len(expert_nbytes) == 4,
+           f"expert_nbytes must be 4 positive sizes {KINDS}, got {expert_nbytes!r}")
+    return [_int_arg(f"expert_nbytes[{k}]", n, lo, _I64_MAX // num_experts) for k, n in enumerate(expert_nbytes)]
+
+
+def _sources_arg(sources: Any) -> List[torch.Tensor]:
+    """``sources`` as the list of the 4 whole-layer tensors, else ValueError: anything else (None, a
+    string, numpy arrays) failed later with a TypeError or an AttributeError that named no argument."""
+    seq = isinstance(sources, collections.abc.Sequence) and not isinstance(sources, (str, bytes))
+    _check(seq and len(sources) == 4,
+           f"sources must hold 4 tensors {KINDS}, got {len(sources) if seq else type(sources).__name__}")
+    for i, t in enumerate(sources):
+        _check(isinstance(t, torch.Tensor), f"sources[{i}] ({KINDS[i]}) must be a torch.Tensor, got {type(t).__name__}")
+    return list(sources)
+
+
 def block_fp8_expert_nbytes(hidden: int, intermediate: int, tp_size: int, block: int = BLOCK) -> List[int]:
     """Per-rank bytes of one expert's four kinds for block-FP8 weights (128x128 fp32 scales).
 
@@ -171,7 +196,15 @@ def make_block_fp8_sources(num_experts: int, hidden: int, intermediate: int,
         ``[w13 uint8 [E, 2I, H], w13_scale fp32 [E, 2I/128, H/128], w2 uint8 [E, H, I],
         w2_scale fp32 [E, H/128, I/128]]`` (FP8 carried as raw bytes).
     """
-    E, H, I = num_experts, hidden, intermediate
+    # Sizes that are not 128-multiples gave scales of truncated (even empty) shapes, refused only later
+    # by make_shard_writer, and a float or a negative size torch's own errors, naming no argument.
+    E = _int_arg("num_experts", num_experts, 1)
+    H, I = _int_arg("hidden", hidden, 1), _int_arg("intermediate", intermediate, 1)
+    block_fp8_expert_nbytes(H, I, 1)
+    _check(E * 2 * I * H <= _I64_MAX, f"num_experts {E} x 2*intermediate {2 * I} x hidden {H} bytes of w13 exceed "
+                                      "what a tensor can hold (2**63-1)")
+    _check(generator is None or isinstance(generator, torch.Generator),
+           f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     g = generator
     w13 = torch.randint(0, 256, (E, 2 * I, H), dtype=torch.uint8, generator=g)
     w13s = torch.rand((E, 2 * I // BLOCK, H // BLOCK), generator=g)
@@ -193,7 +226,14 @@ def reference_shard(sources: Sequence[torch.Tensor], tp_size: int, rank: int, ex
     w13 keeps rows ``[r*I/tp, (r+1)*I/tp)`` of the gate half and of the up half; w2 keeps columns
     ``[r*I/tp, (r+1)*I/tp)``; the scales follow the same split in 128-blocks.
     """
-    w13, w13s, w2, w2s = sources
+    # Slicing past the tensors does not fail: a rank >= tp_size, a negative one or a tp_size that
+    # does not cut I into 128-blocks gave empty or shifted shards, a silently wrong reference.
+    w13, w13s, w2, w2s = _sources_arg(sources)
+    _check(w2.dim() == 3, f"sources[2] (w2_weight) must be [E, H, I], got {tuple(w2.shape)}")
+    tp_size = _int_arg("tp_size", tp_size, 1, MAX_TP)
+    rank = _int_arg("rank", rank, 0, tp_size - 1)
+    expert = _int_arg("expert", expert, 0, w2.shape[0] - 1)
+    block_fp8_expert_nbytes(w2.shape[1], w2.shape[2], tp_size)
     I = w2.shape[2]
     s, sb = I // tp_size, I // tp_size // BLOCK
     Ib = I // BLOCK
@@ -210,8 +250,10 @@ def default_writer_threads(tp_size: int, cpus: Optional[int] = None) -> int:
     at most 64. More threads per rank than that only make the writer outrun the link in bursts,
     which slows the copy engines' reads of host memory (BENCHMARKS.md, run 10: with one rank on the
     16-CPU H200 machine, 8 threads did as well as 12 and 4 fell behind)."""
-    cpus = cpus if cpus is not None else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                          else (os.cpu_count() or 1))
+    tp_size = _int_arg("tp_size", tp_size, 1, MAX_TP)
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = _int_arg("cpus", cpus, 1)
     return max(1, min(8 * tp_size, cpus - 2 * tp_size, 64))
 
 
@@ -248,12 +290,17 @@ def make_shard_writer(sources: Sequence[torch.Tensor], tp_size: int,
     Returns:
         A ``_C.ShardWriter`` to pass to ``Transport.run`` / ``layer.run``: no Python runs per expert.
     """
-    _check(len(sources) == 4, f"sources must hold 4 tensors {KINDS}, got {len(sources)}")
+    sources = _sources_arg(sources)
+    tp_size = _int_arg("tp_size", tp_size, 1, MAX_TP)
     for i, t in enumerate(sources):
         _check(t.device.type == "cpu" and t.is_contiguous() and t.dim() == 3,
                f"sources[{i}] ({KINDS[i]}) must be a contiguous 3-D CPU tensor, got {tuple(t.shape)} on {t.device}")
     w13, w13s, w2, w2s = sources
     E, twoI, H = w13.shape
+    # The specs below take each expert to be 2*(twoI//2) rows: an odd row count would shift every
+    # expert after the first by a row, a silently wrong shard; no expert at all a null data pointer.
+    _check(E >= 1 and twoI % 2 == 0,
+           f"sources[0] (w13_weight) must be [E >= 1, 2I, H] (gate and up halves), got {tuple(w13.shape)}")
     I = twoI // 2
     _check(tuple(w2.shape) == (E, H, I), f"w2 must be [E, H, I] = {(E, H, I)}, got {tuple(w2.shape)}")
     _check(w13.element_size() == 1 and w2.element_size() == 1, "w13 / w2 must be 1-byte (FP8 or uint8) tensors")
@@ -272,15 +319,13 @@ def make_shard_writer(sources: Sequence[torch.Tensor], tp_size: int,
         _C.ShardSpec(w2.data_ptr(), H * I, I, H, s, rank_col_step=s, num_experts=E),
         _C.ShardSpec(w2s.data_ptr(), Hb * Ib * 4, Ib * 4, Hb, sb * 4, rank_col_step=sb * 4, num_experts=E),
     ]
-    if threads is None:
-        threads = default_writer_threads(tp_size)
-    _check(isinstance(threads, int) and 1 <= threads <= 64, f"threads must be an int in 1..64, got {threads!r}")
+    threads = default_writer_threads(tp_size) if threads is None else _int_arg("threads", threads, 1, 64)
     if cache_hint is None:
         cache_hint = default_cache_hint()
     _check(cache_hint in CACHE_HINTS, f"cache_hint must be one of {CACHE_HINTS}, got {cache_hint!r}")
     _check(_C.cache_hint_supported(cache_hint), f"cache_hint {cache_hint!r} needs an instruction this CPU lacks")
     # `sources` is kept alive by the writer: the specs above are raw pointers into these tensors.
-    return _C.ShardWriter(specs, threads, cache_hint, sources=tuple(sources))
+    return _C.ShardWriter(specs, threads, cache_hint, sources=tuple(sources), tp_size=tp_size)
 
 
 def _check_same_geometry(rank: int, geometries: Sequence[dict]) -> None:
@@ -304,12 +349,20 @@ def _check_same_geometry(rank: int, geometries: Sequence[dict]) -> None:
     raise ValueError(f"{head}: every rank must pass the same expert_nbytes, num_experts and num_slots")
 
 
-def _tell_peers_and_raise(err: Exception, rank: Any, exchange: Any, group: Any) -> None:
+def _tell_peers_and_raise(err: Exception, rank: Any, tp_size: Any, exchange: Any, group: Any) -> None:
     """Raises ``err`` (a bad constructor argument, or a backend this process cannot use) after
     offering the peers an error record in the first exchange, where they would otherwise wait for
     this rank until the exchange's own timeout. Best effort: with an unusable exchange (itself the bad
     argument, or no process group) the error is raised as it is. A FileExchange is closed afterwards,
-    as a Transport closes it once its setup is over, so that its session folder does not stay."""
+    as a Transport closes it once its setup is over, so that its session folder does not stay. A
+    FileExchange of another world size than a valid tp_size is not used: its round would wait for
+    ranks that are not there (until its timeout) or gather ranks of another group."""
+    try:
+        fits = not isinstance(exchange, FileExchange) or _int_arg("tp_size", tp_size, 1, MAX_TP) == exchange.world_size
+    except ValueError:
+        fits = True  # tp_size is the bad argument: the exchange may well be the right one
+    if not fits:
+        raise err
     try:
         if exchange is None:
             import torch.distributed as dist
@@ -350,12 +403,35 @@ def _check_exchange_group(rank: int, tp_size: int, hello: Sequence[Any]) -> None
     _check(not bad, f"rank {rank}: the exchange's entry {bad[0][0] if bad else 0} came from TP rank "
                     f"{bad[0][1] if bad else 0} (entries from TP ranks {[r for r, _ in got]}): entry r must come from "
                     f"TP rank r (group rank == TP rank); {hint}")
+    lacking = [i for i, h in enumerate(hello) if "geometry" not in h or "pid" not in h]
+    if lacking:
+        i = lacking[0]
+        raise ValueError(f"rank {rank}: the exchange's entry {i} lacks what TP rank {i} passed to it (got "
+                         f"{hello[i]!r}): the exchange must return every rank's object unchanged")
+
+
+def _check_writer_signature(writer: Callable) -> None:
+    """ValueError when ``writer`` cannot be called as ``writer(expert, slots)``: the call would fail only
+    inside run(), at expert 0, and poison every rank (code WRITER) for what is a bad argument."""
+    try:
+        sig = inspect.signature(writer)
+    except (TypeError, ValueError):
+        return  # no signature to read (some builtins): the call itself will tell
+    try:
+        sig.bind(0, [])
+    except TypeError as exc:
+        raise ValueError(f"writer must be callable as writer(expert, slots), but {writer!r} is not: {exc}") from None
 
 
 # Mappings that close() could not release because a call of another thread was still inside after the
 # deadline (or close() ran inside the writer): unmapping them could crash that call, so they stay
 # mapped for the life of the process (their names are unlinked already).
 _KEPT_MAPPED: List[Any] = []
+
+
+def _name_arg(name: Any) -> str:
+    _check(isinstance(name, str), f"name must be a shm segment name (str), got {type(name).__name__}")
+    return name
 
 
 def _host_view(ptr: int, nbytes: int) -> torch.Tensor:
@@ -373,6 +449,8 @@ class ControlRegion:
     @classmethod
     def create(cls, tp_size: int, num_slots: int = DEFAULT_SLOTS) -> "ControlRegion":
         """Create and initialise a region for ``tp_size`` ranks and ``num_slots`` host slots."""
+        # Checked before the segment exists (the binding's own TypeError named no argument).
+        tp_size, num_slots = _int_arg("tp_size", tp_size, 1, MAX_TP), _int_arg("num_slots", num_slots, 2, MAX_SLOTS)
         seg = _C.ShmSegment.create("fp8lw_ctl", CONTROL_BYTES)
         try:
             _C.initialize_fp8_layerwise_control(seg.ptr, seg.nbytes, tp_size, num_slots)
@@ -384,7 +462,7 @@ class ControlRegion:
     @classmethod
     def attach(cls, name: str) -> "ControlRegion":
         """Map an existing region by name (the magic/version/size/tp checks run in Transport)."""
-        return cls(_C.ShmSegment.attach(name, CONTROL_BYTES))
+        return cls(_C.ShmSegment.attach(_name_arg(name), CONTROL_BYTES))
 
     name = property(lambda self: self._seg.name)
     ptr = property(lambda self: self._seg.ptr)
@@ -402,20 +480,30 @@ class HostSlots:
 
     def __init__(self, seg: "_C.ShmSegment", expert_nbytes: Sequence[int], num_slots: int):
         self._seg = seg
-        self.expert_nbytes = list(expert_nbytes)
-        self.num_slots = num_slots
         self.offsets = self.layout(expert_nbytes, num_slots)[0]
+        self.expert_nbytes = [int(n) for n in expert_nbytes]
+        self.num_slots = int(num_slots)
         self.registered = False
 
     @staticmethod
     def layout(expert_nbytes: Sequence[int], num_slots: int):
-        """Returns (per-kind offsets, total bytes) of the kind-major slot layout."""
+        """Returns (per-kind offsets, total bytes) of the kind-major slot layout.
+
+        Raises:
+            ValueError: a bad ``expert_nbytes`` or ``num_slots`` (2..MAX_SLOTS), or slots that would
+                take more than 2**63-1 bytes (a size the segment's binding cannot even take).
+        """
+        expert_nbytes = _expert_nbytes_arg(expert_nbytes)
+        num_slots = _int_arg("num_slots", num_slots, 2, MAX_SLOTS)
         offsets, cur = [], 0
         for nb in expert_nbytes:
             cur = (cur + _KIND_ALIGN - 1) // _KIND_ALIGN * _KIND_ALIGN
             offsets.append(cur)
             cur += num_slots * nb
-        return offsets, (cur + _KIND_ALIGN - 1) // _KIND_ALIGN * _KIND_ALIGN
+        total = (cur + _KIND_ALIGN - 1) // _KIND_ALIGN * _KIND_ALIGN
+        _check(total <= _I64_MAX, f"expert_nbytes {expert_nbytes} with num_slots {num_slots}: the host slots would "
+                                  f"take {total} bytes, more than a shared-memory segment can hold (2**63-1)")
+        return offsets, total
 
     @classmethod
     def create(cls, expert_nbytes: Sequence[int], num_slots: int) -> "HostSlots":
@@ -425,12 +513,17 @@ class HostSlots:
     @classmethod
     def attach(cls, name: str, expert_nbytes: Sequence[int], num_slots: int) -> "HostSlots":
         _, total = cls.layout(expert_nbytes, num_slots)
-        return cls(_C.ShmSegment.attach(name, total), expert_nbytes, num_slots)
+        return cls(_C.ShmSegment.attach(_name_arg(name), total), expert_nbytes, num_slots)
 
     name = property(lambda self: self._seg.name)
     nbytes = property(lambda self: self._seg.nbytes)
 
+    def _slot_kind(self, slot: Any, kind: Any) -> Tuple[int, int]:
+        # A slot past num_slots is another kind's memory (or past the segment): no error of its own.
+        return _int_arg("slot", slot, 0, self.num_slots - 1), _int_arg("kind", kind, 0, len(KINDS) - 1)
+
     def ptr(self, slot: int, kind: int) -> int:
+        slot, kind = self._slot_kind(slot, kind)
         return self._seg.ptr + self.offsets[kind] + slot * self.expert_nbytes[kind]
 
     def ptrs(self) -> List[int]:
@@ -440,6 +533,7 @@ class HostSlots:
     def view(self, slot: int, kind: int) -> torch.Tensor:
         """A uint8 tensor aliasing one slot of one kind. It holds a reference to the segment, so the
         memory stays mapped while the tensor (or any view of it) lives, even after ``close()``."""
+        slot, kind = self._slot_kind(slot, kind)
         off = self.offsets[kind] + slot * self.expert_nbytes[kind]
         return torch.frombuffer(self._seg, dtype=torch.uint8, count=self.expert_nbytes[kind], offset=off)
 
@@ -486,6 +580,11 @@ def _write_private(path: pathlib.Path, text: str) -> None:
         raise
 
 
+def _check_seconds(name: str, value: Any) -> None:
+    _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+           f"{name} must be a positive number of seconds, got {value!r}")
+
+
 class FileExchange:
     """Explicit all-gather through a private folder (no torch.distributed needed).
 
@@ -504,10 +603,11 @@ class FileExchange:
     SESSION_FILE = "session.json"
 
     def __init__(self, directory: os.PathLike, rank: int, world_size: int, timeout_s: float = 60.0):
+        _check(isinstance(directory, (str, os.PathLike)),
+               f"directory must be a path (str or os.PathLike), got {type(directory).__name__}")
         world_size = _int_arg("world_size", world_size, 1)
         rank = _int_arg("rank", rank, 0, world_size - 1)
-        _check(isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0,
-               f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        _check_seconds("timeout_s", timeout_s)
         self.dir = pathlib.Path(directory)
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.rank, self.world_size, self.timeout_s, self.round = rank, world_size, float(timeout_s), 0
@@ -584,11 +684,14 @@ class FileExchange:
         if self._closed:
             raise RuntimeError(f"FileExchange in {self.dir} (rank {self.rank}) is closed (Transport closes the "
                                "FileExchange it was given once its setup is done); create a new one")
+        # Serialised first: an object JSON refuses must leave the round count (and the session) as
+        # they were, else this rank's next round would be one ahead of its peers', which wait for it.
+        text = json.dumps(obj)
         deadline = time.monotonic() + self.timeout_s
         if self.session is None:
             self.session = self._create_session() if self.rank == 0 else self._join_session(deadline)
         self.round += 1
-        _write_private(self.session / f"{self.round}.{self.rank}.json", json.dumps(obj))
+        _write_private(self.session / f"{self.round}.{self.rank}.json", text)
         out = []
         for r in range(self.world_size):
             p = self.session / f"{self.round}.{r}.json"
@@ -612,6 +715,8 @@ class FileExchange:
         """End the session (idempotent): every rank marks itself done; rank 0 waits (up to
         ``timeout_s``, default the exchange's) until every rank did, then removes the session folder
         and ``session.json``. Without a full set of marks it removes only its own files."""
+        if timeout_s is not None:
+            _check_seconds("timeout_s", timeout_s)
         if self._closed:
             return
         self._closed = True
@@ -642,6 +747,16 @@ class FileExchange:
         self.close()
 
 
+def _check_group(group: Any) -> None:
+    """ValueError unless ``group`` is None or a torch.distributed process group: anything else failed
+    only inside torch.distributed, on the first exchange, with an AttributeError."""
+    import torch.distributed as dist
+
+    pg = getattr(dist, "ProcessGroup", None)
+    _check(group is None or (pg is not None and isinstance(group, pg)),
+           f"group must be a torch.distributed ProcessGroup (this TP group) or None, got {type(group).__name__}")
+
+
 def group_exchange(group=None) -> Callable[[Any], List[Any]]:
     """All-gather through a torch.distributed group (gloo is enough).
 
@@ -652,6 +767,8 @@ def group_exchange(group=None) -> Callable[[Any], List[Any]]:
         ``exchange(obj) -> [obj of group rank 0, obj of group rank 1, ...]``, as ``Transport`` takes it.
     """
     import torch.distributed as dist
+
+    _check_group(group)
 
     def _exchange(obj):
         out = [None] * dist.get_world_size(group)
@@ -750,7 +867,7 @@ class Transport:
                                          timeout_ms, group, exchange, max_inflight, coalesce, liveness_ms,
                                          copy_streams, coalesce_wait, batch_small_kinds)
         except (ValueError, TransportError) as err:  # TransportError: backend="cuda" unusable here
-            _tell_peers_and_raise(err, rank, exchange, group)
+            _tell_peers_and_raise(err, rank, tp_size, exchange, group)
         self._finish_init(*checked)  # collective from here: its errors are everyone's (see _setup)
 
     def _init_checked(self, rank, tp_size, num_experts, expert_nbytes, num_slots, backend, device, timeout_ms,
@@ -758,15 +875,17 @@ class Transport:
                       batch_small_kinds):
         tp_size = _int_arg("tp_size", tp_size, 1, MAX_TP)
         rank = _int_arg("rank", rank, 0, tp_size - 1)
+        # Before the exchange is used: a FileExchange of another world size would wait in its first
+        # round for ranks that are not there until its own timeout (60 s by default).
+        _check(not isinstance(exchange, FileExchange) or exchange.world_size == tp_size,
+               f"exchange is a FileExchange of world_size {getattr(exchange, 'world_size', None)} but tp_size is "
+               f"{tp_size}: it must gather exactly the tp_size ranks of this TP group")
         num_experts = _int_arg("num_experts", num_experts, 1, (1 << 31) - 1)
-        _check(not isinstance(expert_nbytes, (str, bytes)) and hasattr(expert_nbytes, "__len__")
-               and len(expert_nbytes) == 4,
-               f"expert_nbytes must be 4 positive sizes {KINDS}, got {expert_nbytes!r}")
-        expert_nbytes = [_int_arg(f"expert_nbytes[{k}]", n, 1, ((1 << 63) - 1) // num_experts)
-                         for k, n in enumerate(expert_nbytes)]
+        expert_nbytes = _expert_nbytes_arg(expert_nbytes, num_experts)
         if num_slots is None:
             num_slots = default_num_slots(expert_nbytes)
         num_slots = _int_arg("num_slots", num_slots, 2, MAX_SLOTS)
+        HostSlots.layout(expert_nbytes, num_slots)  # slots too large for a segment: refused before anything exists
         timeout_ms = _int_arg("timeout_ms", timeout_ms, 1, _U64_MAX)
         liveness_ms = _int_arg("liveness_ms", liveness_ms, 1, _U64_MAX)
         max_inflight = _int_arg("max_inflight", max_inflight, 0, num_slots)
@@ -775,6 +894,8 @@ class Transport:
         coalesce_wait = _bool_arg("coalesce_wait", coalesce_wait)
         batch_small_kinds = _bool_arg("batch_small_kinds", batch_small_kinds)
         _check(exchange is None or callable(exchange), f"exchange must be a callable all-gather, got {exchange!r}")
+        if exchange is None:
+            _check_group(group)
         _check(isinstance(backend, str) and backend in ("cuda", "cpu", "auto"),
                f"backend must be 'cuda', 'cpu' or 'auto', got {backend!r}")
         if device is not None:
@@ -966,6 +1087,7 @@ class Transport:
             self.native.run(epoch, layer_id, expert_count, writer)
             return
         _check(callable(writer), "writer must be a ShardWriter or a callable(expert, slots)")
+        _check_writer_signature(writer)
         views = self._views if self.rank == 0 else None
 
         def _raw(expert, *ptrs):
@@ -1010,6 +1132,7 @@ class Transport:
         An exception inside the block poisons the transport (code USER) so the other ranks fail
         fast instead of timing out, then propagates.
         """
+        sync_stream = _bool_arg("sync_stream", sync_stream)  # a truthy "no" would silently mean True
         if sync_stream and self.backend == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.join(epoch, layer_id, expert_count)
@@ -1034,8 +1157,14 @@ class Transport:
 
         Returns:
             True iff this call won the claim (exactly one of concurrent claims wins).
+
+        Raises:
+            ValueError: ``code`` is not an :class:`ErrorCode` above NONE, or ``message`` not a str
+                (``int(code)`` took 2.5 for TIMEOUT and "5" for WRITER; nothing is claimed then).
         """
-        return self.native.poison(int(code), message)
+        code = _int_arg("code", code, 1, int(max(ErrorCode)))
+        _check(isinstance(message, str), f"message must be a str, got {type(message).__name__}")
+        return self.native.poison(code, message)
 
     @property
     def poisoned(self) -> bool:
