@@ -138,10 +138,12 @@ PYBIND11_MODULE(_C, m) {
       [](uint64_t broken, uint64_t call, int rank) { return ipc_all2all::entry_post_allowed(broken, call, rank); },
       py::arg("broken"), py::arg("call"), py::arg("rank"),
       "Whether block 0 of call `call` on `rank` posts its entry, given the broken word it finds.");
-  // Core::set_timeout_seconds's and Core::set_grid's checks, for the CPU tests.
+  // Core::set_timeout_seconds's, Core::set_grid's and the constructor's capacity checks, for the CPU tests and
+  // the Python layer's argument checks.
   m.def("timeout_ns_from_seconds", &ipc_all2all::timeout_ns_from_seconds, py::arg("seconds"));
   m.def("check_grid_args", &ipc_all2all::check_grid_args, py::arg("world_size"), py::arg("num_blocks"),
         py::arg("self_blocks"));
+  m.def("check_capacity_bytes", &ipc_all2all::check_capacity_bytes, py::arg("capacity_bytes"));
   // The message the host raises for a device-side record (timeouts raise CommTimeoutError with it).
   m.def(
       "failure_message",

@@ -118,8 +118,7 @@ Core::Core(int rank, int world, int64_t capacity, int num_blocks, double timeout
     : rank_(rank), world_(world), capacity_(capacity), num_blocks_(num_blocks) {
   CK_CHECK_ARG(world >= 1 && world <= kMaxWorld, "world_size must be in [1, ", kMaxWorld, "], got ", world);
   CK_CHECK_ARG(rank >= 0 && rank < world, "rank must be in [0, world_size=", world, "), got ", rank);
-  CK_CHECK_ARG(capacity > 0, "buffer capacity (num_tokens * hidden_dim * element size) must be positive, got ",
-               capacity);
+  check_capacity_bytes(capacity);
   CK_CHECK_ARG(num_blocks >= world && num_blocks < 65536,
                "num_sms must be in [world_size, 65535] (one block per target at least), got ", num_blocks);
   set_timeout_seconds(timeout_seconds);
@@ -396,6 +395,14 @@ void check_grid_args(int world, int num_blocks, int self_blocks) {
                ", 65535], got ", num_blocks);
   CK_CHECK_ARG(self_blocks >= 0 && self_blocks < num_blocks, "self_blocks must be in [0, num_blocks), got ",
                self_blocks);
+}
+
+void check_capacity_bytes(int64_t capacity) {
+  // The layout saturates instead of wrapping, so a total past int64 means two slots of this size
+  // cannot be one allocation (and Python slices the buffer with int64 offsets).
+  CK_CHECK_ARG(capacity > 0 && buffer_layout(static_cast<uint64_t>(capacity)).total <= uint64_t(INT64_MAX),
+               "buffer capacity (num_tokens * hidden_dim * element size) must be positive and at most about 2^62 "
+               "bytes (two slots in one allocation), got ", capacity);
 }
 
 void Core::set_timeout_seconds(double s) { timeout_ns_ = timeout_ns_from_seconds(s); }

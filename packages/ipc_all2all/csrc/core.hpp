@@ -127,8 +127,11 @@ class Core {
 // bound for the CPU tests. timeout_ns_from_seconds raises ValueError unless s is finite and in
 // [0, 1e9) (0 = wait forever) and returns it in nanoseconds, at least 1 for any s > 0; check_grid_args
 // raises ValueError unless num_blocks is in [world, 65535] and self_blocks in [0, num_blocks).
+// check_capacity_bytes raises ValueError unless the slot capacity is positive and the whole buffer
+// (signals and both slots, buffer_layout) stays addressable with int64 offsets.
 uint64_t timeout_ns_from_seconds(double s);
 void check_grid_args(int world, int num_blocks, int self_blocks);
+void check_capacity_bytes(int64_t capacity);
 
 // The name of a record's op code (kind * 4 + phase), e.g. for TimeoutError.operation.
 const char* op_name(uint32_t op);

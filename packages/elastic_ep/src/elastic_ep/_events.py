@@ -92,6 +92,8 @@ class EventOverlap:
         """
         if self.hook_after_wait is not None:
             raise RuntimeError("EventOverlap: a hook is already registered")
+        if not callable(hook_after_wait):  # else the wait, far from here, fails calling it
+            raise ValueError(f"hook_after_wait: expected a callable without arguments, got {hook_after_wait!r}")
         self.hook_after_wait = hook_after_wait
 
     def __call__(self, release_handle: bool = False) -> "EventOverlap":

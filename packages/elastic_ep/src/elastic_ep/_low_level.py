@@ -40,13 +40,13 @@ rank calls every operation in the same order (they are collective).
 """
 from __future__ import annotations
 
-import numbers
+import collections.abc
 import os
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _C, _checks
+from . import _C, _checks, _sizing
 from ._events import EventHandle
 
 __all__ = [
@@ -72,8 +72,6 @@ CommError = _C.CommError
 CommTimeoutError = _C.CommTimeoutError
 
 _MAX_RANKS = int(_C.MAX_RANKS)
-_MAX_EXPERTS = int(_C.MAX_EXPERTS)
-_MAX_LOCAL_EXPERTS = int(_C.MAX_LOCAL_EXPERTS)
 _MAX_TOPK = int(_C.MAX_TOPK)
 _SF_PACK_ALIGN = int(_C.NUM_ALIGNED_SF_PACKS)
 
@@ -137,16 +135,25 @@ def create_nccl_comm(unique_id: bytes, num_ranks: int, rank: int) -> int:
     Returns:
         The ``ncclComm_t`` as an int, to pass to :class:`ElasticBuffer` and ``destroy_nccl_comm``.
     """
-    _need_cuda("create_nccl_comm")
     if not isinstance(unique_id, (bytes, bytearray)):
         raise ValueError(f"unique_id must be bytes from get_local_nccl_unique_id(), got {type(unique_id).__name__}")
-    return int(_C.create_nccl_comm(bytes(unique_id), int(num_ranks), int(rank)))
+    num_ranks = _checks.int_arg("num_ranks", num_ranks, 1, _MAX_RANKS)
+    rank = _checks.int_arg("rank", rank, 0, num_ranks - 1)
+    _need_cuda("create_nccl_comm")
+    return int(_C.create_nccl_comm(bytes(unique_id), num_ranks, rank))
 
 
 def destroy_nccl_comm(nccl_comm: int) -> None:
     """Aborts (frees) a communicator made by ``create_nccl_comm``; never blocks on dead peers."""
+    nccl_comm = _comm_arg(nccl_comm)
     _need_cuda("destroy_nccl_comm")
-    _C.destroy_nccl_comm(int(nccl_comm))
+    _C.destroy_nccl_comm(nccl_comm)
+
+
+def _comm_arg(nccl_comm) -> int:
+    """An ``ncclComm_t`` as the int the bindings take (int64): int() would truncate a float into some
+    other address."""
+    return _checks.int_arg("nccl_comm", nccl_comm, 0, _checks.INT64_MAX)
 
 
 def get_elastic_buffer_alignment() -> int:
@@ -161,8 +168,9 @@ def get_physical_domain_size(nccl_comm: int) -> Tuple[int, int]:
     several NVLink domains is rejected when the buffer is created (``ncclDevCommCreate`` reports the
     LSA team size).
     """
+    nccl_comm = _comm_arg(nccl_comm)
     _need_cuda("get_physical_domain_size")
-    _, size = _C.nccl_comm_rank_size(int(nccl_comm))
+    _, size = _C.nccl_comm_rank_size(nccl_comm)
     return 1, int(size)
 
 
@@ -252,6 +260,7 @@ def _check_cuda_tensor(name: str, t: torch.Tensor, dtypes, ndim: int, device: in
     read or written through the wrong device's address space."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _checks.check_dense(name, t)
     # One integer compare on the critical path: get_device() is the CUDA index, -1 for any other device.
     if t.get_device() != device:
         if not t.is_cuda:
@@ -315,28 +324,31 @@ class ElasticBuffer:
     ) -> None:
         if window not in ("nccl", "ipc"):
             raise ValueError(f"window must be 'nccl' or 'ipc', got {window!r}")
-        _need_cuda("ElasticBuffer")
+        # Before the device checks, and never int(): that truncated a float (a timeout of 0.5 s became
+        # 0, "no deadline") and took a bool as a count; the runtime takes C ints and an int64.
         align = get_elastic_buffer_alignment()
-        if num_buffer_bytes <= 0 or num_buffer_bytes % align:
+        num_buffer_bytes = _checks.int_arg("num_buffer_bytes", num_buffer_bytes, 1, _checks.INT64_MAX)
+        if num_buffer_bytes % align:
             raise ValueError(f"num_buffer_bytes must be a positive multiple of {align} (2 MiB), got {num_buffer_bytes}")
         if num_cpu_buffer_bytes != 0 or cpu_comm is not None:
             raise ValueError("CPU buffer segments (Engram / hybrid) are not supported yet: pass cpu_comm=None, "
                              "num_cpu_buffer_bytes=0")
-        if not 1 <= num_ranks <= _MAX_RANKS:
-            raise ValueError(f"num_ranks must be in [1, {_MAX_RANKS}], got {num_ranks}")
-        if not 0 <= rank_idx < num_ranks:
-            raise ValueError(f"rank_idx must be in [0, {num_ranks}), got {rank_idx}")
-        if num_cpu_timeout_secs <= 0 or num_gpu_timeout_secs < 0:
-            raise ValueError("num_cpu_timeout_secs must be > 0 and num_gpu_timeout_secs >= 0")
-        self.rank_idx = int(rank_idx)
-        self.num_ranks = int(num_ranks)
-        self.num_buffer_bytes = int(num_buffer_bytes)
+        num_ranks = _checks.int_arg("num_ranks", num_ranks, 1, _MAX_RANKS)
+        rank_idx = _checks.int_arg("rank_idx", rank_idx, 0, num_ranks - 1)
+        num_cpu_timeout_secs = _checks.int_arg("num_cpu_timeout_secs", num_cpu_timeout_secs, 1, _checks.INT32_MAX)
+        num_gpu_timeout_secs = _checks.int_arg("num_gpu_timeout_secs", num_gpu_timeout_secs, 0, _checks.INT32_MAX)
+        if window == "nccl":
+            nccl_comm = _comm_arg(nccl_comm)
+        _need_cuda("ElasticBuffer")
+        self.rank_idx = rank_idx
+        self.num_ranks = num_ranks
+        self.num_buffer_bytes = num_buffer_bytes
         self.allow_hybrid_mode = bool(allow_hybrid_mode)
         self.allow_multiple_reduction = bool(allow_multiple_reduction)
         self.prefer_overlap_with_compute = bool(prefer_overlap_with_compute)
         self.explicitly_destroy = bool(explicitly_destroy)
-        self.num_cpu_timeout_secs = int(num_cpu_timeout_secs)
-        self.num_gpu_timeout_secs = int(num_gpu_timeout_secs)
+        self.num_cpu_timeout_secs = num_cpu_timeout_secs
+        self.num_gpu_timeout_secs = num_gpu_timeout_secs
         self._destroyed = False
         self._rt = None
         self.device = torch.cuda.current_device()
@@ -345,7 +357,7 @@ class ElasticBuffer:
             self._rt = _C.Runtime.create_ipc(self.rank_idx, self.num_ranks, self.num_buffer_bytes,
                                              self.num_cpu_timeout_secs, self.num_gpu_timeout_secs)
         else:
-            self._rt = _C.Runtime(self.rank_idx, self.num_ranks, int(nccl_comm), self.num_buffer_bytes,
+            self._rt = _C.Runtime(self.rank_idx, self.num_ranks, nccl_comm, self.num_buffer_bytes,
                                   self.num_cpu_timeout_secs, self.num_gpu_timeout_secs)
         self.num_device_sms = int(self._rt.num_device_sms)
         # Read once here (environment lookups cost microseconds per call on the critical path).
@@ -379,6 +391,9 @@ class ElasticBuffer:
             raise RuntimeError("sync: this buffer's window is NCCL's (window='nccl'); nothing to open")
         if self._destroyed:
             raise RuntimeError("this ElasticBuffer was destroyed")
+        if isinstance(ipc_handles, (bytes, bytearray, str)) or not isinstance(ipc_handles, collections.abc.Iterable):
+            raise ValueError(f"ipc_handles: expected a list of {self.num_ranks} bytes objects (one per rank, in rank "
+                             f"order), got {type(ipc_handles).__name__}")
         handles = list(ipc_handles)
         if len(handles) != self.num_ranks or not all(isinstance(h, bytes) for h in handles):
             raise ValueError(f"ipc_handles: expected {self.num_ranks} bytes objects (one per rank, in rank order), "
@@ -524,8 +539,10 @@ class ElasticBuffer:
         Returns:
             The byte count (not aligned).
         """
-        return int(_C.get_dispatch_buffer_size(num_max_tokens_per_rank, hidden, num_sf_packs, num_topk, elem_size,
-                                               num_scaleout_ranks, num_scaleup_ranks, bool(is_scaleup_nvlink)))
+        sizes = _sizing.c_ints(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
+                               num_sf_packs=num_sf_packs, num_topk=num_topk, elem_size=elem_size,
+                               num_scaleout_ranks=num_scaleout_ranks, num_scaleup_ranks=num_scaleup_ranks)
+        return int(_C.get_dispatch_buffer_size(*sizes, bool(is_scaleup_nvlink)))
 
     @staticmethod
     def get_combine_buffer_size(num_max_tokens_per_rank: int, hidden: int, num_topk: int, num_scaleout_ranks: int,
@@ -537,9 +554,9 @@ class ElasticBuffer:
         Returns:
             The byte count (not aligned).
         """
-        return int(_C.get_combine_buffer_size(num_max_tokens_per_rank, hidden, num_topk, num_scaleout_ranks,
-                                              num_scaleup_ranks, bool(is_scaleup_nvlink),
-                                              bool(allow_multiple_reduction)))
+        sizes = _sizing.c_ints(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden, num_topk=num_topk,
+                               num_scaleout_ranks=num_scaleout_ranks, num_scaleup_ranks=num_scaleup_ranks)
+        return int(_C.get_combine_buffer_size(*sizes, bool(is_scaleup_nvlink), bool(allow_multiple_reduction)))
 
     @staticmethod
     def calculate_buffer_size(nccl_comm: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int,
@@ -554,10 +571,13 @@ class ElasticBuffer:
         Returns:
             Buffer bytes, a multiple of 2 MiB.
         """
-        if isinstance(nccl_comm, int) and 0 < nccl_comm <= _MAX_RANKS:
-            scaleout, scaleup = 1, int(nccl_comm)  # a rank count (no communicator needed)
+        num_max_tokens_per_rank, hidden, num_topk = _sizing.c_ints(
+            num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden, num_topk=num_topk)
+        nccl_comm = _comm_arg(nccl_comm)
+        if 0 < nccl_comm <= _MAX_RANKS:
+            scaleout, scaleup = 1, nccl_comm  # a rank count (no communicator needed)
         else:
-            scaleout, scaleup = get_logical_domain_size(int(nccl_comm), allow_hybrid_mode)
+            scaleout, scaleup = get_logical_domain_size(nccl_comm, allow_hybrid_mode)
         return int(_C.calculate_buffer_size_for_domain(num_max_tokens_per_rank, hidden, num_topk,
                                                        bool(use_fp8_dispatch), scaleout, scaleup, True,
                                                        bool(allow_multiple_reduction)))
@@ -711,11 +731,6 @@ class ElasticBuffer:
         hidden_bytes = hidden * x.element_size()
         K = topk_idx.shape[1]
         L = num_experts // R
-        # Limits of this backend, which the front end does not know.
-        if num_experts > _MAX_EXPERTS:
-            raise ValueError(f"num_experts must be <= {_MAX_EXPERTS}, got {num_experts}")
-        if L > _MAX_LOCAL_EXPERTS:
-            raise ValueError(f"at most {_MAX_LOCAL_EXPERTS} experts per rank, got {L}")
         # The epilogue's event is used only after notify and the push are queued: check it now.
         if previous_event_before_epilogue is not None and not isinstance(previous_event_before_epilogue,
                                                                          EventHandle):
@@ -869,11 +884,8 @@ class ElasticBuffer:
         R, dev = self.num_ranks, self.device
         cached = cached_num_recv_tokens is not None
         _checks.check_dispatch_modes(do_expand, do_zero_padding, do_cpu_sync, _checks.cached_handle_fields(locals()))
-        for name, v in (("num_max_tokens_per_rank", num_max_tokens_per_rank), ("num_experts", num_experts),
-                        ("expert_alignment", expert_alignment)):
-            # The binding's parser refuses anything else, but only once notify may be queued.
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-                raise ValueError(f"{name} must be an int, got {v!r}")
+        # The binding's parser refuses what is not an int, but only once notify may be queued.
+        num_max_tokens_per_rank = _checks.int_arg("num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
         _check_cuda_tensor("x", x, (torch.bfloat16,) + _FP8_DTYPES, 2, dev)
         T, hidden = x.shape
         hidden_bytes = hidden * x.element_size()
@@ -881,11 +893,6 @@ class ElasticBuffer:
             raise ValueError(f"x rows must be a multiple of 16 bytes, got hidden={hidden} x {x.element_size()} B")
         if T > num_max_tokens_per_rank:
             raise ValueError(f"x has {T} tokens, more than num_max_tokens_per_rank={num_max_tokens_per_rank}")
-        if num_experts <= 0 or num_experts % R:
-            raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the rank count ({R})")
-        L = num_experts // R
-        if expert_alignment < 1:
-            raise ValueError(f"expert_alignment must be >= 1, got {expert_alignment}")
         if topk_idx is None:
             raise ValueError("topk_idx is required (cached mode passes the handle's topk_idx)")
         _check_cuda_tensor("topk_idx", topk_idx, (topk_idx_t,), 2, dev)
@@ -894,6 +901,8 @@ class ElasticBuffer:
         K = topk_idx.shape[1]
         if not 1 <= K <= _MAX_TOPK:
             raise ValueError(f"num_topk must be in [1, {_MAX_TOPK}], got {K}")
+        num_experts, _ = _checks.check_routing(num_experts, expert_alignment, R, num_max_tokens_per_rank, K)
+        L = num_experts // R
         is_fp8 = x.dtype != torch.bfloat16
         num_sf_packs = 0
         if sf is not None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import functools
 
+from . import _checks
+
 ALIGNMENT_BYTES = 2 * 1024 * 1024  # the symmetric window's granularity (the seed's kNumAlignmentBytes)
 NUM_MAX_CHANNELS = 8 * 160         # the seed's kNumMaxChannels (hybrid mode; sizing.hpp kHybridNumMaxChannels)
 MAX_TOPK = 32                      # sizing.hpp kMaxTopk
@@ -36,6 +38,27 @@ def align_up(x: int, a: int) -> int:
 
 def ceil_div(x: int, y: int) -> int:
     return (x + y - 1) // y
+
+
+def c_ints(**sizes) -> tuple:
+    """The sizing arguments (by name, in order) as ints in a C int's range, which the native sizing
+    takes: a float, a bool or a larger int is refused naming the argument (the native binding refused
+    them only with pybind11's "incompatible function arguments", and took a bool as 0 / 1)."""
+    out = []
+    for name, v in sizes.items():
+        i = _checks.int_arg(name, v)
+        if not -_checks.INT32_MAX - 1 <= i <= _checks.INT32_MAX:
+            raise ValueError(f"{name}: expected an int in [-2**31, 2**31) (the native sizing takes a C int), got {i}")
+        out.append(i)
+    return tuple(out)
+
+
+def worst_case_num_expanded_tokens(num_ranks: int, num_max_tokens_per_rank: int, num_topk: int,
+                                   num_local_experts: int, expert_alignment: int) -> int:
+    """Rows of an expand-mode output without a CPU sync (csrc/sizing.hpp's function of the same name):
+    ``num_topk`` rows per received token (ids may repeat) plus each expert's alignment padding."""
+    n = num_ranks * num_max_tokens_per_rank * num_topk + (expert_alignment - 1) * num_local_experts
+    return align_up(n, expert_alignment)
 
 
 def dispatch_token_bytes(hidden: int, elem_size: int, num_sf_packs: int, num_topk: int) -> int:
@@ -53,16 +76,22 @@ def _region(token_bytes: int, num_ranks: int, num_tokens: int) -> int:
     return token_bytes * num_ranks * num_tokens
 
 
-@functools.lru_cache(maxsize=256)  # called on every dispatch with the same few shapes
+# Called on every dispatch with the same few shapes. Typed: 4.0 and True must not find the entries of 4
+# and 1, and be checked (and refused) instead.
+@functools.lru_cache(maxsize=256, typed=True)
 def get_dispatch_buffer_size(num_max_tokens_per_rank: int, hidden: int, num_sf_packs: int, num_topk: int,
                              elem_size: int, num_scaleout_ranks: int, num_scaleup_ranks: int,
                              is_scaleup_nvlink: bool) -> int:
     """The seed's ``get_dispatch_buffer_size`` (same arguments, bytes).
 
     Raises:
-        ValueError: a size that is not positive (``num_sf_packs`` may be 0), with the native binding's
-            message.
+        ValueError: an argument that is not an int in a C int's range (``c_ints``), or a size that is
+            not positive (``num_sf_packs`` may be 0), with the native binding's message.
     """
+    (num_max_tokens_per_rank, hidden, num_sf_packs, num_topk, elem_size, num_scaleout_ranks,
+     num_scaleup_ranks) = c_ints(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
+                                 num_sf_packs=num_sf_packs, num_topk=num_topk, elem_size=elem_size,
+                                 num_scaleout_ranks=num_scaleout_ranks, num_scaleup_ranks=num_scaleup_ranks)
     if not (num_max_tokens_per_rank > 0 and hidden > 0 and num_sf_packs >= 0 and num_topk > 0 and elem_size > 0
             and num_scaleout_ranks > 0 and num_scaleup_ranks > 0):
         raise ValueError("get_dispatch_buffer_size: every size must be positive (num_sf_packs >= 0)")
@@ -78,15 +107,19 @@ def get_dispatch_buffer_size(num_max_tokens_per_rank: int, hidden: int, num_sf_p
             + _region(tok, num_scaleout_ranks, num_max_tokens_per_rank + NUM_MAX_CHANNELS))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=256, typed=True)
 def get_combine_buffer_size(num_max_tokens_per_rank: int, hidden: int, num_topk: int,
                             num_scaleout_ranks: int, num_scaleup_ranks: int,
                             is_scaleup_nvlink: bool, allow_multiple_reduction: bool) -> int:
     """The seed's ``get_combine_buffer_size`` (same arguments, bytes).
 
     Raises:
-        ValueError: a size that is not positive, with the native binding's message.
+        ValueError: an argument that is not an int in a C int's range (``c_ints``), or a size that is
+            not positive, with the native binding's message.
     """
+    num_max_tokens_per_rank, hidden, num_topk, num_scaleout_ranks, num_scaleup_ranks = c_ints(
+        num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden, num_topk=num_topk,
+        num_scaleout_ranks=num_scaleout_ranks, num_scaleup_ranks=num_scaleup_ranks)
     if not (num_max_tokens_per_rank > 0 and hidden > 0 and num_topk > 0 and num_scaleout_ranks > 0
             and num_scaleup_ranks > 0):
         raise ValueError("get_combine_buffer_size: every size must be positive")
@@ -126,11 +159,15 @@ def calculate_buffer_size(num_max_tokens_per_rank: int, hidden: int, num_topk: i
         Bytes, a multiple of 2 MiB.
 
     Raises:
-        ValueError: an argument out of range (the same checks and messages as the native
-            ``calculate_buffer_size_for_domain``), or ``num_ranks`` not a multiple of ``num_nvl_ranks``:
-            the seed derives its scale-out size as ``num_ranks / num_nvl_ranks`` (every NVLink domain
-            holds the same number of ranks), and rounding it down would undersize the buffer.
+        ValueError: an argument that is not an int in a C int's range (``c_ints``), an argument out of
+            range (the same checks and messages as the native ``calculate_buffer_size_for_domain``), or
+            ``num_ranks`` not a multiple of ``num_nvl_ranks``: the seed derives its scale-out size as
+            ``num_ranks / num_nvl_ranks`` (every NVLink domain holds the same number of ranks), and
+            rounding it down would undersize the buffer.
     """
+    num_max_tokens_per_rank, hidden, num_topk, num_ranks, num_nvl_ranks = c_ints(
+        num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden, num_topk=num_topk, num_ranks=num_ranks,
+        num_nvl_ranks=num_nvl_ranks)
     if num_max_tokens_per_rank <= 0:
         raise ValueError(f"num_max_tokens_per_rank must be positive, got {num_max_tokens_per_rank}")
     if hidden <= 0:

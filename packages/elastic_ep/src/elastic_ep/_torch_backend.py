@@ -294,14 +294,12 @@ class ElasticBuffer:
         R, me = self.num_ranks, self.rank_idx
         if num_sms <= 0:
             raise ValueError(f"num_sms must be positive, got {num_sms}")
-        if num_experts % R:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks ({R})")
-        if expert_alignment <= 0:
-            raise ValueError(f"expert_alignment must be positive, got {expert_alignment}")
         cached_mode = cached_num_recv_tokens is not None
         _checks.check_dispatch_modes(do_expand, do_zero_padding, do_cpu_sync, _checks.cached_handle_fields(locals()))
         T, H = x.shape
         K = topk_idx.shape[1]
+        num_experts, expert_alignment = _checks.check_routing(num_experts, expert_alignment, R,
+                                                              num_max_tokens_per_rank, K)
         L = num_experts // R
         if T > num_max_tokens_per_rank:
             raise ValueError(f"x has {T} tokens, more than num_max_tokens_per_rank={num_max_tokens_per_rank}")
@@ -395,9 +393,8 @@ class ElasticBuffer:
                 num_expanded_tokens = sum(per_expert_list)
             else:
                 num_recv_tokens = num_max_tokens_per_rank * R
-                a = expert_alignment
-                num_expanded_tokens = R * num_max_tokens_per_rank * K + (a - 1) * L  # K: ids may repeat
-                num_expanded_tokens = (num_expanded_tokens + a - 1) // a * a
+                num_expanded_tokens = _sizing.worst_case_num_expanded_tokens(R, num_max_tokens_per_rank, K, L,
+                                                                             expert_alignment)
                 per_expert_list = []
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(real.to(cumulative_local_expert_recv_stats.dtype))

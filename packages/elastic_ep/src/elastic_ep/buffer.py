@@ -43,9 +43,9 @@ groups when the kernels are built, torch otherwise). Launch one process per GPU 
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import math
-import operator
 import os
 import warnings
 import weakref
@@ -213,28 +213,20 @@ class EPHandle:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _as_int(v: Any) -> Any:
-    """``v`` as a Python int when it is an integer of any kind (numpy, torch scalars), else unchanged."""
-    if isinstance(v, bool):
-        return v
-    try:
-        return operator.index(v)
-    except TypeError:
-        return v
-
-
 def _err(name: str, expected: str, got: Any) -> ValueError:
     return ValueError(f"{name}: expected {expected}, got {got}")
 
 
-def _int_arg(name: str, v: Any, lo: int) -> int:
-    """``v`` as a Python int ``>= lo``. Integers of any kind pass (numpy, torch scalars); bools,
-    floats and strings are refused here, naming the argument: the native parameter parser refuses
-    them too, but only after the first kernels were queued, which leaves the buffer unusable."""
-    i = _as_int(v)
-    if isinstance(i, bool) or not isinstance(i, int) or i < lo:
-        raise _err(name, "a positive int" if lo == 1 else f"an int >= {lo}", repr(v))
-    return i
+# Integer arguments are checked by name here: the native parameter parser refuses what is not an int
+# too, but only after the first kernels were queued, which leaves the buffer unusable.
+_int_arg = _checks.int_arg
+_C_INT = " (the native runtime takes a C int)"
+
+
+def _itemsize(dtype: Any) -> int:
+    if not isinstance(dtype, torch.dtype):
+        raise _err("dtype", "a torch.dtype", repr(dtype))
+    return dtype.itemsize
 
 
 def _describe(t: Any) -> str:
@@ -246,6 +238,7 @@ def _describe(t: Any) -> str:
 def _check_tensor(name: str, t: Any, *, dtype=None, ndim=None, shape=None, device=None, contiguous=True) -> None:
     if not isinstance(t, torch.Tensor):
         raise _err(name, "a torch.Tensor", _describe(t))
+    _checks.check_dense(name, t)
     if dtype is not None:
         allowed = dtype if isinstance(dtype, tuple) else (dtype,)
         if t.dtype not in allowed:
@@ -325,8 +318,10 @@ def calculate_elastic_buffer_size(num_ranks: int, num_max_tokens_per_rank: int, 
     Returns:
         The 2 MiB-aligned maximum of the dispatch and combine layouts.
     """
+    # Only None means "all of them": 0 is a bad count, not the default.
     return _sizing.calculate_buffer_size(num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
-                                         num_ranks=num_ranks, num_nvl_ranks=num_nvl_ranks or num_ranks,
+                                         num_ranks=num_ranks,
+                                         num_nvl_ranks=num_ranks if num_nvl_ranks is None else num_nvl_ranks,
                                          allow_hybrid_mode=allow_hybrid_mode,
                                          allow_multiple_reduction=allow_multiple_reduction)
 
@@ -459,12 +454,12 @@ class ElasticBuffer:
             raise ValueError(f"hidden: a row must be a multiple of 16 bytes (hidden % 8 == 0 for bf16, % 16 with "
                              f"use_fp8_dispatch), got {hidden}")
         if num_bytes is not None:
-            num_bytes = _int_arg("num_bytes", num_bytes, 1)
+            num_bytes = _int_arg("num_bytes", num_bytes, 1, _checks.INT64_MAX, " (the native runtime takes an int64)")
         sl_idx = _int_arg("sl_idx", sl_idx, 0)
         num_allocated_qps = _int_arg("num_allocated_qps", num_allocated_qps, 0)
         # Whole seconds >= 1: the runtime keeps seconds as an int, where 0 means "no deadline".
-        num_cpu_timeout_secs = _int_arg("num_cpu_timeout_secs", num_cpu_timeout_secs, 1)
-        num_gpu_timeout_secs = _int_arg("num_gpu_timeout_secs", num_gpu_timeout_secs, 1)
+        num_cpu_timeout_secs = _int_arg("num_cpu_timeout_secs", num_cpu_timeout_secs, 1, _checks.INT32_MAX, _C_INT)
+        num_gpu_timeout_secs = _int_arg("num_gpu_timeout_secs", num_gpu_timeout_secs, 1, _checks.INT32_MAX, _C_INT)
         self.group = group
         self.rank = dist.get_rank(group)
         self.rank_idx = self.rank  # DeepEP's name
@@ -632,7 +627,9 @@ class ElasticBuffer:
         Returns:
             ``(num_gpu_bytes, num_cpu_bytes)``, both 2 MiB-aligned.
         """
-        entry = _sizing.align_up(hidden * dtype.itemsize, 32)
+        num_entries, hidden = _int_arg("num_entries", num_entries, 0), _int_arg("hidden", hidden, 0)
+        num_max_tokens_per_rank = _int_arg("num_max_tokens_per_rank", num_max_tokens_per_rank, 0)
+        entry = _sizing.align_up(hidden * _itemsize(dtype), 32)
         return (_sizing.align_up(entry * num_max_tokens_per_rank, _sizing.ALIGNMENT_BYTES),
                 _sizing.align_up(entry * num_entries, _sizing.ALIGNMENT_BYTES))
 
@@ -646,6 +643,8 @@ class ElasticBuffer:
         Returns:
             The size, 2 MiB-aligned.
         """
+        num_max_tensor_bytes = _int_arg("num_max_tensor_bytes", num_max_tensor_bytes, 0)
+        num_max_inflight_tensors = _int_arg("num_max_inflight_tensors", num_max_inflight_tensors, 0)
         slot = _sizing.align_up(num_max_tensor_bytes, 32)
         return _sizing.align_up(4 * num_max_inflight_tensors * slot, _sizing.ALIGNMENT_BYTES)
 
@@ -663,10 +662,21 @@ class ElasticBuffer:
         Returns:
             The sum over the gathers of ``ranks x elements x itemsize``, each rounded up to 32 B.
         """
-        if not isinstance(shapes[0], tuple):  # one shape (a torch.Size starts with an int too)
+        def is_seq(v: Any) -> bool:
+            return isinstance(v, collections.abc.Sequence) and not isinstance(v, (str, bytes))
+
+        if not is_seq(shapes) or not shapes:
+            raise _err("shapes", "a shape or a non-empty sequence of shapes", repr(shapes))
+        if not is_seq(shapes[0]):  # one shape (a torch.Size starts with an int too)
             shapes = (shapes,)
+        for i, shape in enumerate(shapes):
+            if not is_seq(shape):
+                raise _err(f"shapes[{i}]", "a shape (a sequence of ints)", repr(shape))
+            for d in shape:
+                _int_arg(f"shapes[{i}]", d, 0)
+        itemsize = _itemsize(dtype)
         R = dist.get_world_size(group)
-        return sum(_sizing.align_up(R * math.prod(s) * dtype.itemsize, 32) for s in shapes)
+        return sum(_sizing.align_up(R * math.prod(s) * itemsize, 32) for s in shapes)
 
     @staticmethod
     def get_agrs_buffer_size_hint(group: dist.ProcessGroup, num_max_session_bytes: int) -> int:
@@ -675,7 +685,7 @@ class ElasticBuffer:
         Returns:
             ``num_max_session_bytes`` rounded up to 2 MiB.
         """
-        return _sizing.align_up(num_max_session_bytes, _sizing.ALIGNMENT_BYTES)
+        return _sizing.align_up(_int_arg("num_max_session_bytes", num_max_session_bytes, 0), _sizing.ALIGNMENT_BYTES)
 
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
                                 rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
@@ -701,10 +711,15 @@ class ElasticBuffer:
         Returns:
             The SM count.
         """
-        if self._env_num_sms:
-            return self._env_num_sms
         if num_scaleout_topk != 0:
             raise ValueError(f"num_scaleout_topk: expected 0 (one NVLink domain), got {num_scaleout_topk}")
+        num_experts, num_topk = _int_arg("num_experts", num_experts), _int_arg("num_topk", num_topk)
+        real_arg = _checks.real_arg
+        nvlink_gbs, rdma_gbs = real_arg("nvlink_gbs", nvlink_gbs, 0), real_arg("rdma_gbs", rdma_gbs, 0)
+        sm_read_gbs = real_arg("sm_read_gbs", sm_read_gbs, 0, lo_inclusive=False)
+        sm_write_gbs = real_arg("sm_write_gbs", sm_write_gbs, 0, lo_inclusive=False)
+        if self._env_num_sms:
+            return self._env_num_sms
         R = self.num_ranks
         if num_experts <= 0 or num_experts % R or not 0 < num_topk <= num_experts:
             raise ValueError(f"num_experts / num_topk: expected a positive multiple of {R} experts and 1.."
@@ -734,6 +749,7 @@ class ElasticBuffer:
             ``16 * num_sms + 1`` when hybrid mode is allowed, else ``min(num_sms, 9)``; at most
             ``num_allocated_qps``.
         """
+        num_sms = _int_arg("num_sms", num_sms, 0)
         n = 16 * num_sms + 1 if self.allow_hybrid_mode else min(num_sms, 9)
         return min(n, self.num_allocated_qps)
 
@@ -1039,15 +1055,13 @@ class ElasticBuffer:
         K = topk_idx.shape[1]
         if not 0 < K <= _MAX_TOPK:
             raise ValueError(f"topk_idx: expected 1..{_MAX_TOPK} experts per token, got {K}")
-        num_experts = _as_int(num_experts)
-        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0 or num_experts % R:
-            raise ValueError(f"num_experts: expected a positive multiple of the rank count {R}, got {num_experts!r}")
-        L = num_experts // R
-        expert_alignment = _int_arg("expert_alignment", expert_alignment, 1)
         if num_max_tokens_per_rank is None or num_max_tokens_per_rank == 0:
             raise ValueError("num_max_tokens_per_rank: expected a positive int (the buffer was created without "
                              f"one), got {num_max_tokens_per_rank}")
         num_max_tokens_per_rank = _int_arg("num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
+        num_experts, expert_alignment = _checks.check_routing(num_experts, expert_alignment, R,
+                                                              num_max_tokens_per_rank, K)
+        L = num_experts // R
         if T > num_max_tokens_per_rank:
             raise ValueError(f"x: {T} tokens exceed num_max_tokens_per_rank={num_max_tokens_per_rank}")
         if topk_weights is not None:
@@ -1231,6 +1245,8 @@ class ElasticBuffer:
                           device=self.device)
         if bias is None or isinstance(bias, torch.Tensor):
             biases = [bias, None]
+        elif isinstance(bias, (str, bytes)) or not isinstance(bias, collections.abc.Iterable):
+            raise ValueError(f"bias: expected None, a tensor or a sequence of at most two, got {type(bias).__name__}")
         else:
             biases = list(bias)
             if len(biases) > 2:
@@ -1244,7 +1260,8 @@ class ElasticBuffer:
                                                self.allow_multiple_reduction)
         if need > self.num_bytes:
             raise ValueError(f"buffer too small: this combine needs {need} bytes, the buffer has {self.num_bytes}")
-        num_sms = self._resolve_sms(num_sms or handle.num_sms, handle.num_experts, K)
+        # Checked before the fallback: False or None would pick the handle's silently.
+        num_sms = self._resolve_sms(_int_arg("num_sms", num_sms, 0) or handle.num_sms, handle.num_experts, K)
         num_qps = self._resolve_qps(num_qps)
         if handle.perm is not None:  # deterministic mode: back to the backend's row order
             # The scatter runs on the current stream. With previous_event the communication stream

@@ -65,6 +65,7 @@ import itertools
 import threading
 import warnings
 import weakref
+from collections.abc import Iterable
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch  # noqa: F401  (loads the CUDA runtime before _C)
@@ -77,7 +78,9 @@ from ._shapes import (
     OP_NAMES,
     OP_SEND_RECV_HEADS,
     PLANNERS,
+    SUPPORTED_ITEMSIZES,
     Plan,
+    _check_shape,
     as_int,
     capacity_bytes,
     check_counts,
@@ -323,6 +326,7 @@ class All2All:
         try:  # everything that can fail locally happens before the exchange, so no rank is left waiting
             check_world(rank, world)
             capacity_bytes(num_tokens, hidden_dim, tensor_dtype)  # argument errors first, then the device
+            check_timeout_seconds(DEFAULT_TIMEOUT_SECONDS if timeout_seconds is None else timeout_seconds)
             if num_sms is None:
                 if not torch.cuda.is_available():
                     raise RuntimeError("ipc_all2all.All2All needs a CUDA device; none is available")
@@ -388,6 +392,10 @@ class All2All:
         Arguments:
             all_gathered_handles: every rank's :meth:`get_local_ipc_handle`, indexed by rank.
         """
+        # bytes iterate as ints and a non-sequence not at all: neither is every rank's handle
+        if isinstance(all_gathered_handles, (str, bytes, bytearray)) or not isinstance(all_gathered_handles, Iterable):
+            raise ValueError(f"sync(): all_gathered_handles must be a list of every rank's get_local_ipc_handle() "
+                             f"(bytes, in rank order), got {type(all_gathered_handles).__name__}")
         handles = []
         for i, h in enumerate(all_gathered_handles):
             if not isinstance(h, (bytes, bytearray)):
@@ -461,6 +469,19 @@ class All2All:
             The launch plan (``_shapes.Plan``: output shape and bytes, row geometry). Raises
             ``ValueError`` naming what is wrong.
         """
+        # Checked before the plan cache: True == 1 and 5.0 == 5 would find another call's plan there.
+        if isinstance(op, bool) or op not in OP_NAMES:
+            raise ValueError(f"plan: op must be one of {sorted(OP_NAMES)} ({', '.join(OP_NAMES.values())}), got {op!r}")
+        if itemsize is not None and (isinstance(itemsize, bool) or itemsize not in SUPPORTED_ITEMSIZES):
+            raise ValueError(f"plan: itemsize must be one of {SUPPORTED_ITEMSIZES} bytes, got {itemsize!r}")
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
+            raise ValueError(f"plan: shape must be a sequence of 4 ints, got {type(shape).__name__}")
+        shape = tuple(shape)
+        _check_shape(shape, OP_NAMES[op])
+        return self._plan(op, shape, itemsize)
+
+    def _plan(self, op: int, shape: Sequence[int], itemsize: Optional[int] = None) -> Plan:
+        """:meth:`plan` for the call path, whose ``op``, shape (a tensor's) and itemsize are known good."""
         if self._counts is None and self._counts_dev is None:
             raise ValueError(f"{OP_NAMES[op]}: call set_rank_tokens() first")
         itemsize = self.itemsize if itemsize is None else itemsize
@@ -492,7 +513,7 @@ class All2All:
         capture = self._core.capture_id(stream)  # 0: an eager call
         if fp8_wire:
             return self._run_fp8(op, x, what, stream, capture)
-        p = self.plan(op, x.shape)
+        p = self._plan(op, x.shape)
         slot = self._check_slot(x, what, capture)
         self._launch(op, x.data_ptr(), p, slot, stream, capture)
         off = self._core.slot_offset(slot)
@@ -550,7 +571,7 @@ class All2All:
         b, rows, heads, D = x.shape
         if D not in FP8_WIRE_HEAD_DIMS:
             raise ValueError(f"{what}: fp8_wire needs head_dim (x.shape[3]) in {FP8_WIRE_HEAD_DIMS}, got {D}")
-        p = self.plan(op, (b, rows, heads, D + _C.FP8_RECORD_PAD), itemsize=1)  # every check before the launch
+        p = self._plan(op, (b, rows, heads, D + _C.FP8_RECORD_PAD), itemsize=1)  # every check before the launch
         slot = self._check_slot(x, what, capture)
         self._launch(op, x.data_ptr(), p, slot, stream, capture, pack_head_dim=D)
         ob, orows, oheads, _ = p.out_shape

@@ -19,6 +19,7 @@ from __future__ import annotations
 import operator
 
 import math
+from collections.abc import Iterable, Mapping, Set
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -105,7 +106,15 @@ def capacity_bytes(num_tokens: int, hidden_dim: int, dtype: torch.dtype) -> int:
     for name, v in (("num_tokens", num_tokens), ("hidden_dim", hidden_dim)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return num_tokens * hidden_dim * element_size(dtype)
+    capacity = num_tokens * hidden_dim * element_size(dtype)
+    from . import _C
+
+    try:
+        _C.check_capacity_bytes(capacity)  # the core's bound (csrc/core.cpp), before any CUDA work
+    except TypeError:  # beyond an int64: past every bound, but the binding cannot say so by name
+        raise ValueError(f"buffer capacity (num_tokens * hidden_dim * element size) must be at most about 2^62 "
+                         f"bytes, got {num_tokens} * {hidden_dim} * {element_size(dtype)} = {capacity}") from None
+    return capacity
 
 
 def prefix_sums(counts: Sequence[int]) -> List[int]:
@@ -118,7 +127,11 @@ def prefix_sums(counts: Sequence[int]) -> List[int]:
 
 
 def check_counts(counts: Sequence[int], world_size: int) -> List[int]:
-    """Validates host token counts: ``world_size`` non-negative ints below 2**31."""
+    """Validates host token counts: ``world_size`` non-negative ints below 2**31, in rank order."""
+    # A set has no rank order and a mapping would give its keys: neither says which count is whose.
+    if isinstance(counts, (str, bytes, bytearray, Set, Mapping)) or not isinstance(counts, Iterable):
+        raise ValueError(f"rank_tokens must be a list of {world_size} ints (one per rank, in rank order) or an int32 "
+                         f"device tensor, got {type(counts).__name__}")
     counts = [as_int(n) for n in counts]
     if len(counts) != world_size:
         raise ValueError(f"rank_tokens must have one entry per rank ({world_size}), got {len(counts)}")
@@ -152,11 +165,12 @@ def check_timeout_seconds(seconds) -> float:
     """``seconds`` as a float; raises ``ValueError`` unless it is a real number that the core accepts
     (finite, in ``[0, 1e9)``, 0 = wait forever). The bounds are the core's own
     (``_C.timeout_ns_from_seconds``, csrc/core.cpp), checked here before any CUDA work."""
-    if isinstance(seconds, (bool, str, bytes)):
+    # numpy and torch booleans convert to 1.0 as Python's do: a flag passed by mistake, not a duration.
+    if isinstance(seconds, (bool, str, bytes)) or str(getattr(seconds, "dtype", "")) in ("bool", "torch.bool"):
         raise ValueError(f"timeout_seconds must be a number of seconds, got {seconds!r}")
     try:
         s = float(seconds)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError, RuntimeError):  # RuntimeError: a meta tensor has no value
         raise ValueError(f"timeout_seconds must be a number of seconds, got {seconds!r}") from None
     from . import _C
 
@@ -185,7 +199,11 @@ def check_grid(num_blocks, self_blocks, world_size: int) -> Tuple[int, int]:
 def _check_shape(shape: Sequence[int], what: str) -> Tuple[int, int, int, int]:
     if len(shape) != 4:
         raise ValueError(f"{what}: x must have 4 dimensions [batch, tokens, heads, head_dim], got shape {tuple(shape)}")
-    b, t, h, d = (int(s) for s in shape)
+    # A tensor's shape is ints already; a shape given to plan() by hand must not be truncated (5.5 -> 5)
+    # or parsed ("5") into one.
+    b, t, h, d = dims = tuple(as_int(s) for s in shape)
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in dims):
+        raise ValueError(f"{what}: the shape must be 4 non-negative ints, got {tuple(shape)}")
     if h <= 0 or d <= 0:
         raise ValueError(f"{what}: heads and head_dim must be positive, got shape {tuple(shape)}")
     return b, t, h, d
@@ -271,6 +289,22 @@ def ranges_overlap(a_start: int, a_bytes: int, b_start: int, b_bytes: int) -> bo
     return a_bytes > 0 and b_bytes > 0 and a_start < b_start + b_bytes and b_start < a_start + a_bytes
 
 
+def check_dense_4d(x, what: str) -> None:
+    """Raises ``ValueError`` unless ``x`` is a dense (strided, not nested) tensor of 4 dimensions; the
+    checks that also hold while torch.compile traces (no data pointer, no device)."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{what}: x must be a torch.Tensor, got {type(x).__name__}")
+    # Before the checks below: shape, is_contiguous() and data_ptr() raise on sparse and nested tensors
+    # instead of naming the argument.
+    if x.layout != torch.strided or x.is_nested:
+        kind = "a nested tensor" if x.is_nested else f"layout {x.layout}"
+        raise ValueError(f"{what}: x must be a dense (strided) tensor, got {kind}; call .to_dense() or "
+                         ".to_padded_tensor()")
+    if x.dim() != 4:
+        raise ValueError(f"{what}: x must have 4 dimensions [batch, tokens, heads, head_dim], got shape "
+                         f"{tuple(x.shape)}")
+
+
 def validate_input(x, dtype: torch.dtype, device: torch.device, what: str) -> None:
     """Raises ``ValueError`` unless ``x`` is a dense 4-d, contiguous, 16-byte aligned ``dtype`` tensor on
     ``device``.
@@ -281,14 +315,7 @@ def validate_input(x, dtype: torch.dtype, device: torch.device, what: str) -> No
         device: the instance's device.
         what: the operation's name, for the message.
     """
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{what}: x must be a torch.Tensor, got {type(x).__name__}")
-    # Before the checks below: is_contiguous() and data_ptr() raise on sparse layouts instead of
-    # naming the argument.
-    if x.layout != torch.strided:
-        raise ValueError(f"{what}: x must be a dense (strided) tensor, got layout {x.layout}; call .to_dense()")
-    if x.dim() != 4:
-        raise ValueError(f"{what}: x must have 4 dimensions [batch, tokens, heads, head_dim], got shape {tuple(x.shape)}")
+    check_dense_4d(x, what)
     if x.dtype != dtype:
         raise ValueError(f"{what}: x has dtype {x.dtype}, this instance was built for {dtype}")
     if x.device != device:

@@ -69,7 +69,14 @@ def _lookup(comm_id: int):
 
 
 def _fake_shape(op: int, x: torch.Tensor, out_tokens: int, world_size: int):
-    """The output shape the fake implementations promise (the real ops check theirs against it)."""
+    """The output shape the fake implementations promise (the real ops check theirs against it).
+
+    A raw ``torch.ops.ipc_all2all.*`` call may pass anything: refused by name here, where torch.compile
+    would otherwise fail on an unpacking, a division by zero or a negative dimension."""
+    name = f"ipc_all2all.ops.{_shapes.OP_NAMES[op]}"
+    _shapes.check_dense_4d(x, name)
+    if world_size < 1 or out_tokens < 0:
+        raise ValueError(f"{name}: world_size must be >= 1 and out_tokens >= 0, got {world_size} and {out_tokens}")
     b, _, h, d = x.shape
     if op == _shapes.OP_SEND_RECV_HEADS:
         h = h // world_size
@@ -129,6 +136,14 @@ def _(x, token, comm_id, out_tokens, world_size):
     return x.new_empty(_fake_shape(_shapes.OP_ALLGATHER, x, out_tokens, world_size))
 
 
+def _check_call(op: int, x: torch.Tensor, comm) -> None:
+    """What the wrappers read before the op runs: ``comm`` an instance, ``x`` a dense 4-d tensor."""
+    name = f"ipc_all2all.ops.{_shapes.OP_NAMES[op]}"
+    if not all(hasattr(comm, a) for a in ("comm_id", "order_token", "world_size", "rank_tokens")):
+        raise ValueError(f"{name}: comm must be an ipc_all2all.All2All, got {type(comm).__name__}")
+    _shapes.check_dense_4d(x, name)
+
+
 def _out_tokens(comm, op: int, x: torch.Tensor) -> int:
     # Host counts fix the output length; device counts leave it to the input's (static) capacity.
     counts = comm.rank_tokens
@@ -149,6 +164,7 @@ def send_recv_heads(x: torch.Tensor, comm, fp8_wire: bool = False) -> torch.Tens
     Returns:
         ``[b, total_tokens, H/W, D]``, a fresh tensor.
     """
+    _check_call(_shapes.OP_SEND_RECV_HEADS, x, comm)
     return _send_recv_heads(x, comm.order_token, comm.comm_id, _out_tokens(comm, _shapes.OP_SEND_RECV_HEADS, x),
                             comm.world_size, fp8_wire)
 
@@ -164,6 +180,7 @@ def gather_heads(x: torch.Tensor, comm, fp8_wire: bool = False) -> torch.Tensor:
     Returns:
         ``[b, local_tokens, H, D]``, a fresh tensor.
     """
+    _check_call(_shapes.OP_GATHER_HEADS, x, comm)
     return _gather_heads(x, comm.order_token, comm.comm_id, _out_tokens(comm, _shapes.OP_GATHER_HEADS, x),
                          comm.world_size, fp8_wire)
 
@@ -178,4 +195,5 @@ def allgather(x: torch.Tensor, comm) -> torch.Tensor:
     Returns:
         ``[b, total_tokens, h, d]``, a fresh tensor.
     """
+    _check_call(_shapes.OP_ALLGATHER, x, comm)
     return _allgather(x, comm.order_token, comm.comm_id, _out_tokens(comm, _shapes.OP_ALLGATHER, x), comm.world_size)
