@@ -6,14 +6,17 @@
 #   COMMKIT_GIT_REV=<hash> bash tools/gpu_x1.sh OUT_DIR b    # elastic_ep GPU tests (reuses part a's build)
 #   COMMKIT_GIT_REV=<hash> bash tools/gpu_x1.sh OUT_DIR waits  # build; the tests of the device-side waits:
 #       the whole ipc_all2all suite and elastic_ep's timeout, late-peer and IPC-window soak tests (~540 s)
+#   COMMKIT_GIT_REV=<hash> bash tools/gpu_x1.sh OUT_DIR smoke  # build; a short check of every package (~180 s):
+#       fp8_layerwise's GPU tests, ipc_all2all's reference, validation and torch.compile tests, elastic_ep's
+#       EP 1 mode matrices and bad-input test
 #
 # Part a (limits in seconds): build ~40, fp8_layerwise 120, ipc_all2all 400.  Part b: elastic_ep 560.
 # Part b must start while the machine from part a is still held (its packages are installed there);
 # if the machine was released in between, pass BUILD=1 to rebuild first (~40 s more).
 # On the device:  timeout 590 bash tools/gpu_x1.sh /tmp/r a; tar czf $OUT/r.tgz -C /tmp/r .
 set -u
-OUT=${1:?usage: bash tools/gpu_x1.sh OUT_DIR a|b|waits}
-PART=${2:?usage: bash tools/gpu_x1.sh OUT_DIR a|b|waits}
+OUT=${1:?usage: bash tools/gpu_x1.sh OUT_DIR a|b|waits|smoke}
+PART=${2:?usage: bash tools/gpu_x1.sh OUT_DIR a|b|waits|smoke}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export COMMKIT_TEST_SHARE_GPU=1
 source "$ROOT/tools/_gpu_steps.sh"
@@ -33,6 +36,15 @@ case "$PART" in
     step tests_elastic_waits 230 "${PYTEST[@]}" --junitxml="$OUT/junit_elastic_waits.xml" \
       -k "timeout or late_peer or soak_ipc_window" "$ROOT/tests/elastic_ep"
     ;;
-  *) echo "unknown part $PART (a, b or waits)" >&2; exit 2 ;;
+  smoke)
+    build_all
+    step tests_fp8 70 "${PYTEST[@]}" --junitxml="$OUT/junit_fp8.xml" "$ROOT/tests/fp8_layerwise"
+    step tests_ipc_smoke 80 "${PYTEST[@]}" --junitxml="$OUT/junit_ipc_smoke.xml" \
+      -k "torch_compile or matches_torch_nccl_path or validation_before_launch" "$ROOT/tests/ipc_all2all"
+    step tests_elastic_smoke 60 "${PYTEST[@]}" --junitxml="$OUT/junit_elastic_smoke.xml" \
+      -k "(native_ep1_matrix and not overlapped) or bad_inputs_native_ep1 or (lowlevel_ep1_modes and not overlapped and not notify)" \
+      "$ROOT/tests/elastic_ep"
+    ;;
+  *) echo "unknown part $PART (a, b, waits or smoke)" >&2; exit 2 ;;
 esac
 echo "gpu_x1.sh $PART done $(date -u +%T)"
