@@ -567,7 +567,7 @@ def test_grid_checks_match_the_core():
 
 
 class _ConfigCore:
-    destroyed = True  # nothing to release when the stand-in instance is dropped
+    destroyed = False  # a live instance: a destroyed one refuses every call
 
     def __init__(self):
         self.calls = []
@@ -579,8 +579,13 @@ class _ConfigCore:
         self.calls.append(("grid", nb, sb))
 
 
+class _ConfigInstance(ipc_all2all.All2All):
+    def __del__(self):  # over a stand-in core: nothing to release, so no "not destroyed" warning
+        pass
+
+
 def _config_instance(world=4, device=torch.device("cpu")):
-    a = ipc_all2all.All2All.__new__(ipc_all2all.All2All)
+    a = _ConfigInstance.__new__(_ConfigInstance)
     a.__dict__.update(_core=_ConfigCore(), world_size=world, device=device, _counts=None, _counts_dev=None, _captured_counts={},
                       _plans={"stale": 1})
     return a

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import itertools
 import math
 import os
 import warnings
@@ -107,7 +108,8 @@ class EPHandle:
     (received row ``j`` the user sees is row ``perm[j]`` of the backend's output) and
     ``raw_recv_src_metadata`` (the backend's metadata, in its own row order), while
     ``recv_src_metadata`` describes the user's (sorted) rows as in DeepEP; ``buffer_id`` names the
-    buffer that made the handle.
+    buffer that made the handle (a serial number never reused in the process, unlike ``id()``: a
+    handle of a destroyed and collected buffer is refused by every later one).
     """
 
     do_expand: bool
@@ -388,6 +390,29 @@ def _release_native(runtime, ll, comm: int) -> None:
         ll.destroy_nccl_comm(comm)
 
 
+_BUFFER_SERIALS = itertools.count(1)
+
+
+def _raise_if_any_rank_failed(group: dist.ProcessGroup, err: Optional[Exception], what: str,
+                              cleanup=None) -> None:
+    """Collective: every rank of ``group`` learns whether ``what`` failed on some rank (``err``: this
+    rank's exception, or None). If it did, ``cleanup`` runs and every rank raises: a rank that failed
+    its own exception, the others one naming each failed rank and its error (a ``ValueError`` when all
+    of those are, else a ``RuntimeError``). So no rank goes on while a peer gave up."""
+    mine = None if err is None else (f"{type(err).__name__}: {err}", isinstance(err, ValueError))
+    statuses: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(statuses, mine, group=group)
+    failed = [(r, st) for r, st in enumerate(statuses) if st is not None]
+    if not failed:
+        return
+    if cleanup is not None:
+        cleanup()
+    if err is not None:
+        raise err
+    kind = ValueError if all(is_value for _, (_, is_value) in failed) else RuntimeError
+    raise kind(f"{what} failed on " + "; ".join(f"rank {r}: {msg}" for r, (msg, _) in failed))
+
+
 def _all_ok(group: dist.ProcessGroup, ok: bool) -> bool:
     flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device="cuda")
     dist.all_reduce(flag, group=group)
@@ -426,7 +451,14 @@ class ElasticBuffer:
 
     Raises:
         ValueError: bad arguments; RuntimeError: the native backend was requested but is unavailable.
+        The constructor is collective and raises on every rank when any rank's arguments are refused:
+        that rank its own error, the others one naming it (``ValueError`` or ``RuntimeError`` as well).
     """
+
+    #: The handles' ``buffer_id``: a serial number the constructor sets (>= 1, never reused in the process,
+    #: unlike ``id(self)``, which a later buffer gets once this one is collected). 0 only on an object
+    #: made without the constructor (``object.__new__``, as the diagnostic tools do).
+    _serial = 0
 
     def __init__(self, group: dist.ProcessGroup, num_bytes: Optional[int] = None, num_cpu_bytes: int = 0,
                  num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0,
@@ -437,103 +469,115 @@ class ElasticBuffer:
                  backend: str = "auto", window: str = "auto") -> None:
         if group is None:
             raise ValueError("group: expected a torch.distributed ProcessGroup, got None")
-        if num_cpu_bytes != 0:
-            raise ValueError(f"num_cpu_bytes: expected 0 (the CPU/Engram segment is not supported), got {num_cpu_bytes}")
-        if backend not in ("auto", "native", "torch"):
-            raise ValueError(f"backend: expected 'auto', 'native' or 'torch', got {backend!r}")
-        if window not in ("auto", "nccl", "ipc"):
-            raise ValueError(f"window: expected 'auto', 'nccl' or 'ipc', got {window!r}")
-        if window == "ipc" and backend == "torch":
-            raise ValueError("window='ipc' is the native backend's window; backend='torch' has none")
-        num_max_tokens_per_rank = _int_arg("num_max_tokens_per_rank", num_max_tokens_per_rank, 0)
-        hidden = _int_arg("hidden", hidden, 0)
-        num_topk = _int_arg("num_topk", num_topk, 0)
-        if num_topk > _MAX_TOPK:
-            raise ValueError(f"num_topk: expected 0..{_MAX_TOPK}, got {num_topk}")
-        if hidden % 16 if use_fp8_dispatch else hidden % 8:
-            raise ValueError(f"hidden: a row must be a multiple of 16 bytes (hidden % 8 == 0 for bf16, % 16 with "
-                             f"use_fp8_dispatch), got {hidden}")
-        if num_bytes is not None:
-            num_bytes = _int_arg("num_bytes", num_bytes, 1, _checks.INT64_MAX, " (the native runtime takes an int64)")
-        sl_idx = _int_arg("sl_idx", sl_idx, 0)
-        num_allocated_qps = _int_arg("num_allocated_qps", num_allocated_qps, 0)
-        # Whole seconds >= 1: the runtime keeps seconds as an int, where 0 means "no deadline".
-        num_cpu_timeout_secs = _int_arg("num_cpu_timeout_secs", num_cpu_timeout_secs, 1, _checks.INT32_MAX, _C_INT)
-        num_gpu_timeout_secs = _int_arg("num_gpu_timeout_secs", num_gpu_timeout_secs, 1, _checks.INT32_MAX, _C_INT)
         self.group = group
         self.rank = dist.get_rank(group)
         self.rank_idx = self.rank  # DeepEP's name
         self.num_ranks = dist.get_world_size(group)
         pg_backend = dist.get_backend(group)
-        ipc = window == "ipc"
-        if backend == "auto" and ipc:
-            backend = "native"  # the window exists only there: say why if it cannot be had (below)
-        if backend == "auto":
-            backend = "native" if (pg_backend == "nccl" and native_available()) else "torch"
-            if backend == "torch" and pg_backend == "nccl" and torch.cuda.is_available():
-                # An NCCL group on a GPU would have used the native kernels: say why it cannot, once,
-                # rather than run the (much slower) reference backend silently.
-                _, why = _load_native()
-                warnings.warn(f"elastic_ep: backend='auto' falls back to the torch backend: {why}", RuntimeWarning,
-                              stacklevel=2)
-        if backend == "native":
-            ll, why = _load_native()
-            if ll is None:
-                raise RuntimeError(why)
-            if not torch.cuda.is_available():
-                raise RuntimeError("the native elastic_ep backend needs a CUDA GPU; none is visible")
-            if pg_backend != "nccl" and not ipc:
-                raise ValueError(f"group: the native backend needs an NCCL process group (or window='ipc'), got "
-                                 f"{pg_backend!r}")
-        self.backend = backend
-        # The native backend skips the argument checks this class already ran (host time on the
-        # critical path); the torch backend is the reference and checks everything itself.
-        self._prechecked = {"_validated": True} if backend == "native" else {}
-        on_gpu = pg_backend == "nccl" or backend == "native"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        self.window = ("ipc" if ipc else "nccl") if backend == "native" else None
-        self.num_max_tokens_per_rank = num_max_tokens_per_rank
-        self.hidden = hidden
-        self.num_topk = num_topk
-        self.use_fp8_dispatch = use_fp8_dispatch
-        self.deterministic = deterministic
-        self.allow_hybrid_mode = allow_hybrid_mode
-        self.allow_multiple_reduction = allow_multiple_reduction
-        self.prefer_overlap_with_compute = prefer_overlap_with_compute
-        self.num_cpu_timeout_secs = num_cpu_timeout_secs
-        self.num_gpu_timeout_secs = num_gpu_timeout_secs
-        self.explicitly_destroy = explicitly_destroy
-        self.destroyed = False
-        self._owned_comm = None
-        self._comm_finalizer = None
-        self.nccl_comm = 0
+        self._serial = next(_BUFFER_SERIALS)
+        # Each rank checks its own arguments, then every rank learns the others' outcome before anything
+        # collective: a rank whose arguments are refused must not leave its peers in this constructor's
+        # collectives, where their next call from that rank would complete them (its peers returning a
+        # buffer it does not have) or they would wait until the group's timeout.
+        err = None
+        try:
+            if num_cpu_bytes != 0:
+                raise ValueError(f"num_cpu_bytes: expected 0 (the CPU/Engram segment is not supported), got "
+                                 f"{num_cpu_bytes}")
+            if backend not in ("auto", "native", "torch"):
+                raise ValueError(f"backend: expected 'auto', 'native' or 'torch', got {backend!r}")
+            if window not in ("auto", "nccl", "ipc"):
+                raise ValueError(f"window: expected 'auto', 'nccl' or 'ipc', got {window!r}")
+            if window == "ipc" and backend == "torch":
+                raise ValueError("window='ipc' is the native backend's window; backend='torch' has none")
+            num_max_tokens_per_rank = _int_arg("num_max_tokens_per_rank", num_max_tokens_per_rank, 0)
+            hidden = _int_arg("hidden", hidden, 0)
+            num_topk = _int_arg("num_topk", num_topk, 0)
+            if num_topk > _MAX_TOPK:
+                raise ValueError(f"num_topk: expected 0..{_MAX_TOPK}, got {num_topk}")
+            if hidden % 16 if use_fp8_dispatch else hidden % 8:
+                raise ValueError(f"hidden: a row must be a multiple of 16 bytes (hidden % 8 == 0 for bf16, % 16 with "
+                                 f"use_fp8_dispatch), got {hidden}")
+            if num_bytes is not None:
+                num_bytes = _int_arg("num_bytes", num_bytes, 1, _checks.INT64_MAX,
+                                     " (the native runtime takes an int64)")
+            sl_idx = _int_arg("sl_idx", sl_idx, 0)
+            num_allocated_qps = _int_arg("num_allocated_qps", num_allocated_qps, 0)
+            # Whole seconds >= 1: the runtime keeps seconds as an int, where 0 means "no deadline".
+            num_cpu_timeout_secs = _int_arg("num_cpu_timeout_secs", num_cpu_timeout_secs, 1, _checks.INT32_MAX, _C_INT)
+            num_gpu_timeout_secs = _int_arg("num_gpu_timeout_secs", num_gpu_timeout_secs, 1, _checks.INT32_MAX, _C_INT)
+            ipc = window == "ipc"
+            if backend == "auto" and ipc:
+                backend = "native"  # the window exists only there: say why if it cannot be had (below)
+            if backend == "auto":
+                backend = "native" if (pg_backend == "nccl" and native_available()) else "torch"
+                if backend == "torch" and pg_backend == "nccl" and torch.cuda.is_available():
+                    # An NCCL group on a GPU would have used the native kernels: say why it cannot, once,
+                    # rather than run the (much slower) reference backend silently.
+                    _, why = _load_native()
+                    warnings.warn(f"elastic_ep: backend='auto' falls back to the torch backend: {why}", RuntimeWarning,
+                                  stacklevel=2)
+            if backend == "native":
+                ll, why = _load_native()
+                if ll is None:
+                    raise RuntimeError(why)
+                if not torch.cuda.is_available():
+                    raise RuntimeError("the native elastic_ep backend needs a CUDA GPU; none is visible")
+                if pg_backend != "nccl" and not ipc:
+                    raise ValueError(f"group: the native backend needs an NCCL process group (or window='ipc'), got "
+                                     f"{pg_backend!r}")
+            self.backend = backend
+            # The native backend skips the argument checks this class already ran (host time on the
+            # critical path); the torch backend is the reference and checks everything itself.
+            self._prechecked = {"_validated": True} if backend == "native" else {}
+            on_gpu = pg_backend == "nccl" or backend == "native"
+            self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+            self.window = ("ipc" if ipc else "nccl") if backend == "native" else None
+            self.num_max_tokens_per_rank = num_max_tokens_per_rank
+            self.hidden = hidden
+            self.num_topk = num_topk
+            self.use_fp8_dispatch = use_fp8_dispatch
+            self.deterministic = deterministic
+            self.allow_hybrid_mode = allow_hybrid_mode
+            self.allow_multiple_reduction = allow_multiple_reduction
+            self.prefer_overlap_with_compute = prefer_overlap_with_compute
+            self.num_cpu_timeout_secs = num_cpu_timeout_secs
+            self.num_gpu_timeout_secs = num_gpu_timeout_secs
+            self.explicitly_destroy = explicitly_destroy
+            self.destroyed = False
+            self._owned_comm = None
+            self._comm_finalizer = None
+            self.nccl_comm = 0
 
-        if num_bytes is None:
-            if num_max_tokens_per_rank <= 0 or hidden <= 0:
-                raise ValueError("num_bytes=None needs num_max_tokens_per_rank > 0 and hidden > 0 to size the "
-                                 f"buffer, got num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}")
-            num_bytes = self.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk,
-                                                  use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
-        if num_bytes <= 0 or num_bytes % _sizing.ALIGNMENT_BYTES:
-            raise ValueError(f"num_bytes: expected a positive multiple of {_sizing.ALIGNMENT_BYTES} "
-                             f"(see get_buffer_size_hint), got {num_bytes}")
-        self.num_bytes = int(num_bytes)
-        if os.environ.get("EP_BUFFER_DEBUG"):  # DeepEP's switch for the same report
-            print(f"elastic_ep: rank {self.rank}/{self.num_ranks}: buffer of {self.num_bytes} bytes, "
-                  f"backend {backend}", flush=True)
-        if num_allocated_qps == 0:
-            # DeepEP's automatic count (hybrid allowed: 129, or 65 with MT4131 NICs, which a machine
-            # without RDMA lacks; direct: 17). Unused without RDMA, but get_theoretical_num_qps and
-            # the num_qps bound read it, so they give DeepEP's values.
-            num_allocated_qps = 129 if allow_hybrid_mode else 17
-        self.num_allocated_qps = num_allocated_qps
-        args = (self.rank, self.num_ranks, self.nccl_comm, None, self.num_bytes, 0, allow_hybrid_mode,
-                allow_multiple_reduction, prefer_overlap_with_compute, sl_idx, num_allocated_qps,
-                num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy)
-        self.comm_source = None
-        # Read once: an environment lookup costs microseconds on every call otherwise.
-        env_sms = os.environ.get("EP_NUM_SMS")
-        self._env_num_sms = int(env_sms) if env_sms else 0
+            if num_bytes is None:
+                if num_max_tokens_per_rank <= 0 or hidden <= 0:
+                    raise ValueError("num_bytes=None needs num_max_tokens_per_rank > 0 and hidden > 0 to size the "
+                                     f"buffer, got num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}")
+                num_bytes = self.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk,
+                                                      use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
+            if num_bytes <= 0 or num_bytes % _sizing.ALIGNMENT_BYTES:
+                raise ValueError(f"num_bytes: expected a positive multiple of {_sizing.ALIGNMENT_BYTES} "
+                                 f"(see get_buffer_size_hint), got {num_bytes}")
+            self.num_bytes = int(num_bytes)
+            if os.environ.get("EP_BUFFER_DEBUG"):  # DeepEP's switch for the same report
+                print(f"elastic_ep: rank {self.rank}/{self.num_ranks}: buffer of {self.num_bytes} bytes, "
+                      f"backend {backend}", flush=True)
+            if num_allocated_qps == 0:
+                # DeepEP's automatic count (hybrid allowed: 129, or 65 with MT4131 NICs, which a machine
+                # without RDMA lacks; direct: 17). Unused without RDMA, but get_theoretical_num_qps and
+                # the num_qps bound read it, so they give DeepEP's values.
+                num_allocated_qps = 129 if allow_hybrid_mode else 17
+            self.num_allocated_qps = num_allocated_qps
+            args = (self.rank, self.num_ranks, self.nccl_comm, None, self.num_bytes, 0, allow_hybrid_mode,
+                    allow_multiple_reduction, prefer_overlap_with_compute, sl_idx, num_allocated_qps,
+                    num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy)
+            self.comm_source = None
+            # Read once: an environment lookup costs microseconds on every call otherwise.
+            env_sms = os.environ.get("EP_NUM_SMS")
+            self._env_num_sms = int(env_sms) if env_sms else 0
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            err = e
+        _raise_if_any_rank_failed(group, err, "ElasticBuffer: creating the buffer")
         if backend == "native":
             try:
                 self.runtime = self._create_native(ll, group, args)
@@ -569,14 +613,7 @@ class ElasticBuffer:
                 rt.sync(handles)  # the caller's barrier follows: nobody writes before all are open
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 err = e
-            oks: List[Any] = [None] * self.num_ranks
-            dist.all_gather_object(oks, err is None, group=group)
-            if not all(oks):
-                rt.destroy()
-                if err is not None:
-                    raise err
-                raise RuntimeError(f"window='ipc': ranks {[r for r, ok in enumerate(oks) if not ok]} could not open "
-                                   "the peers' windows (see their errors)")
+            _raise_if_any_rank_failed(group, err, "window='ipc': opening the peers' windows", cleanup=rt.destroy)
             self.comm_source = "ipc"
             return rt
         dist.barrier(group=group)  # torch creates its communicator lazily; make sure it exists
@@ -891,6 +928,7 @@ class ElasticBuffer:
             ll.destroy_nccl_comm(comm)
 
     def __enter__(self) -> "ElasticBuffer":
+        self._check_alive()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -1014,7 +1052,7 @@ class ElasticBuffer:
         if cached:
             if not isinstance(handle, EPHandle):
                 raise ValueError(f"handle: expected an EPHandle from dispatch, got {type(handle).__name__}")
-            if handle.buffer_id != id(self):
+            if handle.buffer_id != self._serial:
                 raise ValueError("handle: it was produced by another ElasticBuffer")
             if topk_idx is not None and topk_idx is not handle.topk_idx:
                 raise ValueError("topk_idx: must be None in cached mode (the handle's routing is reused)")
@@ -1128,7 +1166,7 @@ class ElasticBuffer:
                 psum_num_recv_tokens_per_scaleup_rank=psum_rank, psum_num_recv_tokens_per_expert=psum_expert,
                 num_unaligned_recv_tokens_per_expert=unaligned, recv_src_metadata=recv_src_metadata,
                 dst_buffer_slot_idx=dst_buffer_slot_idx, token_metadata_at_forward=token_metadata_at_forward,
-                channel_linked_list=channel_linked_list, buffer_id=id(self))
+                channel_linked_list=channel_linked_list, buffer_id=self._serial)
         overlap = EventOverlap(event)
         if self.deterministic:
             def sort() -> None:
@@ -1227,7 +1265,7 @@ class ElasticBuffer:
         self._check_alive()
         if not isinstance(handle, EPHandle):
             raise ValueError(f"handle: expected the EPHandle returned by dispatch, got {type(handle).__name__}")
-        if handle.buffer_id != id(self):
+        if handle.buffer_id != self._serial:
             raise ValueError("handle: it was produced by another ElasticBuffer")
         n_rows = handle.num_allocated_tokens
         _check_tensor("x", x, dtype=torch.bfloat16, ndim=2, shape=(n_rows, None), device=self.device)

@@ -416,6 +416,7 @@ class All2All:
                 the kernels read it at run time, so it may change between CUDA-graph replays; shapes
                 are then fixed by the inputs, see ``ipc_all2all._shapes``). No host synchronisation.
         """
+        self._require_alive("set_rank_tokens")
         if isinstance(rank_num_tokens, torch.Tensor):
             self._counts, self._counts_dev = None, check_counts_tensor(rank_num_tokens, self.world_size, self.device)
         else:
@@ -430,6 +431,7 @@ class All2All:
             seconds: a real number in ``[0, 1e9)``; 0 waits forever. Any positive value, however small,
                 is a deadline (at least 1 ns), never "forever". Raises ``ValueError`` otherwise.
         """
+        self._require_alive("set_timeout_seconds")
         self._core.set_timeout_seconds(check_timeout_seconds(seconds))
 
     def set_grid(self, num_blocks: int, self_blocks: int = 0) -> None:
@@ -439,6 +441,7 @@ class All2All:
             num_blocks: CUDA blocks per launch, in ``[world_size, 65535]``.
             self_blocks: how many of them copy to the own rank, in ``[0, num_blocks)``; 0 = automatic.
         """
+        self._require_alive("set_grid")
         self._core.set_grid(*check_grid(num_blocks, self_blocks, self.world_size))
 
     @property
@@ -469,6 +472,7 @@ class All2All:
             The launch plan (``_shapes.Plan``: output shape and bytes, row geometry). Raises
             ``ValueError`` naming what is wrong.
         """
+        self._require_alive("plan")
         # Checked before the plan cache: True == 1 and 5.0 == 5 would find another call's plan there.
         if isinstance(op, bool) or op not in OP_NAMES:
             raise ValueError(f"plan: op must be one of {sorted(OP_NAMES)} ({', '.join(OP_NAMES.values())}), got {op!r}")
@@ -499,8 +503,7 @@ class All2All:
         what = OP_NAMES[op]
         if _DEFERRED:
             release_deferred()
-        if self._core.destroyed:
-            raise CommError(f"{what}: this All2All instance was destroyed")
+        self._require_alive(what)
         # One read: destroy() from another thread may clear self._buf meanwhile, and this reference
         # keeps the slots allocated until the output below is made.
         buf = self._buf
@@ -650,6 +653,13 @@ class All2All:
         """True once :meth:`destroy` ran; every later call raises ``CommError``."""
         return self._core.destroyed
 
+    def _require_alive(self, what: str) -> None:
+        """Raises ``CommError`` naming ``what`` once :meth:`destroy` ran. The native core refuses its own
+        calls after destroy() too (sync, get_local_ipc_handle, synchronize, launches); this covers what
+        the Python layer does alone (token counts, planning, tuning, entering a ``with`` block)."""
+        if self._core.destroyed:
+            raise CommError(f"{what}: this All2All instance was destroyed")
+
     def _unregister(self) -> None:
         with _REGISTRY_LOCK:
             _REGISTRY.pop(self.comm_id, None)
@@ -684,6 +694,7 @@ class All2All:
         self._core.destroy(free_buffer=False)
 
     def __enter__(self) -> "All2All":
+        self._require_alive("with All2All")
         return self
 
     def __exit__(self, *exc) -> None:
