@@ -5,8 +5,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <pthread.h>
+
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <optional>
 #include <string>
+#include <thread>
 
 #include "backend.hpp"
 #include "commkit/python_errors.hpp"
@@ -17,6 +23,102 @@ namespace py = pybind11;
 using namespace fp8lw;
 
 namespace {
+
+bool python_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+// ---- the GIL at interpreter exit ------------------------------------------------------------------
+// Once the interpreter finalizes, CPython (before 3.14) ends any other thread that waits for the GIL
+// with pthread_exit, and its forced unwinding aborts the whole process (std::terminate) at the first
+// C++ destructor or noexcept frame it meets. A daemon thread blocked in a call of this module (wait,
+// join, a layer loop, a Python writer) asks for the GIL when the call returns, every 50 ms in the
+// interrupt hook, and per expert in a Python writer: the interpreter's exit killed the process with
+// SIGABRT ("terminate called without an active exception", "FATAL: exception not rethrown").
+//
+// So this module never lets another thread wait for the GIL once the exit began: an atexit hook, which
+// runs before the finalization, closes a gate and then (GIL released) lets a thread already past it
+// take the GIL and leave. Behind the gate a thread that would wait for the GIL instead
+//   * returning from a native call (ReleaseGil): parks until the process exits (what CPython 3.14
+//     does with such threads); the call itself has left, so close() of its transport is not held up;
+//   * in the interrupt hook: reports no interruption (only the main thread handles signals anyway);
+//   * in a Python writer: fails the writer (the layer is poisoned, so the peers stop at once).
+// The thread that runs the exit (and, as a fallback, whichever thread holds the GIL once
+// Py_IsFinalizing is true) is never gated: its __del__ / close() calls proceed. What a Python writer
+// itself runs is out of reach: a daemon thread that the exit catches inside the writer's own Python
+// code (a torch op, time.sleep) dies there, in frames that are not this module's.
+std::atomic<bool> g_exiting{false};
+std::atomic<unsigned long> g_exit_thread{0};
+std::atomic<int> g_entering{0};  // threads between the gate check and holding the GIL
+thread_local bool t_exit_thread = false;
+
+constexpr auto kGateDrainMax = std::chrono::seconds(2);
+
+bool gate_closed() {
+  if (!g_exiting.load() && !python_finalizing()) return false;
+  return !t_exit_thread && PyThread_get_thread_ident() != g_exit_thread.load();
+}
+
+[[noreturn]] void park_until_exit() noexcept {
+  for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+}
+
+// The atexit hook (GIL held, on the thread that runs the exit).
+void close_gil_gate() {
+  g_exit_thread.store(PyThread_get_thread_ident());
+  g_exiting.store(true);
+  if (g_entering.load() == 0) return;
+  PyThreadState* ts = PyEval_SaveThread();  // let the threads already past the gate take the GIL
+  const auto until = std::chrono::steady_clock::now() + kGateDrainMax;
+  while (g_entering.load() != 0 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  PyEval_RestoreThread(ts);
+}
+
+// Releases the GIL for a native call (as py::gil_scoped_release) and takes it back afterwards, or parks
+// the thread there once the gate is closed (see above).
+class ReleaseGil {
+ public:
+  ReleaseGil() {
+    if (python_finalizing()) t_exit_thread = true;  // only the finalizing thread can hold the GIL now
+    state_ = PyEval_SaveThread();
+  }
+  ~ReleaseGil() {
+    g_entering.fetch_add(1);
+    if (gate_closed()) {
+      g_entering.fetch_sub(1);
+      park_until_exit();
+    }
+    PyEval_RestoreThread(state_);
+    g_entering.fetch_sub(1);
+  }
+  ReleaseGil(const ReleaseGil&) = delete;
+  ReleaseGil& operator=(const ReleaseGil&) = delete;
+
+ private:
+  PyThreadState* state_ = nullptr;
+};
+
+// py::gil_scoped_acquire for a callback on a thread that released the GIL in a native call of this
+// module, unless the gate is closed: then held() is false and the GIL was not asked for.
+class GatedAcquire {
+ public:
+  GatedAcquire() {
+    struct Entering {
+      Entering() { g_entering.fetch_add(1); }
+      ~Entering() { g_entering.fetch_sub(1); }
+    } entering;
+    if (!gate_closed()) gil_.emplace();
+  }
+  bool held() const { return gil_.has_value(); }
+
+ private:
+  std::optional<py::gil_scoped_acquire> gil_;
+};
 
 py::dict stats_dict(const Stats& s) {
   py::dict d;
@@ -50,7 +152,9 @@ Writer wrap_python_writer(py::function fn, std::shared_ptr<WriterEscape> escape)
   auto holder = std::make_shared<py::function>(std::move(fn));
   return [holder, escape](int e, const std::vector<uintptr_t>& a, const std::vector<uintptr_t>& b,
                           const std::vector<uintptr_t>& c, const std::vector<uintptr_t>& d) {
-    py::gil_scoped_acquire gil;
+    GatedAcquire gil;
+    if (!gil.held())
+      throw std::runtime_error("the Python interpreter is exiting: this thread may not run a Python writer");
     try {
       (*holder)(e, a, b, c, d);
     } catch (py::error_already_set& err) {
@@ -80,21 +184,13 @@ struct SavedPyError {
 };
 thread_local SavedPyError t_interrupt;
 
-bool python_finalizing() {
-#if PY_VERSION_HEX >= 0x030D0000
-  return Py_IsFinalizing() != 0;
-#else
-  return _Py_IsFinalizing() != 0;
-#endif
-}
-
 // Options::interrupt_check of every transport made here: runs the Python signal handlers (only the
 // main thread runs them; elsewhere this is a no-op); when one raised, keeps its exception for the
 // translator and names it, so the native call poisons the region and raises InterruptedError.
 std::string check_python_signals() noexcept {
   if (python_finalizing()) return std::string();
-  py::gil_scoped_acquire gil;
-  if (PyErr_CheckSignals() == 0) return std::string();
+  GatedAcquire gil;
+  if (!gil.held() || PyErr_CheckSignals() == 0) return std::string();
   t_interrupt.clear();
   PyErr_Fetch(&t_interrupt.type, &t_interrupt.value, &t_interrupt.tb);
   PyErr_NormalizeException(&t_interrupt.type, &t_interrupt.value, &t_interrupt.tb);
@@ -106,6 +202,15 @@ std::string check_python_signals() noexcept {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fp8_layerwise native core (torch-free)";
+  // Closes the GIL gate when the interpreter exits (see ReleaseGil), before it starts finalizing. A
+  // forked child starts with the gate open (the parent's threads are not in it).
+  py::module_::import("atexit").attr("register")(py::cpp_function(&close_gil_gate));
+  static const int atfork = pthread_atfork(nullptr, nullptr, [] {
+    g_exiting.store(false);
+    g_exit_thread.store(0);
+    g_entering.store(0);
+  });
+  (void)atfork;
   commkit::register_python_errors(m);
   // Module-local like the commkit translators and registered after them, so it is tried first.
   // fp8_layerwise documents TransportError as the base of every runtime error it raises, so every
@@ -167,7 +272,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_host_register", &cuda_host_register, py::arg("ptr"), py::arg("nbytes"), py::arg("device"));
   m.def("cuda_host_unregister", &cuda_host_unregister, py::arg("ptr"));
   m.def("cuda_h2d_seconds", &cuda_h2d_seconds, py::arg("device"), py::arg("dst"), py::arg("src"), py::arg("nbytes"),
-        py::arg("iters"), py::call_guard<py::gil_scoped_release>(),
+        py::arg("iters"), py::call_guard<ReleaseGil>(),
         "Reference: seconds for `iters` plain cudaMemcpyAsync H2D copies (event timing).");
   m.def("initialize_fp8_layerwise_control", &initialize_control, py::arg("control_ptr"), py::arg("control_size"),
         py::arg("tp_size"), py::arg("num_slots") = 2,
@@ -253,7 +358,7 @@ PYBIND11_MODULE(_C, m) {
             for (const auto& v : dst)
               for (auto p : v) CK_CHECK_ARG(p != 0, "dst pointer is null");
             const std::vector<uintptr_t>* d[kKinds] = {&dst[0], &dst[1], &dst[2], &dst[3]};
-            py::gil_scoped_release nogil;
+            ReleaseGil nogil;
             w.write(expert, d);
           },
           py::arg("expert"), py::arg("dst"),
@@ -275,7 +380,7 @@ PYBIND11_MODULE(_C, m) {
              o.coalesce_wait = coalesce_wait;
              o.batch_small_kinds = batch_small_kinds;
              o.interrupt_check = check_python_signals;
-             py::gil_scoped_release nogil;
+             ReleaseGil nogil;
              return new Transport(control_ptr, control_size, rank, tp_size, cuda_device, local_host_ptrs,
                                   local_gpu_ptrs, all_rank_host_ptrs, expert_nbytes, num_experts, timeout_ms, o);
            }),
@@ -286,13 +391,13 @@ PYBIND11_MODULE(_C, m) {
            py::arg("coalesce") = true, py::arg("liveness_ms") = 20, py::arg("copy_streams") = 2,
            py::arg("coalesce_wait") = false, py::arg("batch_small_kinds") = true)
       .def("join", &Transport::join, py::arg("epoch"), py::arg("layer_id"), py::arg("expert_count"),
-           py::call_guard<py::gil_scoped_release>())
+           py::call_guard<ReleaseGil>())
       .def(
           "wait",
           [](Transport& t, uint64_t epoch) {
             Stats s;
             {
-              py::gil_scoped_release nogil;
+              ReleaseGil nogil;
               s = t.wait(epoch);
             }
             return stats_dict(s);
@@ -303,7 +408,7 @@ PYBIND11_MODULE(_C, m) {
           [](Transport& t, uint64_t epoch, int64_t layer_id, int expert_count, py::object writer) {
             if (py::isinstance<ShardWriter>(writer)) {
               const ShardWriter& w = writer.cast<const ShardWriter&>();
-              py::gil_scoped_release nogil;
+              ReleaseGil nogil;
               t.run_producer_native(epoch, layer_id, expert_count, w);
               return;
             }
@@ -311,7 +416,7 @@ PYBIND11_MODULE(_C, m) {
             auto escape = std::make_shared<WriterEscape>();
             Writer w = wrap_python_writer(py::reinterpret_borrow<py::function>(writer), escape);
             try {
-              py::gil_scoped_release nogil;
+              ReleaseGil nogil;
               t.run_producer(epoch, layer_id, expert_count, w);
             } catch (const commkit::Error&) {
               // The writer raised KeyboardInterrupt / SystemExit: the region is poisoned (WRITER), and
@@ -323,11 +428,11 @@ PYBIND11_MODULE(_C, m) {
           py::arg("epoch"), py::arg("layer_id"), py::arg("expert_count"), py::arg("writer"),
           "Rank 0: fill every rank's slots expert by expert (writer(expert, w13[r], w13s[r], w2[r], w2s[r]) "
           "or a native ShardWriter).")
-      .def("close", &Transport::close, py::call_guard<py::gil_scoped_release>(),
+      .def("close", &Transport::close, py::call_guard<ReleaseGil>(),
            "Close; returns False when a call of another thread (or of this one, closing from inside the writer) "
            "was still inside after the deadline: the control region and the slots must then stay mapped.")
-      .def("reset", &Transport::reset, py::call_guard<py::gil_scoped_release>())
-      .def("poison", &Transport::poison, py::arg("code"), py::arg("message"), py::call_guard<py::gil_scoped_release>())
+      .def("reset", &Transport::reset, py::call_guard<ReleaseGil>())
+      .def("poison", &Transport::poison, py::arg("code"), py::arg("message"), py::call_guard<ReleaseGil>())
       .def_property_readonly("poisoned", &Transport::poisoned)
       .def("last_poison", [](const Transport& t) { return stats_dict(t.last_poison()); })
       .def_property_readonly("rank", &Transport::rank)

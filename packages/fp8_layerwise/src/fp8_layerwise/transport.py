@@ -595,8 +595,9 @@ class FileExchange:
     never read: a finished run removed its session, and a crashed one's leader is dead or its
     seats are taken. Each call writes ``<session>/<round>.<rank>.json`` (0600, atomically) and waits
     for every rank's file; a rank's file of round k is removed once every rank reached round k+1.
-    ``close()`` (also called by :class:`Transport` once its setup is done) ends the session: rank 0
-    waits until every rank closed, then removes the session folder. Raises ``TimeoutError`` after
+    ``close()`` (also called by :class:`Transport` once its setup is done, or once it failed) ends the
+    session: rank 0 waits until every rank that joined closed, then removes the session folder and
+    ``session.json`` (also when a rank never came, or the wait ran out). Raises ``TimeoutError`` after
     ``timeout_s`` without the awaited file, naming the rank.
     """
 
@@ -680,6 +681,7 @@ class FileExchange:
         Raises:
             TimeoutError: a rank's entry (or, for a rank other than 0, rank 0's session) did not
                 appear within ``timeout_s``.
+            RuntimeError: rank 0 closed the session before this rank's round (it left).
         """
         if self._closed:
             raise RuntimeError(f"FileExchange in {self.dir} (rank {self.rank}) is closed (Transport closes the "
@@ -691,7 +693,13 @@ class FileExchange:
         if self.session is None:
             self.session = self._create_session() if self.rank == 0 else self._join_session(deadline)
         self.round += 1
-        _write_private(self.session / f"{self.round}.{self.rank}.json", text)
+        try:
+            _write_private(self.session / f"{self.round}.{self.rank}.json", text)
+        except FileNotFoundError:
+            if self.session.is_dir():
+                raise
+            raise RuntimeError(f"FileExchange round {self.round} (rank {self.rank}): its session {self.session} has "
+                               "ended: rank 0 closed it (it left the exchange)") from None
         out = []
         for r in range(self.world_size):
             p = self.session / f"{self.round}.{r}.json"
@@ -712,9 +720,12 @@ class FileExchange:
         return out
 
     def close(self, timeout_s: Optional[float] = None) -> None:
-        """End the session (idempotent): every rank marks itself done; rank 0 waits (up to
-        ``timeout_s``, default the exchange's) until every rank did, then removes the session folder
-        and ``session.json``. Without a full set of marks it removes only its own files."""
+        """End the session (idempotent): every rank marks itself done; rank 0 withdraws
+        ``session.json`` (no rank joins the session any more), waits (up to ``timeout_s``, default the
+        exchange's) until every rank that joined the session marked itself done, then removes the
+        session folder, in every case: a rank that never joined is not waited for (a setup that failed
+        or was interrupted before every rank arrived), and a joined rank still inside when the wait
+        ends cannot complete a round without rank 0 anyway (its next round raises)."""
         if timeout_s is not None:
             _check_seconds("timeout_s", timeout_s)
         if self._closed:
@@ -727,18 +738,26 @@ class FileExchange:
             _write_private(session / f"done.{self.rank}", "")
         if self.rank != 0:
             return
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        while not all((session / f"done.{r}").exists() for r in range(self.world_size)):
-            if time.monotonic() > deadline:
-                for p in session.glob(f"*.{self.rank}.json"):
-                    with contextlib.suppress(OSError):
-                        p.unlink()
-                return
-            time.sleep(0.002)
         with contextlib.suppress(OSError, ValueError):
             if json.loads((self.dir / self.SESSION_FILE).read_text()).get("nonce") == session.name[2:]:
                 os.unlink(self.dir / self.SESSION_FILE)
-        shutil.rmtree(session, ignore_errors=True)
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+
+        def done():
+            # Rank r took its seat (join.r) before it could publish anything in the session.
+            return all((session / f"done.{r}").exists() for r in range(1, self.world_size)
+                       if (session / f"join.{r}").exists())
+
+        while not done() and time.monotonic() <= deadline:
+            time.sleep(0.002)
+        # Renamed first, so that a rank taking its seat right now cannot add a file to the folder while
+        # it is being removed (which would leave it behind); its join then finds no session.
+        gone = session.with_name(f".{session.name}.gone")
+        try:
+            os.rename(session, gone)
+        except OSError:
+            gone = session
+        shutil.rmtree(gone, ignore_errors=True)
 
     def __enter__(self) -> "FileExchange":
         return self
