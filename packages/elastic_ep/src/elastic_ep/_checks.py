@@ -9,6 +9,10 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+# _sizing imports this module too; both only read each other's names at call time, so the cycle is
+# harmless, and a module-level import keeps an import statement off every dispatch.
+from . import _sizing
+
 INT32_MAX = 2 ** 31 - 1  # the native kernels' and bindings' int parameters
 INT64_MAX = 2 ** 63 - 1
 # The native kernels' expert limits (csrc/sizing.hpp kMaxExperts, kMaxLocalExperts), kept by the torch
@@ -93,9 +97,7 @@ def check_routing(num_experts: Any, expert_alignment: Any, num_ranks: int, num_m
         raise ValueError(f"num_experts: expected at most {MAX_LOCAL_EXPERTS} experts per rank (the native kernels' "
                          f"limit), got {E} on {R} ranks ({L} per rank)")
     a = int_arg("expert_alignment", expert_alignment, 1)
-    from ._sizing import worst_case_num_expanded_tokens
-
-    worst = worst_case_num_expanded_tokens(R, num_max_tokens_per_rank, num_topk, L, a)
+    worst = _sizing.worst_case_num_expanded_tokens(R, num_max_tokens_per_rank, num_topk, L, a)
     if worst > INT32_MAX:
         raise ValueError(f"expert_alignment: {a} with num_max_tokens_per_rank={num_max_tokens_per_rank}, num_topk="
                          f"{num_topk} and {R} rank(s) gives an expanded worst case of {worst} rows; it must be below "
