@@ -11,7 +11,9 @@ combine (of the BF16 dispatch's rows). Each also overlapped (``<case>_overlap_pN
 ``--overlap-push-blocks``): the dispatch copy epilogue beside the push on the other blocks, copying
 each chunk of slots as it lands; the combine as one kernel whose first blocks push while the others
 reduce each token chunk as it lands. For overlapped dispatch the kernel time is the span (first
-kernel start to last kernel end), since push and epilogue run at once.
+kernel start to last kernel end), since push and epilogue run at once. ``--pdl both`` (the default)
+adds ``<dispatch case>_nopdl``: the same dispatch with the push launched after notify
+(``dispatch_pdl = False``, the design before 2026-12-02) instead of beside it, in the same process.
 
 Measurements per case, over the iterations. Each iteration starts aligned on every GPU, as DeepEP's
 ``bench_kineto`` does with ``barrier_comm_profiling``: a 256 MiB L2 flush, a host barrier, then a tiny
@@ -304,10 +306,20 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                         cfg = buf.runtime.combine_overlap if base.startswith("combine") else buf.runtime.dispatch_overlap
                         cases[f"{base}_overlap_p{n}"] = cases[base]
                         case_overlap[f"{base}_overlap_p{n}"] = (cfg, n)
+            # Sequential push (after notify, not beside it): the same calls with dispatch_pdl off.
+            case_nopdl = set()
+            if backend == "native":
+                buf.runtime.dispatch_pdl = args.pdl != "off"
+                if args.pdl == "both":
+                    for base in ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_cached"):
+                        cases[f"{base}_nopdl"] = cases[base]
+                        case_nopdl.add(f"{base}_nopdl")
             for name, fn in cases.items():
                 if name in case_overlap:
                     cfg, n = case_overlap[name]
                     cfg.enabled, cfg.push_blocks = True, n
+                if name in case_nopdl:
+                    buf.runtime.dispatch_pdl = False
                 for _ in range(2):
                     fn()
                 torch.cuda.synchronize()
@@ -341,6 +353,8 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                     **_bandwidths(remote, total, e2e_us, kern_us, comm_us)))
                 if name in case_overlap:
                     case_overlap[name][0].enabled = False
+                if name in case_nopdl:
+                    buf.runtime.dispatch_pdl = True
             buf.destroy()
           except Exception as e:  # noqa: BLE001 - report and keep measuring the other configurations
             import traceback
@@ -419,7 +433,8 @@ def _summarise(per_rank, meta):
     lean = {t["case"]: t for t in table if t["backend"] == "torch_ref"}
     a2a = {t["case"]: t for t in table if t["backend"] == "torch_a2a"}
     for t in table:
-        base = t["case"].split("_overlap")[0]  # the overlapped combine is compared with the same references
+        # the overlapped and sequential-push variants are compared with the same references
+        base = t["case"].split("_overlap")[0].split("_nopdl")[0]
         # the cached dispatch against the full BF16 dispatch of the reference (which has no cached mode)
         r = lean.get(t["case"], lean.get(base, lean.get(base.replace("_cached", ""))))
         t["speedup_vs_ref_e2e"] = (r["e2e_us"] / t["e2e_us"]) if r and t["e2e_us"] else None
@@ -510,6 +525,8 @@ def main() -> int:
     ap.add_argument("--overlap-push-blocks", default="default",
                     help="comma-separated push-block counts of the overlapped combine ('default': 3/8 of the "
                          "grid; 'none': skip it)")
+    ap.add_argument("--pdl", default="both", choices=("both", "on", "off"),
+                    help="dispatch push beside notify (on), after it (off), or every dispatch case both ways")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--world", type=int, default=0, help="GPUs to use (default: all)")
     ap.add_argument("--align", default="gemm", choices=("gemm", "barrier"),

@@ -9,14 +9,17 @@
 #   COMMKIT_GIT_REV=<hash> bash tools/gpu_x1.sh OUT_DIR smoke  # build; a short check of every package (~180 s):
 #       fp8_layerwise's GPU tests, ipc_all2all's reference, validation and torch.compile tests, elastic_ep's
 #       EP 1 mode matrices and bad-input test
+#   COMMKIT_GIT_REV=<hash> bash tools/gpu_x1.sh OUT_DIR ep     # build; elastic_ep's kernel-path tests (EP 1
+#       matrices, the EP 2 low-level matrix on the IPC window, CUDA graph, timeout, refused ids) and the
+#       benchmark with --quick (~480 s)
 #
 # Part a (limits in seconds): build ~40, fp8_layerwise 120, ipc_all2all 400.  Part b: elastic_ep 560.
 # Part b must start while the machine from part a is still held (its packages are installed there);
 # if the machine was released in between, pass BUILD=1 to rebuild first (~40 s more).
 # On the device:  timeout 590 bash tools/gpu_x1.sh /tmp/r a; tar czf $OUT/r.tgz -C /tmp/r .
 set -u
-OUT=${1:?usage: bash tools/gpu_x1.sh OUT_DIR a|b|waits|smoke}
-PART=${2:?usage: bash tools/gpu_x1.sh OUT_DIR a|b|waits|smoke}
+OUT=${1:?usage: bash tools/gpu_x1.sh OUT_DIR a|b|waits|smoke|ep}
+PART=${2:?usage: bash tools/gpu_x1.sh OUT_DIR a|b|waits|smoke|ep}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export COMMKIT_TEST_SHARE_GPU=1
 source "$ROOT/tools/_gpu_steps.sh"
@@ -45,6 +48,13 @@ case "$PART" in
       -k "(native_ep1_matrix and not overlapped) or bad_inputs_native_ep1 or (lowlevel_ep1_modes and not overlapped and not notify)" \
       "$ROOT/tests/elastic_ep"
     ;;
-  *) echo "unknown part $PART (a, b, waits or smoke)" >&2; exit 2 ;;
+  ep)
+    build_all
+    step tests_elastic_ep 260 "${PYTEST[@]}" --junitxml="$OUT/junit_elastic_ep.xml" \
+      -k "native_ep1_matrix or lowlevel_ep1_modes or lowlevel_ep2_ipc_window or ep1_cuda_graph or timeout_ipc_window or bad_ids_refused" \
+      "$ROOT/tests/elastic_ep"
+    step bench_elastic 180 $PY "$ROOT/tools/bench_elastic_ep.py" --out "$OUT/bench_ep" --quick
+    ;;
+  *) echo "unknown part $PART (a, b, waits, smoke or ep)" >&2; exit 2 ;;
 esac
 echo "gpu_x1.sh $PART done $(date -u +%T)"

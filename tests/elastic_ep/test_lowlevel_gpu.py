@@ -436,6 +436,25 @@ def test_lowlevel_ep2_modes_overlapped(tmp_path):
                        env=_OVERLAP) == [len(_cases(R))] * R
 
 
+# The dispatch push launched after notify instead of beside it (ElasticBuffer.dispatch_pdl; the
+# default since 2026-12-02 runs it as notify's programmatic dependent): the path the overlapped
+# dispatch takes, here with the sequential epilogue, a third of the matrix.
+_NO_PDL = {"ELASTIC_EP_DISPATCH_PDL": "0"}
+
+
+@pytest.mark.gpu
+def test_lowlevel_ep1_modes_push_after_notify(tmp_path):
+    cases = _cases(1)[::3] + _cases(1)[-2:]
+    assert run_workers(_worker_modes, 1, cases, tmp_path=tmp_path, timeout=150, env=_NO_PDL) == [len(cases)]
+
+
+@pytest.mark.multigpu(2, shared_ok=True)
+def test_lowlevel_ep2_ipc_window_push_after_notify(tmp_path):
+    cases = _cases(2)[::3] + _cases(2)[-2:]
+    assert run_workers(_worker_modes, 2, cases, "ipc", tmp_path=tmp_path, timeout=300,
+                       env=_NO_PDL) == [len(cases)] * 2
+
+
 def _worker_stream_order(rank, world_size, rdzv):
     """Default stream setup (no events): the communication stream must wait for the caller's stream
     before reading the inputs, and the caller's stream must wait for the outputs. Both are forced

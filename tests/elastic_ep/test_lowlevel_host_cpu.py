@@ -74,6 +74,7 @@ class FakeRuntime:
 
     def dispatch(self, params, stream, wait_stream):
         self._call("dispatch")
+        self.dispatch_params = params
 
     def wait_dispatch_counts(self, num_local_experts):
         self._call("wait_dispatch_counts")
@@ -243,6 +244,24 @@ def test_dispatch_success_restores_stream(streams):
     out = dispatch(b, allocate_on_comm_stream=True)
     assert rt.calls == ["dispatch", "wait_dispatch_counts", "dispatch_epilogue"] and not rt.broken
     assert current[0] is compute and compute.waited_for == ["comm"] and out[0].shape == (T, H)
+
+
+def test_dispatch_push_beside_notify_unless_off_or_overlapped(streams):
+    # dispatch_pdl (ELASTIC_EP_DISPATCH_PDL at creation) asks the runtime to launch the push as notify's
+    # programmatic dependent; the overlapped dispatch, whose epilogue waits for notify's event, never does.
+    compute, comm, current = streams
+    rt = FakeRuntime()
+    b = make_buffer(rt, comm)
+    assert ll.ElasticBuffer.dispatch_pdl is True and b.dispatch_pdl is True  # the class default
+    dispatch(b)
+    assert rt.dispatch_params["concurrent_notify"] == 1 and rt.dispatch_params["overlap"] == 0
+    b.dispatch_pdl = False
+    dispatch(b)
+    assert rt.dispatch_params["concurrent_notify"] == 0
+    b.dispatch_pdl = True
+    b.dispatch_overlap.enabled = True
+    dispatch(b)
+    assert rt.dispatch_params["overlap"] == 1 and rt.dispatch_params["concurrent_notify"] == 0
 
 
 def test_previous_event_without_comm_allocation_leaves_stream_alone(streams):

@@ -65,6 +65,7 @@ DispatchParams dispatch_params(const py::dict& d) {
   p.num_sms = int(get_i(d, "num_sms"));
   p.refuse_bad_ids = int(get_i(d, "refuse_bad_ids"));
   p.overlap = int(get_i(d, "overlap"));
+  p.concurrent_notify = int(get_i(d, "concurrent_notify"));
   return p;
 }
 

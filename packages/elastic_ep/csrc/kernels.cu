@@ -28,19 +28,25 @@ constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
 
 // Slots of the local grid-counter words (WorkspaceLayout::grid_counter, u32[16]).
-// kCtrDispatchAborted: set by dispatch notify (one block) when this dispatch must not push: 1 when a
-// wait of notify failed or a timeout record is pending, 2 when the dispatch was refused (some rank
-// passed expert ids outside [-1, E) in CPU-sync mode); the push kernel's blocks read it from device
-// memory.
+// kCtrDispatchPushFailed: set by a push block that pushed nothing because its wait for the slots or
+// the entry barrier failed (push beside notify, below); read and reset by the push's last block.
 // kCtrCombineTicket / kCtrCombineOverlapDone: block start tickets and finished blocks of the overlapped
 // combine (reset by its last block).
 // kCtrEpoch: slots 8 and 9 together, the u64 epoch of the last completed operation (64 bits: a 32-bit
 // one wraps after 2^32 operations, a few days of a busy server, and then every ">= epoch" wait
 // would pass at once).
+// kCtrDispatchReady (10, 11): u64 epoch whose slots notify has made final (the push adds the block
+// bases only after it; written by notify's last block, never reset: epochs only grow).
+// kCtrDispatchOutcome (12, 13): u64 (epoch << 2) | status of notify's last block: 0 the counts were
+// exchanged, 1 a wait failed, 2 the dispatch was refused (some rank passed expert ids outside
+// [-1, E) in CPU-sync mode). The push's last block reads it to decide whether to signal the peers.
 enum CounterSlot { kCtrDispatchPush = 0, kCtrDispatchEpilogue = 1, kCtrCombinePush = 2, kCtrCombineReduce = 3,
-                   kCtrDispatchAborted = 4, kCtrDispatchNotify = 5, kCtrCombineTicket = 6, kCtrCombineOverlapDone = 7,
-                   kCtrEpoch = kGridCounterEpochSlot };
-static_assert(kCtrEpoch % 2 == 0, "the u64 epoch needs an 8-byte aligned pair of slots");
+                   kCtrDispatchPushFailed = 4, kCtrDispatchNotify = 5, kCtrCombineTicket = 6,
+                   kCtrCombineOverlapDone = 7, kCtrEpoch = kGridCounterEpochSlot, kCtrDispatchReady = 10,
+                   kCtrDispatchOutcome = 12 };
+enum NotifyStatus : uint64_t { kNotifyOk = 0, kNotifyFailed = 1, kNotifyRefused = 2 };
+static_assert(kCtrEpoch % 2 == 0 && kCtrDispatchReady % 2 == 0 && kCtrDispatchOutcome % 2 == 0,
+              "each u64 word needs an 8-byte aligned pair of slots");
 
 struct Ctx {
   LsaTransport tr;
@@ -70,6 +76,7 @@ struct Ctx {
   __device__ uint64_t* epoch_word() const { return reinterpret_cast<uint64_t*>(counters + kCtrEpoch); }
   __device__ uint64_t epoch() const { return commkit::ld_relaxed(epoch_word()) + 1u; }
   __device__ void end_epoch(uint64_t E) const { commkit::st_relaxed(epoch_word(), E); }
+  __device__ uint64_t* counter_u64(CounterSlot slot) const { return reinterpret_cast<uint64_t*>(counters + slot); }
 };
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
@@ -156,6 +163,12 @@ __global__ void __launch_bounds__(kMaxRanks) barrier_kernel(CommView c) {
 }
 
 // ------------------------------------------------------------------------------ dispatch: notify
+// Notify's last block ends with its outcome (every thread of the block calls this, once).
+__device__ void notify_outcome(const Ctx& cx, uint64_t E, NotifyStatus status) {
+  __syncthreads();  // the block's stores (prefix sums, host counts) precede the release below
+  if (threadIdx.x == 0) commkit::st_release_gpu(cx.counter_u64(kCtrDispatchOutcome), (E << 2) | uint64_t(status));
+}
+
 // Slots: a token bound for rank r gets slot = number of earlier tokens of this rank bound for r (a
 // token counts once per rank, however many of its experts live there).
 // Grid: notify_split(T).blocks blocks (1 in cached mode), block b counting the tokens of its range
@@ -187,6 +200,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
 
   // Publish "entered E" first so peers can start while we count.
   if (blockIdx.x == 0 && tid < R) cx.tr.signal(tid, cx.ws.barrier_signal.offset + 8ull * rank, E);
+  // The push may be this grid's programmatic dependent (launch_dispatch): it may launch once every
+  // block of this grid has started, and then waits for kCtrDispatchReady itself.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 
   if (!p.cached) {
     static_assert(kMaxRanks <= 256, "owner_tab holds ranks in 8 bits");
@@ -325,6 +343,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
       }
       running[r] = int(acc);
     }
+    // Every slot is final once the bases are written: a push running beside this kernel starts now,
+    // while this block exchanges the counts.
+    __syncthreads();
+    if (tid == 0) commkit::st_release_gpu(cx.counter_u64(kCtrDispatchReady), E);
     for (int e = tid; e < p.num_experts; e += kThreads) {
       expert_cnt[e] = int(__ldcg(&g_expert[e]));
       g_expert[e] = 0u;  // the workspace stays zeroed for the next dispatch
@@ -367,14 +389,16 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
   }
 
   // Wait for every peer: entry barrier, then (non-cached) its counts. The push kernel learns the
-  // outcome from kCtrDispatchAborted (one host-flag read here instead of one per push block).
+  // outcome from kCtrDispatchOutcome (one host-flag read here instead of one per push block).
   bool ok = tid != 0 || !commkit::aborted(cx.rec);
   if (tid < R && ok)
     ok = commkit::wait_ge(cx.local_u64(cx.ws.barrier_signal, tid), E, cx.timeout_ns, cx.rec, kOpDispatchNotify,
                           rank, tid);
   bool failed = __syncthreads_or(!ok);
-  if (tid == 0) commkit::st_relaxed(&cx.counters[kCtrDispatchAborted], failed ? 1u : 0u);
-  if (failed || p.cached) return;
+  if (failed || p.cached) {
+    notify_outcome(cx, E, failed ? kNotifyFailed : kNotifyOk);
+    return;
+  }
   for (int s = tid; s < R && ok; s += kThreads)
     ok = commkit::wait_tag_ge(cx.local_u64(cx.ws.rank_count, s), uint32_t(E), cx.timeout_ns, cx.rec,
                               kOpDispatchNotify, rank, s);
@@ -383,7 +407,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
                               kOpDispatchNotify, rank, i / L);
   failed = __syncthreads_or(!ok);
   if (failed) {
-    if (tid == 0) commkit::st_relaxed(&cx.counters[kCtrDispatchAborted], 1u);
+    notify_outcome(cx, E, kNotifyFailed);
     return;
   }
 
@@ -402,10 +426,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
   if (__syncthreads_or(refused)) {
     // Refused everywhere alike (every rank saw the same flags): no push, no counts, no statistics.
     // The host learns which ranks refused from the flagged words and raises.
-    if (tid == 0) commkit::st_relaxed(&cx.counters[kCtrDispatchAborted], 2u);
     for (int s = tid; s < R; s += kThreads)
       commkit::st_relaxed(&host_rank[s], tag | (*cx.local_u64(cx.ws.rank_count, s) & kRefusedBit));
     for (int l = tid; l < L; l += kThreads) commkit::st_relaxed(&host_expert[l], tag);
+    notify_outcome(cx, E, kNotifyRefused);
     return;
   }
   for (int l = tid; l < L; l += kThreads) {
@@ -431,25 +455,56 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
   // PCIe, ~1 us apiece: 0.25 ms for 256 experts).
   for (int s = tid; s < R; s += kThreads) commkit::st_relaxed(&host_rank[s], tag | uint64_t(running[s]));
   for (int l = tid; l < L; l += kThreads) commkit::st_relaxed(&host_expert[l], tag | uint64_t(expert_cnt[l]));
+  notify_outcome(cx, E, kNotifyOk);
 }
 
 // -------------------------------------------------------------------------------- dispatch: push
 // One warp per token: its record goes to every destination rank's area [src = this rank][slot].
+// Two launches (launch_dispatch):
+//   * beside notify (p.concurrent_notify: a programmatic dependent launch). Each block waits for the
+//     final slots (kCtrDispatchReady; not in cached mode, whose slots come from the handle) and for
+//     the entry barrier itself, so the push overlaps notify's count exchange, prefix sums and host
+//     stores. Notify's outcome is read by the last block only. A dispatch that notify then finds
+//     refused has pushed rows that nobody reads (no epilogue runs); harmless, as every peer had
+//     entered this epoch.
+//   * after notify (the overlapped dispatch, or ELASTIC_EP_DISPATCH_PDL=0): notify's outcome is final,
+//     read once per block, and a refused or failed dispatch pushes nothing (the overlapped epilogue's
+//     arrival counters must not count rows of a dispatch that has no epilogue).
+// Flags come from device memory: reading the host-mapped timeout flag instead cost ~4.5 ms per
+// dispatch at 132 SMs when every thread read it, and still grew by ~1 us per block when one thread did.
 __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, DispatchParams p) {
   Ctx cx(c);
   const uint64_t E = cx.epoch();
   const int R = c.num_ranks, rank = c.rank, K = p.num_topk, T = p.num_tokens;
   const int L = p.num_experts / R;
-  const int lane = lane_id();
+  const int tid = threadIdx.x, lane = lane_id();
   const auto tl = dispatch_token_layout(p.hidden_bytes, 1, p.num_sf_packs, K);
   const int n16 = p.hidden_bytes / 16;
-  // Whether notify failed comes from device memory. Reading the host-mapped timeout flag instead
-  // cost ~4.5 ms per dispatch at 132 SMs when every thread read it, and still grew with the SM count
-  // (~1 us per block) when one thread per block did.
-  __shared__ int block_aborted;
-  if (threadIdx.x == 0) block_aborted = int(commkit::ld_relaxed(&cx.counters[kCtrDispatchAborted]));
-  __syncthreads();
-  if (!block_aborted) {
+  __shared__ int block_skip;  // after notify: its status; beside it: 1 when this block's waits failed
+  if (!p.concurrent_notify) {
+    if (tid == 0) {
+      const uint64_t w = commkit::ld_relaxed(cx.counter_u64(kCtrDispatchOutcome));
+      block_skip = (w >> 2) == E ? int(w & 3u) : int(kNotifyFailed);
+    }
+    __syncthreads();
+  } else {
+    // (No read of the host-mapped timeout flag up front, which costs ~1 us per block: a pending
+    // timeout makes notify's outcome "failed", and the waits below notice it if they spin.)
+    bool ok = true;
+    if (tid == 0 && !p.cached)
+      ok = commkit::wait_ge(cx.counter_u64(kCtrDispatchReady), E, cx.arrival_timeout(), cx.rec, kOpDispatchNotify,
+                            rank, rank);
+    if (tid < R && ok)
+      ok = commkit::wait_ge(cx.local_u64(cx.ws.barrier_signal, tid), E, cx.timeout_ns, cx.rec, kOpDispatchNotify,
+                            rank, tid);
+    const bool failed = __syncthreads_or(!ok);
+    if (tid == 0) {
+      block_skip = failed ? 1 : 0;
+      if (failed) commkit::st_relaxed(&cx.counters[kCtrDispatchPushFailed], 1u);
+    }
+    __syncthreads();
+  }
+  if (!block_skip) {
     const int gw = blockIdx.x * kWarps + threadIdx.x / 32, nw = gridDim.x * kWarps;
     // A fresh notify left slots relative to its block's token range; the range's base is added here
     // and the final slot written back (the handle's dst_buffer_slot_idx, reused by cached calls).
@@ -461,12 +516,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
       float w = 0.f;
       if (lane < K) {
         e = p.topk_idx[int64_t(t) * K + lane];
-        slot = p.slot_idx[int64_t(t) * K + lane];
+        slot = __ldcg(&p.slot_idx[int64_t(t) * K + lane]);  // written by notify, maybe while this kernel ran
         if (p.topk_weights != nullptr) w = p.topk_weights[int64_t(t) * K + lane];
       }
       const int owner = owner_of(e, p.num_experts, L);
       if (!p.cached && owner >= 0) {
-        slot += int(block_base[(t / span) * R + owner]);
+        slot += int(__ldcg(&block_base[(t / span) * R + owner]));
         p.slot_idx[int64_t(t) * K + lane] = slot;
       }
       const bool master = is_master_lane(owner, K);
@@ -529,16 +584,26 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
     }
   }
   grid_finish(cx, kCtrDispatchPush, [&] {
-    if (block_aborted == 2) {
+    const bool push_failed = commkit::ld_relaxed(&cx.counters[kCtrDispatchPushFailed]) != 0u;
+    if (push_failed) commkit::st_relaxed(&cx.counters[kCtrDispatchPushFailed], 0u);
+    uint64_t status = uint64_t(block_skip);
+    if (p.concurrent_notify) {
+      // Twice the deadline (arrival_timeout): notify's own waits expire first and name the peer.
+      const uint64_t* w = cx.counter_u64(kCtrDispatchOutcome);
+      status = commkit::wait_ge(w, E << 2, cx.arrival_timeout(), cx.rec, kOpDispatchNotify, rank, rank)
+                   ? (commkit::ld_relaxed(w) & 3u)
+                   : uint64_t(kNotifyFailed);
+    }
+    if (status == kNotifyRefused) {
       // Refused: there is no epilogue (the host raises), so the operation ends here. No peer waits
       // for this rank's records, so no done signal either.
       cx.end_epoch(E);
       return;
     }
-    // Notify failed here (a deadline expired): nothing was pushed, so no peer may be told this
-    // rank's records are complete; a peer that got past its own notify then times out in its
-    // epilogue instead of returning rows this rank never wrote.
-    if (block_aborted == 1) return;
+    // A deadline expired (in notify or in a block's waits): not everything was pushed, so no peer may
+    // be told this rank's records are complete; a peer that got past its own notify then times out
+    // in its epilogue instead of returning rows this rank never wrote.
+    if (status != kNotifyOk || push_failed) return;
     if (p.overlap) return;  // the epilogues wait for arrival counts, not for dispatch_done
     for (int r = 0; r < R; ++r) cx.tr.signal(r, cx.ws.dispatch_done.offset + 8ull * rank, E);
   });
@@ -1103,7 +1168,24 @@ void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream, v
   notify<<<p.cached ? 1 : notify_split(p.num_tokens).blocks, kThreads, smem, s>>>(c, p);
   if (notify_done_event != nullptr && cudaEventRecord(static_cast<cudaEvent_t>(notify_done_event), s) != cudaSuccess)
     return;  // the caller's cudaGetLastError() reports it
-  dispatch_push_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
+  if (!p.concurrent_notify) {
+    dispatch_push_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
+    return;
+  }
+  // Programmatic dependent launch: the push starts once every notify block has started (notify's
+  // griddepcontrol.launch_dependents) instead of when notify ends. Stream capture turns this into a
+  // programmatic graph edge. Where the attribute is not honoured the push simply runs after notify.
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(grid_of(p.num_sms)));
+  cfg.blockDim = dim3(unsigned(kThreads));
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = s;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  (void)cudaLaunchKernelEx(&cfg, dispatch_push_kernel, c, p);  // errors: the caller's cudaGetLastError()
 }
 
 void launch_dispatch_epilogue(const CommView& c, const EpilogueParams& p, void* stream) {

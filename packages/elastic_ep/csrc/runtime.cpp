@@ -485,6 +485,9 @@ void Runtime::dispatch(const DispatchParams& p, int64_t stream, int64_t wait_str
   q.host_tag = host_tag_;
   const char* atomics = std::getenv("ELASTIC_EP_TEST_NOTIFY_ATOMICS");  // read per call: tests toggle it
   q.notify_atomic_masks = (atomics != nullptr && std::strcmp(atomics, "1") == 0) ? 1 : 0;
+  // The overlapped dispatch's epilogue starts after notify's event and counts on a push that pushes
+  // nothing when notify refused: its push follows notify.
+  if (q.overlap) q.concurrent_notify = 0;
   entered_ = true;
   launch_dispatch(view(), q, reinterpret_cast<void*>(stream), q.overlap ? notify_done_ : nullptr);
   CK_CUDA_CHECK(cudaGetLastError());

@@ -301,7 +301,13 @@ class ElasticBuffer:
             after every rank called ``sync(handles)`` with all ranks' ``get_local_ipc_handle()`` (in
             rank order) and then a process-group barrier. It needs CUDA peer access between the
             ranks' GPUs, or ranks that share one GPU (how the multi-rank paths are tested on one GPU).
+
+    ``dispatch_pdl`` (from ``ELASTIC_EP_DISPATCH_PDL``, ``0`` turns it off; may be changed between
+    calls): the dispatch push is launched as the notify kernel's programmatic dependent and runs
+    beside notify's count exchange instead of after it. The overlapped dispatch never does.
     """
+
+    dispatch_pdl: bool = True
 
     def __init__(
         self,
@@ -363,6 +369,7 @@ class ElasticBuffer:
         # Read once here (environment lookups cost microseconds per call on the critical path).
         self.dispatch_overlap = OverlapConfig.from_env("DISPATCH")
         self.combine_overlap = OverlapConfig.from_env("COMBINE")
+        self.dispatch_pdl = os.environ.get("ELASTIC_EP_DISPATCH_PDL", "1") != "0"
         self._refuse_bad_ids = _checks.index_check_enabled()
         self.comm_stream = torch.cuda.Stream(device=self.device)
         self._comm_raw = int(self.comm_stream.cuda_stream)
@@ -752,7 +759,7 @@ class ElasticBuffer:
         fast_streams = previous_event is None and not allocate_on_comm_stream and not async_with_compute_stream
         compute_raw = _current_raw_stream(self.device)
         # Expert ids outside [-1, E): with a CPU sync, notify counts them and the dispatch is refused on
-        # every rank (nothing is pushed, every host raises below, the buffer stays usable); without
+        # every rank (no output is written, every host raises below, the buffer stays usable); without
         # one, notify masks them and the next call raises (take_masked_ids in _alive). With
         # EP_SKIP_INDEX_CHECK=1 they are only masked.
         refuse_bad_ids = do_cpu_sync and not cached and self._refuse_bad_ids
@@ -795,6 +802,7 @@ class ElasticBuffer:
                 hidden_bytes=hidden_bytes, num_sf_packs=num_sf_packs, num_experts=num_experts, num_topk=K,
                 expert_alignment=expert_alignment, cached=int(cached), num_sms=push_sms if overlap else num_sms,
                 refuse_bad_ids=int(refuse_bad_ids), overlap=int(overlap),
+                concurrent_notify=int(self.dispatch_pdl and not overlap),
             ), self._comm_raw, compute_raw if fast_streams else _NO_STREAM)
 
             if cached:
