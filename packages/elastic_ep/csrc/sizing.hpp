@@ -53,28 +53,20 @@ constexpr int kMaxExperts = 2048;
 constexpr int kMaxLocalExperts = 256;
 constexpr int kMaxTopk = 32;
 // Dispatch notify splits a rank's tokens into at most this many contiguous ranges, one block each
-// (see notify_split); a block walks its range in chunks of one token per thread.
+// (ranges of whole 1024-token chunks; see notify_split).
 constexpr int kMaxNotifyBlocks = 32;
 constexpr int kNotifyChunkTokens = 1024;
-// The smallest range worth a block of its own: below it the per-block fixed work (clearing and
-// summing the per-expert counts) outweighs the counting.
-constexpr int kNotifyMinSpan = 256;
 
 // How notify splits T tokens: `blocks` blocks, block b owning tokens [b * span, min(T, (b+1) * span)).
-// The push kernel uses the same split to find the slot base of a token's range. As many blocks as
-// there are ranges of kNotifyMinSpan tokens, up to kMaxNotifyBlocks; spans are whole warps (32 tokens).
-// The push waits for the slots, so notify's counting is on the dispatch's critical path: 16 blocks of
-// 256 tokens count 4096 tokens in about the time one warp takes for its 32.
+// The push kernel uses the same split to find the slot base of a token's range.
 struct NotifySplit {
   int blocks;
   int span;
 };
 CK_HD constexpr NotifySplit notify_split(int num_tokens) {
-  const int64_t tokens = num_tokens <= 0 ? 1 : num_tokens;
-  int64_t span = (tokens + kMaxNotifyBlocks - 1) / kMaxNotifyBlocks;
-  span = (span + 31) / 32 * 32;
-  if (span < kNotifyMinSpan) span = kNotifyMinSpan;
-  return NotifySplit{int((tokens + span - 1) / span), int(span)};
+  const int chunks = num_tokens <= 0 ? 1 : (num_tokens + kNotifyChunkTokens - 1) / kNotifyChunkTokens;
+  const int per_block = (chunks + kMaxNotifyBlocks - 1) / kMaxNotifyBlocks;
+  return NotifySplit{(chunks + per_block - 1) / per_block, per_block * kNotifyChunkTokens};
 }
 // Arrival counters of the overlapped modes, u32 words [sending rank][chunk of kArriveTokens]:
 //   * overlapped combine (one kernel: some blocks push rows back, the others reduce as rows land):
@@ -335,12 +327,10 @@ CK_HD constexpr int64_t worst_case_num_expanded_tokens(int64_t num_ranks, int64_
 }
 
 // Compile-time checks of the invariants the kernels rely on.
-static_assert(notify_split(0).blocks == 1 && notify_split(256).blocks == 1 && notify_split(257).blocks == 2, "");
-static_assert(notify_split(4096).blocks == 16 && notify_split(4096).span == 256, "16 ranges of 256 tokens");
-static_assert(notify_split(8192).blocks == 32 && notify_split(32768).span == 1024, "then up to 32 ranges");
-static_assert(notify_split(32769).blocks == 32 && notify_split(32769).span == 1056, "spans are whole warps");
-static_assert(notify_split(1 << 24).blocks == kMaxNotifyBlocks && notify_split(1 << 24).span * 32 >= (1 << 24), "");
-static_assert(notify_split(2147483647).blocks <= kMaxNotifyBlocks, "no overflow at the largest token count");
+static_assert(notify_split(0).blocks == 1 && notify_split(4096).blocks == 4 && notify_split(4096).span == 1024, "");
+static_assert(notify_split(4097).blocks == 5 && notify_split(32768).blocks == 32, "one block per chunk up to 32");
+static_assert(notify_split(32769).blocks == 17 && notify_split(32769).span == 2048, "then two chunks per block");
+static_assert(notify_split(1 << 24).blocks <= kMaxNotifyBlocks && notify_split(1 << 24).span * 32 >= (1 << 24), "");
 static_assert(dispatch_token_layout(7168, 2, 0, 8).bytes % 16 == 0, "records stay 16 B aligned");
 static_assert(dispatch_token_layout(7168, 1, 56, 8).sf.offset == 7168, "SF follows the hidden bytes");
 static_assert(workspace_layout().bytes == uint64_t(kBufferAlignmentBytes), "workspace fits in 2 MiB");
