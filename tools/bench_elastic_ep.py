@@ -24,7 +24,8 @@ host skew, not communication (``--align barrier`` measures that way: barrier, th
 * kernel time: device time of the elastic_ep kernels of the call, from the CUDA profiler (Kineto):
   the time at least one of them runs (the union of their intervals, so overlapping kernels count
   once and host gaps between kernels, such as a CPU-synced dispatch's wait for the counts, not at
-  all), split into the communication kernels (dispatch: notify + push, what DeepEP's one
+  all), split into the communication kernels (each group its own union: the push runs beside
+  notify; dispatch: notify + push, what DeepEP's one
   ``dispatch_impl`` kernel does; combine: push, DeepEP's ``combine_impl``) and the epilogue
   (dispatch copy epilogue; combine reduce), which DeepEP times separately and leaves out of its GB/s;
 * end-to-end time: CUDA events around the Python call on the current stream (includes the CPU sync
@@ -199,29 +200,36 @@ def _busy_us(ranges, iters: int):
 
 
 def _kernel_times(prof, iters: int):
-    """Average device time (us) per iteration of the elastic_ep kernels: (comm, epilogue, per kernel,
-    span, busy). The span is from the first kernel's start to the last one's end in each iteration
-    (every call launches the same number of kernels); it also contains host gaps between kernels (CPU
-    sync). Busy is the union of the kernels' intervals: the device time of the call, counting
-    overlapping kernels (overlapped dispatch) once and gaps not at all."""
-    comm = epi = 0.0
-    per_kernel = {}
-    ranges = []
+    """Average device time (us) per iteration of the elastic_ep kernels, from the profiler's kernel
+    records: ``_group_times`` of their (name, start, end)."""
+    records = []
     for e in prof.events():
         if getattr(e, "device_type", None) is None or "CUDA" not in str(e.device_type):
             continue
-        name = e.name
-        t = e.time_range.elapsed_us()  # a device-side kernel record: its own duration
+        records.append((e.name, e.time_range.start, e.time_range.end))
+    return _group_times(records, iters)
+
+
+def _group_times(records, iters: int):
+    """(comm, epilogue, per kernel, span, busy) in us per iteration from kernel records (name, start,
+    end) of ``iters`` calls. comm / epilogue: the union of the communication / epilogue kernels'
+    intervals (the dispatch push runs beside notify, so their durations overlap and must not be
+    summed). Per kernel: mean duration by kernel (a push launched beside notify counts its wait for
+    the slots). The span is from the first kernel's start to the last one's end in each iteration
+    (every call launches the same number of kernels); it also contains host gaps between kernels (CPU
+    sync). Busy is the union of all the kernels' intervals: the device time of the call, counting
+    overlapping kernels once and gaps not at all."""
+    per_kernel = {}
+    ranges, comm_ranges, epi_ranges = [], [], []
+    for name, start, end in records:
         key = next((k for k in KERNEL_COMM + KERNEL_EPI if k in name), None)
         if key is None:
             continue
-        per_kernel[key] = per_kernel.get(key, 0.0) + t / iters
-        ranges.append((e.time_range.start, e.time_range.end))
-        if key in KERNEL_COMM:
-            comm += t
-        else:
-            epi += t
-    return comm / iters, epi / iters, per_kernel, _span_us(ranges, iters), _busy_us(ranges, iters)
+        per_kernel[key] = per_kernel.get(key, 0.0) + (end - start) / iters
+        ranges.append((start, end))
+        (comm_ranges if key in KERNEL_COMM else epi_ranges).append((start, end))
+    return (_busy_us(comm_ranges, iters) or 0.0, _busy_us(epi_ranges, iters) or 0.0, per_kernel,
+            _span_us(ranges, iters), _busy_us(ranges, iters))
 
 
 def _span_us(ranges, iters: int):
@@ -286,8 +294,8 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                                                      topk_weights=inp["w"], num_experts=E, num_sms=num_sms),
             }
             # Without the CPU sync (worst-case outputs, counts on the GPU): with the aligned start the
-            # host has queued all of it before the GPU reaches it, so its e2e is device time alone, with
-            # no profiler attached (which may serialise the push's programmatic launch).
+            # host has queued all of it before the GPU reaches it, so its e2e is the device time of the
+            # whole call, measured with no profiler attached.
             cases["dispatch_bf16_nosync"] = lambda: buf.dispatch(inp["xb"], topk_idx=inp["topk"], topk_weights=inp["w"],
                                                                  num_experts=E, num_sms=num_sms, do_cpu_sync=False)
             recv, _, rw, handle, _ = cases["dispatch_bf16"]()

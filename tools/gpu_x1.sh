@@ -3,7 +3,8 @@
 # multi-rank tests share the GPU (COMMKIT_TEST_SHARE_GPU=1, correctness only; see tests/conftest.py).
 #
 #   COMMKIT_GIT_REV=<hash> bash tools/gpu_x1.sh OUT_DIR a    # build; fp8_layerwise and ipc_all2all GPU tests
-#   COMMKIT_GIT_REV=<hash> bash tools/gpu_x1.sh OUT_DIR b    # elastic_ep GPU tests (reuses part a's build)
+#   COMMKIT_GIT_REV=<hash> bash tools/gpu_x1.sh OUT_DIR b    # elastic_ep GPU tests (reuses part a's build;
+#       BUILD=1 builds first, BENCH=1 adds the benchmark with --quick, ~20 s)
 #   COMMKIT_GIT_REV=<hash> bash tools/gpu_x1.sh OUT_DIR waits  # build; the tests of the device-side waits:
 #       the whole ipc_all2all suite and elastic_ep's timeout, late-peer and IPC-window soak tests (~540 s)
 #   COMMKIT_GIT_REV=<hash> bash tools/gpu_x1.sh OUT_DIR smoke  # build; a short check of every package (~180 s):
@@ -32,6 +33,8 @@ case "$PART" in
   b)
     [ "${BUILD:-0}" = 1 ] && build_all
     step tests_elastic 560 "${PYTEST[@]}" --junitxml="$OUT/junit_elastic.xml" "$ROOT/tests/elastic_ep"
+    [ "${BENCH:-0}" = 1 ] && step bench_elastic 60 $PY "$ROOT/tools/bench_elastic_ep.py" --out "$OUT/bench_ep" --quick \
+      --overlap-push-blocks none
     ;;
   waits)
     build_all
