@@ -116,8 +116,10 @@ int devcomm_create(void* nccl_comm, void** out_devcomm, int* out_lsa_rank, int* 
 void devcomm_destroy(void* nccl_comm, void* devcomm);
 void launch_resolve_peers(void* window, int num_ranks, void** out_peer_bases, int* out_info, void* stream);
 void launch_barrier(const CommView& c, void* stream);
-// Notify then push on `stream`; with `notify_done_event` (a cudaEvent_t, may be null) recorded between
-// the two, so an overlapped epilogue on another stream can start with the push.
+// Notify then push on `stream`: the push as notify's programmatic dependent when p.concurrent_notify
+// (it runs beside notify), else after it; with `notify_done_event` (a cudaEvent_t, may be null; only
+// without concurrent_notify) recorded between the two, so an overlapped epilogue on another stream
+// can start with the push.
 void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream, void* notify_done_event = nullptr);
 void launch_dispatch_epilogue(const CommView& c, const EpilogueParams& p, void* stream);
 // Combine = push (rows back to their origins) then reduce (the epilogue); the runtime may make the
