@@ -73,7 +73,7 @@ struct Ctx {
   __device__ uint64_t* local_u64(const Region& r, int i) const {
     return reinterpret_cast<uint64_t*>(tr.local(r.offset)) + i;
   }
-  __device__ uint64_t* epoch_word() const { return reinterpret_cast<uint64_t*>(counters + kCtrEpoch); }
+  __device__ uint64_t* epoch_word() const { return counter_u64(kCtrEpoch); }
   __device__ uint64_t epoch() const { return commkit::ld_relaxed(epoch_word()) + 1u; }
   __device__ void end_epoch(uint64_t E) const { commkit::st_relaxed(epoch_word(), E); }
   __device__ uint64_t* counter_u64(CounterSlot slot) const { return reinterpret_cast<uint64_t*>(counters + slot); }
@@ -490,14 +490,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
   } else {
     // (No read of the host-mapped timeout flag up front, which costs ~1 us per block: a pending
     // timeout makes notify's outcome "failed", and the waits below notice it if they spin.)
-    bool ok = true;
+    bool ready = true;
     if (tid == 0 && !p.cached)
-      ok = commkit::wait_ge(cx.counter_u64(kCtrDispatchReady), E, cx.arrival_timeout(), cx.rec, kOpDispatchNotify,
-                            rank, rank);
-    if (tid < R && ok)
-      ok = commkit::wait_ge(cx.local_u64(cx.ws.barrier_signal, tid), E, cx.timeout_ns, cx.rec, kOpDispatchNotify,
-                            rank, tid);
-    const bool failed = __syncthreads_or(!ok);
+      ready = commkit::wait_ge(cx.counter_u64(kCtrDispatchReady), E, cx.arrival_timeout(), cx.rec, kOpDispatchNotify,
+                               rank, rank);
+    // (Block-uniform short circuit: the entry barrier runs in every thread or in none.)
+    const bool failed = __syncthreads_or(!ready) || !entry_barrier(cx, E, kOpDispatchNotify, false);
     if (tid == 0) {
       block_skip = failed ? 1 : 0;
       if (failed) commkit::st_relaxed(&cx.counters[kCtrDispatchPushFailed], 1u);
