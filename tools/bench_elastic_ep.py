@@ -72,7 +72,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _benchutil import git_revision  # noqa: E402
+from _benchutil import git_revision, out_dir, write_results  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "packages", "elastic_ep", "src")
@@ -530,6 +530,12 @@ def _plot(table, path):
     fig.savefig(path, dpi=120)
 
 
+def write_outputs(out: str, meta: dict, table: list, per_rank: list) -> list:
+    """bench_elastic_ep.{json,md,png} into ``out``; returns the paths written."""
+    return write_results(out, "bench_elastic_ep", dict(meta=meta, table=table, per_rank=per_rank),
+                         _markdown(table, meta), lambda path: _plot(table, path))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -545,7 +551,7 @@ def main() -> int:
     ap.add_argument("--align", default="gemm", choices=("gemm", "barrier"),
                     help="how each iteration starts on every rank (see the module docstring)")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    args.out = out_dir(args.out)
     if not torch.cuda.is_available():
         print("bench_elastic_ep: no CUDA device, nothing to measure")
         return 0
@@ -568,13 +574,8 @@ def main() -> int:
                 nccl=".".join(map(str, torch.cuda.nccl.version())), tokens=args.tokens,
                 command=" ".join(sys.argv), align=args.align, seconds=round(time.time() - t0, 1))
     table = _summarise(per_rank, meta)
-    md = _markdown(table, meta)
-    print(md)
-    with open(os.path.join(args.out, "bench_elastic_ep.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(args.out, "bench_elastic_ep.json"), "w") as f:
-        json.dump(dict(meta=meta, table=table, per_rank=per_rank), f, indent=1)
-    _plot(table, os.path.join(args.out, "bench_elastic_ep.png"))
+    print(_markdown(table, meta))
+    write_outputs(args.out, meta, table, per_rank)
     return 0
 
 
