@@ -2,7 +2,10 @@
 # Release check of the three distributions, each on its own:
 #   sdist from packages/<pkg> (must carry common/) -> wheel built FROM that sdist -> installed ALONE
 #   into a fresh virtual environment -> imported from outside the checkout: _C loads and __version__
-#   equals pyproject.toml's version.
+#   equals pyproject.toml's version. The sdist's and the wheel's file lists are written to
+#   OUT_DIR/<pkg>/{sdist,wheel}-contents.txt, and the check fails if either carries raw results
+#   (benchmarks/, *.json, *.png, *.csv, *.log, text dumps, ...): docs such as README.md,
+#   BENCHMARKS.md and CHANGELOG.md may ship, measured data may not.
 #   bash tools/check_dist.sh [all | pkg ...]        (default all; OUT_DIR, default build/dist-check)
 # Works offline: $PYTHON (default python3) builds with --no-build-isolation, so it needs torch,
 # pybind11, scikit-build-core and build. The venv sees the system's packages when $PYTHON has torch
@@ -18,6 +21,20 @@ for pkg in $PKGS; do
 done
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
+# Raw results: anything under a benchmarks/ folder, data, plots, logs and text dumps. CMake's
+# CMakeLists.txt and the wheel metadata's *.txt (entry_points.txt, top_level.txt) are not results.
+RESULT_RE='(^|/)benchmarks/|[.](json|png|jpe?g|svg|gif|csv|tsv|log|npz|npy|pt|pkl|txt)$'
+NOT_RESULT_RE='(^|/)CMakeLists[.]txt$|[.]dist-info/[^/]+[.]txt$'
+# no_results WHAT LIST_FILE: fails, naming them, when the listed archive holds result files.
+no_results() {
+  local bad
+  bad=$(grep -E "$RESULT_RE" "$2" | grep -vE "$NOT_RESULT_RE" || true)
+  if [ -n "$bad" ]; then
+    echo "$1 carries raw results (keep them out of packages/; see sdist.exclude / wheel.exclude):" >&2
+    sed 's/^/  /' <<<"$bad" >&2
+    exit 1
+  fi
+}
 $PY -c "import build" 2>/dev/null || $PY -m pip install -q build
 VENV="$OUT/venv"
 rm -rf "$VENV"
@@ -44,12 +61,19 @@ for pkg in $PKGS; do
   for f in common/include/commkit/check.hpp common/cmake/CommkitDeps.cmake common/CMakeLists.txt; do
     grep -q "/$f\$" <<<"$files" || { echo "sdist lacks $f"; exit 1; }
   done
-  echo "sdist: $(basename "$sdist") ($(wc -l <<<"$files") files, common/ included)"
+  sed 's|^[^/]*/||' <<<"$files" | grep -v '^$' | sort > "$OUT/$pkg/sdist-contents.txt"
+  no_results "sdist $(basename "$sdist")" "$OUT/$pkg/sdist-contents.txt"
+  echo "sdist: $(basename "$sdist") ($(wc -l <"$OUT/$pkg/sdist-contents.txt") files, common/ included, no results;" \
+       "list: $OUT/$pkg/sdist-contents.txt)"
   # pip builds the wheel in a temporary unpacked copy, far from the checkout (no ../../common there).
   $PY -m pip wheel -q --no-build-isolation --no-deps -w "$OUT/$pkg" "$sdist" >"$OUT/$pkg/wheel.log" 2>&1 \
     || { tail -30 "$OUT/$pkg/wheel.log"; exit 1; }
   whl=$(ls "$OUT/$pkg"/*.whl)
-  echo "wheel: $(basename "$whl")"
+  $PY -c 'import sys, zipfile; print("\n".join(sorted(zipfile.ZipFile(sys.argv[1]).namelist())))' "$whl" \
+    > "$OUT/$pkg/wheel-contents.txt"
+  no_results "wheel $(basename "$whl")" "$OUT/$pkg/wheel-contents.txt"
+  echo "wheel: $(basename "$whl") ($(wc -l <"$OUT/$pkg/wheel-contents.txt") files, no results;" \
+       "list: $OUT/$pkg/wheel-contents.txt)"
   "$VENV/bin/python" -m pip install -q --no-deps --force-reinstall "$whl"  # even if $PY has this version
   ver=$(sed -n 's/^version = "\(.*\)"$/\1/p' "$ROOT/packages/$pkg/pyproject.toml")
   (cd "$OUT" && "$VENV/bin/python" - "$pkg" "$ver" "$VENV" <<'PY')
