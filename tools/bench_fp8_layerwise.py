@@ -22,12 +22,11 @@ Per rank it reports h2d GB/s (bytes over copy-engine busy time), effective GB/s 
 layer's total time), the slot-wait fraction (producer time spent waiting for acks), and
 total_ms / max(writer_ms, h2d_ms) (overlap; target <= 1.1). Without a GPU the CPU backend runs
 on scaled-down shapes and says so: those numbers are memcpy, not PCIe.
-Writes bench_fp8_layerwise.json and bench_fp8_layerwise.png into --out.
+Writes bench_fp8_layerwise.json, .md (the table) and .png (the plot) into --out.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -37,7 +36,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _benchutil import git_revision  # noqa: E402
+from _benchutil import git_revision, out_dir, write_results  # noqa: E402
 
 
 def _mode_summary(ranks, mode):
@@ -196,6 +195,48 @@ def run_config(cfg, tp):
     return [res[r] for r in range(tp)]
 
 
+def _plot(results, summary, backend, path):
+    """Effective GB/s per configuration and mode (min over ranks), the pinned peak dashed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("  (matplotlib not installed: no PNG)")
+        return
+    cfgs = [r["config"] for r in results]
+    mnames = list(results[0]["ranks"][0]["modes"]) if results else []
+    fig, ax = plt.subplots(figsize=(12, 5))
+    w = 0.8 / max(1, len(mnames))
+    for i, m in enumerate(mnames):
+        ax.bar([j + i * w for j in range(len(cfgs))], [summary.get((c, m), {}).get("eff", 0) for c in cfgs], w,
+               label=m)
+    for j, c in enumerate(cfgs):
+        pk = summary[(c, mnames[0])]["peak"]
+        ax.hlines(pk, j - w / 2, j + 0.8 - w / 2, colors="k", linestyles="dashed")
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(cfgs))])
+    ax.set_xticklabels(cfgs)
+    ax.set_ylabel("effective GB/s per rank (min over ranks)")
+    ax.set_title(f"fp8_layerwise ({backend}); dashed: pinned cudaMemcpyAsync peak, same GPUs copying")
+    if mnames:
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def write_outputs(out, meta, results, table, targets, summary) -> list:
+    """bench_fp8_layerwise.{json,md,png} into ``out``; ``summary`` maps (config, mode) to the figures of
+    ``_mode_summary``. Returns the paths written."""
+    data = dict(meta=meta, results=results, table=table, targets=targets,
+                summary=[dict(config=c, mode=m, **v) for (c, m), v in summary.items()])
+    md = "\n".join([f"# fp8_layerwise benchmark, {meta['date']}", "",
+                    "; ".join(f"{k} {v}" for k, v in meta.items() if k != "date"), "", table, "", "## Targets", ""]
+                   + [f"- {t}" for t in targets])
+    return write_results(out, "bench_fp8_layerwise", data, md,
+                         lambda path: _plot(results, summary, meta.get("backend", ""), path))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="fp8_layerwise H2D benchmark")
     ap.add_argument("--out", required=True)
@@ -208,7 +249,7 @@ def main(argv=None):
                     help="comma-separated substrings: run only the configurations whose name contains one")
     ap.add_argument("--modes", default=None, help="comma-separated mode names to run (default: all)")
     args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    args.out = out_dir(args.out)
     import torch
 
     import fp8_layerwise as F
@@ -336,36 +377,7 @@ def main(argv=None):
                 note=note, gpus=[torch.cuda.get_device_name(i) for i in range(ngpu)], cpus=cpus, git_rev=rev,
                 command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])), torch=torch.__version__,
                 recommended_slots=best[0] if best else None, default_slots=default_of, cache_hint=cache_hint)
-    with open(os.path.join(args.out, "bench_fp8_layerwise.json"), "w") as f:
-        json.dump(dict(meta=meta, results=results, table=table, targets=targets,
-                       summary=[dict(config=c, mode=m, **v) for (c, m), v in summary.items()]), f, indent=1)
-    with open(os.path.join(args.out, "bench_fp8_layerwise.md"), "w") as f:
-        f.write(f"{meta}\n\n{table}\n\n" + "\n".join(targets) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        cfgs = [r["config"] for r in results]
-        mnames = list(results[0]["ranks"][0]["modes"]) if results else []
-        fig, ax = plt.subplots(figsize=(12, 5))
-        w = 0.8 / max(1, len(mnames))
-        for i, m in enumerate(mnames):
-            ax.bar([j + i * w for j in range(len(cfgs))], [summary.get((c, m), {}).get("eff", 0) for c in cfgs], w,
-                   label=m)
-        for j, c in enumerate(cfgs):
-            pk = summary[(c, mnames[0])]["peak"]
-            ax.hlines(pk, j - w / 2, j + 0.8 - w / 2, colors="k", linestyles="dashed")
-        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(cfgs))])
-        ax.set_xticklabels(cfgs)
-        ax.set_ylabel("effective GB/s per rank (min over ranks)")
-        ax.set_title(f"fp8_layerwise ({backend}); dashed: pinned cudaMemcpyAsync peak, same GPUs copying")
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "bench_fp8_layerwise.png"), dpi=100)
-    except ImportError:
-        print("  (matplotlib not installed: no PNG)")
+    write_outputs(args.out, meta, results, table, targets, summary)
     return 0
 
 

@@ -26,7 +26,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _benchutil import git_revision  # noqa: E402
+from _benchutil import git_revision, out_dir, write_results  # noqa: E402
+from _env import apply as apply_env  # noqa: E402
 
 HEADS, HEAD_DIM = 32, 128
 NCCL_RT_REF_US = {4096: 166, 8192: 261, 32768: 851, 131072: 3133}  # measured NCCL path, 2x H200
@@ -348,6 +349,28 @@ def _plot(data, out_dir):
     return path
 
 
+def _markdown(data) -> str:
+    meta, rows, sweeps = data["meta"], data["rows"], data.get("grid_sweep", [])
+    md = [f"# ipc_all2all benchmark, {meta['date']}", "",
+          f"{meta['gpus']}x {meta['gpu']}, torch {meta['torch']}, NCCL {meta['nccl']}, git {meta['git_rev']}", "",
+          f"`{meta['command']}`", "", _table(rows), "", "## Targets", ""] + [f"- {t}" for t in data["targets"]]
+    if sweeps:
+        md += ["", "## Grid sweep (send_recv_heads, eager; self blocks 0 = the default split)", "",
+               "| W | tokens | blocks | self blocks | grid (total, self, per peer) | us | send busbw GB/s |",
+               "|---|---|---|---|---|---|---|"]
+        md += [f"| {s['world']} | {s['total_tokens']} | {s['num_blocks']} | {s['self_blocks']} | {s['grid']} | "
+               f"{s['send_us']:.1f} | {_sweep_busbw(s):.0f} |" for s in sweeps]
+    if data.get("errors"):
+        md += ["", "## Errors", ""] + [f"- W={w}: {e}" for w, e in data["errors"].items()]
+    return "\n".join(md) + "\n"
+
+
+def write_outputs(out, data) -> list:
+    """bench_ipc_all2all.{json,md,png} into ``out``; returns the paths written."""
+    return write_results(str(out), "bench_ipc_all2all", data, _markdown(data),
+                         lambda path: _plot(data, os.path.dirname(path)))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -356,14 +379,12 @@ def main():
     ap.add_argument("--num-blocks", type=int, default=0, help="blocks per launch (default: the library's)")
     ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from DIR/bench_ipc_all2all.json")
     args = ap.parse_args()
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = pathlib.Path(out_dir(args.out))
     if args.plot_only:
         data = json.loads((out / "bench_ipc_all2all.json").read_text())
         print(_plot(data, out))
         return 0
-    for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
-        os.environ[k] = v
+    apply_env()  # tools/env.sh (NVLink multicast off), before torch and the worker processes start
     import torch
 
     n = torch.cuda.device_count()
@@ -390,19 +411,8 @@ def main():
         sweeps += res["sweep"]
     data = {"meta": meta, "rows": rows, "grid_sweep": sweeps, "errors": {str(k): v for k, v in errors.items()},
             "targets": _targets(rows)}
-    (out / "bench_ipc_all2all.json").write_text(json.dumps(data, indent=1))
-    md = [f"# ipc_all2all benchmark, {meta['date']}", "",
-          f"{meta['gpus']}x {meta['gpu']}, torch {meta['torch']}, NCCL {meta['nccl']}, git {rev}", "",
-          f"`{meta['command']}`", "", _table(rows), "", "## Targets", ""] + [f"- {t}" for t in data["targets"]]
-    if sweeps:
-        md += ["", "## Grid sweep (send_recv_heads, eager; self blocks 0 = the default split)", "",
-               "| W | tokens | blocks | self blocks | grid (total, self, per peer) | us | send busbw GB/s |",
-               "|---|---|---|---|---|---|---|"]
-        md += [f"| {s['world']} | {s['total_tokens']} | {s['num_blocks']} | {s['self_blocks']} | {s['grid']} | "
-               f"{s['send_us']:.1f} | {_sweep_busbw(s):.0f} |" for s in sweeps]
-    (out / "bench_ipc_all2all.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
-    _plot(data, out)
+    print(_markdown(data))
+    write_outputs(out, data)
     return 0 if not errors else 1
 
 
