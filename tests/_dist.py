@@ -20,12 +20,10 @@ import time
 import traceback
 from typing import Any, Callable, List, Optional
 
-# Keep NVLink multicast off in every child as well (see the GPU machine's rules).
-_SAFE_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+from tests._tools import load_tool
+
+# tools/env.sh's settings (NVLink multicast off) in every child as well (run_workers' env= comes on top).
+_SAFE_ENV = load_tool("_env").settings()
 
 
 class WorkerFailure(AssertionError):

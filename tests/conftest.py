@@ -1,8 +1,10 @@
-"""Shared pytest plumbing: markers gpu / multigpu(n) / slow and their skips.
+"""Shared pytest plumbing: markers gpu / multigpu(n) / slow / smoke and their skips.
 
 * ``@pytest.mark.gpu``          needs a CUDA device and a package built with CUDA.
 * ``@pytest.mark.multigpu(n)``  needs at least n CUDA devices (implies gpu).
 * ``@pytest.mark.slow``         long tests; skipped when ``--skip-slow`` is given.
+* ``@pytest.mark.smoke``        part of the short GPU check of every package: ``bash tools/gpu.sh OUT smoke``
+                                runs the tests marked smoke and gpu or multigpu.
 
 ``@pytest.mark.multigpu(n, shared_ok=True)`` marks a test whose ranks may share a GPU (no NCCL
 communicator between them: NCCL refuses two ranks on one device). With the environment variable
@@ -10,12 +12,16 @@ communicator between them: NCCL refuses two ranks on one device). With the envir
 placed round-robin on the GPUs there are. Kernels of different processes on one GPU are
 time-sliced, so this checks correctness (bytes, protocol, timeouts), never speed.
 
-``COMMKIT_REQUIRE_GPU=1`` (set by tools/gpu.sh and the other GPU-machine scripts) makes a machine
-without a usable GPU an error instead of a run of skips: the session stops at start-up with the
-reason (no device visible, or the exception CUDA initialisation raised), and a test marked gpu or
-multigpu that skips for any other reason than needing more devices than the machine has (e.g. a
-package built without CUDA, ``skipif(not built_with_cuda())``) fails instead. ``--skip-slow`` skips
-and expected failures (xfail) stay as they are.
+tools/gpu.sh sets ``COMMKIT_TEST_SHARE_GPU=1`` unless told otherwise: on a machine with enough GPUs it
+changes nothing (ranks are placed round-robin on the GPUs either way), on one with fewer it runs the
+``shared_ok`` tests instead of skipping them.
+
+``COMMKIT_REQUIRE_GPU=1`` (set by tools/gpu.sh) makes a machine without a usable GPU an error
+instead of a run of skips: the session stops at start-up with the reason (no device visible, or the
+exception CUDA initialisation raised), and a test marked gpu or multigpu that skips for any other
+reason than needing more devices than the machine has (e.g. a package built without CUDA,
+``skipif(not built_with_cuda())``) fails instead. ``--skip-slow`` skips and expected failures (xfail)
+stay as they are.
 """
 from __future__ import annotations
 
@@ -28,8 +34,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # spawned workers re-import tests._dist and the test modules
     sys.path.insert(0, ROOT)
 
-for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
-    os.environ.setdefault(_k, _v)
+from tests._tools import load_tool  # noqa: E402 - needs ROOT on sys.path
+
+# tools/env.sh, the one place of the environment settings (NVLink multicast off), for a direct pytest run
+# too; the workers of tests/_dist.py get the same settings.
+load_tool("_env").apply()
 
 
 def pytest_addoption(parser):

@@ -73,6 +73,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _benchutil import git_revision, out_dir, write_results  # noqa: E402
+from _env import apply as apply_env  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "packages", "elastic_ep", "src")
@@ -556,8 +557,7 @@ def main() -> int:
         print("bench_elastic_ep: no CUDA device, nothing to measure")
         return 0
     world = args.world or torch.cuda.device_count()
-    for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
-        os.environ.setdefault(k, v)
+    apply_env()  # tools/env.sh (NVLink multicast off), inherited by the worker processes
     tmp = tempfile.mkdtemp(prefix="bench_ep_")
     result_file = os.path.join(tmp, "result.json")
     rdzv = f"file://{os.path.join(tmp, 'rdzv')}"

@@ -38,6 +38,7 @@ def _world() -> int:
     return min(torch.cuda.device_count(), 8) if torch.cuda.is_available() else 0
 
 
+@pytest.mark.smoke
 @pytest.mark.gpu
 def test_native_ep1_matrix(tmp_path):
     shape = dict(SMALL, tokens=[61])
@@ -108,6 +109,7 @@ def test_native_combine_epilogue_event(tmp_path):
     assert run_workers(epilogue_event_worker, 1, tmp_path=tmp_path, timeout=120) == [True]
 
 
+@pytest.mark.smoke
 @pytest.mark.multigpu(2)
 def test_native_matrix(tmp_path):
     world = _world()

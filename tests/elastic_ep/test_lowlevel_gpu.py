@@ -375,6 +375,7 @@ def _cases(R):
     return cases
 
 
+@pytest.mark.smoke
 @pytest.mark.gpu
 def test_lowlevel_ep1_modes(tmp_path):
     assert run_workers(_worker_modes, 1, _cases(1), tmp_path=tmp_path, timeout=150) == [len(_cases(1))]

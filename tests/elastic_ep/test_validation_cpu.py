@@ -164,6 +164,7 @@ def test_bad_inputs_raise_before_launch(tmp_path):
     assert n[0] == n[1] and n[0] >= 40
 
 
+@pytest.mark.smoke
 @pytest.mark.gpu
 def test_bad_inputs_native_ep1(tmp_path):
     """The same checks on the native backend (one GPU, EP=1), then a valid dispatch still works."""

@@ -16,6 +16,7 @@ def _assert_delivery(res):
             assert row["untouched"], (rank, row)
 
 
+@pytest.mark.smoke
 @pytest.mark.gpu
 def test_gpu_tp1(tmp_path):
     # Copy streams 1 (the seed's), 2 (the default) and 4: a batch's copies spread over streams.
@@ -30,18 +31,21 @@ def test_gpu_tp1(tmp_path):
                                  tmp_path=wait_dir, timeout=240))
 
 
+@pytest.mark.smoke
 @pytest.mark.multigpu(2, shared_ok=True)  # no NCCL between ranks: they may share a GPU
 def test_gpu_tp2_one_rank_per_gpu(tmp_path):
     _assert_delivery(run_workers(W.delivery, 2, str(tmp_path), (2, 3, 8), (1, 5, 12), True, "cuda",
                                  tmp_path=tmp_path, timeout=240))
 
 
+@pytest.mark.smoke
 @pytest.mark.multigpu(2, shared_ok=True)  # no NCCL between ranks: they may share a GPU
 def test_gpu_tp4_two_ranks_per_gpu(tmp_path):
     _assert_delivery(run_workers(W.delivery, 4, str(tmp_path), (4,), (1, 12), False, "cuda",
                                  tmp_path=tmp_path, timeout=240))
 
 
+@pytest.mark.smoke
 @pytest.mark.multigpu(2, shared_ok=True)  # no NCCL between ranks: they may share a GPU
 def test_gpu_seed_mode_and_default(tmp_path):
     res = run_workers(W.legacy_vs_default, 2, str(tmp_path), "cuda", tmp_path=tmp_path, timeout=240)
@@ -52,6 +56,7 @@ def test_gpu_seed_mode_and_default(tmp_path):
         assert seed["copies"] == 4 * 16 and default["copies"] <= seed["copies"]
 
 
+@pytest.mark.smoke
 @pytest.mark.multigpu(2, shared_ok=True)  # no NCCL between ranks: they may share a GPU
 def test_gpu_python_writer_error_then_reset(tmp_path):
     res = run_workers(W.writer_error_reset, 2, str(tmp_path), "cuda", tmp_path=tmp_path, timeout=240)

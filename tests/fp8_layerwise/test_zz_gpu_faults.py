@@ -9,6 +9,7 @@ from tests.fp8_layerwise._timing import fast_bound
 pytestmark = pytest.mark.skipif(not F.built_with_cuda(), reason="built without CUDA")
 
 
+@pytest.mark.smoke
 @pytest.mark.multigpu(2, shared_ok=True)  # no NCCL between ranks: they may share a GPU
 def test_gpu_sigkill_consumer(tmp_path):
     try:

@@ -19,6 +19,7 @@ def _world() -> int:
 MULTI = pytest.mark.multigpu(2, shared_ok=True)
 
 
+@pytest.mark.smoke
 @MULTI
 @pytest.mark.parametrize("reverse_devices,dtypes", [(False, ALL_DTYPES), (True, ["bfloat16"])],
                          ids=["rank=device", "rank!=device"])
@@ -111,6 +112,7 @@ def test_view_dropped_inside_a_capture_frees_after_it(tmp_path):
     assert res == [True] * _world()
 
 
+@pytest.mark.smoke
 @MULTI
 def test_validation_before_launch(tmp_path):
     res = run_workers(w.worker_validation, _world(), tmp_path=tmp_path, timeout=120)
@@ -123,6 +125,7 @@ def test_create_destroy_loop_leaks_nothing(tmp_path):
     print("device bytes lost over 30 loops per rank:", res)
 
 
+@pytest.mark.smoke
 @MULTI
 def test_torch_compile_fullgraph(tmp_path):
     run_workers(w.worker_compile, _world(), tmp_path=tmp_path, timeout=240,
