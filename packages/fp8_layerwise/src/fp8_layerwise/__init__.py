@@ -13,13 +13,15 @@ coordinates the ranks (epochs, per-slot sequences, acks, a sticky poison record,
 import torch  # noqa: F401  (loads the CUDA runtime before _C)
 
 from . import _C
+from ._checks import CONTROL_BYTES, KINDS, MAX_COPY_STREAMS, MAX_SLOTS, MAX_TP
+from ._shm import (DEFAULT_SLOTS, SMALL_EXPERT_BYTES, SMALL_EXPERT_SLOTS, ControlRegion, HostSlots,
+                   default_num_slots)
+from ._writers import CACHE_HINTS, DEFAULT_CACHE_HINT, default_cache_hint, default_writer_threads, make_shard_writer
+from .block_fp8 import block_fp8_expert_nbytes, make_block_fp8_sources, reference_shard
 from .errors import (ErrorCode, PeerDied, ProtocolError, TransportClosed, TransportError, TransportPoisoned,
                      TransportTimeout)
-from .transport import (CACHE_HINTS, CONTROL_BYTES, DEFAULT_CACHE_HINT, DEFAULT_SLOTS, KINDS, MAX_COPY_STREAMS,
-                        MAX_SLOTS, MAX_TP, SMALL_EXPERT_BYTES, SMALL_EXPERT_SLOTS, ControlRegion, FileExchange,
-                        HostSlots, Layer, LayerStats, Transport, block_fp8_expert_nbytes, default_cache_hint,
-                        default_num_slots, default_writer_threads, group_exchange, make_block_fp8_sources,
-                        make_shard_writer, reference_shard)
+from .exchange import FileExchange, group_exchange
+from .transport import Layer, LayerStats, Transport
 
 __version__ = "0.1.0"
 FP8LayerwiseTransport = _C.FP8LayerwiseTransport
