@@ -10,6 +10,7 @@
 #   full    every GPU test of each package: pytest tests/<pkg> -m "gpu or multigpu"
 #   bench   the benchmarks only: python tools/bench_<pkg>.py --out OUT_DIR [--quick]
 # OPTIONS
+#           (--preset NAME is the same as NAME)
 #   package=NAMES, --only NAMES   comma-separated, from: fp8_layerwise ipc_all2all elastic_ep
 #                 (default: all three, in that order)
 #   --no-build    use the installed packages (an earlier call on the same machine built them)
@@ -79,6 +80,10 @@ while [ $# -gt 0 ]; do
     smoke|full|bench)
       [ -z "$PRESET" ] || die "two presets given: $PRESET and $1"
       PRESET=$1; shift ;;
+    --preset=*) set -- "${1#--preset=}" "${@:2}" ;;  # the same as the bare preset name
+    --preset) [ $# -ge 2 ] || die "--preset needs smoke, full or bench"
+      case "$2" in smoke|full|bench) ;; *) die "--preset: unknown preset '$2' (smoke, full or bench)" ;; esac
+      shift ;;
     package=*) set_pkgs "package=" "${1#package=}"; shift ;;
     --only=*) set_pkgs "--only" "${1#--only=}"; shift ;;
     --only) [ $# -ge 2 ] || die "--only needs a package list"; set_pkgs "--only" "$2"; shift 2 ;;

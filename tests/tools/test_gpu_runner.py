@@ -104,6 +104,12 @@ def test_bench_runs_the_benchmarks_only(tmp_path):
     assert plan.benches[0][-5:] == ["--out", out, "--quick", "--num-sms", "0,32"]
 
 
+def test_preset_option_is_the_same_as_the_bare_name(tmp_path):
+    for args in (["--preset", "bench"], ["--preset=bench"]):
+        plan = Plan(gpu_sh(str(tmp_path), *args, "--dry-run"))
+        assert plan.benched() == PKGS and plan.tests == []
+
+
 def test_options_reach_the_commands(tmp_path):
     plan = Plan(gpu_sh(str(tmp_path), "smoke", "--no-build", "--timeout", "0", "--dry-run", "--", "-x", "-k", "tp1"))
     assert plan.builds == [] and len(plan.tests) == 3
@@ -131,6 +137,7 @@ def test_a_relative_out_dir_is_made_absolute(tmp_path):
     (["o", "smoke", "--quick"], "--quick applies to the bench preset only"),
     (["o", "--timeout", "soon"], "--timeout: expected whole seconds"),
     (["o", "--no-such-option"], "unknown argument '--no-such-option'"),
+    (["o", "--preset", "fast"], "--preset: unknown preset 'fast'"),
 ])
 def test_bad_usage_is_refused_with_a_reason(tmp_path, args, message):
     proc = gpu_sh(*args, "--dry-run", cwd=tmp_path) if args else gpu_sh(cwd=tmp_path)
