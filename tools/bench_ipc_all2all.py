@@ -388,9 +388,11 @@ def main():
     import torch
 
     n = torch.cuda.device_count()
-    if n < 2:
-        print(f"bench_ipc_all2all: needs at least 2 GPUs, found {n}")
-        return 1
+    if n < 2:  # nothing to measure: say so in the output folder too
+        why = f"bench_ipc_all2all: not run, it needs at least 2 GPUs and found {n}"
+        print(why)
+        write_results(str(out), "bench_ipc_all2all", {"skipped": why, "gpus": n, "git_rev": git_revision()}, why)
+        return 0
     worlds = [int(w) for w in args.worlds.split(",") if w] or sorted({w for w in (2, 4, 8, n) if w <= n})
     sizes = [4096, 32768] if args.quick else [4096, 8192, 16384, 32768, 65536, 131072]
     rev = git_revision()

@@ -102,3 +102,22 @@ def test_a_failing_plot_keeps_table_and_json(tmp_path):
     paths = u.write_results(str(tmp_path), "r", {"a": 1}, "| a |", broken)
     assert [os.path.basename(p) for p in paths] == ["r.json", "r.md"]
     assert json.loads((tmp_path / "r.json").read_text()) == {"a": 1} and (tmp_path / "r.md").read_text() == "| a |\n"
+
+
+def test_ipc_all2all_on_fewer_than_two_gpus_says_so_in_the_folder(tmp_path):
+    # The bench preset runs every benchmark on any machine; with one GPU (or none) ipc_all2all has
+    # nothing to measure, and says so in its table and JSON instead of failing the run.
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("two GPUs here: the benchmark would measure")
+    import subprocess
+    import sys
+
+    from tests._tools import ROOT
+
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_ipc_all2all.py"), "--out", "o"],
+                         capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    data = json.loads((tmp_path / "o" / "bench_ipc_all2all.json").read_text())
+    assert "needs at least 2 GPUs" in data["skipped"]
+    assert "needs at least 2 GPUs" in (tmp_path / "o" / "bench_ipc_all2all.md").read_text()
