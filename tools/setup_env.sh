@@ -67,8 +67,12 @@ _ck_make_venv() {
   "$base" -m venv --system-site-packages "$dir"
   if [ "$base" != "$("$py" -c 'import sys; print(sys.executable)')" ]; then
     # $py is a venv's: --system-site-packages shows the base interpreter's packages, not that
-    # venv's (where torch is); a .pth file appends them after the new venv's own site-packages.
-    "$py" -c 'import sysconfig; p = sysconfig.get_paths(); print(p["purelib"]); print(p["platlib"])' \
+    # venv's (where torch is); a .pth file appends its site folders (those its own .pth files add
+    # too) after the new venv's own site-packages.
+    "$py" -c 'import os, sys, sysconfig
+p = sysconfig.get_paths()
+dirs = [p["purelib"], p["platlib"]] + [d for d in sys.path if os.path.basename(d) in ("site-packages", "dist-packages")]
+print("\n".join(dict.fromkeys(dirs)))' \
       > "$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_commkit_parent.pth"
   fi
 }

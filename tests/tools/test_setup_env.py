@@ -46,8 +46,12 @@ def _make_venv(path, see_this_env: bool):
 
     mine = sysconfig.get_paths()
     # pip itself must be importable in the new venv (it has none of its own): from this environment
-    # when see_this_env, else from the base interpreter's site-packages.
-    lines = [mine["purelib"], mine["platlib"]] if (see_this_env and in_venv) else []
+    # when see_this_env, else from the base interpreter's site-packages. This environment's site
+    # folders include those its own .pth files add (it may be layered on another venv like this one).
+    lines = []
+    if see_this_env and in_venv:
+        lines = list(dict.fromkeys([mine["purelib"], mine["platlib"]] + [
+            d for d in sys.path if os.path.basename(d) in ("site-packages", "dist-packages")]))
     with open(os.path.join(site, "_test_parent.pth"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return py, site
