@@ -173,44 +173,37 @@ def rank_scale(rank: int) -> float:
 
 def oracle_combine(all_inp, me: int, num_experts: int, expanded: bool, multi_red: bool,
                    biases: List[Optional[torch.Tensor]]) -> torch.Tensor:
-    """Expected ``combined_x`` of rank ``me`` given the fake experts used by ``fake_experts``."""
+    """Expected ``combined_x`` of rank ``me`` given the fake experts used by ``fake_experts``, summed in
+    DeepEP V2's order: fp32 from the biases (``bias_0 + bias_1``), then per top-k lane in lane order the
+    partial of the rank whose last lane it is (each lane's own row without multiple reduction in expand
+    mode), ``+0.0`` at the other lanes; one rounding to bf16."""
     R = len(all_inp)
     L = num_experts // R
     inp = all_inp[me]
     T, H = inp["x"].shape
-    K = inp["topk_idx"].shape[1]
     xf = inp["x"].to(torch.float32)
+    bs = [b.cpu().to(torch.float32) for b in biases if b is not None]
     out = torch.empty((T, H), dtype=torch.bfloat16)
     for t in range(T):
         lanes = inp["topk_idx"][t].tolist()
-        owners_in_lane_order = []
-        for e in lanes:
-            if e >= 0 and e // L not in owners_in_lane_order:
-                owners_in_lane_order.append(e // L)
-        contributions = []  # (slot, bf16 row)
-        for r in owners_in_lane_order:
-            master = next(k for k, e in enumerate(lanes) if e >= 0 and e // L == r)
-            if not expanded:
-                row = (xf[t] * rank_scale(r)).to(torch.bfloat16)
-                slot = r if (multi_red and R <= K) else master
-                contributions.append((slot, row))
-            elif multi_red:
-                acc = torch.zeros(H, dtype=torch.float32)
-                for k, e in enumerate(lanes):
-                    if e >= 0 and e // L == r:
-                        acc += (xf[t] * expert_scale(e)).to(torch.bfloat16).to(torch.float32)
-                slot = r if R <= K else master
-                contributions.append((slot, acc.to(torch.bfloat16)))
+        owner = [e // L if e >= 0 else -1 for e in lanes]
+        acc = (bs[0][t] + bs[1][t]) if len(bs) == 2 else (bs[0][t].clone() if bs else torch.zeros(H))
+        for k, e in enumerate(lanes):
+            r = owner[k]
+            if expanded and not multi_red:
+                term = (xf[t] * expert_scale(e)).to(torch.bfloat16) if r >= 0 else None
+            elif r >= 0 and r not in owner[k + 1:]:  # the last lane routed to rank r
+                if not expanded:
+                    term = (xf[t] * rank_scale(r)).to(torch.bfloat16)
+                else:
+                    part = torch.zeros(H, dtype=torch.float32)
+                    for j in range(k + 1):
+                        if owner[j] == r:
+                            part += (xf[t] * expert_scale(lanes[j])).to(torch.bfloat16).to(torch.float32)
+                    term = part.to(torch.bfloat16)
             else:
-                for k, e in enumerate(lanes):
-                    if e >= 0 and e // L == r:
-                        contributions.append((k, (xf[t] * expert_scale(e)).to(torch.bfloat16)))
-        acc = torch.zeros(H, dtype=torch.float32)
-        for _, row in sorted(contributions, key=lambda c: c[0]):
-            acc += row.to(torch.float32)
-        for b in biases:
-            if b is not None:
-                acc += b[t].cpu().to(torch.float32)
+                term = None
+            acc += term.to(torch.float32) if term is not None else 0.0
         out[t] = acc.to(torch.bfloat16)
     return out
 

@@ -814,6 +814,21 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
     acc[2 * q + 1] += f.y;
   }
 }
+__device__ __forceinline__ void set_bf16x8(float (&acc)[8], const int4& v) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(h[q]);
+    acc[2 * q] = f.x;
+    acc[2 * q + 1] = f.y;
+  }
+}
+// acc += +0.0f: not an identity in IEEE arithmetic (-0.0 + 0.0 = +0.0), and DeepEP's order adds
+// such a term for every lane that carries no partial.
+__device__ __forceinline__ void add_zero8(float (&acc)[8]) {
+#pragma unroll
+  for (int q = 0; q < 8; ++q) acc[q] += 0.f;
+}
 __device__ __forceinline__ int4 to_bf16x8(const float (&acc)[8]) {
   int4 v;
   __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
@@ -887,13 +902,18 @@ __device__ __forceinline__ int combine_push_row(const Ctx& cx, const CombinePara
   return t;
 }
 
-// Sums token t's slots (one warp) into combined_x and routes its weights back.
+// Sums token t's slots (one warp) into combined_x and routes its weights back, in DeepEP's order
+// (its reference combine), so that the bits match it: an fp32 accumulator starts from the biases
+// (bias_0, or bias_0 + bias_1 in fp32), then takes one term per top-k lane in lane order -- the
+// partial of the rank whose LAST lane it is (in the per-lane layout every lane's own row), +0.0 at
+// every other lane -- and is rounded to BF16 once.
 // kInFlight: the slots may have been written during this kernel (overlapped combine), so slot data
 // is read from L2 (ld.cg): an L1 line filled earlier for a neighbouring record could be stale.
-// own_row: this warp's [32] shared scratch.
+// scratch: this warp's [64] shared ints: [0, 32) the x row of this rank's own slots (by slot),
+// [32, 64) the slot added at each lane (-1: +0.0).
 template <bool kInFlight>
 __device__ __forceinline__ void combine_reduce_token(const Ctx& cx, const CombineParams& p, const CombineGeom& g,
-                                                     int t, int* own_row) {
+                                                     int t, int* scratch) {
   const int R = cx.tr.num_ranks, rank = cx.tr.rank, K = p.num_topk, lane = lane_id();
   const int L = p.num_experts / R;
   const auto& tl = g.tl;
@@ -905,11 +925,20 @@ __device__ __forceinline__ void combine_reduce_token(const Ctx& cx, const Combin
   const int64_t e = lane < K ? p.combined_topk_idx[int64_t(t) * K + lane] : -1;
   const int owner = owner_of(e, p.num_experts, L);
   const bool master = is_master_lane(owner, K);
-  // First lane with the same owner (the slot of a reduced row in the per-lane layouts).
+  int* own_row = scratch;
+  int* lane_slot = scratch + 32;
+  // First lane with the same owner (the slot of a reduced row in the per-lane layouts), and whether
+  // this lane is the last one with its owner (where DeepEP's order adds the owner's partial).
   int master_of = -1;
-  for (int j = K - 1; j >= 0; --j)
-    if (__shfl_sync(kFull, owner, j) == owner && owner >= 0) master_of = j;
-  unsigned order;  // bits = slot indices, summed in ascending order
+  bool last = owner >= 0 && lane < K;
+  for (int j = K - 1; j >= 0; --j) {
+    const int oj = __shfl_sync(kFull, owner, j);
+    if (oj == owner && owner >= 0) master_of = j;
+    if (j > lane && oj == owner) last = false;
+  }
+  if (lane < K)
+    lane_slot[lane] = per_lane ? (owner >= 0 ? lane : -1) : (last ? (g.per_rank ? owner : master_of) : -1);
+  unsigned order;  // bits = the slot indices that hold a partial
   if (g.per_rank)
     order = __reduce_or_sync(kFull, owner >= 0 ? (1u << owner) : 0u);
   else if (per_lane)
@@ -922,8 +951,8 @@ __device__ __forceinline__ void combine_reduce_token(const Ctx& cx, const Combin
     own_slots = g.per_rank ? (order & (1u << rank)) : (order & __ballot_sync(kFull, owner == rank));
     if ((own_slots >> lane) & 1u)
       own_row[lane] = *reinterpret_cast<const volatile int*>(base + uint64_t(lane) * tl.bytes + tl.x.offset);
-    __syncwarp();
   }
+  __syncwarp();
   const int4* b0 = p.bias0 ? reinterpret_cast<const int4*>(static_cast<const char*>(p.bias0) + int64_t(t) * g.row_bytes)
                            : nullptr;
   const int4* b1 = p.bias1 ? reinterpret_cast<const int4*>(static_cast<const char*>(p.bias1) + int64_t(t) * g.row_bytes)
@@ -944,21 +973,32 @@ __device__ __forceinline__ void combine_reduce_token(const Ctx& cx, const Combin
     const bool two = q + 32 < g.n16;
     float acc0[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     float acc1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (unsigned d = order; d; d &= d - 1) {
-      const int sl = __ffs(d) - 1;
+    // Start from the biases as DeepEP does (bias_0 itself, not 0 + bias_0: the sign of a zero survives).
+    if (b0) {
+      set_bf16x8(acc0, ld_nc_v4(b0 + q));
+      if (two) set_bf16x8(acc1, ld_nc_v4(b0 + q + 32));
+    }
+    if (b1) {
+      if (b0) {
+        add_bf16x8(acc0, ld_nc_v4(b1 + q));
+        if (two) add_bf16x8(acc1, ld_nc_v4(b1 + q + 32));
+      } else {
+        set_bf16x8(acc0, ld_nc_v4(b1 + q));
+        if (two) set_bf16x8(acc1, ld_nc_v4(b1 + q + 32));
+      }
+    }
+    for (int k = 0; k < K; ++k) {
+      const int sl = lane_slot[k];  // warp-uniform (a shared-memory broadcast)
+      if (sl < 0) {
+        add_zero8(acc0);
+        if (two) add_zero8(acc1);
+        continue;
+      }
       const int4* src = slot_src(sl);
       const int4 v0 = load(sl, src + q);
       const int4 v1 = two ? load(sl, src + q + 32) : make_int4(0, 0, 0, 0);
       add_bf16x8(acc0, v0);
       if (two) add_bf16x8(acc1, v1);
-    }
-    if (b0) {
-      add_bf16x8(acc0, ld_nc_v4(b0 + q));
-      if (two) add_bf16x8(acc1, ld_nc_v4(b0 + q + 32));
-    }
-    if (b1) {
-      add_bf16x8(acc0, ld_nc_v4(b1 + q));
-      if (two) add_bf16x8(acc1, ld_nc_v4(b1 + q + 32));
     }
     out[q] = to_bf16x8(acc0);
     if (two) out[q + 32] = to_bf16x8(acc1);
@@ -971,7 +1011,7 @@ __device__ __forceinline__ void combine_reduce_token(const Ctx& cx, const Combin
     }
     p.combined_topk_weights[int64_t(t) * K + lane] = w;
   }
-  __syncwarp();  // own_row is rewritten by the warp's next token
+  __syncwarp();  // the scratch is rewritten by the warp's next token
 }
 
 __global__ void __launch_bounds__(kThreads, 1) combine_push_kernel(CommView c, CombineParams p) {
@@ -1002,9 +1042,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c,
                           tid);
   if (__syncthreads_or(!ok)) return;
   const CombineGeom g(p, R);
-  __shared__ int own_row[kWarps][32];  // [warp][slot]: row of x for this rank's own slots
+  __shared__ int scratch[kWarps][64];  // [warp]: see combine_reduce_token
   const int gw = blockIdx.x * kWarps + tid / 32, nw = gridDim.x * kWarps;
-  for (int t = gw; t < T; t += nw) combine_reduce_token<false>(cx, p, g, t, own_row[tid / 32]);
+  for (int t = gw; t < T; t += nw) combine_reduce_token<false>(cx, p, g, t, scratch[tid / 32]);
   grid_finish(cx, kCtrCombineReduce, [&] { cx.end_epoch(E); });
 }
 
@@ -1019,7 +1059,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c,
 __global__ void __launch_bounds__(kThreads, 1) combine_overlapped_kernel(CommView c, CombineParams p) {
   __shared__ int s_ticket, s_max_rows;
   __shared__ int psum[kMaxRanks];
-  __shared__ int own_row[kWarps][32];
+  __shared__ int scratch[kWarps][64];  // [warp]: see combine_reduce_token
   Ctx cx(c);
   const uint64_t E = cx.epoch();
   const int R = c.num_ranks, rank = c.rank, K = p.num_topk, T = p.num_combined_tokens;
@@ -1082,7 +1122,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_overlapped_kernel(CommVie
                                 rank, r, 10, 100);
       }
       ok = __shfl_sync(kFull, ok ? 1 : 0, 0) != 0;
-      if (ok) combine_reduce_token<true>(cx, p, g, t, own_row[warp]);
+      if (ok) combine_reduce_token<true>(cx, p, g, t, scratch[warp]);
     }
   }
   // Whole grid: the last block to finish clears the arrival counters (every row that counts into

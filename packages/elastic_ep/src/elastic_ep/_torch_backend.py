@@ -29,8 +29,10 @@ combine
     ``allow_multiple_reduction`` and ``R <= K``, else the top-k lane (the master lane -- the first
     lane owned by the sender -- for a reduced row). In expand mode with multiple reduction the
     local lanes are first summed in fp32 in lane order and rounded to BF16 once; without it every
-    expanded row travels on its own with its lane as slot. The source sums the slots in slot order
-    in fp32, adds ``bias_0`` then ``bias_1`` (in fp32) and rounds to BF16 once. Weights are not
+    expanded row travels on its own with its lane as slot. The source reduces in DeepEP's order:
+    an fp32 accumulator starts at ``bias_0 + bias_1`` (fp32) and adds, lane by lane, the partial
+    of the rank whose last lane it is (every row at its own lane without multiple reduction in
+    expand mode), then rounds to BF16 once. Weights are not
     multiplied: they are routed back, lane ``k`` taken from the rank that owns expert
     ``topk_idx[t, k]`` (0 for masked lanes).
 
@@ -579,25 +581,38 @@ class ElasticBuffer:
         r_w = _from_bytes(recv[:, off:off + 4 * K], torch.float32, K) if w_vec is not None else None
         sender = torch.repeat_interleave(torch.arange(R, device=dev), torch.tensor(recv_counts, device=dev))
 
-        acc = torch.zeros((T, H), dtype=torch.float32, device=dev)
+        # DeepEP's summation order (its reference combine): the fp32 accumulator starts from the
+        # biases (bias_0 + bias_1 in fp32), then adds one term per top-k lane in lane order: a
+        # rank's reduced partial at the LAST lane routed to that rank (every row at its own lane in
+        # the per-lane layout), +0.0 at every other lane.
+        if bias_0 is not None and bias_1 is not None:
+            acc = bias_0.to(torch.float32) + bias_1.to(torch.float32)
+        elif bias_0 is not None or bias_1 is not None:
+            acc = (bias_0 if bias_0 is not None else bias_1).to(torch.float32).clone()
+        else:
+            acc = torch.zeros((T, H), dtype=torch.float32, device=dev)
+        owner = torch.where((combined_topk_idx >= 0) & (combined_topk_idx < num_experts),
+                            combined_topk_idx // L, torch.full_like(combined_topk_idx, -1))  # [T, K]
         if M:
             r_tok, r_slot = r_ts[:, 0], r_ts[:, 1]
-            for s in range(R if by_rank_slot else K):  # fixed slot order
-                sel = r_slot == s
+            if use_expanded_layout and not self.allow_multiple_reduction:
+                r_lane = r_slot
+            else:
+                take = (owner[r_tok] == sender.view(-1, 1)).to(torch.int8)  # [M, K]
+                r_lane = (K - 1) - torch.argmax(take.flip(1), dim=1)
+        for k in range(K):
+            term = torch.zeros((T, H), dtype=torch.float32, device=dev)
+            if M:
+                sel = r_lane == k
                 if bool(sel.any()):
-                    acc.index_add_(0, r_tok[sel], r_rows[sel].to(torch.float32))
-        for b in (bias_0, bias_1):
-            if b is not None:
-                acc += b.to(torch.float32)
+                    term[r_tok[sel]] = r_rows[sel].to(torch.float32)
+            acc += term
         combined_x = acc.to(torch.bfloat16)
 
         combined_topk_weights = None
         if topk_weights is not None:
             combined_topk_weights = torch.zeros((T, K), dtype=torch.float32, device=dev)
             if M:
-                owner = torch.where((combined_topk_idx >= 0) & (combined_topk_idx < num_experts),
-                                    combined_topk_idx // L, torch.full_like(combined_topk_idx, -1))  # [T, K]
-                r_tok = r_ts[:, 0]
                 take = owner[r_tok] == sender.view(-1, 1)  # [M, K]
                 mi, mk = torch.nonzero(take, as_tuple=True)
                 combined_topk_weights[r_tok[mi], mk] = r_w[mi, mk]
