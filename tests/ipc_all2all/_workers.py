@@ -521,7 +521,7 @@ def worker_release_in_capture(rank, world, rdzv):
         out = static * 3
         del view
         gc.collect()
-        deferred_inside = len(ipc_all2all._DEFERRED)
+        deferred_inside = len(ipc_all2all._lifetime._DEFERRED)
         assert ipc_all2all.release_deferred() == 0  # still capturing: nothing may run
     assert deferred_inside >= 1 and core.buffer_ptr != 0, (deferred_inside, core.buffer_ptr)
     static.add_(1)
@@ -529,7 +529,7 @@ def worker_release_in_capture(rank, world, rdzv):
     torch.cuda.synchronize(dev)
     assert torch.equal(out, (torch.arange(64, dtype=torch.float32, device=dev) + 1) * 3)
     assert ipc_all2all.release_deferred() >= 1
-    assert core.buffer_ptr == 0 and not ipc_all2all._DEFERRED
+    assert core.buffer_ptr == 0 and not ipc_all2all._lifetime._DEFERRED
     dist.barrier()
     return True
 

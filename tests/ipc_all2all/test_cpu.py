@@ -479,11 +479,12 @@ def test_release_inside_a_capture_waits_for_its_end(monkeypatch):
     exactly once, and a failing one warns instead of failing an unrelated call."""
     import gc
 
+    L = ipc_all2all._lifetime
     capturing = [True]
-    monkeypatch.setattr(ipc_all2all, "_capturing", lambda device=None: capturing[0])
-    monkeypatch.setattr(ipc_all2all, "_DEFERRED", [])
+    monkeypatch.setattr(L, "_capturing", lambda device=None: capturing[0])
+    monkeypatch.setattr(L, "_DEFERRED", [])
     calls = []
-    ipc_all2all._release_when_safe(lambda: calls.append("a"))
+    L._release_when_safe(lambda: calls.append("a"))
 
     class Owner:
         destroyed = 0
@@ -492,27 +493,27 @@ def test_release_inside_a_capture_waits_for_its_end(monkeypatch):
             self.destroyed += 1
 
     owner = Owner()
-    keeper = ipc_all2all._CudaBytes(0, 16, owner=owner)
+    keeper = L._CudaBytes(0, 16, owner=owner)
     del keeper
     gc.collect()
     assert calls == [] and owner.destroyed == 0
     assert ipc_all2all.release_deferred() == 0  # still capturing
     capturing[0] = False
-    ipc_all2all._release_when_safe(lambda: calls.append("b"))  # runs the backlog first, then itself
+    L._release_when_safe(lambda: calls.append("b"))  # runs the backlog first, then itself
     assert calls == ["a", "b"] and owner.destroyed == 1
-    assert ipc_all2all.release_deferred() == 0 and ipc_all2all._DEFERRED == []
+    assert ipc_all2all.release_deferred() == 0 and L._DEFERRED == []
 
     def broken():
         raise RuntimeError("cudaFree failed")
 
     capturing[0] = True
-    ipc_all2all._release_when_safe(broken)
+    L._release_when_safe(broken)
     capturing[0] = False
     with pytest.warns(ResourceWarning, match="deferred release failed: cudaFree failed"):
         assert ipc_all2all.release_deferred() == 1
     # outside a capture a view's last reference releases its owner at once
     owner2 = Owner()
-    keeper = ipc_all2all._CudaBytes(0, 16, owner=owner2)
+    keeper = L._CudaBytes(0, 16, owner=owner2)
     del keeper
     assert owner2.destroyed == 1
 

@@ -248,7 +248,7 @@ def _instance(monkeypatch, cap=1000 * 256 * 2):
             self.__array_interface__ = {"shape": (backing.numel(),), "typestr": "|u1", "version": 3,
                                         "data": (backing.data_ptr(), False)}
 
-    monkeypatch.setattr(ipc_all2all, "_buffer_tensor",
+    monkeypatch.setattr(ipc_all2all._lifetime, "_buffer_tensor",
                         lambda keeper, device: torch.from_numpy(np.asarray(_HostBytes(keeper))))
     core = _RecordingCore(cap, backing)
     a = ipc_all2all.All2All.__new__(ipc_all2all.All2All)

@@ -63,7 +63,7 @@ def order_token(device) -> torch.Tensor:
 
 
 def _lookup(comm_id: int):
-    from . import _lookup as lookup
+    from .all2all import _lookup as lookup
 
     return lookup(comm_id)
 
