@@ -20,6 +20,7 @@ fi
 if [ "$gpu" = 1 ]; then
   export COMMKIT_SKIP_BUILD=${COMMKIT_SKIP_BUILD:-1}  # tools/gpu.sh builds, with the GPU machine's settings
 fi
+# shellcheck source=tools/setup_env.sh
 source "$ROOT/tools/setup_env.sh"
 cd "$COMMKIT_ROOT"
 stamp=$(date -u +%Y%m%d-%H%M%S)

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by tools/run.sh and tools/test.sh: idempotent set-up of a machine. It works offline when
 # every requirement is already installed, and never installs a second torch over a working one.
 #
@@ -100,7 +101,8 @@ fi
 COMMKIT_PYTHON=${_ck_facts[0]}
 export COMMKIT_ROOT COMMKIT_PYTHON PYTHON="$COMMKIT_PYTHON"
 if [ "${_ck_facts[2]}" != system ]; then  # its console scripts (pip, cmake, ninja, pytest) first
-  export PATH="$(dirname "$COMMKIT_PYTHON"):$PATH"
+  PATH="$(dirname "$COMMKIT_PYTHON"):$PATH"
+  export PATH
   [ "${_ck_facts[2]}" = venv ] && export VIRTUAL_ENV="${_ck_facts[1]}"
 fi
 _ck_pip() {

@@ -4,6 +4,7 @@
 #   bash tools/test.sh [pytest args...]      (e.g. -q tests/tools: with a path, only that path runs)
 # GPU tests skip where there is no GPU. Fails when pytest collects no test.
 set -euo pipefail
+# shellcheck source=tools/setup_env.sh
 source "$(dirname "$0")/setup_env.sh"
 cd "$COMMKIT_ROOT"
 where=(tests)
