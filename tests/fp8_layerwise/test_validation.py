@@ -137,14 +137,25 @@ def test_cache_hint_choice(monkeypatch):
         F.make_shard_writer(src, 1, cache_hint="evict")
     with pytest.raises(ValueError, match="cache_hint must be one of"):
         _C.ShardWriter([_C.ShardSpec(1, 0, 16, 1, 16, num_experts=1)] * 4, 1, "evict")
-    monkeypatch.setenv("FP8LW_WRITER_HINT", "bogus")
-    with pytest.raises(ValueError, match="FP8LW_WRITER_HINT must be one of"):
+    monkeypatch.setenv("FP8_LAYERWISE_WRITER_HINT", "bogus")
+    with pytest.raises(ValueError, match="FP8_LAYERWISE_WRITER_HINT must be one of"):
         F.default_cache_hint()
     for name in F.CACHE_HINTS:
-        monkeypatch.setenv("FP8LW_WRITER_HINT", name)
+        monkeypatch.setenv("FP8_LAYERWISE_WRITER_HINT", name)
         want = name if _C.cache_hint_supported(name) else "none"
         assert F.default_cache_hint() == want
         assert F.make_shard_writer(src, 1).cache_hint == want
+    # The former name is still read (deprecated) when the new one is not set, and only then.
+    hint = next((h for h in F.CACHE_HINTS if h != "none" and _C.cache_hint_supported(h)), "none")
+    monkeypatch.setenv("FP8LW_WRITER_HINT", hint)
+    monkeypatch.setenv("FP8_LAYERWISE_WRITER_HINT", "none")
+    assert F.default_cache_hint() == "none"
+    monkeypatch.delenv("FP8_LAYERWISE_WRITER_HINT")
+    with pytest.warns(DeprecationWarning, match="FP8LW_WRITER_HINT is deprecated; set FP8_LAYERWISE_WRITER_HINT"):
+        assert F.default_cache_hint() == hint
+    monkeypatch.setenv("FP8LW_WRITER_HINT", "bogus")
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="FP8LW_WRITER_HINT must be one of"):
+        F.default_cache_hint()
     monkeypatch.delenv("FP8LW_WRITER_HINT")
     assert F.default_cache_hint() in (F.DEFAULT_CACHE_HINT, "none")
     assert _C.cache_hint_supported("none")

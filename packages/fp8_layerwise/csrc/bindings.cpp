@@ -1,6 +1,7 @@
-// bindings.cpp -- the torch-free _C module: the seed-compatible low-level transport, the native
-// shard writer, POSIX shm segments (commkit/shm.hpp) and cudaHostRegister helpers. Python passes
-// integer pointers; fp8_layerwise/ builds the memory-owning API on top.
+// bindings.cpp -- the torch-free _C module: the low-level transport (with the constructor and calls
+// of KTransformers' FP8LayerwiseTransport), the native shard writer, POSIX shm segments
+// (commkit/shm.hpp) and cudaHostRegister helpers. Python passes integer pointers; fp8_layerwise/
+// builds the memory-owning API on top.
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

@@ -23,8 +23,8 @@ namespace fp8lw {
 constexpr int kMaxTP = 8;
 constexpr int kMaxSlots = 16;
 constexpr int kKinds = 4;  // w13 FP8, w13 scale (fp32), w2 FP8, w2 scale (fp32)
-constexpr size_t kControlBytes = 8192;  // the region size callers allocate (seed ABI)
-constexpr uint64_t kMagic = 0x4b4346503857314cULL;  // "L1W8PFCK" little-endian: ours, not the seed's
+constexpr size_t kControlBytes = 8192;  // the region size callers allocate (as in KTransformers')
+constexpr uint64_t kMagic = 0x4b4346503857314cULL;  // "L1W8PFCK" little-endian: ours, not KTransformers'
 // 4: RankState carries the attach geometry; 5: and departed_blame; 6: PoisonRecord::peer and
 // LayerState::run_epoch.
 constexpr uint64_t kVersion = 6;

@@ -65,10 +65,10 @@ class WriterPool {
 
  private:
   // How long a worker spins for the next job before it sleeps: 200 us (about two experts' worth of
-  // copying), or FP8LW_WRITER_SPIN_US (0: sleep at once, the condition-variable pool of before;
-  // for measuring the difference in one build).
+  // copying), or FP8_LAYERWISE_WRITER_SPIN_US (0: sleep at once, the condition-variable pool of
+  // before; for measuring the difference in one build).
   static int64_t spin_ns_from_env() {
-    const char* v = std::getenv("FP8LW_WRITER_SPIN_US");
+    const char* v = std::getenv("FP8_LAYERWISE_WRITER_SPIN_US");
     return v != nullptr && *v != '\0' ? std::max<int64_t>(0, std::atoll(v)) * 1000 : 200000;
   }
 

@@ -71,7 +71,7 @@ struct Stats {
 
 struct Options {
   std::string backend = "auto";  // "cuda", "cpu", or "auto" (cuda when cuda_device >= 0)
-  int max_inflight = 0;          // experts in flight per consumer; 0 = num_slots; 1 = seed design
+  int max_inflight = 0;          // experts in flight per consumer; 0 = num_slots; 1 = as KTransformers'
   bool coalesce = true;          // merge copies of consecutive slots when host memory is contiguous
   // With coalesce: while a batch is still queued on the copy engine, let a short run of ready slots
   // wait for the next ones (fewer, larger copies) instead of issuing it at once. Off by default: it
@@ -82,7 +82,7 @@ struct Options {
   // CUDA streams a consumer spreads each batch's copies over (1..kMaxCopyStreams): a copy's fixed
   // start-up cost (~2.5 us, all of a sub-KB scale copy's time) overlaps another stream's transfer.
   // On one H200: +2-3 points of the pinned peak for TP8-sized shards, neutral for larger experts
-  // (fp8_layerwise/BENCHMARKS.md, run 4). 1 is the seed's single stream.
+  // (fp8_layerwise/BENCHMARKS.md, run 4). 1 is KTransformers' single stream.
   int copy_streams = 2;
   // Kinds of at most kBatchedKindMaxBytes per expert (the FP32 block scales: 0.4-3 KB) are not
   // copied per expert: the consumer memcpy's them out of the slot into its own page-locked

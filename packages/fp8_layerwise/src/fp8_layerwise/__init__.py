@@ -6,7 +6,8 @@ filled slots into its layer buffers and acknowledges them; a POD control block i
 coordinates the ranks (epochs, per-slot sequences, acks, a sticky poison record, liveness).
 
 * :class:`Transport` -- the memory-owning API (``with t.layer(epoch, layer_id, n) as layer``).
-* ``_C.FP8LayerwiseTransport`` -- the low-level binding with the seed's constructor and calls.
+* ``_C.FP8LayerwiseTransport`` -- the low-level binding with the constructor and calls of
+  KTransformers' FP8LayerwiseTransport.
 * :func:`make_shard_writer` -- the native writer over whole-layer source tensors.
 * ``python -m fp8_layerwise.demo`` -- a runnable multi-process demo.
 """

@@ -134,7 +134,7 @@ class HostSlots:
         return self._seg.ptr + self.offsets[kind] + slot * self.expert_nbytes[kind]
 
     def ptrs(self) -> List[int]:
-        """Pointers in the seed's ``[slot][kind]`` order."""
+        """Pointers in ``[slot][kind]`` order, as KTransformers' FP8LayerwiseTransport takes them."""
         return [self.ptr(s, k) for s in range(self.num_slots) for k in range(4)]
 
     def view(self, slot: int, kind: int) -> torch.Tensor:

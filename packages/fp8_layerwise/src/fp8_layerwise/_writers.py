@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -34,12 +35,22 @@ CACHE_HINTS = ("none", "demote", "writeback", "flush")
 DEFAULT_CACHE_HINT = "none"  # BENCHMARKS.md run 11: every hint costs the writer more than the copies gain
 
 
+#: The environment variable that sets the writer's default cache hint, and its deprecated former name.
+_WRITER_HINT_ENV, _OLD_WRITER_HINT_ENV = "FP8_LAYERWISE_WRITER_HINT", "FP8LW_WRITER_HINT"
+
+
 def default_cache_hint() -> str:
-    """The writer's cache hint when none is given: ``FP8LW_WRITER_HINT`` if set (for measuring every
-    hint from one build), else ``DEFAULT_CACHE_HINT``, falling back to ``"none"`` on a CPU without
-    the instruction."""
-    name = os.environ.get("FP8LW_WRITER_HINT", "") or DEFAULT_CACHE_HINT
-    _check(name in CACHE_HINTS, f"FP8LW_WRITER_HINT must be one of {CACHE_HINTS}, got {name!r}")
+    """The writer's cache hint when none is given: ``FP8_LAYERWISE_WRITER_HINT`` if set (for measuring
+    every hint from one build), else ``DEFAULT_CACHE_HINT``, falling back to ``"none"`` on a CPU
+    without the instruction. The former name ``FP8LW_WRITER_HINT`` is still read when the new one is
+    not set, with a DeprecationWarning."""
+    var, name = _WRITER_HINT_ENV, os.environ.get(_WRITER_HINT_ENV, "")
+    if not name and os.environ.get(_OLD_WRITER_HINT_ENV, ""):
+        var, name = _OLD_WRITER_HINT_ENV, os.environ[_OLD_WRITER_HINT_ENV]
+        warnings.warn(f"{_OLD_WRITER_HINT_ENV} is deprecated; set {_WRITER_HINT_ENV} instead", DeprecationWarning,
+                      stacklevel=2)
+    name = name or DEFAULT_CACHE_HINT
+    _check(name in CACHE_HINTS, f"{var} must be one of {CACHE_HINTS}, got {name!r}")
     return name if _C.cache_hint_supported(name) else "none"
 
 

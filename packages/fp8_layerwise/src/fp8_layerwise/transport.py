@@ -133,7 +133,8 @@ class Transport:
             every rank otherwise; in a job with more processes than tp_size, pass the TP group).
         exchange: ... or an explicit all-gather callable (e.g. FileExchange); takes precedence. A
             FileExchange is closed (its files removed) once the setup is done: one per Transport.
-        max_inflight: experts in flight per consumer (0 = num_slots; 1 = the seed's design).
+        max_inflight: experts in flight per consumer (0 = num_slots; 1 = one at a time, as in
+            KTransformers' FP8LayerwiseTransport).
         coalesce: merge copies of consecutive slots.
         liveness_ms: how often a waiter checks that the processes it waits on are alive.
         copy_streams: CUDA streams each consumer spreads a batch's copies over, 1..4. A second

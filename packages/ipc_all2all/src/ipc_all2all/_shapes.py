@@ -78,7 +78,7 @@ def element_size(dtype: torch.dtype) -> int:
 
 def as_int(v):
     """``v`` as a Python int if it is an integer of any kind (numpy and torch integer scalars too, as the
-    original's pybind11 bindings took them), else ``v`` unchanged; bools stay bools (refused later)."""
+    pybind11 bindings of LTX's All2All took them), else ``v`` unchanged; bools stay bools (refused later)."""
     if isinstance(v, bool):
         return v
     try:
@@ -97,7 +97,7 @@ def check_world(rank: int, world_size: int) -> None:
 
 
 def capacity_bytes(num_tokens: int, hidden_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one output slot: ``num_tokens * hidden_dim`` elements, as in the original library.
+    """Bytes of one output slot: ``num_tokens * hidden_dim`` elements, as in LTX's All2All.
 
     ``num_tokens`` counts rows of ``hidden_dim`` elements *per batch times batch*: send_recv_heads with
     ``W`` ranks needs ``batch * total_tokens / W`` of them, allgather ``batch * total_tokens``.
