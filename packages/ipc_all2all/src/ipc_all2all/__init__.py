@@ -47,17 +47,20 @@ outside its capture; see the README's "Lifetimes" for what a view made inside a 
 
 How to launch
 -------------
-One process per GPU, with torch.distributed initialised::
+One process per GPU, with torch.distributed initialised. LTX's constructor, collective when given
+a group::
 
     import ipc_all2all
-    with ipc_all2all.All2All.from_group(group, num_tokens=max_local_tokens * batch,
-                                        hidden_dim=H * D, tensor_dtype=torch.bfloat16) as a2a:
-        a2a.set_rank_tokens(tokens_per_rank)            # list of W ints, or an int32 CUDA tensor
-        q = a2a.send_recv_heads(q_local, copy_output=True)
-        ...
-        out = a2a.gather_heads(attn_out)
+    a2a = ipc_all2all.All2All(rank, W, max_local_tokens * batch, H * D, num_sms, torch.bfloat16, group=group)
+    a2a.set_rank_tokens(tokens_per_rank)                # list of W ints, or an int32 CUDA tensor
+    q = a2a.send_recv_heads(q_local, copy_out=True)
+    ...
+    out = a2a.gather_heads(attn_out)
+    a2a.destroy()                                       # collective
 
-``ipc_all2all.ops`` holds torch custom ops (with fake implementations) for ``torch.compile``.
+or ``with ipc_all2all.All2All.from_group(group, num_tokens=..., hidden_dim=..., tensor_dtype=...)``.
+Inside ``torch.compile`` the methods are the torch custom ops of ``ipc_all2all.ops`` (with fake
+implementations). ``python -m ipc_all2all.demo`` runs a sequence-parallel attention layer on it.
 """
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
-from . import _C, _lifetime, ops
+from . import _C, _collective, _lifetime, ops
+from ._ltx import Runtime, copy_flag
 from ._shapes import (
     OP_ALLGATHER,
     OP_GATHER_HEADS,
@@ -56,6 +57,13 @@ _REGISTRY_LOCK = threading.Lock()
 _IDS = itertools.count(1)
 
 
+def _device_sm_count() -> int:
+    """The current CUDA device's SM count (the default ``num_sms``)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("ipc_all2all.All2All needs a CUDA device; none is available")
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
 def _lookup(comm_id: int) -> "All2All":
     try:
         return _REGISTRY[comm_id]
@@ -63,73 +71,105 @@ def _lookup(comm_id: int) -> "All2All":
         raise ValueError(f"no live ipc_all2all.All2All with comm_id {comm_id} (destroyed?)") from None
 
 
-def _discard(obj: Optional["All2All"]) -> None:
-    """Releases an instance that from_group will not return (not collective: no rank got it)."""
-    if obj is None or obj._core.destroyed:
-        return
-    obj._unregister()
-    try:
-        obj._core.destroy()
-    except Exception as e:  # noqa: BLE001 - the failure being raised is the one that matters
-        warnings.warn(f"ipc_all2all: releasing a failed from_group instance failed: {e}", ResourceWarning,
-                      stacklevel=3)
-
-
 class All2All:
-    """One CUDA-IPC all-to-all instance (LTX's All2All API, plus a collective constructor).
+    """One CUDA-IPC all-to-all instance, with the constructor and methods of LTX's ``All2All``.
 
     Arguments:
-        rank: this process's rank in ``[0, world_size)``; need not equal the CUDA device index (the
-            instance lives on the current CUDA device at construction).
-        world_size: number of ranks, 1 to 8.
-        num_tokens: rows of ``hidden_dim`` elements one output slot holds. ``send_recv_heads`` needs
-            ``batch * total_tokens / W`` of them (for even shards: ``batch * local_tokens``),
-            ``gather_heads`` ``batch * local_tokens``, ``allgather`` ``batch * total_tokens``.
+        rank: this process's rank in ``[0, world_size)`` (with ``group``: its rank in the group); need
+            not equal the CUDA device index (the instance lives on the current CUDA device at
+            construction).
+        world_size: number of ranks, 1 to 8 (with ``group``: the group's size).
+        seqlen: rows of ``hidden_dim`` elements one output slot holds (LTX's name; ``num_tokens`` in
+            :meth:`from_group`). ``send_recv_heads`` needs ``batch * ceil(total_tokens / W)`` of
+            them (for even shards: ``batch * local_tokens``), ``gather_heads`` ``batch *
+            local_tokens``, ``allgather`` ``batch * total_tokens``.
         hidden_dim: elements per token row (``heads * head_dim``) used for sizing.
-        num_sms: CUDA blocks per launch (the SM count of the GPU is a good value).
+        num_sms: CUDA blocks per launch (the SM count of the GPU is a good value); None: the current
+            device's SM count.
         tensor_dtype: dtype of every tensor passed in; any 1-, 2- or 4-byte dtype.
+        group: a ``torch.distributed`` process group. Given, the construction is collective over it,
+            as LTX's is: every rank builds its instance, the ranks exchange the IPC handles, and the
+            instance is ready to use; if any rank fails, every rank raises, naming it; ``destroy()``
+            is collective too. ``None``: the low-level form, where the caller exchanges the handles
+            (:meth:`get_local_ipc_handle`, :meth:`sync`). LTX's class treats ``None`` as the default
+            group: pass ``torch.distributed.group.WORLD`` for that.
         timeout_seconds: device-side deadline of every wait (default 10 s; 0 = wait forever). The
             deadline restarts whenever the awaited counter moves.
 
-    Low-level use (the caller exchanges handles)::
+    Collective (LTX's form)::
 
-        a = All2All(rank, W, num_tokens, hidden, num_sms, torch.bfloat16)
+        a = All2All(rank, W, seqlen, hidden, num_sms, torch.bfloat16, group=group)
+
+    Low-level (the caller exchanges handles)::
+
+        a = All2All(rank, W, seqlen, hidden, num_sms, torch.bfloat16)
         handles = [None] * W; dist.all_gather_object(handles, a.get_local_ipc_handle())
         a.sync(handles)
 
-    or use :meth:`from_group`, which does that and makes :meth:`destroy` collective.
+    :meth:`from_group` is the collective form with keyword arguments and defaults.
     """
 
-    def __init__(self, rank: int, world_size: int, num_tokens: int, hidden_dim: int, num_sms: int,
-                 tensor_dtype: torch.dtype, timeout_seconds: Optional[float] = None):
+    def __init__(self, rank: int, world_size: int, seqlen: int, hidden_dim: int, num_sms: Optional[int],
+                 tensor_dtype: torch.dtype, group=None, timeout_seconds: Optional[float] = None):
+        if isinstance(group, (int, float)) and not isinstance(group, bool):
+            # ipc_all2all 0.1.0 took timeout_seconds as the seventh argument, where group now is.
+            if timeout_seconds is not None:
+                raise ValueError(f"All2All: group must be a torch.distributed.ProcessGroup, got {group!r} (and "
+                                 "timeout_seconds is given too)")
+            warnings.warn("All2All(..., tensor_dtype, timeout_seconds) with timeout_seconds as the seventh argument "
+                          "is deprecated: the seventh argument is group (LTX's order); pass timeout_seconds=...",
+                          DeprecationWarning, stacklevel=2)
+            group, timeout_seconds = None, group
+        if group is None:
+            self._build(rank, world_size, seqlen, hidden_dim, num_sms, tensor_dtype, timeout_seconds)
+            return
+        what = "All2All(group=...)"
+        g_rank, g_world = _collective.group_rank_and_size(group, what)
+        err, payload = None, None
+        try:  # everything that can fail locally happens before the exchange, so no rank is left waiting
+            if as_int(rank) != g_rank or as_int(world_size) != g_world:
+                raise ValueError(f"rank={rank}, world_size={world_size} do not match the group (this process is "
+                                 f"rank {g_rank} of {g_world})")
+            self._build(rank, world_size, seqlen, hidden_dim, num_sms, tensor_dtype, timeout_seconds)
+            payload = _collective.local_payload(self)
+        except Exception as e:  # noqa: BLE001 - reported to every rank by the exchange
+            err, payload = e, _collective.error_payload(e)
+        _collective.exchange(self if err is None else None, err, payload, group, g_rank, g_world, what)
+        self._group = group
+        self._collective = True
+
+    def _build(self, rank, world_size, seqlen, hidden_dim, num_sms, tensor_dtype, timeout_seconds) -> None:
+        """The local construction: checks every argument, then allocates the buffer on the current device."""
         check_world(rank, world_size)
-        rank, world_size, num_tokens, hidden_dim, num_sms = (as_int(v) for v in (rank, world_size, num_tokens,
-                                                                                   hidden_dim, num_sms))
+        rank, world_size, seqlen, hidden_dim = (as_int(v) for v in (rank, world_size, seqlen, hidden_dim))
         _lifetime.release_deferred()
         self.itemsize = element_size(tensor_dtype)
-        capacity = capacity_bytes(num_tokens, hidden_dim, tensor_dtype)
+        capacity = capacity_bytes(seqlen, hidden_dim, tensor_dtype)
+        timeout_seconds = check_timeout_seconds(DEFAULT_TIMEOUT_SECONDS if timeout_seconds is None else timeout_seconds)
+        num_sms = _device_sm_count() if num_sms is None else as_int(num_sms)
         if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < world_size:
             raise ValueError(f"num_sms must be an int >= world_size ({world_size}), got {num_sms!r}")
         try:  # the upper bound too, before the device checks below: an argument error must say so
             check_grid(num_sms, 0, world_size)
         except ValueError as e:
             raise ValueError(f"num_sms ({num_sms}) is out of range: {e}") from None
-        timeout_seconds = check_timeout_seconds(DEFAULT_TIMEOUT_SECONDS if timeout_seconds is None else timeout_seconds)
         if not torch.cuda.is_available():
             raise RuntimeError("ipc_all2all.All2All needs a CUDA device; none is available")
         if not built_with_cuda():
             raise RuntimeError("ipc_all2all was built without CUDA kernels (no nvcc at build time); rebuild with CUDA")
         self.rank = rank
         self.world_size = world_size
-        self.num_tokens = num_tokens
+        self.seqlen = self.num_tokens = seqlen
         self.hidden_dim = hidden_dim
         self.num_sms = num_sms
         self.tensor_dtype = tensor_dtype
         self._core = _C.Core(rank, world_size, capacity, num_sms, float(timeout_seconds))
         self.device = torch.device("cuda", self._core.device)
-        self.capacity = capacity
+        #: Bytes of one output slot, ``seqlen * hidden_dim * element size`` (LTX's ``buffer_size``; the
+        #: allocation holds two slots and the signals).
+        self.capacity = self.buffer_size = capacity
         self._group = None
-        self._collective = False  # set by from_group: destroy() then waits for every rank of _group
+        self._collective = False  # set by a collective construction: destroy() then waits for every rank of _group
         self._buf: Optional[torch.Tensor] = None
         # alive while _buf or a view of it is
         self._keeper: Optional["weakref.ref[_lifetime._CudaBytes]"] = None
@@ -153,7 +193,8 @@ class All2All:
         Arguments:
             group: a torch.distributed process group (default: WORLD), normally one process per GPU
                 (ranks sharing a GPU work too, time-sliced: useful for tests, not for speed).
-            num_tokens, hidden_dim, tensor_dtype, timeout_seconds: as for the constructor.
+            num_tokens: the constructor's ``seqlen``.
+            hidden_dim, tensor_dtype, timeout_seconds: as for the constructor.
             num_sms: blocks per launch; default the current device's SM count.
 
         Returns:
@@ -169,48 +210,12 @@ class All2All:
             capacity_bytes(num_tokens, hidden_dim, tensor_dtype)  # argument errors first, then the device
             check_timeout_seconds(DEFAULT_TIMEOUT_SECONDS if timeout_seconds is None else timeout_seconds)
             if num_sms is None:
-                if not torch.cuda.is_available():
-                    raise RuntimeError("ipc_all2all.All2All needs a CUDA device; none is available")
-                num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-            obj = cls(rank, world, num_tokens, hidden_dim, num_sms, tensor_dtype, timeout_seconds)
-            payload = ("ok", obj.get_local_ipc_handle(), obj.capacity, str(tensor_dtype))
+                num_sms = _device_sm_count()
+            obj = cls(rank, world, num_tokens, hidden_dim, num_sms, tensor_dtype, timeout_seconds=timeout_seconds)
+            payload = _collective.local_payload(obj)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
-            err, payload = e, ("error", f"{type(e).__name__}: {e}")
-        try:
-            gathered: List = [None] * world
-            dist.all_gather_object(gathered, payload, group=group)
-            bad = [(r, p[1]) for r, p in enumerate(gathered) if p[0] != "ok"]
-            if bad:
-                _discard(obj)
-                if err is not None and all(r == rank for r, _ in bad):
-                    raise err
-                msg = "All2All.from_group failed on " + "; ".join(f"rank {r}: {m}" for r, m in bad)
-                if isinstance(err, ValueError):  # this rank's own arguments were wrong too: keep the type
-                    raise ValueError(msg) from err
-                raise CommError(msg) from err
-            # Peers address each other's slots by this rank's layout: every rank must size alike.
-            shapes = {(p[2], p[3]) for p in gathered}
-            if len(shapes) != 1:
-                _discard(obj)
-                raise ValueError("All2All.from_group: every rank must pass the same num_tokens * hidden_dim and "
-                                 "tensor_dtype; got " + "; ".join(f"rank {r}: {p[2]} bytes {p[3]}" for r, p in enumerate(gathered)))
-            try:
-                obj.sync([p[1] for p in gathered])
-                status = ("ok", "")
-            except Exception as e:  # noqa: BLE001
-                err, status = e, ("error", f"{type(e).__name__}: {e}")
-            statuses: List = [None] * world
-            dist.all_gather_object(statuses, status, group=group)
-            bad = [(r, s[1]) for r, s in enumerate(statuses) if s[0] != "ok"]
-            if bad:
-                _discard(obj)
-                raise CommError("All2All.from_group: opening the peers' buffers failed on "
-                                + "; ".join(f"rank {r}: {m}" for r, m in bad))
-        except BaseException:
-            # The exchange itself failed (a peer died, the group timed out, an interrupt): the
-            # buffer and the peers' mappings must not wait for the garbage collector.
-            _discard(obj)
-            raise
+            err, payload = e, _collective.error_payload(e)
+        _collective.exchange(obj, err, payload, group, rank, world, "All2All.from_group")
         obj._group = group  # None is the default group (WORLD): destroy() is collective over it too
         obj._collective = True
         return obj
@@ -425,14 +430,16 @@ class All2All:
                               ob * orows * oheads, D, stream)
         return out
 
-    def send_recv_heads(self, x: torch.Tensor, copy_output: bool = False, fp8_wire: bool = False) -> torch.Tensor:
+    def send_recv_heads(self, x: torch.Tensor, *, copy_out: bool = False, copy_output: Optional[bool] = None,
+                        fp8_wire: bool = False) -> torch.Tensor:
         """Scatters heads, gathers tokens: ``x[b, local_tokens, H, D] -> [b, total_tokens, H/W, D]``.
 
         Arguments:
             x: contiguous, 16-byte aligned, ``tensor_dtype``, on this instance's device; ``H`` divisible
                 by ``world_size`` and ``H/W * D * element size`` a multiple of 16 bytes.
-            copy_output: return a fresh tensor instead of a view into the shared buffer (outside a
+            copy_out: return a fresh tensor instead of a view into the shared buffer (outside a
                 capture, always fresh once a call of this instance was captured in a CUDA graph).
+            copy_output: the same flag under this package's older name (give one of the two).
             fp8_wire: send e4m3 plus one fp32 scale per head vector instead of bf16 (bf16 instance
                 and input, ``D`` in 16..256, a power of two): about half the bytes on NVLink, lossy
                 (each head vector is scaled to its own maximum, 448). The output is always a fresh
@@ -440,36 +447,64 @@ class All2All:
                 moved by the exact path.
 
         Returns:
-            Rank ``r``'s heads ``[r*H/W, (r+1)*H/W)`` of every rank's tokens, in rank order.
+            Rank ``r``'s heads ``[r*H/W, (r+1)*H/W)`` of every rank's tokens, in rank order. Inside
+            ``torch.compile`` the call is the custom op ``ipc_all2all::send_recv_heads`` and returns a
+            fresh tensor whatever ``copy_out`` says.
         """
-        return self._run(OP_SEND_RECV_HEADS, x, copy_output, fp8_wire)
+        copy = copy_flag(copy_out, copy_output, "send_recv_heads")
+        if torch.compiler.is_compiling():
+            return ops.send_recv_heads(x, self, fp8_wire=fp8_wire)
+        return self._run(OP_SEND_RECV_HEADS, x, copy, fp8_wire)
 
-    def gather_heads(self, x: torch.Tensor, copy_output: bool = False, fp8_wire: bool = False) -> torch.Tensor:
+    def gather_heads(self, x: torch.Tensor, *, copy_out: bool = False, copy_output: Optional[bool] = None,
+                     fp8_wire: bool = False) -> torch.Tensor:
         """Inverse of :meth:`send_recv_heads`: ``x[b, total_tokens, H/W, D] -> [b, local_tokens, H, D]``.
 
         Arguments:
             x: as for :meth:`send_recv_heads`; may be the previous call's zero-copy output.
-            copy_output: return a fresh tensor instead of a view into the shared buffer (outside a
-                capture, always fresh once a call of this instance was captured in a CUDA graph).
+            copy_out, copy_output: as for :meth:`send_recv_heads`.
             fp8_wire: as for :meth:`send_recv_heads`.
 
         Returns:
-            This rank's tokens with all heads.
+            This rank's tokens with all heads (inside ``torch.compile``: the custom op, a fresh tensor).
         """
-        return self._run(OP_GATHER_HEADS, x, copy_output, fp8_wire)
+        copy = copy_flag(copy_out, copy_output, "gather_heads")
+        if torch.compiler.is_compiling():
+            return ops.gather_heads(x, self, fp8_wire=fp8_wire)
+        return self._run(OP_GATHER_HEADS, x, copy, fp8_wire)
 
-    def allgather(self, x: torch.Tensor, copy_output: bool = False) -> torch.Tensor:
+    def allgather(self, x: torch.Tensor, *, copy_out: bool = False,
+                  copy_output: Optional[bool] = None) -> torch.Tensor:
         """Concatenates every rank's tokens: ``x[b, local_tokens, h, d] -> [b, total_tokens, h, d]``.
 
         Arguments:
             x: contiguous, 16-byte aligned, ``h * d * element size`` a multiple of 16 bytes.
-            copy_output: return a fresh tensor instead of a view into the shared buffer (outside a
-                capture, always fresh once a call of this instance was captured in a CUDA graph).
+            copy_out, copy_output: as for :meth:`send_recv_heads`.
 
         Returns:
-            The same tensor on every rank.
+            The same tensor on every rank (inside ``torch.compile``: the custom op, a fresh tensor).
         """
-        return self._run(OP_ALLGATHER, x, copy_output)
+        copy = copy_flag(copy_out, copy_output, "allgather")
+        if torch.compiler.is_compiling():
+            return ops.allgather(x, self)
+        return self._run(OP_ALLGATHER, x, copy)
+
+    @property
+    def runtime(self) -> Runtime:
+        """The methods of LTX's native class (``runtime`` in LTX's ``All2All``) over this instance."""
+        return Runtime(self)
+
+    @property
+    def group(self):
+        """The process group of a collective construction (None: the default group, or the low-level form
+        when :attr:`collective` is False)."""
+        return self._group
+
+    @property
+    def collective(self) -> bool:
+        """True for an instance built collectively (``group=`` or :meth:`from_group`): its :meth:`destroy`
+        waits for every rank of the group."""
+        return self._collective
 
     # ----------------------------------------------------------------------------- errors, teardown
     def check(self) -> None:
