@@ -1,7 +1,22 @@
-"""Runnable demo: stream synthetic DeepSeek-V3-shaped MoE layers between TP processes.
+"""Runnable demo of fp8_layerwise: the prefill loop on a GPU, the streaming demo without one.
 
-    python -m fp8_layerwise.demo [--tp 2] [--experts 32] [--layers 6] [--warmup 1] [--backend cpu|cuda|auto]
-                                 [--hidden 1024] [--intermediate 1024] [--slots 4] [--threads 1] [--out DIR]
+    python -m fp8_layerwise.demo                  # GPU usable: the prefill loop; else the streaming demo
+    python -m fp8_layerwise.demo --prefill [...]  # the prefill loop (fp8_layerwise.prefill; --prefill --help)
+    python -m fp8_layerwise.demo --stream [...]   # the streaming demo (below; --stream --help)
+
+**The prefill loop** (:mod:`fp8_layerwise.prefill`): MoE layers whose block-FP8 experts live in
+host memory; layer L+1's experts stream to every TP rank into one of two GPU layer buffers while
+layer L's expert GEMMs run on the other; it reports compute alone, transfer alone and the loop's
+time per layer against its goals, and checks every weight byte and every layer's output.
+
+Without a usable GPU the plain command explains that, runs the streaming demo with the arguments
+given, then the prefill loop on the CPU backend at tiny sizes (CPU matmuls on a worker thread), which
+checks its schedule, bytes and outputs but whose timings mean nothing.
+
+**The streaming demo**: stream synthetic DeepSeek-V3-shaped MoE layers between TP processes.
+
+    python -m fp8_layerwise.demo --stream [--tp 2] [--experts 32] [--layers 6] [--warmup 1]
+        [--backend cpu|cuda|auto] [--hidden 1024] [--intermediate 1024] [--slots 4] [--threads 1] [--out DIR]
 
 It spawns ``--tp`` processes. Each builds a :class:`fp8_layerwise.Transport` (names exchanged
 through a private temporary folder), rank 0 streams every layer with the native shard writer out
@@ -141,8 +156,10 @@ def _report(args, nb, results, t0: float, t_end: float):
     return lines, "\n".join(table), record, all_ok
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def stream_main(argv=None) -> int:
+    """The streaming demo (``--stream``)."""
+    p = argparse.ArgumentParser(prog="python -m fp8_layerwise.demo --stream",
+                                description="Stream synthetic block-FP8 MoE layers between TP processes and verify every byte.")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (processes), 1..8")
     p.add_argument("--experts", type=int, default=32, help="experts per layer")
     p.add_argument("--layers", type=int, default=6, help="layers to stream")
@@ -202,7 +219,7 @@ def main(argv=None) -> int:
         out = os.path.abspath(args.out)
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "demo.md"), "w") as f:
-            command = " ".join(["python -m fp8_layerwise.demo"] + list(sys.argv[1:] if argv is None else argv))
+            command = " ".join(["python -m fp8_layerwise.demo --stream"] + list(sys.argv[1:] if argv is None else argv))
             f.write("\n".join(["# fp8_layerwise demo", "", f"`{command}`", ""] + lines) + "\n")
         with open(os.path.join(out, "demo.json"), "w") as f:
             json.dump(record, f, indent=1)
@@ -211,6 +228,61 @@ def main(argv=None) -> int:
     print(f"demo OK: every rank received byte-exact shards ({moved / 1e6:.1f} MB checked)" if all_ok
           else "demo FAILED: byte mismatch")
     return 0 if all_ok else 1
+
+
+_NO_GPU = """no usable GPU here ({why}), so no prefill loop at full size.
+On a GPU, `python -m fp8_layerwise.demo` runs the prefill loop (fp8_layerwise.prefill): MoE layers of
+block-FP8 experts in host memory; while layer L's expert GEMMs (FP8 -> bf16 dequantisation, batched
+matmuls) run on the GPU, layer L+1's experts stream to every TP rank into the other of two GPU layer
+buffers. It reports per layer the compute alone, the transfer alone and the loop's time, against the
+goals loop <= 1.05 x sum of max(compute, transfer) and compute slowdown <= 5 %, and checks every
+weight byte and every layer's output.
+Here: the streaming demo on the CPU backend, then the prefill loop at tiny sizes on the CPU backend
+(CPU matmuls): its schedule, bytes and outputs are checked, its timings mean nothing."""
+
+
+def _no_gpu_reason() -> str:
+    import torch
+
+    from . import _C
+
+    if not _C.built_with_cuda():
+        return "fp8_layerwise was built without CUDA"
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return "torch sees no CUDA device"
+    return ""
+
+
+def main(argv=None) -> int:
+    """``--prefill`` / ``--stream`` pick the mode; without either, the prefill loop where a GPU is
+    usable, else the streaming demo with the remaining arguments and then a tiny CPU prefill loop
+    (writing into the same ``--out``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    mode = argparse.ArgumentParser(add_help=False)
+    which = mode.add_mutually_exclusive_group()
+    which.add_argument("--prefill", action="store_true")
+    which.add_argument("--stream", action="store_true")
+    picked, rest = mode.parse_known_args(argv)
+    from . import prefill
+
+    if picked.prefill:
+        return prefill.main(rest)
+    if picked.stream:
+        return stream_main(rest)
+    if any(a in ("-h", "--help") for a in rest):
+        print(__doc__)
+        return 0
+    why = _no_gpu_reason()
+    if not why:
+        return prefill.main(rest)
+    print(_NO_GPU.format(why=why))
+    out = argparse.ArgumentParser(add_help=False)
+    out.add_argument("--out", default=None)
+    out = out.parse_known_args(rest)[0].out
+    rc = stream_main(rest)
+    print()
+    rc_prefill = prefill.main(["--backend", "cpu"] + (["--out", out] if out else []))
+    return rc or rc_prefill
 
 
 if __name__ == "__main__":

@@ -1,0 +1,620 @@
+"""The prefill loop: MoE layers whose FP8 experts live in host memory, each streamed to every TP rank
+while the previous layer's expert GEMMs run.
+
+    python -m fp8_layerwise.demo [--prefill] [--tp N] [--layers 12] [--experts 8] [--hidden 7168]
+        [--intermediate 2048] [--tokens 16384] [--top-k 4] [--repeat 3] [--backend auto|cuda|cpu]
+        [--slots S] [--threads N] [--seed 0] [--timeout 600] [--out DIR]
+
+(``python -m fp8_layerwise.prefill`` is the same.) It launches ``--tp`` processes, one per TP rank
+(default: one per GPU; ranks beyond the number of GPUs share them, which checks correctness only).
+Each rank holds two :class:`~fp8_layerwise.Transport` objects, whose layer buffers are the two GPU
+layer buffers: layer L goes into buffer ``L % 2``. Rank 0 keeps every layer's whole-layer block-FP8
+experts (DeepSeek-V3's layout: per expert ``w13 [2I, H]`` and ``w2 [H, I]`` in float8_e4m3fn with
+fp32 128x128 block scales) in host memory and streams them with the native shard writer. A layer's
+compute is this rank's share of the experts' FFN for a prefill chunk of ``--tokens`` tokens routed
+top-``k`` (balanced: every expert gets ``tokens * k / experts`` rows): dequantise the FP8 shard to
+bf16, batched matmuls, SiLU gate (:mod:`fp8_layerwise._moe`).
+
+The schedule (:func:`run_loop`): stream layer 0; then for every layer L, enqueue L's compute on the
+compute stream, wait until layer L-1's compute (which read the other buffer) finished, and stream
+layer L+1 into that buffer while L computes. Phases on every rank:
+
+1. set-up: sources (generated on the rank's device from a seed: every rank has the same bytes),
+   this rank's reference shards (:func:`~fp8_layerwise.reference_shard`), rank 0's writers;
+2. warm-up: layers 0 and 1 streamed once (the first touch of slots and buffers), one compute;
+3. alone: per layer, all ranks start together, the layer is streamed with the GPU idle (transfer
+   alone), its delivered bytes are compared with the reference shard, then it is computed
+   ``--repeat`` times with nothing else running (compute alone: the median; the first output is the
+   layer's reference output);
+4. the loop, ``--repeat`` times: every layer's output is compared bit for bit with its reference
+   output (a buffer overwritten while a layer computes would show there), and the timeline is
+   checked (no layer streamed into a buffer before the compute that read it finished, no compute
+   before its layer arrived); after the last run, the bytes of the layers still in the buffers.
+
+Goals (the run with the median loop time): the loop, from layer 0's arrival to the last layer's
+output (layer 0's transfer precedes every compute, nothing can hide it: it is reported apart),
+within 1.05 x the sum over layers of max(compute alone, transfer alone); the compute inside the
+loop at most 5 % slower than alone. They are judged on the CUDA backend with one rank per GPU only.
+``--out DIR`` writes prefill.md (the table), prefill.json (every figure and the timelines) and
+prefill.png (per-layer times and rank 0's timeline; needs matplotlib).
+
+Defaults: with CUDA, DeepSeek-V3's expert shapes (H 7168, I 2048), 8 experts per layer (352 MB per
+layer at TP 1), 16384 tokens top-4 (8192 rows per expert): on one H200 the compute (~6 TFLOP) and
+the transfer take similar times. On the CPU backend, tiny shapes with CPU matmuls: the schedule,
+the bytes and the outputs are checked, the timings mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+LOOP_GOAL = 1.05      #: loop time <= LOOP_GOAL x sum over layers of max(compute, transfer)
+SLOWDOWN_GOAL = 0.05  #: compute in the loop <= (1 + SLOWDOWN_GOAL) x compute alone
+
+GPU_DEFAULTS = dict(layers=12, experts=8, hidden=7168, intermediate=2048, tokens=16384, top_k=4, repeat=3)
+CPU_DEFAULTS = dict(tp=2, layers=4, experts=4, hidden=256, intermediate=256, tokens=64, top_k=2, repeat=2, threads=1)
+
+
+# ---- the schedule ---------------------------------------------------------------------------------
+def run_loop(num_layers: int, stream: Callable[[int], object], submit: Callable[[int], object]):
+    """The double-buffered prefill loop; returns (the tickets, ``time.monotonic()`` at layer 0's arrival).
+
+    Arguments:
+        stream: ``stream(L)`` delivers layer L into buffer ``L % 2`` on every rank (blocking).
+        submit: ``submit(L)`` enqueues layer L's compute on buffer ``L % 2`` and returns at once a
+            ticket whose ``wait()`` blocks until that compute finished.
+
+    Layer L+1 is streamed while layer L computes, into the buffer layer L-1 computed on, once that
+    compute finished (the only wait for the GPU in the loop).
+    """
+    stream(0)
+    first = time.monotonic()
+    tickets = []
+    for layer in range(num_layers):
+        tickets.append(submit(layer))
+        if layer + 1 < num_layers:
+            if layer >= 1:
+                tickets[layer - 1].wait()
+            stream(layer + 1)
+    for ticket in tickets[-2:]:
+        ticket.wait()
+    return tickets, first
+
+
+def check_timeline(events: Sequence[dict], tolerance_ms: float = 0.0) -> List[str]:
+    """Violations of the double-buffering rules in one loop's timeline (empty: none).
+
+    ``events``: dicts with ``kind`` ("transfer" or "compute"), ``layer``, ``buffer``, ``start_ms``,
+    ``end_ms``. A transfer into a buffer must start after every earlier layer's compute on that
+    buffer ended; a compute must start after its layer's transfer ended. ``tolerance_ms`` absorbs the
+    offset between the GPU's event clock and the host clock (the former is mapped onto the latter).
+    """
+    transfers = {e["layer"]: e for e in events if e["kind"] == "transfer"}
+    computes = {e["layer"]: e for e in events if e["kind"] == "compute"}
+    bad = []
+    for layer, c in sorted(computes.items()):
+        t = transfers.get(layer)
+        if t is None:
+            bad.append(f"layer {layer} computed but never streamed")
+        elif c["buffer"] != t["buffer"]:
+            bad.append(f"layer {layer} streamed into buffer {t['buffer']} but computed on buffer {c['buffer']}")
+        elif c["start_ms"] < t["end_ms"] - tolerance_ms:
+            bad.append(f"layer {layer}'s compute started at {c['start_ms']:.3f} ms, before its transfer ended "
+                       f"at {t['end_ms']:.3f} ms")
+    for layer, t in sorted(transfers.items()):
+        for prev, c in sorted(computes.items()):
+            if prev < layer and c["buffer"] == t["buffer"] and c["end_ms"] > t["start_ms"] + tolerance_ms:
+                bad.append(f"layer {layer} was streamed into buffer {t['buffer']} from {t['start_ms']:.3f} ms while "
+                           f"layer {prev}'s compute on it ran until {c['end_ms']:.3f} ms")
+    return bad
+
+
+def overlap_ms(events: Sequence[dict]) -> float:
+    """Time during which a transfer and a compute ran at once (the intervals of each kind do not overlap
+    one another)."""
+    tr = [(e["start_ms"], e["end_ms"]) for e in events if e["kind"] == "transfer"]
+    co = [(e["start_ms"], e["end_ms"]) for e in events if e["kind"] == "compute"]
+    return sum(max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in tr for b0, b1 in co)
+
+
+# ---- one rank -----------------------------------------------------------------------------------
+def _rank_main(rank: int, cfg: dict, tmp: str, q, barrier) -> None:
+    try:
+        q.put((rank, True, _run_rank(rank, cfg, tmp, barrier)))
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        import traceback
+
+        barrier.abort()  # the peers' barrier waits fail at once instead of at their timeout
+        q.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def _run_rank(rank: int, cfg: dict, tmp: str, barrier) -> dict:
+    import contextlib
+    import functools
+
+    import torch
+
+    import fp8_layerwise as F
+
+    from . import _moe as M
+
+    tp, N, E, H, I = cfg["tp"], cfg["layers"], cfg["experts"], cfg["hidden"], cfg["intermediate"]
+    T, k, reps, seed = cfg["tokens"], cfg["top_k"], cfg["repeat"], cfg["seed"]
+    cuda = cfg["backend"] == "cuda"
+    s = I // tp
+    barrier_s = cfg["timeout"]
+    if cuda:
+        device_index = rank % torch.cuda.device_count()
+        torch.cuda.set_device(device_index)
+        device = torch.device("cuda", device_index)
+    else:
+        device_index, device = None, torch.device("cpu")
+    times = dict(start=time.monotonic())
+
+    # 1. set-up: every layer's sources from its seed; this rank's reference shards; rank 0's writers.
+    nb = F.block_fp8_expert_nbytes(H, I, tp)
+    refs, writers = [], []
+    for layer in range(N):
+        src = M.make_layer_sources(E, H, I, seed=seed * 100003 + layer, device=device)
+        shards = [F.reference_shard(src, tp, rank, e) for e in range(E)]
+        refs.append([torch.cat([sh[kind] for sh in shards]) for kind in range(4)])
+        del shards
+        if rank == 0:
+            writers.append(F.make_shard_writer([t.cpu().contiguous() for t in src], tp, threads=cfg["threads"]))
+        del src
+    xg = torch.Generator(device=device).manual_seed(seed * 100003 + 99991)
+    x = torch.randn((T, H), device=device, generator=xg).to(torch.bfloat16)
+    routing = M.balanced_routing(T, E, k, seed=seed * 100003 + 77773, device=device)
+    compute = M.GpuCompute(device) if cuda else M.CpuCompute()
+
+    with contextlib.ExitStack() as stack:
+        transports = []
+        for b in range(2):
+            names = os.path.join(tmp, f"names{b}")
+            transports.append(stack.enter_context(F.Transport(
+                rank, tp, E, nb, num_slots=cfg["slots"], backend=cfg["backend"], device=device_index,
+                exchange=F.FileExchange(names, rank, tp, timeout_s=120), timeout_ms=60000)))
+        stack.callback(compute.close)
+        if cuda:
+            torch.cuda.synchronize(device)  # x, routing and the buffers exist before the compute stream reads them
+        times["ready"] = time.monotonic()
+        epochs = [0, 0]
+
+        def stream(layer: int):
+            b = layer % 2
+            epochs[b] += 1
+            with transports[b].layer(epochs[b], layer, E, sync_stream=False) as lay:
+                if rank == 0:
+                    lay.run(writers[layer])
+            return lay.stats
+
+        def forward(layer: int):
+            return M.moe_forward(x, routing, *M.shard_views(transports[layer % 2].buffers, E, H, s))
+
+        def exact(layer: int) -> bool:
+            return all(torch.equal(transports[layer % 2].buffers[kind], refs[layer][kind]) for kind in range(4))
+
+        # 2. warm-up.
+        warm_exact = []
+        for layer in range(min(2, N)):
+            stream(layer)
+            warm_exact.append(exact(layer))
+        compute.submit(functools.partial(forward, 0)).wait()
+
+        # 3. each layer alone: transfer (GPU idle, every rank starting together), bytes, compute.
+        alone, ref_out = [], []
+        for layer in range(N):
+            barrier.wait(timeout=barrier_s)
+            t0 = time.monotonic()
+            st = stream(layer)
+            transfer_ms = (time.monotonic() - t0) * 1e3
+            ok = exact(layer)
+            runs, outs = [], []
+            for _ in range(reps):
+                ticket = compute.submit(functools.partial(forward, layer)).wait()
+                runs.append(ticket.elapsed_ms())
+                outs.append(ticket.result)
+            ref_out.append(outs[0])
+            alone.append(dict(layer=layer, transfer_ms=transfer_ms, compute_ms=statistics.median(runs),
+                              compute_runs_ms=runs, exact=ok,
+                              reproducible=all(M.bitwise_equal(o, outs[0]) for o in outs[1:]),
+                              writer_ms=st.writer_ms, h2d_ms=st.h2d_ms, copies=st.copies, bytes=st.bytes))
+            del outs
+
+        # 4. the loop.
+        loops = []
+        for _ in range(reps):
+            barrier.wait(timeout=barrier_s)
+            events: List[dict] = []
+
+            def stream_timed(layer: int):
+                a = time.monotonic()
+                st = stream(layer)
+                events.append(dict(kind="transfer", layer=layer, buffer=layer % 2, start=a, end=time.monotonic(),
+                                   writer_ms=st.writer_ms, h2d_ms=st.h2d_ms))
+
+            compute.mark()
+            t_start = time.monotonic()
+            tickets, t_first = run_loop(N, stream_timed,
+                                        lambda layer: compute.submit(functools.partial(forward, layer)))
+            t_end = time.monotonic()
+            for layer, ticket in enumerate(tickets):
+                a, b = ticket.interval()
+                events.append(dict(kind="compute", layer=layer, buffer=layer % 2, start=a, end=b,
+                                   elapsed_ms=ticket.elapsed_ms()))
+            for e in events:
+                e["start_ms"], e["end_ms"] = (e.pop("start") - t_start) * 1e3, (e.pop("end") - t_start) * 1e3
+            equal = [M.bitwise_equal(ticket.wait().result, ref_out[layer]) for layer, ticket in enumerate(tickets)]
+            del tickets
+            events.sort(key=lambda e: e["start_ms"])
+            loops.append(dict(loop_ms=(t_end - t_first) * 1e3, fill_ms=(t_first - t_start) * 1e3,
+                              total_ms=(t_end - t_start) * 1e3,
+                              compute_ms=[e["elapsed_ms"] for e in sorted(
+                                  (e for e in events if e["kind"] == "compute"), key=lambda e: e["layer"])],
+                              transfer_ms=[e["end_ms"] - e["start_ms"] for e in sorted(
+                                  (e for e in events if e["kind"] == "transfer"), key=lambda e: e["layer"])],
+                              outputs_equal=equal, overlap_ms=overlap_ms(events),
+                              violations=check_timeline(events, tolerance_ms=0.2 if cuda else 0.0),
+                              events=events))
+        end_exact = {layer: exact(layer) for layer in range(max(0, N - 2), N)}
+        backend = transports[0].backend
+    times["done"] = time.monotonic()
+    return dict(rank=rank, device=device_index, backend=backend, expert_nbytes=nb, warm_exact=warm_exact,
+                alone=alone, loops=loops, end_exact=end_exact, times=times)
+
+
+# ---- the report ---------------------------------------------------------------------------------
+def layer_bound_ms(results: Sequence[dict]) -> List[float]:
+    """Per layer, max(compute alone, transfer alone) of the slowest rank: a layer's transfer is
+    collective (it starts when every rank joined), so the loop of every rank runs at the pace of the
+    slowest one."""
+    n = len(results[0]["alone"])
+    return [max(max(r["alone"][layer]["compute_ms"] for r in results),
+                max(r["alone"][layer]["transfer_ms"] for r in results)) for layer in range(n)]
+
+
+def summarize_rank(res: dict, bound_ms: float) -> dict:
+    """One rank's figures for the goals, from the loop run with the median loop time; ``bound_ms`` is
+    the sum of :func:`layer_bound_ms`."""
+    C = [a["compute_ms"] for a in res["alone"]]
+    T = [a["transfer_ms"] for a in res["alone"]]
+    runs = sorted(range(len(res["loops"])), key=lambda i: res["loops"][i]["loop_ms"])
+    median = runs[len(runs) // 2]
+    run = res["loops"][median]
+    in_loop = sum(run["compute_ms"])
+    return dict(run=median, loop_ms=run["loop_ms"], fill_ms=run["fill_ms"], bound_ms=bound_ms,
+                serial_ms=sum(C) + sum(T), compute_alone_ms=sum(C), transfer_alone_ms=sum(T),
+                compute_in_loop_ms=in_loop, loop_ratio=run["loop_ms"] / bound_ms if bound_ms > 0 else float("nan"),
+                slowdown=in_loop / sum(C) - 1 if sum(C) > 0 else float("nan"), overlap_ms=run["overlap_ms"],
+                bytes_exact=all(res["warm_exact"]) and all(a["exact"] for a in res["alone"])
+                and all(res["end_exact"].values()),
+                reproducible=all(a["reproducible"] for a in res["alone"]),
+                outputs_equal=all(all(r["outputs_equal"]) for r in res["loops"]),
+                timeline_ok=not any(r["violations"] for r in res["loops"]))
+
+
+def _flops(f: float) -> str:
+    """``f`` FLOP (or FLOP/s, with the unit's suffix added by the caller) with a readable prefix."""
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if f >= scale:
+            return f"{f / scale:.2f} {unit}"
+    return f"{f:.0f} FLOP"
+
+
+def _goal(judged: bool, met: bool) -> str:
+    return ("met" if met else "MISSED") if judged else "not judged"
+
+
+def report(cfg: dict, results: List[dict], ndev: int) -> tuple:
+    """(printed lines, markdown table, JSON record, correctness ok) of a finished run."""
+    from . import _moe as M
+
+    tp, N = cfg["tp"], cfg["layers"]
+    backend = results[0]["backend"]
+    shared = backend == "cuda" and tp > ndev
+    judged = backend == "cuda" and not shared
+    nb = results[0]["expert_nbytes"]
+    layer_bytes = cfg["experts"] * sum(nb)
+    flops = M.moe_flops(cfg["tokens"], cfg["top_k"], cfg["hidden"], cfg["intermediate"] // tp)
+    bound = layer_bound_ms(results)
+    summ = [summarize_rank(r, sum(bound)) for r in results]
+    lines = []
+    if backend != "cuda":
+        lines.append("CPU backend: CPU matmuls and memcpy share the cores, so the timings check nothing; the "
+                     "schedule, the bytes and the outputs are checked")
+    elif shared:
+        lines.append(f"{tp} ranks share {ndev} GPU(s): their kernels and copies are time-sliced, so the timings "
+                     "check nothing (correctness only); the goals are judged with one rank per GPU")
+    head = ("| layer | compute alone ms | transfer alone ms | max ms | compute in loop ms | transfer in loop ms "
+            "| weights | outputs |")
+    table = [f"Per layer, the slowest of {tp} rank(s); in the loop: the run with the median loop time of each rank.",
+             "", head, "|---" * (head.count("|") - 1) + "|"]
+    for layer in range(N):
+        ca = max(r["alone"][layer]["compute_ms"] for r in results)
+        ta = max(r["alone"][layer]["transfer_ms"] for r in results)
+        cl = max(r["loops"][s["run"]]["compute_ms"][layer] for r, s in zip(results, summ))
+        tl = max(r["loops"][s["run"]]["transfer_ms"][layer] for r, s in zip(results, summ))
+        ok = all(r["alone"][layer]["exact"] for r in results)
+        eq = all(lp["outputs_equal"][layer] for r in results for lp in r["loops"])
+        table.append(f"| {layer} | {ca:.2f} | {ta:.2f} | {bound[layer]:.2f} | {cl:.2f} | "
+                     f"{tl:.2f}{' (fill)' if layer == 0 else ''} | {'exact' if ok else 'MISMATCH'} | "
+                     f"{'equal' if eq else 'DIFFER'} |")
+    lines += table
+    all_ok = True
+    for r, s in zip(results, summ):
+        ok = s["bytes_exact"] and s["timeline_ok"] and (s["outputs_equal"] or not s["reproducible"])
+        all_ok &= ok
+        loop_met, slow_met = s["loop_ratio"] <= LOOP_GOAL, s["slowdown"] <= SLOWDOWN_GOAL
+        s.update(loop_goal=_goal(judged, loop_met), slowdown_goal=_goal(judged, slow_met), ok=ok)
+        where = f"GPU {r['device']}" if r["device"] is not None else "CPU"
+        lines += [
+            f"rank {r['rank']} ({where}): loop {s['loop_ms']:.1f} ms from layer 0's arrival (+ {s['fill_ms']:.1f} ms "
+            f"for layer 0's transfer before it) vs the sum over layers of max(compute, transfer) "
+            f"{s['bound_ms']:.1f} ms = {s['loop_ratio']:.3f}x -> goal <= {LOOP_GOAL}x: {s['loop_goal']}",
+            f"  compute in the loop {s['compute_in_loop_ms']:.1f} ms vs alone {s['compute_alone_ms']:.1f} ms = "
+            f"{100 * s['slowdown']:+.1f} % -> goal <= {100 * SLOWDOWN_GOAL:.0f} %: {s['slowdown_goal']}",
+            f"  alone: compute {s['compute_alone_ms']:.1f} ms ({_flops(flops * N / s['compute_alone_ms'] * 1e3)}/s), "
+            f"transfer {s['transfer_alone_ms']:.1f} ms ({layer_bytes * N / s['transfer_alone_ms'] / 1e6:.2f} GB/s "
+            f"per rank); one after the other {s['serial_ms']:.1f} ms; in the loop {s['overlap_ms']:.1f} ms of "
+            "transfer ran during compute",
+            "  checks: weights " + ("byte-exact" if s["bytes_exact"] else "MISMATCH") + ", outputs "
+            + ("bitwise equal to the layers computed alone" if s["outputs_equal"] else
+               "DIFFER from the layers computed alone" if s["reproducible"] else
+               "not comparable (a layer computed alone twice gave different bits)")
+            + ", timeline " + ("double-buffered" if s["timeline_ok"] else "VIOLATED: " + "; ".join(
+                v for lp in r["loops"] for v in lp["violations"][:3]))]
+    worst_loop = max(summ, key=lambda x: x["loop_ratio"])
+    worst_slow = max(summ, key=lambda x: x["slowdown"])
+    met = dict(loop=worst_loop["loop_ratio"] <= LOOP_GOAL if judged else None,
+               slowdown=worst_slow["slowdown"] <= SLOWDOWN_GOAL if judged else None)
+    lines.append(f"goals: loop <= {LOOP_GOAL}x the sum of max(compute, transfer): {_goal(judged, bool(met['loop']))} "
+                 f"(worst {worst_loop['loop_ratio']:.3f}x); compute slowdown in the loop <= "
+                 f"{100 * SLOWDOWN_GOAL:.0f} %: {_goal(judged, bool(met['slowdown']))} "
+                 f"(worst {100 * worst_slow['slowdown']:+.1f} %)"
+                 + ("" if judged else " -- judged on the CUDA backend with one rank per GPU only"))
+    record = dict(config=cfg, backend=backend, gpus=ndev, ranks_share_gpus=shared, goals_judged=judged,
+                  goals=dict(loop_ratio=LOOP_GOAL, slowdown=SLOWDOWN_GOAL), goals_met=met, expert_nbytes=nb,
+                  layer_bytes_per_rank=layer_bytes, flops_per_rank_and_layer=flops, ok=bool(all_ok),
+                  summary=summ, ranks=results)
+    return lines, "\n".join(table), record, all_ok
+
+
+def _plot(record: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.patches
+    import matplotlib.pyplot as plt
+
+    r0, s0 = record["ranks"][0], record["summary"][0]
+    n = len(r0["alone"])
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7))
+    xs = range(n)
+    w = 0.27
+    ax1.bar([i - w for i in xs], [a["compute_ms"] for a in r0["alone"]], w, label="compute alone")
+    ax1.bar(list(xs), [a["transfer_ms"] for a in r0["alone"]], w, label="transfer alone")
+    ax1.bar([i + w for i in xs], r0["loops"][s0["run"]]["compute_ms"], w, label="compute in the loop")
+    ax1.set_xticks(list(xs))
+    ax1.set_xlabel("layer")
+    ax1.set_ylabel("ms")
+    ax1.set_title(f"rank 0: loop {s0['loop_ms']:.1f} ms = {s0['loop_ratio']:.3f} x sum max(compute, transfer); "
+                  f"compute {100 * s0['slowdown']:+.1f} % in the loop")
+    ax1.legend(fontsize=8)
+    colours = ("tab:purple", "tab:olive")
+    for e in r0["loops"][s0["run"]]["events"]:
+        y = 1 if e["kind"] == "transfer" else 0
+        ax2.barh(y, e["end_ms"] - e["start_ms"], left=e["start_ms"], color=colours[e["buffer"]], edgecolor="k")
+        ax2.text((e["start_ms"] + e["end_ms"]) / 2, y, str(e["layer"]), ha="center", va="center", fontsize=7)
+    ax2.set_yticks([0, 1], ["compute", "transfer"])
+    ax2.legend(handles=[matplotlib.patches.Patch(color=c, label=f"layer buffer {b}") for b, c in enumerate(colours)],
+               fontsize=8, loc="upper right")
+    ax2.set_xlabel("ms since the loop started (bars: layers)")
+    ax2.set_title("rank 0's timeline")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(out: str, name: str, record: dict, table_md: str) -> List[str]:
+    """``<name>.json``, ``<name>.md`` and ``<name>.png`` (drawn last, so a plotting error loses no figure;
+    none without matplotlib) into ``out``; returns the paths written."""
+    out = os.path.abspath(out)
+    os.makedirs(out, exist_ok=True)
+    paths = [os.path.join(out, f"{name}.{ext}") for ext in ("json", "md", "png")]
+    with open(paths[0], "w") as f:
+        json.dump(record, f, indent=1, default=str)
+        f.write("\n")
+    with open(paths[1], "w") as f:
+        f.write(table_md if table_md.endswith("\n") else table_md + "\n")
+    if os.path.exists(paths[2]):
+        os.remove(paths[2])  # an earlier run's plot must not pass for this one's
+    try:
+        _plot(record, paths[2])
+    except Exception as exc:  # noqa: BLE001 - the table and the JSON are what matter
+        print(f"  no plot ({type(exc).__name__}: {exc})")
+    return [p for p in paths if os.path.exists(p)]
+
+
+# ---- the command --------------------------------------------------------------------------------
+def _cuda_usable() -> bool:
+    import torch
+
+    from . import _C
+
+    return _C.built_with_cuda() and torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def _host_available_bytes() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def resolve_config(args: argparse.Namespace) -> dict:
+    """The run's settings: the backend resolved, the defaults of that backend filled in, every value
+    checked (ValueError naming the option) before anything is launched."""
+    import torch
+
+    from . import _C
+    from ._checks import MAX_SLOTS, MAX_TP, _check
+    from ._writers import default_writer_threads
+    from .block_fp8 import block_fp8_expert_nbytes
+
+    backend = args.backend
+    if backend == "auto":
+        backend = "cuda" if _cuda_usable() else "cpu"
+    _check(backend != "cuda" or _C.built_with_cuda(), "--backend cuda: fp8_layerwise was built without CUDA")
+    _check(backend != "cuda" or torch.cuda.is_available(), "--backend cuda: no CUDA device is visible")
+    ndev = torch.cuda.device_count() if backend == "cuda" else 0
+    defaults = dict(GPU_DEFAULTS if backend == "cuda" else CPU_DEFAULTS)
+    cfg = {key: (getattr(args, key) if getattr(args, key) is not None else defaults.get(key))
+           for key in ("tp", "layers", "experts", "hidden", "intermediate", "tokens", "top_k", "repeat", "slots",
+                       "threads")}
+    if cfg["tp"] is None:  # one rank per GPU, as many as cut the layer into 128-blocks
+        cfg["tp"] = max([t for t in range(1, min(ndev, MAX_TP) + 1) if cfg["intermediate"] % (128 * t) == 0] or [1])
+    for key, lo in (("tp", 1), ("layers", 1), ("experts", 1), ("tokens", 1), ("top_k", 1), ("repeat", 1),
+                    ("threads", 1)):
+        _check(cfg[key] is None or cfg[key] >= lo, f"--{key.replace('_', '-')} must be >= {lo}, got {cfg[key]}")
+    _check(cfg["tp"] <= MAX_TP, f"--tp must be at most {MAX_TP}, got {cfg['tp']}")
+    _check(cfg["slots"] is None or 2 <= cfg["slots"] <= MAX_SLOTS,
+           f"--slots must be in 2..{MAX_SLOTS}, got {cfg['slots']}")
+    _check(cfg["top_k"] <= cfg["experts"], f"--top-k ({cfg['top_k']}) must be at most --experts ({cfg['experts']})")
+    _check(cfg["tokens"] % cfg["experts"] == 0,
+           f"--tokens ({cfg['tokens']}) must be a multiple of --experts ({cfg['experts']}) (balanced routing)")
+    try:
+        nb = block_fp8_expert_nbytes(cfg["hidden"], cfg["intermediate"], cfg["tp"])
+    except ValueError as exc:
+        raise ValueError(f"--hidden / --intermediate / --tp: {exc}") from None
+    _check(args.timeout > 0, f"--timeout must be > 0 seconds, got {args.timeout}")
+    _check(args.seed >= 0, f"--seed must be >= 0, got {args.seed}")
+    full = cfg["layers"] * cfg["experts"] * sum(block_fp8_expert_nbytes(cfg["hidden"], cfg["intermediate"], 1))
+    avail = _host_available_bytes()
+    _check(avail is None or full <= 0.7 * avail,
+           f"--layers x --experts: rank 0 keeps {full / 1e9:.1f} GB of experts in host memory, more than 70 % of "
+           f"the {avail / 1e9 if avail else 0:.1f} GB available")
+    if cfg["threads"] is None:
+        cfg["threads"] = default_writer_threads(cfg["tp"])
+    cfg.update(backend=backend, seed=args.seed, timeout=args.timeout, expert_nbytes=nb, gpus=ndev)
+    return cfg
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fp8_layerwise.demo --prefill",
+                                description="The prefill loop: FP8 experts streamed from host memory to every TP "
+                                            "rank while the previous layer's expert GEMMs run.")
+    g, c = GPU_DEFAULTS, CPU_DEFAULTS
+    p.add_argument("--tp", type=int, default=None,
+                   help=f"TP ranks (processes), 1..8 (default: one per GPU; CPU backend {c['tp']})")
+    p.add_argument("--layers", type=int, default=None, help=f"MoE layers (default {g['layers']}; CPU {c['layers']})")
+    p.add_argument("--experts", type=int, default=None,
+                   help=f"experts per layer (default {g['experts']}; CPU {c['experts']})")
+    p.add_argument("--hidden", type=int, default=None, help=f"hidden size H (default {g['hidden']}; CPU {c['hidden']})")
+    p.add_argument("--intermediate", type=int, default=None,
+                   help=f"expert intermediate size I (default {g['intermediate']}; CPU {c['intermediate']})")
+    p.add_argument("--tokens", type=int, default=None, help=f"tokens of the prefill chunk (default {g['tokens']}; "
+                                                            f"CPU {c['tokens']})")
+    p.add_argument("--top-k", dest="top_k", type=int, default=None,
+                   help=f"experts per token (default {g['top_k']}; CPU {c['top_k']})")
+    p.add_argument("--repeat", type=int, default=None,
+                   help=f"loop runs, and computes of each layer alone (default {g['repeat']}; CPU {c['repeat']})")
+    p.add_argument("--slots", type=int, default=None, help="host slots per rank (default: the transport's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"native writer threads (default: the writer's for the TP size; CPU {c['threads']})")
+    p.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: CUDA when a GPU is usable, else the CPU backend with tiny shapes")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, tokens and routing")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run (ranks are killed after)")
+    p.add_argument("--out", default=None, help="also write prefill.md, prefill.json and prefill.png here")
+    return p
+
+
+def run(cfg: dict) -> tuple:
+    """Launch the ranks and wait for them (at most ``cfg['timeout']`` s); returns (results by rank,
+    failure messages by rank, the ranks that reported nothing)."""
+    ctx = mp.get_context("spawn")
+    q, barrier = ctx.Queue(), ctx.Barrier(cfg["tp"])
+    results: Dict[int, dict] = {}
+    failed: Dict[int, str] = {}
+    with tempfile.TemporaryDirectory(prefix="fp8lw_prefill_") as tmp:
+        procs = [ctx.Process(target=_rank_main, args=(r, cfg, tmp, q, barrier), daemon=True) for r in range(cfg["tp"])]
+        for pr in procs:
+            pr.start()
+        deadline = time.monotonic() + cfg["timeout"]
+        while len(results) + len(failed) < cfg["tp"] and time.monotonic() < deadline:
+            try:
+                rank, ok, payload = q.get(timeout=1.0)
+            except Exception:  # noqa: BLE001 - queue.Empty
+                if any(pr.exitcode not in (None, 0) for pr in procs):
+                    break
+                continue
+            (results if ok else failed)[rank] = payload
+            if not ok:  # the others fail too (poison, an aborted barrier) or wait for the failed rank
+                deadline = min(deadline, time.monotonic() + 15)
+        for pr in procs:
+            pr.join(timeout=10)
+            if pr.is_alive():
+                pr.kill()
+                pr.join(timeout=10)
+    missing = sorted(set(range(cfg["tp"])) - set(results) - set(failed))
+    return [results[r] for r in sorted(results)], failed, missing
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        cfg = resolve_config(args)
+    except ValueError as exc:
+        p.error(str(exc))
+    from . import _moe as M
+
+    tp, s = cfg["tp"], cfg["intermediate"] // cfg["tp"]
+    nb = cfg["expert_nbytes"]
+    rows = cfg["tokens"] * cfg["top_k"] // cfg["experts"]
+    ndev = cfg["gpus"]
+    print(f"fp8_layerwise prefill loop: backend={cfg['backend']} tp={tp} layers={cfg['layers']} "
+          f"experts={cfg['experts']} H={cfg['hidden']} I={cfg['intermediate']} tokens={cfg['tokens']} "
+          f"top-k={cfg['top_k']} ({rows} rows per expert) repeat={cfg['repeat']}")
+    print(f"  per rank and layer: {cfg['experts'] * sum(nb) / 1e6:.1f} MB of FP8 experts "
+          f"({sum(nb) / 1e6:.2f} MB per expert) and "
+          f"{_flops(M.moe_flops(cfg['tokens'], cfg['top_k'], cfg['hidden'], s))} of expert GEMMs; "
+          f"rank 0 holds {cfg['layers'] * cfg['experts'] * sum(nb) * tp / 1e6:.1f} MB of experts in host memory")
+    if cfg["backend"] == "cuda":
+        print(f"  {tp} rank(s) on {ndev} GPU(s)" + (f": ranks share GPUs (rank r on GPU r % {ndev}), which checks "
+                                                    "correctness only" if tp > ndev else ", one per GPU"))
+    t0 = time.monotonic()
+    results, failed, missing = run(cfg)
+    if failed or missing:
+        for r, msg in sorted(failed.items()):
+            print(f"rank {r} FAILED: {msg}", file=sys.stderr)
+        if missing:
+            print(f"ranks {missing} reported nothing (died or timed out after {cfg['timeout']:.0f} s)", file=sys.stderr)
+        print("prefill FAILED", file=sys.stderr)
+        return 1
+    lines, table, record, ok = report(cfg, results, ndev)
+    record["wall_s"] = time.monotonic() - t0
+    for line in lines:
+        print("  " + line)
+    if args.out:
+        command = " ".join(["python -m fp8_layerwise.demo --prefill"] + list(sys.argv[1:] if argv is None else argv))
+        md = "\n".join(["# fp8_layerwise prefill loop", "", f"`{command}`", ""] + lines)
+        print("  wrote " + ", ".join(write_outputs(args.out, "prefill", record, md)))
+    print(f"prefill OK: weights byte-exact and outputs checked on every rank ({record['wall_s']:.1f} s)" if ok
+          else "prefill FAILED: see the checks above")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
