@@ -94,6 +94,8 @@ class MoEConfig:
         if not isinstance(world, int) or world < 1 or self.num_experts % world:
             raise ValueError(f"num_experts: expected a multiple of the number of ranks (world={world}), got "
                              f"{self.num_experts}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2 ** 32:
+            raise ValueError(f"seed: expected an int in [0, 2**32), got {self.seed!r}")
         if not self.routed_scaling_factor > 0:
             raise ValueError(f"routed_scaling_factor: expected > 0, got {self.routed_scaling_factor}")
 

@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -59,7 +59,6 @@ import torch
 from ._moe_layer import (REFERENCE_TOLERANCE, EPMoELayer, Marks, MoEConfig, bitwise_equal, expert_weights,
                          local_expert_weights, make_tokens, reference_error, reference_forward, router_weights)
 
-RUNTIMES = ("native", "torch")  # elastic_ep first, the baseline second
 PHASES = (("router", "start", "routed"), ("dispatch", "routed", "dispatched"),
           ("experts", "dispatched", "computed"), ("combine", "computed", "end"))
 GPU_DEFAULTS = dict(tokens="4096", experts=256, hidden=7168, intermediate=2048, iters=20, warmup=3)
@@ -477,7 +476,8 @@ def render(record: Dict[str, Any]) -> str:
                   "| tokens/rank | runtime | micro-batches | comm SMs | sequential ms | overlapped ms | gain |",
                   "|---:|---|---|---:|---:|---:|---:|"]
         for o in record["overlap"]:
-            sms = o["num_sms"] or "all"
+            # the torch runtime runs no kernels of its own: an SM count means nothing to it
+            sms = "-" if o["runtime"] == "torch" else (o["num_sms"] or "all")
             lines.append(f"| {o['tokens']} | {o['name']} | {' + '.join(map(str, o['micro_batches']))} | {sms} | "
                          f"{o['sequential_ms']:.3f} | {o['overlapped_ms']:.3f} | {o['gain']:.2f} x |")
     ne = checks["native_equals_torch"]
@@ -508,9 +508,10 @@ def _plot(record: Dict[str, Any], path: str) -> None:
         widths = [r[f"{name}_ms"] for r in rows]
         ax.barh(labels, widths, left=left, label=name)
         left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()  # rows top-down, in the table's order
     ax.set_xlabel("ms (slowest rank, median)")
     ax.set_title("layer time by stage")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     if record["overlap"]:
         ax = axes[0][1]
         labels, values = [], []
@@ -518,6 +519,7 @@ def _plot(record: Dict[str, Any], path: str) -> None:
             labels += [f"{o['tokens']} tok, sequential", f"{o['tokens']} tok, overlapped"]
             values += [o["sequential_ms"], o["overlapped_ms"]]
         ax.barh(labels, values, color=["tab:gray", "tab:green"] * len(record["overlap"]))
+        ax.invert_yaxis()
         ax.set_xlabel("ms")
         ax.set_title("two micro-batches")
     fig.tight_layout()
