@@ -48,7 +48,7 @@ def _check(data, tp, layers, repeat):
         for a in rank["alone"]:
             assert a["bytes"] == want and a["h2d_ms"] > 0 and a["transfer_ms"] > 0, a
             assert a["reproducible"] and len(a["compute_runs_ms"]) == repeat and min(a["compute_runs_ms"]) > 0, a
-        assert len(rank["loops"]) == repeat
+        assert [lp["warmup"] for lp in rank["loops"]] == [True] + [False] * repeat
         for loop in rank["loops"]:
             # The outputs of the loop have the bits of the layers computed alone, on the verified bytes.
             assert loop["outputs_equal"] == [True] * layers and loop["violations"] == [], loop["violations"]
