@@ -66,17 +66,14 @@ CPU_DEFAULTS = dict(tokens="64", experts=32, hidden=256, intermediate=128, iters
 CPU_MAX_WEIGHT_BYTES = 8 << 30  # all ranks' experts live in this machine's memory on the CPU
 
 CPU_EXPLANATION = """\
-No usable CUDA GPU: running the CPU fallback.
-On GPUs this demo runs a DeepSeek-V3 MoE layer (4096 tokens per rank, hidden 7168, top-8 of 256
-experts in 8 groups, intermediate 2048) with one rank per GPU: the router picks each token's
-experts, the tokens are cast to FP8, elastic_ep's native kernels dispatch them into per-expert
-segments aligned to 128 rows, torch._grouped_mm runs the experts' SwiGLU FFN, and combine sums the
-weighted rows back. The same layer on the torch.distributed reference runtime (all_to_all_single +
-permutes) is the baseline: both outputs must be bitwise equal. It reports the layer time, the
-communication share and the speed-up, then the gain from overlapping two micro-batches (one
-computes while the other communicates).
+No usable CUDA GPU: running the CPU fallback. On GPUs this demo runs a DeepSeek-V3 MoE layer (4096
+tokens per rank, hidden 7168, top-8 of 256 experts, intermediate 2048), one rank per GPU: router ->
+FP8 cast -> elastic_ep's native dispatch into per-expert segments aligned to 128 rows ->
+torch._grouped_mm SwiGLU experts -> combine, against the same layer on the torch.distributed
+reference runtime (all_to_all_single + permutes), whose output must be bitwise equal; it reports the
+layer time, the communication share, the speed-up and the gain from pipelining two micro-batches.
 Here: the same layer, small, with the torch runtime over gloo on CPU processes, checked against a
-plain single-process computation of the layer; the times are CPU times, not a benchmark."""
+plain single-process computation; the times are CPU times, not a benchmark."""
 
 
 # ------------------------------------------------------------------------------------------ config
