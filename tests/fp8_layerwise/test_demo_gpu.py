@@ -61,7 +61,9 @@ def _check(data, tp, layers, repeat):
                 assert t["buffer"] == c["buffer"] == layer % 2
                 assert c["end_ms"] > c["start_ms"] and t["end_ms"] > t["start_ms"]
                 if layer >= 2:  # streamed only once the compute that last read its buffer had finished
-                    assert t["start_ms"] >= ev[("compute", layer - 2)]["end_ms"], (layer, t, ev[("compute", layer - 2)])
+                    # (the GPU's event times are mapped onto the host clock, to within microseconds)
+                    prev = ev[("compute", layer - 2)]
+                    assert t["start_ms"] >= prev["end_ms"] - 0.05, (layer, t, prev)
     for s in data["summary"]:
         assert s["bytes_exact"] and s["outputs_equal"] and s["timeline_ok"] and s["reproducible"]
         assert s["loop_goal"] in (("met", "MISSED") if data["goals_judged"] else ("not judged",))

@@ -159,7 +159,8 @@ def _report(args, nb, results, t0: float, t_end: float):
 def stream_main(argv=None) -> int:
     """The streaming demo (``--stream``)."""
     p = argparse.ArgumentParser(prog="python -m fp8_layerwise.demo --stream",
-                                description="Stream synthetic block-FP8 MoE layers between TP processes and verify every byte.")
+                                description="Stream synthetic block-FP8 MoE layers between TP processes and "
+                                            "verify every byte.")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (processes), 1..8")
     p.add_argument("--experts", type=int, default=32, help="experts per layer")
     p.add_argument("--layers", type=int, default=6, help="layers to stream")
@@ -219,7 +220,8 @@ def stream_main(argv=None) -> int:
         out = os.path.abspath(args.out)
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "demo.md"), "w") as f:
-            command = " ".join(["python -m fp8_layerwise.demo --stream"] + list(sys.argv[1:] if argv is None else argv))
+            command = " ".join(["python -m fp8_layerwise.demo --stream"]
+                               + list(sys.argv[1:] if argv is None else argv))
             f.write("\n".join(["# fp8_layerwise demo", "", f"`{command}`", ""] + lines) + "\n")
         with open(os.path.join(out, "demo.json"), "w") as f:
             json.dump(record, f, indent=1)
