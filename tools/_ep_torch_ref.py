@@ -2,8 +2,8 @@
 
 Issue 5 compares elastic_ep end to end with "the torch reference path" (its EP 2 figures: dispatch
 648 us, combine 876 us). The repository's own torch backend (``backend="torch"``) cannot be that
-reference: it reproduces every output of the seed (handles, expert layouts, statistics, slot indices)
-and takes milliseconds. This is the lean path, measured in the same run by
+reference: it reproduces every output of DeepEP V2's ElasticBuffer (handles, expert layouts, statistics,
+slot indices) and takes milliseconds. This is the lean path, measured in the same run by
 ``tools/bench_elastic_ep.py`` as backend ``torch_ref``:
 
 dispatch (non-expand, CPU-synced, one row per (token, destination rank)):

@@ -36,8 +36,8 @@ host skew, not communication (``--align barrier`` measures that way: barrier, th
     combine a user writes without elastic_ep (counts through all_to_all_single and one host sync,
     index_select packing, one all_to_all_single of packed rows; combine back and index_add_). This
     is the reference of issue 5's "3x end to end" target; its rows are checked against native's;
-  - the repository's torch backend ("torch": every output of the seed, handles and expert layouts
-    included; a correctness oracle that takes milliseconds);
+  - the repository's torch backend ("torch": every output of DeepEP V2's ElasticBuffer, handles and
+    expert layouts included; a correctness oracle that takes milliseconds);
   - a bare ``all_to_all_single`` of exactly the bytes that must move ("torch_a2a"): the floor of any
     all_to_all-based path.
 
@@ -288,25 +288,28 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
           try:
             buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, use_fp8_dispatch=True,
                                    backend=backend, explicitly_destroy=True)
+            # --num-sms 0: every SM, what the benchmark always measured (elastic_ep's own num_sms=0 is
+            # DeepEP's get_theoretical_num_sms, which leaves SMs to overlapped compute).
+            call_sms = num_sms or torch.cuda.get_device_properties(rank).multi_processor_count
             cases = {
                 "dispatch_bf16": lambda: buf.dispatch(inp["xb"], topk_idx=inp["topk"], topk_weights=inp["w"],
-                                                      num_experts=E, num_sms=num_sms),
+                                                      num_experts=E, num_sms=call_sms),
                 "dispatch_fp8": lambda: buf.dispatch((inp["x8"], inp["sf"]), topk_idx=inp["topk"],
-                                                     topk_weights=inp["w"], num_experts=E, num_sms=num_sms),
+                                                     topk_weights=inp["w"], num_experts=E, num_sms=call_sms),
             }
             # Without the CPU sync (worst-case outputs, counts on the GPU): with the aligned start the
             # host has queued all of it before the GPU reaches it, so its e2e is the device time of the
             # whole call, measured with no profiler attached.
             cases["dispatch_bf16_nosync"] = lambda: buf.dispatch(inp["xb"], topk_idx=inp["topk"], topk_weights=inp["w"],
-                                                                 num_experts=E, num_sms=num_sms, do_cpu_sync=False)
+                                                                 num_experts=E, num_sms=call_sms, do_cpu_sync=False)
             recv, _, rw, handle, _ = cases["dispatch_bf16"]()
             if backend == "native" and native_rows is None:
                 native_rows = _row_checksums(recv)
             # Cached mode (the handle's routing, no counting and no CPU sync): what DeepEP's own
             # figures time (its tuning runs dispatch with a handle, so no notify kernel is counted).
             cases["dispatch_bf16_cached"] = lambda: buf.dispatch(inp["xb"], topk_weights=inp["w"], handle=handle,
-                                                                 num_sms=num_sms)
-            cases["combine_bf16"] = lambda: buf.combine(recv, handle, topk_weights=rw, num_sms=num_sms)
+                                                                 num_sms=call_sms)
+            cases["combine_bf16"] = lambda: buf.combine(recv, handle, topk_weights=rw, num_sms=call_sms)
             # Overlapped variants: the same calls with the low-level buffer's OverlapConfig switched on
             # for the case (and back off after it).
             case_overlap = {}

@@ -1,7 +1,8 @@
 # Shared build logic of the three packages (include()d by each package's CMakeLists.txt and by the
 # top-level superbuild). Provides:
 #   commkit_setup()                        Python, pybind11, torch location, CUDA auto-detection
-#   commkit_find_nccl()                    imported target commkit::nccl (+ COMMKIT_NCCL_VERSION_CODE)
+#   commkit_find_nccl([OPTIONAL])          imported target commkit::nccl (+ COMMKIT_NCCL_VERSION_CODE);
+#                                          OPTIONAL: COMMKIT_NCCL_FOUND OFF instead of an error when absent
 #   commkit_add_extension(<target> MODULE <name> SOURCES .. [CUDA_SOURCES ..] [NCCL] [DESTINATION d])
 #   commkit_use_torch(<target>)            link libtorch for a package that needs its C++ API
 #
@@ -87,7 +88,9 @@ endmacro()
 
 # NCCL from (in order) -DNCCL_HOME, $NCCL_HOME, $NCCL_ROOT, the nvidia-nccl-cu13 / -cu12 wheel.
 function(commkit_find_nccl)
+  cmake_parse_arguments(A "OPTIONAL" "" "" ${ARGN})
   if(TARGET commkit::nccl)
+    set(COMMKIT_NCCL_FOUND ON PARENT_SCOPE)
     return()
   endif()
   set(_root "")
@@ -102,6 +105,10 @@ function(commkit_find_nccl)
                     OUTPUT_VARIABLE _root OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
   endif()
   if(NOT _root OR NOT EXISTS "${_root}/include/nccl.h")
+    if(A_OPTIONAL)
+      set(COMMKIT_NCCL_FOUND OFF PARENT_SCOPE)
+      return()
+    endif()
     message(FATAL_ERROR "commkit: NCCL not found. Install nvidia-nccl-cu13 (or -cu12), which the CUDA "
                         "build of torch brings, or set NCCL_HOME to a folder with include/nccl.h")
   endif()
@@ -117,6 +124,7 @@ function(commkit_find_nccl)
   set(COMMKIT_NCCL_VERSION_CODE ${_code} PARENT_SCOPE)
   set(COMMKIT_NCCL_VERSION "${_maj}.${_min}.${_pat}" PARENT_SCOPE)
   set(COMMKIT_NCCL_ROOT "${_root}" PARENT_SCOPE)
+  set(COMMKIT_NCCL_FOUND ON PARENT_SCOPE)
   set(COMMKIT_NCCL_HAS_DEVICE_API OFF PARENT_SCOPE)
   if(EXISTS "${_root}/include/nccl_device.h")
     set(COMMKIT_NCCL_HAS_DEVICE_API ON PARENT_SCOPE)

@@ -1,9 +1,12 @@
 """In-process unit tests of the small API pieces: EPHandle.copy, EventOverlap, the package surface."""
+import pytest
 import torch
 
 from tests.elastic_ep._common import import_elastic_ep
 
 ep = import_elastic_ep()
+from elastic_ep import _checks, _env, _nvml  # noqa: E402
+from elastic_ep._handle import sorted_metadata  # noqa: E402
 from elastic_ep.buffer import EPHandle, EventOverlap  # noqa: E402
 
 
@@ -88,12 +91,12 @@ def test_event_handle_is_exported_and_capture_is_static():
     h = ep.ElasticBuffer.capture()  # no CUDA initialised here: nothing recorded, waiting is a no-op
     h.current_stream_wait()
     # both forms are accepted as event arguments, anything else is refused before launch
-    ep.ElasticBuffer._check_event("previous_event", h)
-    ep.ElasticBuffer._check_event("previous_event", EventOverlap(h))
-    ep.ElasticBuffer._check_event("previous_event", EventOverlap(None))
+    _checks.check_event("previous_event", h)
+    _checks.check_event("previous_event", EventOverlap(h))
+    _checks.check_event("previous_event", EventOverlap(None))
     for bad in (object(), EventOverlap(object()), 3):
         try:
-            ep.ElasticBuffer._check_event("previous_event", bad)
+            _checks.check_event("previous_event", bad)
         except ValueError as err:
             assert "previous_event: expected None, an EventHandle" in str(err)
         else:
@@ -114,7 +117,7 @@ def test_handle_identity_semantics_and_derived_sizes():
 def test_deterministic_metadata_follows_the_sorted_rows():
     """DeepEP's deterministic metadata: non-expand rows permuted with the output rows; expand row
     pointers (columns 2..) remapped to where the rows moved, -1 kept."""
-    sm = ep.ElasticBuffer._sorted_metadata
+    sm = sorted_metadata
     meta = torch.tensor([[30, 0, -1, -1], [10, 1, -1, -1], [20, 2, -1, -1]], dtype=torch.int32)
     perm = torch.tensor([1, 2, 0])  # user row j = backend row perm[j]: sources 10, 20, 30
     assert sm(meta, perm, False)[:, 0].tolist() == [10, 20, 30]
@@ -130,21 +133,27 @@ def test_deterministic_metadata_follows_the_sorted_rows():
                 assert int(perm[r_new]) in meta[i, 2:].tolist()
 
 
+def _buffer(num_ranks=2, settings=None):
+    b = object.__new__(ep.ElasticBuffer)
+    b.num_ranks, b.device, b.prefer_overlap_with_compute = num_ranks, torch.device("cpu"), True
+    b._settings, b._device_sms = settings or _env.Settings(), 132
+    return b
+
+
 def test_theoretical_num_sms_follows_the_bandwidth_model():
     """DeepEP's model at EP 2, 256 experts, top-8: each SM writes 50 GB/s, the link carries half the
     rows at 450 GB/s, so 18 SMs, +25 % -> 24 (even); at least 64 without preferring overlap; all SMs
-    at EP 1; EP_NUM_SMS wins."""
-    b = object.__new__(ep.ElasticBuffer)
-    b.num_ranks, b.device, b.prefer_overlap_with_compute, b._env_num_sms = 2, torch.device("cpu"), True, 0
-    assert b.get_theoretical_num_sms(256, 8) == 24
+    at EP 1; ELASTIC_EP_NUM_SMS wins."""
+    b = _buffer()
+    assert b.get_theoretical_num_sms(256, 8) == 24  # off a GPU: NVML has no device, 450 GB/s
     assert b.get_theoretical_num_sms(256, 8, nvlink_gbs=900) == 46
     b.prefer_overlap_with_compute = False
     assert b.get_theoretical_num_sms(256, 8) == 64
     b.num_ranks = 1
     assert b.get_theoretical_num_sms(256, 8) == 132  # no link traffic: the whole (assumed H200) device
-    b._env_num_sms = 20
+    b._settings = _env.Settings(num_sms=20)
     assert b.get_theoretical_num_sms(256, 8) == 20
-    b._env_num_sms, b.num_ranks = 0, 2
+    b._settings, b.num_ranks = _env.Settings(), 2
     for args in ((255, 8), (256, 0), (256, 8, 1)):
         try:
             b.get_theoretical_num_sms(*args)
@@ -152,3 +161,110 @@ def test_theoretical_num_sms_follows_the_bandwidth_model():
             pass
         else:
             raise AssertionError(f"{args} accepted")
+
+
+def test_num_sms_zero_means_the_theoretical_count_cached(monkeypatch):
+    """dispatch / combine with num_sms=0 use get_theoretical_num_sms, as DeepEP; computed once per shape."""
+    b = _buffer()
+    calls = []
+    real = ep.ElasticBuffer.get_theoretical_num_sms
+    monkeypatch.setattr(ep.ElasticBuffer, "get_theoretical_num_sms",
+                        lambda self, e, k, *a: calls.append((e, k)) or real(self, e, k, *a))
+    b._sms_cache = {}
+    assert b._sms_for(256, 8) == 24 and b._sms_for(256, 8) == 24 and calls == [(256, 8)]
+    assert b._sms_for(4, 8) == real(b, 4, 4)  # top-k above the expert count (repeated ids): capped
+    b._max_sms = 16
+    with pytest.raises(ValueError, match=r"num_sms must be in \[0, 16\], got 24"):
+        _checks._num_sms(b, 0, 256, 8)
+    assert _checks._num_sms(b, 12, 256, 8) == 12
+
+
+class _FakeNvml:
+    """pynvml's calls used by _nvml, on a made-up device with 18 links of which 16 are active."""
+
+    NVML_FEATURE_ENABLED = 1
+    NVMLError = RuntimeError
+
+    def __init__(self):
+        self.calls = []
+
+    def nvmlInit(self):
+        self.calls.append("init")
+
+    def nvmlShutdown(self):
+        self.calls.append("shutdown")
+
+    def nvmlDeviceGetHandleByPciBusId(self, bus):
+        self.calls.append(bus)
+        return "dev"
+
+    def nvmlDeviceGetNvLinkState(self, dev, link):
+        if link >= 18:
+            raise RuntimeError("no such link")
+        return 1 if link < 16 else 0
+
+    def nvmlDeviceGetFieldValues(self, dev, fields):
+        assert fields == [90]  # NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON
+        from types import SimpleNamespace
+        return [SimpleNamespace(nvmlReturn=0, value=SimpleNamespace(uiVal=25000))]
+
+
+def test_nvlink_bandwidth_from_nvml_is_cached(monkeypatch):
+    import sys
+
+    fake = _FakeNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(_nvml, "_cache", {})
+    # 16 active links x 25 GB/s x 0.9 (DeepEP's factor on nvidia-smi's figures)
+    assert _nvml.nvlink_gbs("0000:18:00.0") == pytest.approx(16 * 25.0 * 0.9)
+    assert _nvml.nvlink_gbs("0000:18:00.0") == pytest.approx(360.0)
+    assert fake.calls == ["init", "0000:18:00.0", "shutdown"]  # asked once
+    assert _nvml.nvlink_gbs(None) == _nvml.FALLBACK_GBS  # no device (a CPU buffer)
+    # A buffer on that GPU asks NVML when nvlink_gbs=0: the model then needs 360 / 0.5 / 50 = 14.4 SMs
+    # -> 18 (+25 %, even), where the 450 GB/s fallback gives 24.
+    from types import SimpleNamespace
+
+    b = _buffer()
+    b.device = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: SimpleNamespace(pci_domain_id=0, pci_bus_id=0x18, pci_device_id=0))
+    assert b.get_theoretical_num_sms(256, 8) == 18
+    assert fake.calls == ["init", "0000:18:00.0", "shutdown"]  # still asked once
+
+
+def test_nvlink_bandwidth_through_ctypes_and_the_fallback(monkeypatch):
+    import ctypes
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not importable: the ctypes path
+
+    class Lib:
+        def nvmlInit_v2(self):
+            return 0
+
+        def nvmlShutdown(self):
+            return 0
+
+        def nvmlDeviceGetHandleByPciBusId_v2(self, bus, out):
+            assert bus == b"0000:3a:00.0"
+            return 0
+
+        def nvmlDeviceGetNvLinkState(self, dev, link, out):
+            ctypes.cast(out, ctypes.POINTER(ctypes.c_uint))[0] = 1 if link.value < 18 else 0
+            return 0
+
+        def nvmlDeviceGetFieldValues(self, dev, count, out):
+            field = ctypes.cast(out, ctypes.POINTER(_nvml._FieldValue))[0]
+            assert count.value == 1 and field.fieldId == 90
+            field.nvmlReturn, field.value.uiVal = 0, 26562
+            return 0
+
+    monkeypatch.setattr(_nvml, "_cache", {})
+    monkeypatch.setattr(_nvml, "_load_libnvml", lambda: Lib())
+    assert _nvml.nvlink_gbs("0000:3a:00.0") == pytest.approx(18 * 26.562 * 0.9)
+
+    def missing():
+        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(_nvml, "_load_libnvml", missing)
+    assert _nvml.nvlink_gbs("0000:3b:00.0") == _nvml.FALLBACK_GBS

@@ -1,44 +1,68 @@
-"""The dispatch-mode checks both low-level backends share (elastic_ep._checks)."""
+"""Unit tests of the one checks module (elastic_ep._checks): tensor checks and their messages, the routing
+limits, and the expert-id helpers the runtimes share."""
 import pytest
+import torch
 
-from tests.elastic_ep._common import import_elastic_ep
+from tests.elastic_ep._common import native_module_or_skip
 
-
-def _checks():
-    import_elastic_ep()
-    from elastic_ep import _checks
-
-    return _checks
+native_module_or_skip()
+from elastic_ep import _checks  # noqa: E402
 
 
-def test_zero_padding_needs_expand():
-    with pytest.raises(ValueError, match="do_zero_padding: only valid with do_expand=True"):
-        _checks().check_dispatch_modes(False, True, False, None)
-    _checks().check_dispatch_modes(True, True, True, None)
+def test_check_tensor_names_the_argument_and_what_is_wrong():
+    cpu = torch.device("cpu")
+    ok = torch.zeros(4, 8, dtype=torch.bfloat16)
+    _checks.check_tensor("x", ok, (torch.bfloat16,), 2, cpu, shape=(4, None))
+    cases = [
+        ("x: expected a torch.Tensor, got 'list'", [1], {}),
+        ("x: expected dtype in ['torch.bfloat16'], got torch.float32", ok.float(), {}),
+        ("x: expected a 2-D tensor, got shape (32,)", ok.view(-1), {}),
+        ("x: expected shape (5, '*'), got shape (4, 8)", ok, dict(shape=(5, None))),
+        ("x: expected a tensor on cpu (the buffer's device), got meta", ok.to("meta"), {}),
+        ("x: expected a contiguous tensor, got strides (1, 4)", ok.t().contiguous().t(), {}),
+    ]
+    for msg, t, kw in cases:
+        with pytest.raises(ValueError) as info:
+            _checks.check_tensor("x", t, (torch.bfloat16,), 2, cpu, **kw)
+        assert str(info.value) == msg
+    _checks.check_tensor("sf", ok.t().contiguous().t(), (torch.bfloat16,), 2, cpu, contiguous=False)
 
 
-def test_cached_mode_names_every_missing_field_and_forbids_cpu_sync():
-    full = {"cached_a": 1, "cached_b": [0]}
-    _checks().check_dispatch_modes(False, False, False, full)
-    with pytest.raises(ValueError, match="missing cached_b, cached_c"):
-        _checks().check_dispatch_modes(False, False, False, {"cached_a": 1, "cached_b": None, "cached_c": None})
-    with pytest.raises(ValueError, match="cannot do a CPU sync"):
-        _checks().check_dispatch_modes(False, False, True, full)
+def test_integers_of_any_kind_and_nothing_else():
+    import numpy as np
+
+    assert _checks.int_arg("n", np.int16(3), 0) == 3 and type(_checks.int_arg("n", np.int16(3))) is int
+    for bad in (True, 1.0, "1", None):
+        with pytest.raises(ValueError, match="n: expected"):
+            _checks.int_arg("n", bad, 0)
+    with pytest.raises(ValueError, match=r"n: expected at most 7 \(why\), got 8"):
+        _checks.int_arg("n", 8, 0, 7, " (why)")
+    assert _checks.c_ints(a=1, b=-2) == (1, -2)
+    with pytest.raises(ValueError, match=r"b: expected an int in \[-2\*\*31, 2\*\*31\)"):
+        _checks.c_ints(a=1, b=2 ** 31)
 
 
-def test_expert_id_count_and_example(monkeypatch):
-    import torch
+def test_routing_limits_are_the_kernels():
+    assert (_checks.MAX_EXPERTS, _checks.MAX_LOCAL_EXPERTS, _checks.MAX_TOPK) == (2048, 256, 32)
+    assert _checks.check_routing(256, 128, 8, 4096, 8) == (256, 128)
+    with pytest.raises(ValueError, match="num_experts: expected a positive multiple of the rank count 8, got 100"):
+        _checks.check_routing(100, 1, 8, 4096, 8)
+    with pytest.raises(ValueError, match="at most 256 experts per rank"):
+        _checks.check_routing(512, 1, 1, 16, 8)
+    with pytest.raises(ValueError, match="expert_alignment: 2147483648 .* must be below 2\\*\\*31"):
+        _checks.check_routing(16, 2 ** 31, 2, 16, 4)
+    with pytest.raises(ValueError, match="expert_alignment: 1 .* worst case of 2147483648 rows"):
+        _checks.check_routing(2048, 1, 8, 2 ** 23, 32)  # 8 ranks x 2**23 tokens x 32 rows = 2**31
 
-    c = _checks()
+
+def test_expert_id_count_and_example():
     idx = torch.tensor([[0, 1, -1], [7, 3, 2]], dtype=torch.int64)
-    assert c.count_bad_expert_ids(idx, 8) == (0, 0)  # -1 (masked) and 0..7 are fine
+    assert _checks.count_bad_expert_ids(idx, 8) == (0, 0)  # -1 (masked) and 0..7 are fine
     bad = idx.clone()
     bad[1, 0], bad[0, 2] = 8, -2
-    n, example = c.count_bad_expert_ids(bad, 8)
+    n, example = _checks.count_bad_expert_ids(bad, 8)
     assert n == 2 and example in (8, -2)
-    assert c.count_bad_expert_ids(torch.empty((0, 3), dtype=torch.int64), 8) == (0, 0)
+    assert _checks.count_bad_expert_ids(torch.empty((0, 3), dtype=torch.int64), 8) == (0, 0)
+    assert _checks.count_bad_expert_ids(bad.int(), 8)[0] == 2  # 32-bit ids too
     with pytest.raises(ValueError, match=r"expert ids must be in \[-1, 8\), got 2 outside it \(e\.g\. 8\)"):
-        raise c.expert_ids_error(2, 8, 8)
-    assert c.index_check_enabled()
-    monkeypatch.setenv("EP_SKIP_INDEX_CHECK", "1")
-    assert not c.index_check_enabled()  # the documented escape hatch
+        raise _checks.expert_ids_error(2, 8, 8)

@@ -75,8 +75,8 @@ BUFFER_METHODS = [
     ("all_gather", [("t", REQ)], False),
 ]
 
-# Set by the constructor (upstream's documented attributes; `nccl_comm_handle` is left out: see README).
-BUFFER_ATTRIBUTES = ["group", "rank_idx", "num_ranks", "allow_hybrid_mode", "allow_multiple_reduction",
+# Set by the constructor (upstream's documented attributes).
+BUFFER_ATTRIBUTES = ["group", "rank_idx", "num_ranks", "nccl_comm_handle", "allow_hybrid_mode", "allow_multiple_reduction",
                      "prefer_overlap_with_compute", "deterministic", "num_bytes", "num_max_tokens_per_rank",
                      "num_allocated_qps", "explicitly_destroy", "runtime", "num_scaleout_ranks", "num_scaleup_ranks",
                      "scaleout_rank_idx", "scaleup_rank_idx", "num_rdma_ranks", "num_nvlink_ranks"]
@@ -220,6 +220,8 @@ def api_worker(rank, world, rdzv):
     assert ep.get_logical_domain_size(group, False) == (1, world)
     assert buf.num_bytes % ep.get_elastic_buffer_alignment() == 0
     assert buf.num_bytes == ep.ElasticBuffer.get_buffer_size_hint(group, M, H, K, True, True, True)
+    # DeepEP's communicator object: get() is the ncclComm_t, 0 without NCCL (here: gloo, torch backend)
+    assert buf.nccl_comm_handle.get() == buf.nccl_comm == 0
     buf.barrier(True, False, True)
 
     # ---- RDMA-only arguments: upstream's automatic QP counts; num_qps bounded by them, else no effect
@@ -270,6 +272,15 @@ def api_worker(rank, world, rdzv):
     # cached mode: positional handle (14th), as upstream's callers write it
     cx2, _, _, h2, _ = buf.dispatch(x, None, None, None, None, None, None, 0, 0, None, None, False, False, handle)
     assert h2 is handle and torch.equal(cx2, recv_x)
+    # num_sms=0 is get_theoretical_num_sms, as upstream; the handle keeps it for combine
+    assert handle.num_sms == buf.get_theoretical_num_sms(E, K) > 0
+    # a 32-bit topk_idx (upstream's topk_idx_t in its default build) gives the same outputs and combine
+    r32, i32, w32, h32, _ = buf.dispatch(x, idx.int(), w, None, E)
+    assert torch.equal(r32, recv_x) and torch.equal(i32, recv_idx) and torch.equal(w32, recv_w)
+    assert h32.topk_idx.dtype == torch.int32 and torch.equal(h32.topk_idx, idx.int())  # its copy, as given
+    assert torch.equal(buf.combine(r32 * 2, h32, w32)[0], cx)
+    e32 = buf.dispatch(x, idx.int(), w, None, E, None, 4, do_expand=True, do_zero_padding=True)
+    assert torch.equal(e32[0], buf.dispatch(x, idx, w, None, E, None, 4, do_expand=True, do_zero_padding=True)[0])
 
     # ---- static hints that read the group; unimplemented features say so
     assert ep.ElasticBuffer.get_agrs_num_max_session_bytes(group, (3, 5), torch.bfloat16) == \
@@ -306,9 +317,19 @@ def api_worker(rank, world, rdzv):
         rx, ri, rw, h, _ = buf.dispatch(x, idx, w, None, E, None, 4, **modes)
         dx, di, dw, dh, _ = det.dispatch(x, idx, w, None, E, None, 4, **modes)
         assert h.cached_recv_src_metadata_before_sort is None
+        if expand:
+            # upstream: a cached expanded dispatch is placed through recv_src_metadata, and sorting its
+            # outputs does nothing (here on a handle never sorted: nothing moves, nothing is stored)
+            ux, _, uw, _, _ = buf.dispatch(x, topk_weights=w, handle=h, **modes)
+            before = ux.clone()
+            h.deterministic_sort(False, True, ux, None, None, uw, None)
+            assert torch.equal(ux, before) and h.perm is None and h.cached_recv_src_metadata_before_sort is None
+        pre_sort = h.recv_src_metadata.clone()
         assert expand != torch.equal(rx, dx)  # shuffled expanded rows: the sort below has work to do
         h.deterministic_sort(True, False, rx, None, ri, rw, None)
-        assert torch.equal(h.cached_recv_src_metadata_before_sort, dh.cached_recv_src_metadata_before_sort) or expand
+        # upstream's plain attribute: a clone of the metadata the sort replaced
+        saved = h.cached_recv_src_metadata_before_sort
+        assert torch.equal(saved, pre_sort) and saved is not h.raw_recv_src_metadata
         assert torch.equal(rx, dx) and torch.equal(rw, dw) and torch.equal(h.recv_src_metadata, dh.recv_src_metadata)
         assert (ri is None and di is None) if expand else torch.equal(ri, di)
         h.deterministic_sort(True, False, rx, None, ri, rw, None)  # already sorted: nothing moves
@@ -321,6 +342,8 @@ def api_worker(rank, world, rdzv):
         a = buf.combine(rx * 3, h, rw)
         b_ = det.combine(dx * 3, dh, dw)
         assert torch.equal(a[0], b_[0]) and torch.equal(a[1], b_[1])
+        h.cached_recv_src_metadata_before_sort = None  # assignable; nothing reads it here
+        assert torch.equal(buf.combine(rx * 3, h, rw)[0], a[0])
     try:
         h.deterministic_sort(True, False, rx, None, None, rw, torch.zeros(1))
     except ValueError as e:

@@ -1,9 +1,11 @@
-"""GPU tests of the native low-level buffer (elastic_ep._low_level) against an independent reference.
+"""GPU tests of the native runtime (elastic_ep._low_level, DeepEP's low level) against an independent reference.
 
 Every rank all-gathers the inputs of all ranks and recomputes, with plain torch, what it must receive:
 rows grouped by source rank then source token, local expert ids, weights, counts, prefix sums and the
-combine sums in the documented fixed order (fp32, slot order, then bias_0, then bias_1). Comparisons are
-bitwise (torch.equal), expand-mode segments after sorting by source token.
+combine sums in DeepEP's order (fp32 from the biases, then per top-k lane the partial of the rank whose
+last lane it is). Comparisons are bitwise (torch.equal), expand-mode segments after sorting by source
+token. The runtime takes typed arguments (``DispatchArgs`` / ``CombineArgs``), built by ``_dispatch`` /
+``_combine`` below as ``ElasticBuffer`` would after validating them.
 
 Timing is not measured here: tools/bench_elastic_ep.py times the same DeepSeek-V3 shape (dispatch BF16,
 FP8 and cached, combine) with kernel and end-to-end figures.
@@ -40,6 +42,33 @@ def _new_buffer(rank, world_size, comm, num_bytes, multi, gpu_timeout=20, window
         buf.sync(handles)
     dist.barrier()
     return buf
+
+
+def _dispatch(buf, x, sf, topk, w, stats, max_tokens, E, align, *, cpu_sync=True, expand=False, zero_pad=False,
+              tma_sf=False, handle=None, previous_event=None, async_=False, comm_alloc=False):
+    """A dispatch on the native runtime; returns ``(outputs in DeepEP's C++ order, handle)``: (recv_x, recv_sf,
+    recv_topk_idx, recv_topk_weights, the handle's topk_idx, num_recv_tokens, num_expanded_tokens, the
+    per-expert list, psum per rank, psum per expert, unaligned counts, recv_src_metadata, slots, None,
+    None, event)."""
+    from elastic_ep._runtime import DispatchArgs
+
+    if handle is not None:
+        topk, stats, cpu_sync = handle.topk_idx, None, False
+    a = DispatchArgs(x, sf, topk, w, stats, handle, x.shape[0], x.shape[1], topk.shape[1], E, max_tokens, align,
+                     buf.num_device_sms, 0, previous_event, None, async_, comm_alloc, True, cpu_sync, expand,
+                     zero_pad, tma_sf)
+    r = buf.dispatch(a)
+    h = r.handle
+    return (r.recv_x, r.recv_sf, r.recv_topk_idx, r.recv_topk_weights, h.topk_idx, h.num_recv_tokens,
+            h.num_expanded_tokens, h.num_recv_tokens_per_expert_list, h.psum_num_recv_tokens_per_scaleup_rank,
+            h.psum_num_recv_tokens_per_expert, h.num_unaligned_recv_tokens_per_expert, h.recv_src_metadata,
+            h.dst_buffer_slot_idx, None, None, r.event), h
+
+
+def _combine(buf, y, handle, w=None, b0=None, b1=None):
+    from elastic_ep._runtime import CombineArgs
+
+    return buf.combine(CombineArgs(y, handle, w, b0, b1, buf.num_device_sms, 0, None, None, False, False))
 
 
 def _assert(cond, msg=""):
@@ -198,14 +227,11 @@ def _worker_modes(rank, world_size, rdzv, cases, window="nccl"):
             sfs = _gather_var(sf.contiguous(), R) if sf is not None else None
             ref = _reference(rank, R, None, xs, sfs, topks, ws, E, K, T_max, align)
 
-            kw = dict(num_sms=0, num_qps=0, previous_event=None, previous_event_before_epilogue=None,
-                      async_with_compute_stream=False, allocate_on_comm_stream=False)
+            kw = {}
             if stream_mode == "async":
-                kw.update(async_with_compute_stream=True, allocate_on_comm_stream=True,
-                          previous_event=ll.EventHandle())
-            out = buf.dispatch(x, sf, topk, w, stats, None, None, None, None, None, None, None, None, None, None,
-                               T_max, E, align, do_handle_copy=True, do_cpu_sync=cpu_sync, do_expand=expand,
-                               do_zero_padding=zero_pad, use_tma_aligned_col_major_sf=(seed % 2 == 1), **kw)
+                kw.update(async_=True, comm_alloc=True, previous_event=ll.EventHandle())
+            out, handle = _dispatch(buf, x, sf, topk, w, stats, T_max, E, align, cpu_sync=cpu_sync, expand=expand,
+                                    zero_pad=zero_pad, tma_sf=(seed % 2 == 1), **kw)
             if out[-1] is not None:
                 out[-1].current_stream_wait()
             torch.cuda.synchronize()
@@ -227,11 +253,9 @@ def _worker_modes(rank, world_size, rdzv, cases, window="nccl"):
             # Cached dispatch reproduces the same rows.
             (recv_x, recv_sf, recv_topk, recv_w, copied, n_recv, n_exp, per_exp_list, psum_rank, psum_exp, unal, meta,
              slot_idx, _, _, _) = out
-            out2 = buf.dispatch(x, sf, topk, w, None, n_recv, n_exp, per_exp_list, psum_rank, psum_exp, unal, slot_idx,
-                                None, meta, None, T_max, E, align, num_sms=0, num_qps=0, previous_event=None,
-                                previous_event_before_epilogue=None, async_with_compute_stream=False,
-                                allocate_on_comm_stream=False, do_handle_copy=False, do_cpu_sync=False,
-                                do_expand=expand, do_zero_padding=zero_pad, use_tma_aligned_col_major_sf=(seed % 2 == 1))
+            out2, h2 = _dispatch(buf, x, sf, None, w, None, T_max, E, align, expand=expand, zero_pad=zero_pad,
+                                 tma_sf=(seed % 2 == 1), handle=handle)
+            soft(lambda: _assert(h2 is handle), "cached dispatch returns its handle")
             torch.cuda.synchronize()
             N = sum(ref["per_rank"])
             n_rows = int(psum_exp[-1]) if expand and L else N
@@ -251,8 +275,7 @@ def _worker_modes(rank, world_size, rdzv, cases, window="nccl"):
             b0 = b[0] if nbias > 0 else None
             b1 = b[1] if nbias > 1 else None
             cw = recv_w
-            cx, cwt, _ = buf.combine(y, cw, b0, b1, meta, topk, psum_rank, None, None, E, T_max, 0, 0, None, None,
-                                     False, False, expand)
+            cx, cwt, _ = _combine(buf, y, handle, cw, b0, b1)
             torch.cuda.synchronize()
             # Reference: every rank's y rows for my tokens, gathered, in slot order.
             ref_cx, ref_w = _combine_ref(rank, R, K, L, T, T_max, topk, w, x, fp8, b0, b1, multi, expand)
@@ -299,48 +322,37 @@ def _gather_var(t, R):
 
 
 def _combine_ref(rank, R, K, L, T, T_max, topk, w, x_mine, fp8, b0, b1, multi, expand):
-    """Recomputes what every rank r sends back for my tokens: y_r = bf16(float(x) * (r + 1)); with expand and
-    multiple reduction the sum over r's local lanes of that (each lane holds the same row), rounded to bf16."""
+    """Recomputes combine in DeepEP's order. Every rank r returns y_r = bf16(float(x) * (r + 1)) for my
+    tokens it received (with expand and multiple reduction: the fp32 sum of y_r over r's local lanes in
+    lane order, rounded to bf16; without multiple reduction in expand mode: y_r at each of r's lanes).
+    The fp32 accumulator starts from the biases (bias_0 + bias_1) and adds, lane by lane, rank r's row at
+    the last lane routed to r (each lane's own row without multiple reduction in expand mode)."""
     H = x_mine.shape[1]
     x = x_mine.float()
     owner = torch.where(topk >= 0, topk // L, torch.full_like(topk, -1))
-    per_rank = multi and R <= K
-    acc = torch.zeros((T, H), dtype=torch.float32, device="cuda")
-    w_out = torch.zeros((T, K), dtype=torch.float32, device="cuda")
-    if per_rank:
-        for r in range(R):
-            has = (owner == r)
-            n_lanes = has.sum(dim=1)
-            y = (x * (r + 1)).to(torch.bfloat16).float()
-            if expand:
-                # bf16(sum over local lanes of y) -- lanes summed in lane order, all identical rows
-                s = torch.zeros_like(y)
-                for k in range(K):
-                    s = s + torch.where(has[:, k:k + 1], y, torch.zeros_like(y))
-                y = s.to(torch.bfloat16).float()
-            acc = acc + torch.where((n_lanes > 0)[:, None], y, torch.zeros_like(y))
+    zero = torch.zeros((T, H), dtype=torch.float32, device="cuda")
+    if b0 is not None and b1 is not None:
+        acc = b0.float() + b1.float()
+    elif b0 is not None or b1 is not None:
+        acc = (b0 if b0 is not None else b1).float().clone()
     else:
-        for k in range(K):
-            o = owner[:, k]
-            first = torch.ones_like(o, dtype=torch.bool)
-            for j in range(k):
-                first &= owner[:, j] != o
-            valid = (o >= 0) if (expand and not multi) else ((o >= 0) & first)
-            y = torch.zeros_like(x)
-            for r in range(R):
-                yr = (x * (r + 1)).to(torch.bfloat16).float()
-                if expand and multi:
-                    has = owner == r
-                    s = torch.zeros_like(yr)
-                    for kk in range(K):
-                        s = s + torch.where(has[:, kk:kk + 1], yr, torch.zeros_like(yr))
-                    yr = s.to(torch.bfloat16).float()
-                y = torch.where((o == r)[:, None], yr, y)
-            acc = acc + torch.where(valid[:, None], y, torch.zeros_like(y))
-    if b0 is not None:
-        acc = acc + b0.float()
-    if b1 is not None:
-        acc = acc + b1.float()
+        acc = zero.clone()
+    for k in range(K):
+        o = owner[:, k]
+        last = o >= 0
+        for j in range(k + 1, K):
+            last &= owner[:, j] != o
+        valid = (o >= 0) if (expand and not multi) else last
+        term = zero.clone()
+        for r in range(R):
+            yr = (x * (r + 1)).to(torch.bfloat16).float()
+            if expand and multi:
+                s = zero.clone()
+                for kk in range(K):
+                    s = s + torch.where((owner[:, kk] == r)[:, None], yr, zero)
+                yr = s.to(torch.bfloat16).float()
+            term = torch.where(((o == r) & valid)[:, None], yr, term)
+        acc = acc + term
     w_out = torch.where(topk >= 0, w, torch.zeros_like(w))
     return acc.to(torch.bfloat16), w_out
 
@@ -470,9 +482,6 @@ def _worker_stream_order(rank, world_size, rdzv):
 
     buf = _new_buffer(rank, world_size, comm, ll.ElasticBuffer.calculate_buffer_size(comm, T, H, K, False, True, True),
                       True)
-    kw = dict(num_sms=0, num_qps=0, previous_event=None, previous_event_before_epilogue=None,
-              async_with_compute_stream=False, allocate_on_comm_stream=False, do_handle_copy=True,
-              do_expand=False, do_zero_padding=False, use_tma_aligned_col_major_sf=False)
     side = torch.cuda.Stream()
     checked = 0
     for stream in (torch.cuda.default_stream(), side):
@@ -484,8 +493,7 @@ def _worker_stream_order(rank, world_size, rdzv):
                 x = torch.zeros_like(x0)
                 torch.cuda._sleep(20_000_000)
                 x.copy_(x0)
-                out = buf.dispatch(x, None, topk, w, None, None, None, None, None, None, None, None, None, None, None,
-                                   T, E, 1, do_cpu_sync=cpu_sync, **kw)
+                out, handle = _dispatch(buf, x, None, topk, w, None, T, E, 1, cpu_sync=cpu_sync)
                 recv = out[0].clone()  # on the caller's stream, right away
                 N = int(out[8][-1].item())
                 _assert(torch.equal(recv[:N], x0[(topk >= 0).any(dim=1)]), "dispatch rows (stream order)")
@@ -494,8 +502,7 @@ def _worker_stream_order(rank, world_size, rdzv):
                 y = (recv.float() * (rank + 1)).to(torch.bfloat16)
                 with torch.cuda.stream(buf.comm_stream):
                     torch.cuda._sleep(20_000_000)
-                comb = buf.combine(y, None, None, None, out[11], topk, out[8], None, None, E, T, 0, 0, None, None,
-                                   False, False, False)
+                comb = _combine(buf, y, handle)
                 got = comb[0].clone()
                 torch.cuda.synchronize()
                 ref, _ = _combine_ref(rank, world_size, K, E // world_size, T, T, topk, w, x0, False, None, None,

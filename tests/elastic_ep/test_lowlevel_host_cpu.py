@@ -1,25 +1,33 @@
-"""The host path of the native low-level buffer (elastic_ep._low_level.ElasticBuffer) on the CPU.
+"""The host path of the native runtime (``elastic_ep._native_runtime.NativeRuntime``, DeepEP's low level) on
+the CPU.
 
-A fake runtime stands in for the native one (it records the launches and answers the waits), fake
-streams stand in for CUDA streams, and CPU tensors stand in for tensors on the buffer's device (the
-fake buffer's device index is -1, what ``Tensor.get_device()`` returns for them). Checked here:
+A fake ``_C.Runtime`` stands in for the native one (it records the launches and their parameter blocks
+and answers the waits), fake streams stand in for CUDA streams, and CPU tensors for tensors on the
+runtime's device. Checked here:
 * an exception after the first kernels of a dispatch / combine were queued and before the one that
-  ends the operation marks the buffer broken (later calls raise) and is re-raised as it was; the
+  ends the operation marks the runtime broken (later calls raise) and is re-raised as it was; the
   already-handled outcomes (refusal, timeouts) are left as the runtime reports them;
 * on every error path the caller's stream is current again and, once anything was queued, waits for
   the communication stream;
-* device checks: a tensor on another device is refused, naming the argument and both devices;
-* combine checks the top-k width; masked expert ids are silent with EP_SKIP_INDEX_CHECK=1.
+* the parameter blocks cross as bound types (``_C.DispatchParams`` ...) with the call's sizes and modes,
+  one per shape; int32 ``topk_idx`` is cast once and becomes the handle's copy;
+* masked expert ids are reported by the next call, or silent with ELASTIC_EP_SKIP_INDEX_CHECK=1;
+* the environment's settings (``_env.Settings``) and the overlapped modes' block policy.
 """
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.elastic_ep._common import native_module_or_skip
 
-native_module_or_skip()  # skips only without a built package; a broken extension fails
+_C = native_module_or_skip()  # skips only without a built package; a broken extension fails
+from elastic_ep import _env  # noqa: E402
 from elastic_ep import _low_level as ll  # noqa: E402
+from elastic_ep._handle import EPHandle  # noqa: E402
+from elastic_ep._runtime import CombineArgs, DispatchArgs  # noqa: E402
 
 T, H, K, E = 4, 128, 2, 8
 MIB2 = 2 << 20
@@ -41,18 +49,22 @@ class FakeStream:
 
 
 class FakeRuntime:
-    """The native runtime's host interface, recording what the Python layer asks of it."""
+    """The native runtime's host interface (``_C.Runtime``), recording what the Python layer asks of it."""
 
     def __init__(self, status=0, masked=(0, 0)):
         self.status = status  # what wait_dispatch_counts reports: 0 ok, 1 device / 2 CPU timeout, 3 refused
         self.calls = []
+        self.params = []
+        self.pointers = []
         self.broken = False
         self.broken_reason = ""
         self.masked = masked
         self.raise_in = {}  # method name -> exception to raise there
 
-    def _call(self, name):
+    def _call(self, name, params, pointers):
         self.calls.append(name)
+        self.params.append(params)
+        self.pointers.append(pointers)
         if name in self.raise_in:
             raise self.raise_in[name]
 
@@ -72,24 +84,30 @@ class FakeRuntime:
         out, self.masked = self.masked, (0, 0)
         return out
 
-    def dispatch(self, params, stream, wait_stream):
-        self._call("dispatch")
-        self.dispatch_params = params
+    def dispatch(self, params, *pointers):
+        assert isinstance(params, _C.DispatchParams) and len(pointers) == 12
+        self._call("dispatch", params, pointers)
 
     def wait_dispatch_counts(self, num_local_experts):
-        self._call("wait_dispatch_counts")
+        self.calls.append("wait_dispatch_counts")
+        if "wait_dispatch_counts" in self.raise_in:
+            raise self.raise_in["wait_dispatch_counts"]
         if self.status == 2:
             self.broken, self.broken_reason = True, "a dispatch CPU wait timed out"
-        return self.status, T, T, [1] * num_local_experts, 1, num_local_experts
+        return SimpleNamespace(status=self.status, num_recv_tokens=T, num_expanded_tokens=T,
+                               num_recv_tokens_per_expert=[1] * num_local_experts, ranks_ready=1,
+                               experts_ready=num_local_experts)
 
     def take_refusal(self):
         return [0], 1, E + 3
 
-    def dispatch_epilogue(self, params, stream, join_stream):
-        self._call("dispatch_epilogue")
+    def dispatch_epilogue(self, params, *pointers):
+        assert isinstance(params, _C.EpilogueParams) and len(pointers) == 14
+        self._call("dispatch_epilogue", params, pointers)
 
-    def combine(self, params, stream, wait_event, wait_stream, join_stream):
-        self._call("combine")
+    def combine(self, params, *pointers):
+        assert isinstance(params, _C.CombineParams) and len(pointers) == 13
+        self._call("combine", params, pointers)
 
 
 @pytest.fixture
@@ -99,47 +117,61 @@ def streams(monkeypatch):
     current = [compute]
     monkeypatch.setattr(torch.cuda, "set_stream", lambda s: current.__setitem__(0, s))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: current[0])
-    monkeypatch.setattr(ll, "_current_raw_stream", lambda device: 1)
+    from elastic_ep import _native_runtime
+
+    monkeypatch.setattr(_native_runtime, "_current_raw_stream", lambda device: 1)
     return compute, comm, current
 
 
-def make_buffer(rt, comm, num_ranks=1, refuse_bad_ids=True):
+def make_buffer(rt, comm, num_ranks=1, refuse_bad_ids=True, settings=None):
+    """A NativeRuntime on the fake runtime (what its constructor sets, without CUDA)."""
+    settings = settings or _env.Settings()
     b = object.__new__(ll.ElasticBuffer)
     b._destroyed, b._rt, b.num_ranks, b.rank_idx = False, rt, num_ranks, 0
-    b.device = -1  # CPU tensors stand in for the buffer's device (get_device() is -1 for them)
+    b.device = -1  # CPU tensors stand in for the runtime's device
     b.num_device_sms, b.comm_stream, b._comm_raw = 132, comm, 2
-    b.dispatch_overlap, b.combine_overlap = ll.OverlapConfig(), ll.OverlapConfig()
+    b.dispatch_overlap = ll.OverlapConfig(settings.dispatch_overlap, settings.dispatch_push_blocks)
+    b.combine_overlap = ll.OverlapConfig(settings.combine_overlap, settings.combine_push_blocks)
+    b.dispatch_pdl, b._notify_atomics, b._plans, b.buffer_id = settings.dispatch_pdl, 0, {}, 7
     b._refuse_bad_ids, b.allow_multiple_reduction = refuse_bad_ids, True
     b.num_buffer_bytes, b.num_cpu_timeout_secs, b.explicitly_destroy = 64 * MIB2, 300, True
     return b
 
 
-def dispatch(b, **kw):
+def dispatch_args(**kw):
+    """A validated dispatch of T tokens (what _checks.dispatch_args returns), fields overridden by kw."""
     args = dict(x=torch.zeros(T, H, dtype=torch.bfloat16), sf=None, topk_idx=torch.zeros(T, K, dtype=torch.int64),
-                topk_weights=None, cumulative_local_expert_recv_stats=None, cached_num_recv_tokens=None,
-                cached_num_expanded_tokens=None, cached_num_recv_tokens_per_expert_list=None,
-                cached_psum_num_recv_tokens_per_scaleup_rank=None, cached_psum_num_recv_tokens_per_expert=None,
-                cached_num_unaligned_recv_tokens_per_expert=None, cached_dst_buffer_slot_idx=None,
-                cached_token_metadata_at_forward=None, cached_recv_src_metadata=None, cached_channel_linked_list=None,
-                num_max_tokens_per_rank=T, num_experts=E, expert_alignment=1, num_sms=0, num_qps=0,
+                topk_weights=None, cumulative_local_expert_recv_stats=None, handle=None, num_tokens=T, hidden=H,
+                num_topk=K, num_experts=E, num_max_tokens_per_rank=T, expert_alignment=1, num_sms=132, num_qps=0,
                 previous_event=None, previous_event_before_epilogue=None, async_with_compute_stream=False,
                 allocate_on_comm_stream=False, do_handle_copy=True, do_cpu_sync=True, do_expand=False,
-                do_zero_padding=False, use_tma_aligned_col_major_sf=False, _validated=True)
+                do_zero_padding=False, use_tma_aligned_col_major_sf=False)
     args.update(kw)
-    return b.dispatch(**args)
+    return DispatchArgs(**args)
 
 
-def combine_args(**kw):
-    args = dict(x=torch.zeros(T, H, dtype=torch.bfloat16), topk_weights=None, bias_0=None, bias_1=None,
-                src_metadata=torch.zeros(T, K + 2, dtype=torch.int32),
-                combined_topk_idx=torch.zeros(T, K, dtype=torch.int64),
-                psum_num_recv_tokens_per_scaleup_rank=torch.full((1,), T, dtype=torch.int32),
-                token_metadata_at_forward=None, channel_linked_list=None, num_experts=E, num_max_tokens_per_rank=T,
-                num_sms=0, num_qps=0, previous_event=None, previous_event_before_epilogue=None,
-                async_with_compute_stream=False, allocate_on_comm_stream=False, use_expanded_layout=False,
-                _validated=True)
+def dispatch(b, **kw):
+    return b.dispatch(dispatch_args(**kw))
+
+
+def handle(**kw):
+    i32 = lambda *s: torch.zeros(s, dtype=torch.int32)  # noqa: E731
+    fields = dict(do_expand=False, num_experts=E, expert_alignment=1, num_max_tokens_per_rank=T, num_sms=132,
+                  topk_idx=torch.zeros(T, K, dtype=torch.int64), num_recv_tokens=T, num_expanded_tokens=T,
+                  num_recv_tokens_per_expert_list=[1] * E, psum_num_recv_tokens_per_scaleup_rank=torch.full(
+                      (1,), T, dtype=torch.int32), psum_num_recv_tokens_per_expert=i32(E),
+                  num_unaligned_recv_tokens_per_expert=i32(E), recv_src_metadata=i32(T, K + 2),
+                  dst_buffer_slot_idx=i32(T, K))
+    fields.update(kw)
+    return EPHandle(**fields)
+
+
+def combine(b, h=None, **kw):
+    args = dict(x=torch.zeros(T, H, dtype=torch.bfloat16), handle=h if h is not None else handle(), topk_weights=None,
+                bias_0=None, bias_1=None, num_sms=132, num_qps=0, previous_event=None,
+                previous_event_before_epilogue=None, async_with_compute_stream=False, allocate_on_comm_stream=False)
     args.update(kw)
-    return args
+    return b.combine(CombineArgs(**args))
 
 
 def fail_allocation(monkeypatch, rows):
@@ -237,13 +269,57 @@ def test_dispatch_cpu_timeout_keeps_runtime_reason(streams):
     assert current[0] is compute
 
 
-def test_dispatch_success_restores_stream(streams):
+def test_dispatch_success_restores_stream_and_fills_the_handle(streams):
     compute, comm, current = streams
     rt = FakeRuntime()
     b = make_buffer(rt, comm)
     out = dispatch(b, allocate_on_comm_stream=True)
     assert rt.calls == ["dispatch", "wait_dispatch_counts", "dispatch_epilogue"] and not rt.broken
-    assert current[0] is compute and compute.waited_for == ["comm"] and out[0].shape == (T, H)
+    assert current[0] is compute and compute.waited_for == ["comm"] and out.recv_x.shape == (T, H)
+    h = out.handle
+    assert isinstance(h, EPHandle) and h.buffer_id == 7 and h.num_recv_tokens == T and h.num_sms == 132
+    assert h.num_recv_tokens_per_expert_list == [1] * E and h.recv_src_metadata.shape == (T, K + 2)
+    # A cached dispatch takes that handle back and returns it.
+    cached = dispatch(b, handle=h, do_cpu_sync=False, cumulative_local_expert_recv_stats=None)
+    assert cached.handle is h and rt.calls[-2:] == ["dispatch", "dispatch_epilogue"]
+    assert rt.params[-2].cached == 1 and rt.params[-1].cached == 1
+
+
+def test_parameter_blocks_are_bound_types_kept_per_shape(streams):
+    compute, comm, current = streams
+    rt = FakeRuntime()
+    b = make_buffer(rt, comm)
+    dispatch(b, do_expand=True, expert_alignment=4, do_zero_padding=True)
+    notify, epilogue = rt.params
+    assert (notify.num_tokens, notify.num_topk, notify.num_experts, notify.expert_alignment) == (T, K, E, 4)
+    assert (notify.hidden_bytes, notify.num_sms, notify.refuse_bad_ids, notify.cached) == (2 * H, 132, 1, 0)
+    assert (epilogue.do_expand, epilogue.do_zero_padding, epilogue.expert_alignment) == (1, 1, 4)
+    dispatch(b, do_expand=True, expert_alignment=4, do_zero_padding=True)
+    assert rt.params[2] is notify and rt.params[3] is epilogue  # the same blocks for the same shape
+    dispatch(b, do_cpu_sync=False)
+    assert rt.params[4] is not notify and rt.params[4].refuse_bad_ids == 0  # no CPU sync: ids masked, reported later
+    combine(b)
+    c = rt.params[-1]
+    assert (c.num_combined_tokens, c.hidden, c.num_topk, c.allow_multiple_reduction, c.overlap_push_blocks) == \
+        (T, H, K, 1, 0)
+    x_ptr = rt.pointers[-1][0]
+    assert x_ptr != 0 and rt.pointers[-1][1] == 0  # data pointers; 0 for a tensor that is not given
+
+
+def test_int32_topk_idx_is_cast_once_and_kept_in_the_handle(streams):
+    compute, comm, current = streams
+    rt = FakeRuntime()
+    b = make_buffer(rt, comm)
+    idx32 = torch.tensor([[0, 5], [7, -1], [2, 3], [-1, -1]], dtype=torch.int32)
+    out = dispatch(b, topk_idx=idx32)
+    assert out.handle.topk_idx.dtype == torch.int64 and torch.equal(out.handle.topk_idx, idx32.long())
+    # the kernels read the cast tensor (the handle's copy); notify copies nothing more
+    assert rt.pointers[0][2] == out.handle.topk_idx.data_ptr() and rt.pointers[0][4] == 0
+    out64 = dispatch(b, topk_idx=idx32.long())
+    assert rt.pointers[2][4] == out64.handle.topk_idx.data_ptr() != rt.pointers[2][2]  # notify copies int64 input
+    # a handle given a 32-bit topk_idx: combine casts it for the kernels
+    combine(b, handle(topk_idx=idx32))
+    assert rt.calls[-1] == "combine"
 
 
 def test_dispatch_push_beside_notify_unless_off_or_overlapped(streams):
@@ -252,24 +328,17 @@ def test_dispatch_push_beside_notify_unless_off_or_overlapped(streams):
     compute, comm, current = streams
     rt = FakeRuntime()
     b = make_buffer(rt, comm)
-    assert ll.ElasticBuffer.dispatch_pdl is True and b.dispatch_pdl is True  # the class default
+    assert ll.ElasticBuffer.dispatch_pdl is True and b.dispatch_pdl is True  # the default
     dispatch(b)
-    assert rt.dispatch_params["concurrent_notify"] == 1 and rt.dispatch_params["overlap"] == 0
+    assert rt.params[-2].concurrent_notify == 1 and rt.params[-2].overlap == 0
     b.dispatch_pdl = False
     dispatch(b)
-    assert rt.dispatch_params["concurrent_notify"] == 0
+    assert rt.params[-2].concurrent_notify == 0
     b.dispatch_pdl = True
     b.dispatch_overlap.enabled = True
     dispatch(b)
-    assert rt.dispatch_params["overlap"] == 1 and rt.dispatch_params["concurrent_notify"] == 0
-
-
-def test_previous_event_without_comm_allocation_leaves_stream_alone(streams):
-    compute, comm, current = streams
-    b = make_buffer(FakeRuntime(), comm)
-    with pytest.raises(ValueError, match="previous_event requires allocate_on_comm_stream=True"):
-        dispatch(b, previous_event=object())
-    assert current[0] is compute and comm.waited_for == []
+    assert rt.params[-2].overlap == 1 and rt.params[-2].concurrent_notify == 0
+    assert rt.params[-2].num_sms == 132 * 3 // 8 and rt.params[-1].num_sms == 132 - 132 * 3 // 8
 
 
 # ------------------------------------------------------------------ combine
@@ -279,7 +348,7 @@ def test_combine_launch_error_marks_broken_and_restores_stream(streams):
     rt.raise_in["combine"] = ll.CommError("cudaStreamWaitEvent failed (simulated)")
     b = make_buffer(rt, comm)
     with pytest.raises(ll.CommError, match="simulated"):
-        b.combine(**combine_args(allocate_on_comm_stream=True))
+        combine(b, allocate_on_comm_stream=True)
     assert rt.broken and "combine" in rt.broken_reason
     assert current[0] is compute and compute.waited_for[-1] == "comm"
 
@@ -290,93 +359,8 @@ def test_combine_oom_before_launch_leaves_buffer_usable(streams, monkeypatch):
     b = make_buffer(rt, comm)
     fail_allocation(monkeypatch, T)  # combined_x
     with pytest.raises(torch.OutOfMemoryError):
-        b.combine(**combine_args(allocate_on_comm_stream=True))
+        combine(b, allocate_on_comm_stream=True)
     assert rt.calls == [] and not rt.broken and current[0] is compute and compute.waited_for == []
-
-
-@pytest.mark.parametrize("k", [0, ll._MAX_TOPK + 1])
-def test_combine_checks_topk_width(streams, k):
-    compute, comm, current = streams
-    rt = FakeRuntime()
-    b = make_buffer(rt, comm)
-    kw = combine_args(combined_topk_idx=torch.zeros(T, k, dtype=torch.int64),
-                      src_metadata=torch.zeros(T, k + 2, dtype=torch.int32), _validated=False)
-    with pytest.raises(ValueError, match=r"combined_topk_idx must be \[T, K\] with K \(num_topk\) in \[1, 32\]"):
-        b.combine(**kw)
-    assert rt.calls == []
-
-
-def test_combine_checks_weights_shape(streams):
-    compute, comm, current = streams
-    b = make_buffer(FakeRuntime(), comm)
-    with pytest.raises(ValueError, match=r"topk_weights must be \[4, 2\]"):
-        b.combine(**combine_args(topk_weights=torch.zeros(T, K + 1), _validated=False))
-    with pytest.raises(ValueError, match="topk_weights must have dtype"):
-        b.combine(**combine_args(topk_weights=torch.zeros(T, K, dtype=torch.float64), _validated=False))
-    with pytest.raises(ValueError, match="combined_topk_idx must have dtype"):
-        b.combine(**combine_args(combined_topk_idx=torch.zeros(T, K, dtype=torch.int32), _validated=False))
-
-
-# ------------------------------------------------------------------ devices
-class OtherGpuTensor(torch.Tensor):
-    """A CPU tensor that reports itself as living on cuda:1 (there is no GPU here)."""
-
-    @property
-    def is_cuda(self):
-        return True
-
-    @property
-    def device(self):
-        return torch.device("cuda", 1)
-
-    def get_device(self):
-        return 1
-
-
-def on_other_gpu(t):
-    return torch.Tensor._make_subclass(OtherGpuTensor, t)
-
-
-def test_low_level_checks_device_of_every_tensor(streams):
-    compute, comm, current = streams
-    b = make_buffer(FakeRuntime(), comm)
-    b.device = 0  # the buffer lives on cuda:0
-    with pytest.raises(ValueError, match=r"x must be a CUDA tensor on cuda:0 \(the buffer's device\), got device cpu"):
-        dispatch(b, _validated=False)
-    x = on_other_gpu(torch.zeros(T, H, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="x is on cuda:1, but this buffer is on cuda:0"):
-        dispatch(b, x=x, _validated=False)
-    with pytest.raises(ValueError, match="x is on cuda:1, but this buffer is on cuda:0"):
-        b.combine(**combine_args(x=x, _validated=False))
-    # Each argument is named: the first one on the wrong device is reported.
-    b.device = -1
-    for name, t in (("topk_idx", torch.zeros(T, K, dtype=torch.int64)),
-                    ("topk_weights", torch.zeros(T, K)),
-                    ("cumulative_local_expert_recv_stats", torch.zeros(E, dtype=torch.int32))):
-        with pytest.raises(ValueError, match=f"{name} is on cuda:1"):
-            dispatch(b, **{name: on_other_gpu(t)}, _validated=False)
-    for name, t in (("combined_topk_idx", torch.zeros(T, K, dtype=torch.int64)),
-                    ("psum_num_recv_tokens_per_scaleup_rank", torch.full((1,), T, dtype=torch.int32)),
-                    ("src_metadata", torch.zeros(T, K + 2, dtype=torch.int32)),
-                    ("topk_weights", torch.zeros(T, K)),
-                    ("bias_0", torch.zeros(T, H, dtype=torch.bfloat16)),
-                    ("bias_1", torch.zeros(T, H, dtype=torch.bfloat16))):
-        with pytest.raises(ValueError, match=f"{name} is on cuda:1"):
-            b.combine(**combine_args(**{name: on_other_gpu(t)}, _validated=False))
-    assert current[0] is compute
-
-
-def test_front_end_device_check_names_both_devices():
-    from elastic_ep.buffer import _check_tensor
-
-    cuda0 = torch.device("cuda", 0)
-    with pytest.raises(ValueError, match=r"x: expected a tensor on cuda:0 \(the buffer's device\), got cpu"):
-        _check_tensor("x", torch.zeros(2, 2), device=cuda0)
-    with pytest.raises(ValueError, match=r"sf: expected a tensor on cuda:0 \(the buffer's device\), got cuda:1"):
-        _check_tensor("sf", on_other_gpu(torch.zeros(2, 2)), device=cuda0)
-    with pytest.raises(ValueError, match=r"x: expected a tensor on cpu \(the buffer's device\), got meta"):
-        _check_tensor("x", torch.zeros(2, 2, device="meta"), device=torch.device("cpu"))
-    _check_tensor("x", torch.zeros(2, 2), device=torch.device("cpu"))
 
 
 # ------------------------------------------------------------------ masked expert ids (no CPU sync)
@@ -385,19 +369,18 @@ def test_masked_ids_raise_with_multi_rank_advice(streams):
     rt = FakeRuntime(masked=(2, E + 5))
     b = make_buffer(rt, comm, num_ranks=2)
     with pytest.raises(ValueError) as info:
-        dispatch(b)
+        dispatch(b, num_experts=2 * E)
     msg = str(info.value)
     assert "an earlier dispatch without CPU sync had 2 expert ids outside" in msg and f"e.g. {E + 5}" in msg
     assert "times out after num_gpu_timeout_secs" in msg and "destroyed and recreated on every rank" in msg
-    assert "do_cpu_sync=True" in msg
+    assert "do_cpu_sync=True" in msg and "ELASTIC_EP_SKIP_INDEX_CHECK=1" in msg
     assert rt.calls == []  # refused before launching anything
-    dispatch(b)  # reported once
 
 
 def test_masked_ids_silent_with_skip_index_check(streams):
     compute, comm, current = streams
     rt = FakeRuntime(masked=(3, -7))
-    b = make_buffer(rt, comm, refuse_bad_ids=False)  # EP_SKIP_INDEX_CHECK=1 when the buffer was made
+    b = make_buffer(rt, comm, refuse_bad_ids=False)  # ELASTIC_EP_SKIP_INDEX_CHECK=1 when the buffer was made
     dispatch(b)
     assert rt.masked == (0, 0) and rt.pending_health() == 0  # taken, so later calls stay on the cheap path
     assert rt.calls == ["dispatch", "wait_dispatch_counts", "dispatch_epilogue"]
@@ -409,18 +392,74 @@ def test_dispatch_failing_inside_a_graph_capture_leaves_buffer_usable(streams, m
     rt = FakeRuntime()
     b = make_buffer(rt, comm)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    fail_allocation(monkeypatch, ll._C.worst_case_num_recv_tokens(1, T))
+    fail_allocation(monkeypatch, _C.worst_case_num_recv_tokens(1, T))
     with pytest.raises(torch.OutOfMemoryError, match="simulated"):
         dispatch(b, do_cpu_sync=False)
     assert "mark_broken" not in rt.calls and not rt.broken
     assert current[0] is compute and compute.waited_for[-1] == "comm"
 
 
-@pytest.mark.parametrize("event", [object(), "comm"])
-def test_dispatch_checks_the_epilogue_event_before_launching(streams, event):
-    compute, comm, current = streams
-    rt = FakeRuntime()
-    b = make_buffer(rt, comm)
-    with pytest.raises(ValueError, match="previous_event_before_epilogue: expected None or an EventHandle"):
-        dispatch(b, previous_event_before_epilogue=comm if event == "comm" else event, _validated=False)
-    assert rt.calls == [] and not rt.broken and current[0] is compute
+# ------------------------------------------------------------------ the environment, read in one place
+def test_settings_read_every_variable(monkeypatch):
+    names = ["EP_BUFFER_DEBUG", "EP_REUSE_NCCL_COMM", "ELASTIC_EP_NUM_SMS", "ELASTIC_EP_SKIP_INDEX_CHECK",
+             "ELASTIC_EP_DISPATCH_PDL", "ELASTIC_EP_DISPATCH_OVERLAP", "ELASTIC_EP_DISPATCH_PUSH_BLOCKS",
+             "ELASTIC_EP_COMBINE_OVERLAP", "ELASTIC_EP_COMBINE_PUSH_BLOCKS", "ELASTIC_EP_HOST_WAIT_YIELD_US",
+             "ELASTIC_EP_TEST_NOTIFY_ATOMICS", "EP_AVOID_RECORD_STREAM", "ELASTIC_EP_SKIP_NCCL_VERSION_CHECK"]
+    for n in names:
+        monkeypatch.delenv(n, raising=False)
+    assert _env.Settings.read() == _env.Settings()  # the defaults
+    assert not _env.avoid_record_stream() and not _env.skip_nccl_version_check()
+    values = dict(zip(names, ["1", "0", "24", "1", "0", "1", "5", "1", "7", "-3", "1", "1", "1"]))
+    for n, v in values.items():
+        monkeypatch.setenv(n, v)
+    assert _env.Settings.read() == _env.Settings(
+        buffer_debug=True, reuse_nccl_comm=False, num_sms=24, skip_index_check=True, dispatch_pdl=False,
+        dispatch_overlap=True, dispatch_push_blocks=5, combine_overlap=True, combine_push_blocks=7,
+        host_wait_yield_us=0, test_notify_atomics=True)
+    assert _env.avoid_record_stream() and _env.skip_nccl_version_check()
+    monkeypatch.setenv("EP_BUFFER_DEBUG", "0")
+    assert not _env.Settings.read().buffer_debug
+    monkeypatch.setenv("ELASTIC_EP_NUM_SMS", "many")
+    with pytest.raises(ValueError, match="ELASTIC_EP_NUM_SMS: expected an integer, got 'many'"):
+        _env.Settings.read()
+
+
+def test_old_variable_names_are_not_read(monkeypatch):
+    monkeypatch.setenv("EP_NUM_SMS", "24")
+    monkeypatch.setenv("EP_SKIP_INDEX_CHECK", "1")
+    s = _env.Settings.read()
+    assert s.num_sms == 0 and not s.skip_index_check
+
+
+@pytest.mark.parametrize("op", ["DISPATCH", "COMBINE"])
+def test_overlap_policy(monkeypatch, op):
+    monkeypatch.delenv(f"ELASTIC_EP_{op}_OVERLAP", raising=False)
+    monkeypatch.delenv(f"ELASTIC_EP_{op}_PUSH_BLOCKS", raising=False)
+
+    def cfg():
+        s = _env.Settings.read()
+        return ll.OverlapConfig(*((s.dispatch_overlap, s.dispatch_push_blocks) if op == "DISPATCH" else
+                                  (s.combine_overlap, s.combine_push_blocks)))
+
+    from elastic_ep._native_runtime import _overlap_push_blocks as pick
+
+    assert not cfg().enabled and cfg().push_blocks is None  # sequential kernels by default
+    assert pick(cfg(), 2, 132, 4096) == 0
+    monkeypatch.setenv(f"ELASTIC_EP_{op}_OVERLAP", "1")
+    assert pick(cfg(), 2, 132, 4096) == 132 * 3 // 8
+    assert pick(cfg(), 2, 1, 4096) == 0  # one block cannot both push and receive
+    assert pick(cfg(), 2, 2, 4096) == 1
+    assert pick(cfg(), 256, 132, 8193) == 0  # counters do not fit: sequential kernels
+    monkeypatch.setenv(f"ELASTIC_EP_{op}_PUSH_BLOCKS", "500")
+    assert pick(cfg(), 2, 132, 4096) == 131  # at least one receiving block stays
+    assert pick(ll.OverlapConfig(True, 0), 2, 132, 4096) == 1
+    assert repr(ll.OverlapConfig(True, 7)) == "OverlapConfig(enabled=True, push_blocks=7)"
+
+
+def test_low_level_needs_cuda_and_a_known_window():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="window must be 'nccl' or 'ipc', got 'shm'"):
+        ll.ElasticBuffer(0, 1, 0, None, MIB2, window="shm")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        ll.ElasticBuffer(0, 1, 1234, None, MIB2)

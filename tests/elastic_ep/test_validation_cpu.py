@@ -29,7 +29,7 @@ def validation_worker(rank, world, rdzv, backend="torch"):
     bad("FP8 rows need scales", lambda: d(fp8["x"], topk_idx=idx, num_experts=E))
     bad("sf: expected shape", lambda: d((fp8["x"], fp8["sf"][:3]), topk_idx=idx, num_experts=E))
     bad("sf: expected dtype", lambda: d((fp8["x"], fp8["sf"].double()), topk_idx=idx, num_experts=E))
-    bad("topk_idx: expected dtype", lambda: d(x, topk_idx=idx.int(), num_experts=E))
+    bad("topk_idx: expected dtype", lambda: d(x, topk_idx=idx.short(), num_experts=E))  # int64 or int32
     bad("topk_idx: expected shape", lambda: d(x, topk_idx=idx[:5], num_experts=E))
     bad("topk_idx: required", lambda: d(x, num_experts=E))
     bad("expert ids must be in", lambda: d(x, topk_idx=torch.full_like(idx, E), num_experts=E))
@@ -56,10 +56,10 @@ def validation_worker(rank, world, rdzv, backend="torch"):
         lambda: d(x, topk_idx=idx, num_experts=E, previous_event=buf.capture()))
     # Widest row the buffer cannot hold: the native buffer rounds its size up (2 MiB at EP1), so a
     # fixed multiple of H may still fit there.
-    from elastic_ep import _sizing
+    from elastic_ep import _C
 
     wide_h = H
-    while _sizing.get_dispatch_buffer_size(M, wide_h, 0, K, 2, 1, world, True) <= buf.num_bytes:
+    while _C.get_dispatch_buffer_size(M, wide_h, 0, K, 2, 1, world, True) <= buf.num_bytes:
         wide_h *= 2
     wide = make_inputs(rank, 16, wide_h, K, E, "bf16", 0, dev)
     bad("buffer too small", lambda: d(wide["x"], topk_idx=wide["topk_idx"], num_experts=E))

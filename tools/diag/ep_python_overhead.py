@@ -3,25 +3,26 @@
 
     python tools/diag/ep_python_overhead.py [--iters 2000] [--tokens 4096]
 
-The front end (``elastic_ep.ElasticBuffer``) and the native low-level class run on CPU tensors
-against a stub runtime whose methods return at once, so what is timed is exactly the Python
-between the user's call and the native launches: argument checks, allocations, handle and event
-objects. The stub answers the CPU sync with the DeepSeek-V3 counts of EP 1 (every token local).
-Prints microseconds per call (median over --iters) for a CPU-synced BF16 dispatch and a combine.
-This is a relative measure for changes to the Python path; the GPU machine's CPU is slower.
+``ElasticBuffer`` (validation into typed arguments) and the native runtime (allocations, parameter
+blocks, handle and event objects) run on CPU tensors against a stub ``_C.Runtime`` whose methods return
+at once, so what is timed is exactly the Python between the user's call and the native launches. The
+stub answers the CPU sync with the DeepSeek-V3 counts of EP 1 (every token local). Prints microseconds
+per call (median over --iters) for a CPU-synced BF16 dispatch and a combine. A relative measure for
+changes to the Python path (the pybind11 calls themselves are not included; the GPU machine's CPU is
+slower): tools/diag/ep_host_profile.py measures the real calls on a GPU.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 
 
-
 class _StubRuntime:
-    """Answers every call of the native runtime instantly."""
+    """Answers every call of the native runtime (``_C.Runtime``) instantly."""
 
     def __init__(self, T: int, L: int) -> None:
         self.T, self.L = T, L
@@ -31,18 +32,43 @@ class _StubRuntime:
     def pending_health(self) -> int:
         return 0
 
-    def dispatch(self, params, stream, wait_stream=-1) -> None:
+    def dispatch(self, params, *pointers) -> None:
         pass
 
     def wait_dispatch_counts(self, L):
         per = [self.T * 8 // L] * L
-        return 0, self.T, sum(per), per, 1, L
+        return SimpleNamespace(status=0, num_recv_tokens=self.T, num_expanded_tokens=sum(per),
+                               num_recv_tokens_per_expert=per, ranks_ready=1, experts_ready=L)
 
-    def dispatch_epilogue(self, params, stream, join_stream=-1) -> None:
+    def dispatch_epilogue(self, params, *pointers) -> None:
         pass
 
-    def combine(self, params, stream, wait_event=0, wait_stream=-1, join_stream=-1) -> None:
+    def combine(self, params, *pointers) -> None:
         pass
+
+
+def make_buffer(T: int, E: int):
+    """An ElasticBuffer at EP 1 on the native runtime, both made without CUDA around the stub."""
+    from elastic_ep import _env, _native_runtime
+    from elastic_ep import buffer as fe
+
+    low = object.__new__(_native_runtime.NativeRuntime)
+    low.rank_idx, low.num_ranks, low.num_buffer_bytes, low.buffer_id = 0, 1, 1 << 30, 1
+    low.allow_multiple_reduction, low._destroyed, low.explicitly_destroy = True, False, True
+    low.num_cpu_timeout_secs, low.device, low.num_device_sms = 100, 0, 132
+    low._rt, low._comm_raw, low.comm_stream = _StubRuntime(T, E), 1, None
+    low.dispatch_overlap, low.combine_overlap = _native_runtime.OverlapConfig(), _native_runtime.OverlapConfig()
+    low.dispatch_pdl, low._refuse_bad_ids, low._notify_atomics, low._plans = True, True, 0, {}
+    _native_runtime._current_raw_stream = lambda device: 0  # no CUDA here
+    buf = object.__new__(fe.ElasticBuffer)
+    buf.backend, buf.device, buf._serial, buf.runtime = "native", torch.device("cpu"), 1, low
+    buf.num_ranks, buf.rank, buf.num_bytes, buf.num_max_tokens_per_rank = 1, 0, 1 << 30, T
+    buf.deterministic, buf.allow_multiple_reduction, buf.destroyed = False, True, False
+    buf._settings, buf.num_allocated_qps, buf.prefer_overlap_with_compute = _env.Settings(), 17, True
+    buf._device_sms = buf._max_sms = 132
+    buf._sms_cache, buf._routing_cache, buf._need_cache, buf._combine_need_cache = {}, {}, {}, {}
+    buf._capturing = lambda: False
+    return buf
 
 
 def main() -> None:
@@ -54,26 +80,8 @@ def main() -> None:
                          "the CUDA caching allocator does not have")
     ap.add_argument("--profile", action="store_true", help="also print the top functions under cProfile")
     args = ap.parse_args()
-    from elastic_ep import _low_level as ll
-    from elastic_ep import buffer as fe
-
     T, H, K, E = args.tokens, args.hidden, 8, 256
-    low = object.__new__(ll.ElasticBuffer)
-    low.rank_idx, low.num_ranks, low.num_buffer_bytes = 0, 1, 1 << 30
-    low.allow_multiple_reduction, low._destroyed = True, False
-    low.num_cpu_timeout_secs, low.device, low.num_device_sms = 100, 0, 132
-    low._rt, low._comm_raw, low.comm_stream = _StubRuntime(T, E), 1, None
-    low.dispatch_overlap, low.combine_overlap = ll.OverlapConfig(), ll.OverlapConfig()
-    low._refuse_bad_ids = True
-    ll._current_raw_stream = lambda device: 0  # no CUDA here
-    buf = object.__new__(fe.ElasticBuffer)
-    buf.backend, buf._prechecked, buf.device = "native", {"_validated": True}, torch.device("cpu")
-    buf.num_ranks, buf.rank, buf.num_bytes, buf.num_max_tokens_per_rank = 1, 0, 1 << 30, T
-    buf.deterministic, buf.allow_multiple_reduction, buf.destroyed = False, True, False
-    buf._env_num_sms, buf.num_allocated_qps = 0, 17
-    buf.runtime = low
-    buf._capturing = lambda: False
-
+    buf = make_buffer(T, E)
     x = torch.zeros((T, H), dtype=torch.bfloat16)
     topk = torch.randint(0, E, (T, K))
     w = torch.rand((T, K))

@@ -1,5 +1,7 @@
-// elastic_ep._C -- torch-free bindings: sizing (always), NCCL set-up and kernels (CUDA builds).
-// Python passes tensor.data_ptr() ints, sizes and stream handles; _low_level.py owns the tensors.
+// elastic_ep._C -- torch-free bindings. Every build (host-only too): the sizing (sizing.hpp, the one
+// implementation of DeepEP V2's buffer formulas) and the kernels' parameter blocks (kernels.hpp), as
+// classes with named fields. CUDA builds add NCCL set-up and the Runtime, whose launches take a
+// parameter block plus the tensors' pointers as typed arguments (_native_runtime.py owns the tensors).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -28,98 +30,50 @@ int64_t fits_int64(const char* what, int64_t bytes) {
   return bytes;
 }
 
-// Kernel parameter blocks come from Python as dicts of ints; a missing key is a programming error.
-int64_t get_i(const py::dict& d, const char* key) {
-  CK_CHECK(d.contains(key), "internal: parameter '", key, "' missing");
-  py::object v = d[key];
-  if (v.is_none()) return 0;
-  return v.cast<int64_t>();
+int64_t dispatch_buffer_size_checked(int num_max_tokens_per_rank, int hidden, int num_sf_packs, int num_topk,
+                                     int elem_size, int num_scaleout_ranks, int num_scaleup_ranks,
+                                     bool is_scaleup_nvlink) {
+  CK_CHECK_ARG(num_max_tokens_per_rank > 0 && hidden > 0 && num_sf_packs >= 0 && num_topk > 0 && elem_size > 0 &&
+                   num_scaleout_ranks > 0 && num_scaleup_ranks > 0,
+               "get_dispatch_buffer_size: every size must be positive (num_sf_packs >= 0)");
+  CK_CHECK_ARG(num_topk <= kMaxTopk, "get_dispatch_buffer_size: num_topk must be at most ", kMaxTopk, ", got ",
+               num_topk);
+  return fits_int64("get_dispatch_buffer_size",
+                    dispatch_buffer_size(num_max_tokens_per_rank, hidden, num_sf_packs, num_topk, elem_size,
+                                         num_scaleout_ranks, num_scaleup_ranks, is_scaleup_nvlink));
 }
+
+int64_t combine_buffer_size_checked(int num_max_tokens_per_rank, int hidden, int num_topk, int num_scaleout_ranks,
+                                    int num_scaleup_ranks, bool is_scaleup_nvlink, bool allow_multiple_reduction) {
+  CK_CHECK_ARG(num_max_tokens_per_rank > 0 && hidden > 0 && num_topk > 0 && num_scaleout_ranks > 0 &&
+                   num_scaleup_ranks > 0,
+               "get_combine_buffer_size: every size must be positive");
+  CK_CHECK_ARG(num_topk <= kMaxTopk, "get_combine_buffer_size: num_topk must be at most ", kMaxTopk, ", got ",
+               num_topk);
+  return fits_int64("get_combine_buffer_size",
+                    combine_buffer_size(num_max_tokens_per_rank, hidden, num_topk, num_scaleout_ranks,
+                                        num_scaleup_ranks, is_scaleup_nvlink, allow_multiple_reduction));
+}
+
+int64_t buffer_size_for_domain_checked(int num_max_tokens_per_rank, int hidden, int num_topk, bool use_fp8_dispatch,
+                                       int num_scaleout_ranks, int num_scaleup_ranks, bool is_scaleup_nvlink,
+                                       bool allow_multiple_reduction) {
+  CK_CHECK_ARG(num_max_tokens_per_rank > 0, "num_max_tokens_per_rank must be positive, got ", num_max_tokens_per_rank);
+  CK_CHECK_ARG(hidden > 0, "hidden must be positive, got ", hidden);
+  CK_CHECK_ARG(int64_t(ceil_div(uint64_t(hidden), 32)) * 4 <= hidden, "hidden too small: the worst-case SF bytes (",
+               ceil_div(uint64_t(hidden), 32) * 4, ") exceed the hidden bytes");
+  CK_CHECK_ARG(num_topk >= 0 && num_topk <= kMaxTopk, "num_topk must be in [0, ", kMaxTopk, "], got ", num_topk);
+  CK_CHECK_ARG(num_scaleout_ranks > 0 && num_scaleup_ranks > 0, "domain sizes must be positive");
+  return fits_int64("calculate_buffer_size",
+                    calculate_buffer_size(num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
+                                          num_scaleout_ranks, num_scaleup_ranks, is_scaleup_nvlink,
+                                          allow_multiple_reduction));
+}
+
+#if COMMKIT_WITH_CUDA
 template <typename T>
-T* get_p(const py::dict& d, const char* key) {
-  return reinterpret_cast<T*>(static_cast<uintptr_t>(get_i(d, key)));
-}
-
-DispatchParams dispatch_params(const py::dict& d) {
-  DispatchParams p{};
-  p.x = get_p<const void>(d, "x");
-  p.sf = get_p<const void>(d, "sf");
-  p.sf_token_stride = get_i(d, "sf_token_stride");
-  p.sf_hidden_stride = get_i(d, "sf_hidden_stride");
-  p.topk_idx = get_p<const int64_t>(d, "topk_idx");
-  p.topk_weights = get_p<const float>(d, "topk_weights");
-  p.copied_topk_idx = get_p<int64_t>(d, "copied_topk_idx");
-  p.cumulative_stats = get_p<int>(d, "cumulative_stats");
-  p.psum_rank = get_p<int>(d, "psum_rank");
-  p.psum_expert = get_p<int>(d, "psum_expert");
-  p.unaligned_expert = get_p<int>(d, "unaligned_expert");
-  p.slot_idx = get_p<int>(d, "slot_idx");
-  p.num_tokens = int(get_i(d, "num_tokens"));
-  p.num_max_tokens_per_rank = int(get_i(d, "num_max_tokens_per_rank"));
-  p.hidden_bytes = int(get_i(d, "hidden_bytes"));
-  p.num_sf_packs = int(get_i(d, "num_sf_packs"));
-  p.num_experts = int(get_i(d, "num_experts"));
-  p.num_topk = int(get_i(d, "num_topk"));
-  p.expert_alignment = int(get_i(d, "expert_alignment"));
-  p.cached = int(get_i(d, "cached"));
-  p.num_sms = int(get_i(d, "num_sms"));
-  p.refuse_bad_ids = int(get_i(d, "refuse_bad_ids"));
-  p.overlap = int(get_i(d, "overlap"));
-  p.concurrent_notify = int(get_i(d, "concurrent_notify"));
-  return p;
-}
-
-EpilogueParams epilogue_params(const py::dict& d) {
-  EpilogueParams p{};
-  p.x = get_p<const void>(d, "x");
-  p.sf = get_p<const void>(d, "sf");
-  p.sf_token_stride = get_i(d, "sf_token_stride");
-  p.sf_hidden_stride = get_i(d, "sf_hidden_stride");
-  p.recv_x = get_p<void>(d, "recv_x");
-  p.recv_sf = get_p<void>(d, "recv_sf");
-  p.recv_sf_token_stride = get_i(d, "recv_sf_token_stride");
-  p.recv_sf_hidden_stride = get_i(d, "recv_sf_hidden_stride");
-  p.recv_topk_idx = get_p<int64_t>(d, "recv_topk_idx");
-  p.recv_topk_weights = get_p<float>(d, "recv_topk_weights");
-  p.recv_src_metadata = get_p<int>(d, "recv_src_metadata");
-  p.psum_rank = get_p<const int>(d, "psum_rank");
-  p.psum_expert = get_p<int>(d, "psum_expert");
-  p.unaligned_expert = get_p<const int>(d, "unaligned_expert");
-  p.num_max_tokens_per_rank = int(get_i(d, "num_max_tokens_per_rank"));
-  p.hidden_bytes = int(get_i(d, "hidden_bytes"));
-  p.num_sf_packs = int(get_i(d, "num_sf_packs"));
-  p.num_experts = int(get_i(d, "num_experts"));
-  p.num_topk = int(get_i(d, "num_topk"));
-  p.expert_alignment = int(get_i(d, "expert_alignment"));
-  p.do_expand = int(get_i(d, "do_expand"));
-  p.cached = int(get_i(d, "cached"));
-  p.do_zero_padding = int(get_i(d, "do_zero_padding"));
-  p.num_sms = int(get_i(d, "num_sms"));
-  p.overlap = int(get_i(d, "overlap"));
-  return p;
-}
-
-CombineParams combine_params(const py::dict& d) {
-  CombineParams p{};
-  p.x = get_p<const void>(d, "x");
-  p.topk_weights = get_p<const float>(d, "topk_weights");
-  p.src_metadata = get_p<const int>(d, "src_metadata");
-  p.psum_rank = get_p<const int>(d, "psum_rank");
-  p.combined_topk_idx = get_p<const int64_t>(d, "combined_topk_idx");
-  p.combined_x = get_p<void>(d, "combined_x");
-  p.combined_topk_weights = get_p<float>(d, "combined_topk_weights");
-  p.bias0 = get_p<const void>(d, "bias0");
-  p.bias1 = get_p<const void>(d, "bias1");
-  p.num_combined_tokens = int(get_i(d, "num_combined_tokens"));
-  p.num_max_tokens_per_rank = int(get_i(d, "num_max_tokens_per_rank"));
-  p.hidden = int(get_i(d, "hidden"));
-  p.num_experts = int(get_i(d, "num_experts"));
-  p.num_topk = int(get_i(d, "num_topk"));
-  p.use_expanded_layout = int(get_i(d, "use_expanded_layout"));
-  p.allow_multiple_reduction = int(get_i(d, "allow_multiple_reduction"));
-  p.num_sms = int(get_i(d, "num_sms"));
-  p.overlap_push_blocks = int(get_i(d, "overlap_push_blocks"));
-  return p;
+T* ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
 }
 
 // Runs f with the GIL released and rethrows its exception only after the GIL is back, so no C++
@@ -152,26 +106,15 @@ auto without_gil(F&& f) -> decltype(f()) {
     return std::move(*out);
   }
 }
-
-}  // namespace
-
-PYBIND11_MODULE(_C, m) {
-  m.doc() = "elastic_ep native core (torch-free; see elastic_ep._low_level)";
-  commkit::register_python_errors(m);
-  m.def("built_with_cuda", [] { return bool(COMMKIT_WITH_CUDA); });
-#ifdef COMMKIT_BUILD_NCCL_VERSION_CODE
-  m.attr("BUILD_NCCL_VERSION_CODE") = int(COMMKIT_BUILD_NCCL_VERSION_CODE);
-#else
-  m.attr("BUILD_NCCL_VERSION_CODE") = 0;
 #endif
+
+void bind_sizing(py::module_& m) {
   m.attr("MAX_RANKS") = kMaxRanks;
   m.attr("MAX_EXPERTS") = kMaxExperts;
   m.attr("MAX_LOCAL_EXPERTS") = kMaxLocalExperts;
   m.attr("MAX_TOPK") = kMaxTopk;
   m.attr("NUM_ALIGNED_SF_PACKS") = kNumAlignedSFPacks;
   m.def("get_elastic_buffer_alignment", [] { return kBufferAlignmentBytes; });
-
-  // Sizing: pure functions of the shapes (the CPU suite checks them).
   m.def("dispatch_token_bytes", [](int64_t hidden, int64_t elem_size, int64_t num_sf_packs, int64_t num_topk) {
     CK_CHECK_ARG(hidden >= 0 && elem_size >= 0 && num_sf_packs >= 0 && num_topk >= 0,
                  "dispatch_token_bytes: sizes must be non-negative");
@@ -196,48 +139,39 @@ PYBIND11_MODULE(_C, m) {
     CK_CHECK_ARG(hidden >= 0 && num_topk >= 0, "combine_token_bytes: sizes must be non-negative");
     return fits_int64("combine_token_bytes", sizing_detail::from_u64(combine_token_layout(hidden, 2, num_topk).bytes));
   });
-  m.def("get_dispatch_buffer_size",
-        [](int num_max_tokens_per_rank, int hidden, int num_sf_packs, int num_topk, int elem_size,
-           int num_scaleout_ranks, int num_scaleup_ranks, bool is_scaleup_nvlink) {
-          CK_CHECK_ARG(num_max_tokens_per_rank > 0 && hidden > 0 && num_sf_packs >= 0 && num_topk > 0 &&
-                           elem_size > 0 && num_scaleout_ranks > 0 && num_scaleup_ranks > 0,
-                       "get_dispatch_buffer_size: every size must be positive (num_sf_packs >= 0)");
-          CK_CHECK_ARG(num_topk <= kMaxTopk, "get_dispatch_buffer_size: num_topk must be at most ", kMaxTopk,
-                       ", got ", num_topk);
-          return fits_int64("get_dispatch_buffer_size",
-                            dispatch_buffer_size(num_max_tokens_per_rank, hidden, num_sf_packs, num_topk, elem_size,
-                                                 num_scaleout_ranks, num_scaleup_ranks, is_scaleup_nvlink));
-        });
-  m.def("get_combine_buffer_size",
-        [](int num_max_tokens_per_rank, int hidden, int num_topk, int num_scaleout_ranks, int num_scaleup_ranks,
-           bool is_scaleup_nvlink, bool allow_multiple_reduction) {
-          CK_CHECK_ARG(num_max_tokens_per_rank > 0 && hidden > 0 && num_topk > 0 && num_scaleout_ranks > 0 &&
-                           num_scaleup_ranks > 0,
-                       "get_combine_buffer_size: every size must be positive");
-          CK_CHECK_ARG(num_topk <= kMaxTopk, "get_combine_buffer_size: num_topk must be at most ", kMaxTopk,
-                       ", got ", num_topk);
-          return fits_int64("get_combine_buffer_size",
-                            combine_buffer_size(num_max_tokens_per_rank, hidden, num_topk, num_scaleout_ranks,
-                                                num_scaleup_ranks, is_scaleup_nvlink, allow_multiple_reduction));
-        });
-  m.def("calculate_buffer_size_for_domain",
-        [](int num_max_tokens_per_rank, int hidden, int num_topk, bool use_fp8_dispatch, int num_scaleout_ranks,
-           int num_scaleup_ranks, bool is_scaleup_nvlink, bool allow_multiple_reduction) {
-          CK_CHECK_ARG(num_max_tokens_per_rank > 0, "num_max_tokens_per_rank must be positive, got ",
-                       num_max_tokens_per_rank);
-          CK_CHECK_ARG(hidden > 0, "hidden must be positive, got ", hidden);
-          CK_CHECK_ARG(int64_t(ceil_div(uint64_t(hidden), 32)) * 4 <= hidden,
-                       "hidden too small: the worst-case SF bytes (", ceil_div(uint64_t(hidden), 32) * 4,
-                       ") exceed the hidden bytes");
-          CK_CHECK_ARG(num_topk >= 0 && num_topk <= kMaxTopk, "num_topk must be in [0, ", kMaxTopk, "], got ",
-                       num_topk);
-          CK_CHECK_ARG(num_scaleout_ranks > 0 && num_scaleup_ranks > 0, "domain sizes must be positive");
-          return fits_int64("calculate_buffer_size",
-                            calculate_buffer_size(num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
-                                                  num_scaleout_ranks, num_scaleup_ranks, is_scaleup_nvlink,
-                                                  allow_multiple_reduction));
-        });
+  m.def("get_dispatch_buffer_size", &dispatch_buffer_size_checked, py::arg("num_max_tokens_per_rank"),
+        py::arg("hidden"), py::arg("num_sf_packs"), py::arg("num_topk"), py::arg("elem_size"),
+        py::arg("num_scaleout_ranks"), py::arg("num_scaleup_ranks"), py::arg("is_scaleup_nvlink"));
+  m.def("get_combine_buffer_size", &combine_buffer_size_checked, py::arg("num_max_tokens_per_rank"),
+        py::arg("hidden"), py::arg("num_topk"), py::arg("num_scaleout_ranks"), py::arg("num_scaleup_ranks"),
+        py::arg("is_scaleup_nvlink"), py::arg("allow_multiple_reduction"));
+  m.def("calculate_buffer_size_for_domain", &buffer_size_for_domain_checked);
+  m.def(
+      "calculate_elastic_buffer_size",
+      [](int num_ranks, int num_max_tokens_per_rank, int hidden, int num_topk, bool use_fp8_dispatch,
+         bool allow_hybrid_mode, bool allow_multiple_reduction, int num_nvl_ranks) {
+        CK_CHECK_ARG(num_ranks > 0 && num_nvl_ranks > 0, "num_ranks and num_nvl_ranks must be positive, got ",
+                     num_ranks, " and ", num_nvl_ranks);
+        CK_CHECK_ARG(num_ranks % num_nvl_ranks == 0, "num_ranks (", num_ranks, ") must be a multiple of num_nvl_ranks (",
+                     num_nvl_ranks, "): every NVLink domain must hold the same number of ranks");
+        const SizingDomain d = sizing_domain(num_ranks, num_nvl_ranks, allow_hybrid_mode);
+        return buffer_size_for_domain_checked(num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
+                                              int(d.num_scaleout_ranks), int(d.num_scaleup_ranks), d.is_scaleup_nvlink,
+                                              allow_multiple_reduction);
+      },
+      py::arg("num_ranks"), py::arg("num_max_tokens_per_rank"), py::arg("hidden"), py::arg("num_topk"),
+      py::arg("use_fp8_dispatch"), py::arg("allow_hybrid_mode"), py::arg("allow_multiple_reduction"),
+      py::arg("num_nvl_ranks"),
+      "DeepEP V2's calculate_buffer_size for num_ranks ranks in NVLink domains of num_nvl_ranks (2 MiB-aligned).");
   m.def("worst_case_num_recv_tokens", &worst_case_num_recv_tokens);
+  m.def("worst_case_num_expanded_tokens", [](int64_t num_ranks, int64_t num_max_tokens_per_rank, int64_t num_topk,
+                                             int64_t num_local_experts, int64_t expert_alignment) {
+    CK_CHECK_ARG(num_ranks > 0 && num_max_tokens_per_rank >= 0 && num_topk >= 0 && num_local_experts >= 0 &&
+                     expert_alignment > 0,
+                 "worst_case_num_expanded_tokens: sizes must be non-negative and expert_alignment positive");
+    return worst_case_num_expanded_tokens(num_ranks, num_max_tokens_per_rank, num_topk, num_local_experts,
+                                          expert_alignment);
+  });
   m.def("chunk_order", [](int num_ranks, int rank, const std::vector<int>& rows_per_source) {
     // The walk of the overlapped kernels (sizing.hpp), as (source, slot) pairs, invalid ones skipped.
     CK_CHECK_ARG(num_ranks >= 1 && rank >= 0 && rank < num_ranks && int(rows_per_source.size()) == num_ranks,
@@ -254,10 +188,58 @@ PYBIND11_MODULE(_C, m) {
   m.def("overlap_fits", [](int64_t num_ranks, int64_t num_max_tokens_per_rank) {
     return overlap_fits(num_ranks, num_max_tokens_per_rank);
   });
-  m.def("worst_case_num_expanded_tokens", &worst_case_num_expanded_tokens);
   m.def("workspace_bytes", [] { return int64_t(workspace_layout().bytes); });
+}
+
+// The parameter blocks: named scalar fields (the pointers go to each launch as typed arguments).
+void bind_params(py::module_& m) {
+  py::class_<DispatchParams>(m, "DispatchParams", "Scalars of a dispatch's notify + push launch (kernels.hpp).")
+      .def(py::init([] { return DispatchParams{}; }))
+      .def_readwrite("sf_token_stride", &DispatchParams::sf_token_stride)
+      .def_readwrite("sf_hidden_stride", &DispatchParams::sf_hidden_stride)
+      .def_readwrite("num_tokens", &DispatchParams::num_tokens)
+      .def_readwrite("num_max_tokens_per_rank", &DispatchParams::num_max_tokens_per_rank)
+      .def_readwrite("hidden_bytes", &DispatchParams::hidden_bytes)
+      .def_readwrite("num_sf_packs", &DispatchParams::num_sf_packs)
+      .def_readwrite("num_experts", &DispatchParams::num_experts)
+      .def_readwrite("num_topk", &DispatchParams::num_topk)
+      .def_readwrite("expert_alignment", &DispatchParams::expert_alignment)
+      .def_readwrite("cached", &DispatchParams::cached)
+      .def_readwrite("num_sms", &DispatchParams::num_sms)
+      .def_readwrite("notify_atomic_masks", &DispatchParams::notify_atomic_masks)
+      .def_readwrite("refuse_bad_ids", &DispatchParams::refuse_bad_ids)
+      .def_readwrite("overlap", &DispatchParams::overlap)
+      .def_readwrite("concurrent_notify", &DispatchParams::concurrent_notify);
+  py::class_<EpilogueParams>(m, "EpilogueParams", "Scalars of a dispatch's copy-epilogue launch (kernels.hpp).")
+      .def(py::init([] { return EpilogueParams{}; }))
+      .def_readwrite("sf_token_stride", &EpilogueParams::sf_token_stride)
+      .def_readwrite("sf_hidden_stride", &EpilogueParams::sf_hidden_stride)
+      .def_readwrite("num_max_tokens_per_rank", &EpilogueParams::num_max_tokens_per_rank)
+      .def_readwrite("hidden_bytes", &EpilogueParams::hidden_bytes)
+      .def_readwrite("num_sf_packs", &EpilogueParams::num_sf_packs)
+      .def_readwrite("num_experts", &EpilogueParams::num_experts)
+      .def_readwrite("num_topk", &EpilogueParams::num_topk)
+      .def_readwrite("expert_alignment", &EpilogueParams::expert_alignment)
+      .def_readwrite("do_expand", &EpilogueParams::do_expand)
+      .def_readwrite("cached", &EpilogueParams::cached)
+      .def_readwrite("do_zero_padding", &EpilogueParams::do_zero_padding)
+      .def_readwrite("num_sms", &EpilogueParams::num_sms)
+      .def_readwrite("overlap", &EpilogueParams::overlap);
+  py::class_<CombineParams>(m, "CombineParams", "Scalars of a combine's launches (kernels.hpp).")
+      .def(py::init([] { return CombineParams{}; }))
+      .def_readwrite("num_combined_tokens", &CombineParams::num_combined_tokens)
+      .def_readwrite("num_max_tokens_per_rank", &CombineParams::num_max_tokens_per_rank)
+      .def_readwrite("hidden", &CombineParams::hidden)
+      .def_readwrite("num_experts", &CombineParams::num_experts)
+      .def_readwrite("num_topk", &CombineParams::num_topk)
+      .def_readwrite("use_expanded_layout", &CombineParams::use_expanded_layout)
+      .def_readwrite("allow_multiple_reduction", &CombineParams::allow_multiple_reduction)
+      .def_readwrite("num_sms", &CombineParams::num_sms)
+      .def_readwrite("overlap_push_blocks", &CombineParams::overlap_push_blocks);
+}
 
 #if COMMKIT_WITH_CUDA
+void bind_runtime(py::module_& m) {
   m.def("nccl_version", &nccl_runtime_version, "NCCL_VERSION_CODE of the loaded libnccl");
   m.def("nccl_build_version", &nccl_build_version, "NCCL_VERSION_CODE of the headers at build time");
   m.def("get_local_nccl_unique_id", [] { return py::bytes(get_local_nccl_unique_id()); });
@@ -268,23 +250,45 @@ PYBIND11_MODULE(_C, m) {
   m.def("destroy_nccl_comm", &destroy_nccl_comm);
   m.def("nccl_comm_rank_size", &nccl_comm_rank_size);
 
+  py::class_<RuntimeOptions>(m, "RuntimeOptions", "Host-side settings of a Runtime (read by Python's _env.py).")
+      .def(py::init<>())
+      .def_readwrite("host_wait_yield_us", &RuntimeOptions::host_wait_yield_us)
+      .def_readwrite("debug", &RuntimeOptions::debug);
+  py::class_<DispatchCounts>(m, "DispatchCounts", "What Runtime.wait_dispatch_counts found (runtime.hpp).")
+      .def_readonly("status", &DispatchCounts::status)
+      .def_readonly("num_recv_tokens", &DispatchCounts::num_recv_tokens)
+      .def_readonly("num_expanded_tokens", &DispatchCounts::num_expanded_tokens)
+      .def_readonly("num_recv_tokens_per_expert", &DispatchCounts::num_recv_tokens_per_expert)
+      .def_readonly("ranks_ready", &DispatchCounts::ranks_ready)
+      .def_readonly("experts_ready", &DispatchCounts::experts_ready);
+  py::class_<Runtime::TimeoutInfo>(m, "TimeoutInfo", "An expired device wait (Runtime.take_timeout).")
+      .def_readonly("operation", &Runtime::TimeoutInfo::operation)
+      .def_readonly("rank", &Runtime::TimeoutInfo::rank)
+      .def_readonly("peer", &Runtime::TimeoutInfo::peer)
+      .def_readonly("expected", &Runtime::TimeoutInfo::expected)
+      .def_readonly("observed", &Runtime::TimeoutInfo::observed)
+      .def_readonly("waited_ms", &Runtime::TimeoutInfo::waited_ms)
+      .def_readonly("channel", &Runtime::TimeoutInfo::channel);
+
   py::class_<Runtime>(m, "Runtime")
       .def(py::init([](int rank, int num_ranks, int64_t comm, int64_t num_buffer_bytes, int cpu_timeout,
-                       int gpu_timeout) {
-             return without_gil(
-                 [&] { return new Runtime(rank, num_ranks, comm, num_buffer_bytes, cpu_timeout, gpu_timeout); });
+                       int gpu_timeout, const RuntimeOptions& options) {
+             return without_gil([&] {
+               return new Runtime(rank, num_ranks, comm, num_buffer_bytes, cpu_timeout, gpu_timeout, options);
+             });
            }),
            py::arg("rank"), py::arg("num_ranks"), py::arg("nccl_comm"), py::arg("num_buffer_bytes"),
-           py::arg("num_cpu_timeout_secs"), py::arg("num_gpu_timeout_secs"))
+           py::arg("num_cpu_timeout_secs"), py::arg("num_gpu_timeout_secs"), py::arg("options"))
       .def_static(
           "create_ipc",
-          [](int rank, int num_ranks, int64_t num_buffer_bytes, int cpu_timeout, int gpu_timeout) {
+          [](int rank, int num_ranks, int64_t num_buffer_bytes, int cpu_timeout, int gpu_timeout,
+             const RuntimeOptions& options) {
             return without_gil([&] {
-              return new Runtime(Runtime::Ipc{}, rank, num_ranks, num_buffer_bytes, cpu_timeout, gpu_timeout);
+              return new Runtime(Runtime::Ipc{}, rank, num_ranks, num_buffer_bytes, cpu_timeout, gpu_timeout, options);
             });
           },
           py::arg("rank"), py::arg("num_ranks"), py::arg("num_buffer_bytes"), py::arg("num_cpu_timeout_secs"),
-          py::arg("num_gpu_timeout_secs"), py::return_value_policy::take_ownership,
+          py::arg("num_gpu_timeout_secs"), py::arg("options"), py::return_value_policy::take_ownership,
           "A runtime on a CUDA-IPC window (no NCCL); usable after open_ipc_peers().")
       .def_property_readonly("ipc", &Runtime::ipc)
       .def("ipc_handle", [](const Runtime& r) { return py::bytes(r.ipc_handle()); })
@@ -306,17 +310,9 @@ PYBIND11_MODULE(_C, m) {
       .def("check_healthy", &Runtime::check_healthy)
       .def("take_timeout",
            [](Runtime& r) -> py::object {
-             auto t = r.take_timeout();
+             Runtime::TimeoutInfo t = r.take_timeout();
              if (!t.expired) return py::none();
-             py::dict d;
-             d["operation"] = t.operation;
-             d["rank"] = t.rank;
-             d["peer"] = t.peer;
-             d["expected"] = t.expected;
-             d["observed"] = t.observed;
-             d["waited_ms"] = t.waited_ms;
-             d["channel"] = t.channel;
-             return std::move(d);
+             return py::cast(std::move(t));
            })
       .def("pending_health", &Runtime::pending_health)
       .def_property_readonly("broken", &Runtime::broken)
@@ -324,25 +320,99 @@ PYBIND11_MODULE(_C, m) {
       .def("mark_broken", &Runtime::mark_broken, py::arg("reason"))
       .def("debug_seed_epoch", &Runtime::debug_seed_epoch, py::arg("last_epoch"))
       .def("barrier", &Runtime::barrier, py::arg("stream"))
-      .def("dispatch",
-           [](Runtime& r, const py::dict& d, int64_t stream, int64_t wait_stream) {
-             r.dispatch(dispatch_params(d), stream, wait_stream);
-           },
-           py::arg("params"), py::arg("stream"), py::arg("wait_stream") = kNoStream)
+      .def(
+          "dispatch",
+          [](Runtime& r, const DispatchParams& plan, uintptr_t x, uintptr_t sf, uintptr_t topk_idx,
+             uintptr_t topk_weights, uintptr_t copied_topk_idx, uintptr_t cumulative_stats, uintptr_t psum_rank,
+             uintptr_t psum_expert, uintptr_t unaligned_expert, uintptr_t slot_idx, int64_t stream,
+             int64_t wait_stream) {
+            DispatchParams p = plan;
+            p.x = ptr<const void>(x);
+            p.sf = ptr<const void>(sf);
+            p.topk_idx = ptr<const int64_t>(topk_idx);
+            p.topk_weights = ptr<const float>(topk_weights);
+            p.copied_topk_idx = ptr<int64_t>(copied_topk_idx);
+            p.cumulative_stats = ptr<int>(cumulative_stats);
+            p.psum_rank = ptr<int>(psum_rank);
+            p.psum_expert = ptr<int>(psum_expert);
+            p.unaligned_expert = ptr<int>(unaligned_expert);
+            p.slot_idx = ptr<int>(slot_idx);
+            r.dispatch(p, stream, wait_stream);
+          },
+          py::arg("params"), py::arg("x"), py::arg("sf"), py::arg("topk_idx"), py::arg("topk_weights"),
+          py::arg("copied_topk_idx"), py::arg("cumulative_stats"), py::arg("psum_rank"), py::arg("psum_expert"),
+          py::arg("unaligned_expert"), py::arg("slot_idx"), py::arg("stream"), py::arg("wait_stream") = kNoStream,
+          "Notify (or, cached, the entry barrier) and the push; tensor arguments are data pointers (0: none).")
       .def("wait_dispatch_counts",
            [](Runtime& r, int n) { return without_gil([&] { return r.wait_dispatch_counts(n); }); },
            py::arg("num_local_experts"))
       .def("take_refusal", [](Runtime& r) { return without_gil([&] { return r.take_refusal(); }); })
       .def("take_masked_ids", &Runtime::take_masked_ids)
-      .def("dispatch_epilogue",
-           [](Runtime& r, const py::dict& d, int64_t stream, int64_t join_stream) {
-             r.dispatch_epilogue(epilogue_params(d), stream, join_stream);
-           },
-           py::arg("params"), py::arg("stream"), py::arg("join_stream") = kNoStream)
-      .def("combine",
-           [](Runtime& r, const py::dict& d, int64_t stream, uint64_t wait_event, int64_t wait_stream,
-              int64_t join_stream) { r.combine(combine_params(d), stream, wait_event, wait_stream, join_stream); },
-           py::arg("params"), py::arg("stream"), py::arg("wait_event") = 0, py::arg("wait_stream") = kNoStream,
-           py::arg("join_stream") = kNoStream);
+      .def(
+          "dispatch_epilogue",
+          [](Runtime& r, const EpilogueParams& plan, uintptr_t x, uintptr_t sf, uintptr_t recv_x, uintptr_t recv_sf,
+             int64_t recv_sf_token_stride, int64_t recv_sf_hidden_stride, uintptr_t recv_topk_idx,
+             uintptr_t recv_topk_weights, uintptr_t recv_src_metadata, uintptr_t psum_rank, uintptr_t psum_expert,
+             uintptr_t unaligned_expert, int64_t stream, int64_t join_stream) {
+            EpilogueParams p = plan;
+            p.x = ptr<const void>(x);
+            p.sf = ptr<const void>(sf);
+            p.recv_x = ptr<void>(recv_x);
+            p.recv_sf = ptr<void>(recv_sf);
+            p.recv_sf_token_stride = recv_sf_token_stride;
+            p.recv_sf_hidden_stride = recv_sf_hidden_stride;
+            p.recv_topk_idx = ptr<int64_t>(recv_topk_idx);
+            p.recv_topk_weights = ptr<float>(recv_topk_weights);
+            p.recv_src_metadata = ptr<int>(recv_src_metadata);
+            p.psum_rank = ptr<const int>(psum_rank);
+            p.psum_expert = ptr<int>(psum_expert);
+            p.unaligned_expert = ptr<const int>(unaligned_expert);
+            r.dispatch_epilogue(p, stream, join_stream);
+          },
+          py::arg("params"), py::arg("x"), py::arg("sf"), py::arg("recv_x"), py::arg("recv_sf"),
+          py::arg("recv_sf_token_stride"), py::arg("recv_sf_hidden_stride"), py::arg("recv_topk_idx"),
+          py::arg("recv_topk_weights"), py::arg("recv_src_metadata"), py::arg("psum_rank"), py::arg("psum_expert"),
+          py::arg("unaligned_expert"), py::arg("stream"), py::arg("join_stream") = kNoStream,
+          "The copy epilogue; tensor arguments are data pointers (0: none).")
+      .def(
+          "combine",
+          [](Runtime& r, const CombineParams& plan, uintptr_t x, uintptr_t topk_weights, uintptr_t src_metadata,
+             uintptr_t psum_rank, uintptr_t combined_topk_idx, uintptr_t combined_x, uintptr_t combined_topk_weights,
+             uintptr_t bias0, uintptr_t bias1, int64_t stream, uint64_t wait_event, int64_t wait_stream,
+             int64_t join_stream) {
+            CombineParams p = plan;
+            p.x = ptr<const void>(x);
+            p.topk_weights = ptr<const float>(topk_weights);
+            p.src_metadata = ptr<const int>(src_metadata);
+            p.psum_rank = ptr<const int>(psum_rank);
+            p.combined_topk_idx = ptr<const int64_t>(combined_topk_idx);
+            p.combined_x = ptr<void>(combined_x);
+            p.combined_topk_weights = ptr<float>(combined_topk_weights);
+            p.bias0 = ptr<const void>(bias0);
+            p.bias1 = ptr<const void>(bias1);
+            r.combine(p, stream, wait_event, wait_stream, join_stream);
+          },
+          py::arg("params"), py::arg("x"), py::arg("topk_weights"), py::arg("src_metadata"), py::arg("psum_rank"),
+          py::arg("combined_topk_idx"), py::arg("combined_x"), py::arg("combined_topk_weights"), py::arg("bias0"),
+          py::arg("bias1"), py::arg("stream"), py::arg("wait_event") = 0, py::arg("wait_stream") = kNoStream,
+          py::arg("join_stream") = kNoStream, "Push then reduce; tensor arguments are data pointers (0: none).");
+}
+#endif
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "elastic_ep native core (torch-free; see elastic_ep._native_runtime)";
+  commkit::register_python_errors(m);
+  m.def("built_with_cuda", [] { return bool(COMMKIT_WITH_CUDA); });
+#ifdef COMMKIT_BUILD_NCCL_VERSION_CODE
+  m.attr("BUILD_NCCL_VERSION_CODE") = int(COMMKIT_BUILD_NCCL_VERSION_CODE);
+#else
+  m.attr("BUILD_NCCL_VERSION_CODE") = 0;
+#endif
+  bind_sizing(m);
+  bind_params(m);
+#if COMMKIT_WITH_CUDA
+  bind_runtime(m);
 #endif
 }

@@ -1,5 +1,7 @@
 // elastic_ep/csrc/kernels.hpp -- parameter blocks and launchers of the direct-mode kernels.
-// Torch-free and CUDA-free: pointers are void*/int*, streams are cudaStream_t passed as void*.
+// Torch-free and CUDA-free: pointers are void*/int*, streams are cudaStream_t passed as void*. The
+// parameter blocks are bound to Python in every build (bindings.cpp): the native runtime keeps one per
+// shape (its scalar fields) and passes the tensors' pointers to each launch as typed arguments.
 #pragma once
 
 #include <cstdint>
@@ -48,8 +50,8 @@ struct DispatchParams {
   uint32_t host_tag;           // tag of the host-mapped counts for the CPU sync
   int num_sms;
   // Notify builds its per-rank token masks with shared atomics instead of warp reductions (what it
-  // does above 32 ranks). Set by the runtime from ELASTIC_EP_TEST_NOTIFY_ATOMICS=1 so tests on 1-2
-  // GPUs cover that path too.
+  // does above 32 ranks). Set from ELASTIC_EP_TEST_NOTIFY_ATOMICS=1 (read by Python when the buffer
+  // is created) so tests on 1-2 GPUs cover that path too.
   int notify_atomic_masks;
   // CPU-sync mode: expert ids outside [-1, E) refuse the whole dispatch on every rank (flagged count
   // words, nothing pushed, the host raises; see kernels.cu). Otherwise they are masked and reported

@@ -1,4 +1,4 @@
-// elastic_ep/csrc/runtime.cu -- host side of the elastic buffer: NCCL set-up, window, CPU sync.
+// elastic_ep/csrc/runtime.cpp -- host side of the elastic buffer: NCCL set-up, window, CPU sync.
 // Host code compiled by the C++ compiler (exceptions never unwind through nvcc-compiled frames); it is
 // empty unless the CUDA build is on (COMMKIT_WITH_CUDA=1). See runtime.hpp for the contract. The NCCL
 // device-API structures live in kernels.cu (devcomm_create / devcomm_destroy).
@@ -27,16 +27,10 @@
 namespace elastic_ep {
 
 namespace {
-bool debug_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("EP_BUFFER_DEBUG");
-    return v != nullptr && v[0] != '\0' && v[0] != '0';
-  }();
-  return on;
-}
+// The set-up / teardown trace of a Runtime method (RuntimeOptions::debug, from EP_BUFFER_DEBUG).
 #define EP_DEBUG(...)                                    \
   do {                                                   \
-    if (debug_enabled()) {                               \
+    if (debug_) {                                        \
       std::fprintf(stderr, "[elastic_ep] " __VA_ARGS__); \
       std::fflush(stderr);                               \
     }                                                    \
@@ -101,7 +95,8 @@ std::tuple<int, int> nccl_comm_rank_size(int64_t comm) {
   return {rank, size};
 }
 
-uint64_t Runtime::begin_setup(int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs) {
+uint64_t Runtime::begin_setup(int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs,
+                              const RuntimeOptions& options) {
   CK_CHECK_ARG(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks must be in [1, ", kMaxRanks, "], got ",
                num_ranks);
   CK_CHECK_ARG(rank >= 0 && rank < num_ranks, "rank_idx must be in [0, num_ranks), got ", rank);
@@ -109,9 +104,9 @@ uint64_t Runtime::begin_setup(int rank, int num_ranks, int64_t num_buffer_bytes,
                "num_buffer_bytes must be a positive multiple of ", kBufferAlignmentBytes, " (2 MiB), got ",
                num_buffer_bytes);
   CK_CHECK_ARG(num_cpu_timeout_secs > 0, "num_cpu_timeout_secs must be positive");
-  // ELASTIC_EP_HOST_WAIT_YIELD_US: how long a host wait yields before it sleeps (see poll_host).
-  if (const char* v = std::getenv("ELASTIC_EP_HOST_WAIT_YIELD_US"); v != nullptr && *v != '\0')
-    host_wait_yield_ns_ = uint64_t(std::max(0ll, std::atoll(v))) * 1000ull;
+  // How long a host wait yields before it sleeps (see poll_host; ELASTIC_EP_HOST_WAIT_YIELD_US).
+  host_wait_yield_ns_ = uint64_t(std::max<int64_t>(0, options.host_wait_yield_us)) * 1000ull;
+  debug_ = options.debug;
   CK_CUDA_CHECK(cudaGetDevice(&device_));
   CK_CUDA_CHECK(cudaDeviceGetAttribute(&num_device_sms_, cudaDevAttrMultiProcessorCount, device_));
   workspace_bytes_ = workspace_layout().bytes;
@@ -119,14 +114,14 @@ uint64_t Runtime::begin_setup(int rank, int num_ranks, int64_t num_buffer_bytes,
 }
 
 Runtime::Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_bytes, int num_cpu_timeout_secs,
-                 int num_gpu_timeout_secs)
+                 int num_gpu_timeout_secs, const RuntimeOptions& options)
     : rank_(rank),
       num_ranks_(num_ranks),
       num_buffer_bytes_(num_buffer_bytes),
       num_cpu_timeout_secs_(num_cpu_timeout_secs),
       gpu_timeout_ns_(uint64_t(num_gpu_timeout_secs > 0 ? num_gpu_timeout_secs : 0) * 1000000000ull) {
   CK_CHECK_ARG(nccl_comm != 0, "nccl_comm is null");
-  const uint64_t total = begin_setup(rank, num_ranks, num_buffer_bytes, num_cpu_timeout_secs);
+  const uint64_t total = begin_setup(rank, num_ranks, num_buffer_bytes, num_cpu_timeout_secs, options);
   auto [comm_rank, comm_size] = nccl_comm_rank_size(nccl_comm);
   CK_CHECK_ARG(comm_rank == rank && comm_size == num_ranks, "the NCCL communicator is rank ", comm_rank, " of ",
                comm_size, " but rank_idx=", rank, ", num_ranks=", num_ranks, " were given");
@@ -217,14 +212,14 @@ void Runtime::abandon_setup() noexcept {
 }
 
 Runtime::Runtime(Ipc, int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs,
-                 int num_gpu_timeout_secs)
+                 int num_gpu_timeout_secs, const RuntimeOptions& options)
     : rank_(rank),
       num_ranks_(num_ranks),
       num_buffer_bytes_(num_buffer_bytes),
       num_cpu_timeout_secs_(num_cpu_timeout_secs),
       gpu_timeout_ns_(uint64_t(num_gpu_timeout_secs > 0 ? num_gpu_timeout_secs : 0) * 1000000000ull),
       ipc_(true) {
-  const uint64_t total = begin_setup(rank, num_ranks, num_buffer_bytes, num_cpu_timeout_secs);
+  const uint64_t total = begin_setup(rank, num_ranks, num_buffer_bytes, num_cpu_timeout_secs, options);
   EP_DEBUG("rank %d/%d: device %d, IPC window of %llu bytes\n", rank, num_ranks, device_, (unsigned long long)total);
   // cudaMalloc, not the caching allocator: an IPC handle exports a whole allocation.
   CK_CUDA_CHECK(cudaMalloc(&sym_ptr_, total));
@@ -483,8 +478,6 @@ void Runtime::dispatch(const DispatchParams& p, int64_t stream, int64_t wait_str
   host_tag_ = (host_tag_ + 1u) & 0x7fffffffu;
   if (host_tag_ == 0u) host_tag_ = 1u;
   q.host_tag = host_tag_;
-  const char* atomics = std::getenv("ELASTIC_EP_TEST_NOTIFY_ATOMICS");  // read per call: tests toggle it
-  q.notify_atomic_masks = (atomics != nullptr && std::strcmp(atomics, "1") == 0) ? 1 : 0;
   // The overlapped dispatch's epilogue starts after notify's event and counts on a push that pushes
   // nothing when notify refused: its push follows notify.
   if (q.overlap) q.concurrent_notify = 0;
@@ -513,7 +506,7 @@ Runtime::TimeoutInfo Runtime::take_timeout() {
   return info;
 }
 
-std::tuple<int, int, int, std::vector<int>, int, int> Runtime::wait_dispatch_counts(int num_local_experts) {
+DispatchCounts Runtime::wait_dispatch_counts(int num_local_experts) {
   CK_CHECK_ARG(num_local_experts >= 1 && num_local_experts <= kMaxLocalExperts, "bad num_local_experts ",
                num_local_experts);
   const auto hl = host_workspace_layout();
@@ -548,11 +541,19 @@ std::tuple<int, int, int, std::vector<int>, int, int> Runtime::wait_dispatch_cou
     broken_ = true;
     broken_reason_ = "a dispatch CPU wait timed out";
   }
+  DispatchCounts out;
+  out.ranks_ready = ready_ranks;
+  out.experts_ready = ready_experts;
   if (status == 0 && !refused.empty()) {
     refused_ranks_ = refused;
-    return {3, 0, 0, {}, ready_ranks, ready_experts};
+    out.status = 3;
+    return out;
   }
-  return {status, num_recv, num_expanded, per_expert, ready_ranks, ready_experts};
+  out.status = status;
+  out.num_recv_tokens = num_recv;
+  out.num_expanded_tokens = num_expanded;
+  out.num_recv_tokens_per_expert = std::move(per_expert);
+  return out;
 }
 
 std::tuple<std::vector<int>, int64_t, int64_t> Runtime::take_refusal() {

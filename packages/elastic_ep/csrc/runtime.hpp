@@ -9,8 +9,9 @@
 //    any process group) and opens. No NCCL at all: it runs where NCCL has no symmetric memory, and
 //    with several ranks on one GPU (which NCCL refuses), which is how the multi-rank kernels are
 //    tested on a one-GPU machine. Two steps: construct, then open_ipc_peers(every rank's handle).
-// Python (_low_level.py) allocates every tensor and passes raw pointers and stream handles; nothing
-// here includes torch.
+// Python (_native_runtime.py) allocates every tensor and passes raw pointers and stream handles;
+// nothing here includes torch and nothing here reads the environment (Python's _env.py does, and passes
+// what it read in RuntimeOptions and the parameter blocks).
 #pragma once
 
 #include <cstdint>
@@ -35,14 +36,31 @@ std::tuple<int, int> nccl_comm_rank_size(int64_t comm);
 // which is torch's default stream).
 constexpr int64_t kNoStream = -1;
 
+// Host-side settings of a runtime (Python reads them from the environment, see _env.py).
+struct RuntimeOptions {
+  int64_t host_wait_yield_us = 20000;  // poll_host: yield this long, then sleep
+  bool debug = false;                  // print the set-up and teardown trace to stderr
+};
+
+// What wait_dispatch_counts found: status 0 = ready, 1 = a device wait expired (see take_timeout),
+// 2 = the CPU wait expired (the buffer is then marked unusable), 3 = the dispatch was refused (see
+// take_refusal; the buffer stays usable). The counts are valid with status 0; ranks_ready and
+// experts_ready say how far the wait got.
+struct DispatchCounts {
+  int status = 0;
+  int num_recv_tokens = 0, num_expanded_tokens = 0;
+  std::vector<int> num_recv_tokens_per_expert;  // aligned, per local expert
+  int ranks_ready = 0, experts_ready = 0;
+};
+
 class Runtime {
  public:
   Runtime(int rank, int num_ranks, int64_t nccl_comm, int64_t num_buffer_bytes, int num_cpu_timeout_secs,
-          int num_gpu_timeout_secs);
+          int num_gpu_timeout_secs, const RuntimeOptions& options);
   // The CUDA-IPC window: unusable until open_ipc_peers() ran.
   struct Ipc {};
   Runtime(Ipc, int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs,
-          int num_gpu_timeout_secs);
+          int num_gpu_timeout_secs, const RuntimeOptions& options);
   bool ipc() const { return ipc_; }
   // IPC window: opaque bytes for the peers' open_ipc_peers: the CUDA IPC handle plus the world size,
   // rank and buffer size, which open_ipc_peers checks before it opens anything.
@@ -68,8 +86,8 @@ class Runtime {
   // Raises TimeoutError if a device deadline expired in an earlier operation, and Error if the
   // buffer is unusable since.
   void check_healthy();
-  // The same without C++ exceptions (on the GPU machine a C++ exception crossing into Python crashed the
-  // process, see NOTES_A.md): returns the expired device wait, if any, and marks the buffer unusable.
+  // The same without C++ exceptions (on the GPU machine a C++ exception crossing into Python once
+  // crashed the process): returns the expired device wait, if any, and marks the buffer unusable.
   struct TimeoutInfo {
     bool expired = false;
     std::string operation;
@@ -105,11 +123,8 @@ class Runtime {
   // queued on it so far (what torch's Stream.wait_stream does, without its Python cost).
   void dispatch(const DispatchParams& p, int64_t stream, int64_t wait_stream = kNoStream);
   // CPU sync: waits (GIL released by the binding) for the counts of the last dispatch. Never throws on
-  // a timeout: returns (status, num_recv_tokens, num_expanded_tokens, aligned tokens per local expert,
-  // ranks ready, experts ready); status 0 = ready, 1 = a device wait expired (see take_timeout),
-  // 2 = the CPU wait expired (the buffer is then marked unusable), 3 = the dispatch was refused (see
-  // take_refusal; the buffer stays usable).
-  std::tuple<int, int, int, std::vector<int>, int, int> wait_dispatch_counts(int num_local_experts);
+  // a timeout: the status says what happened (DispatchCounts).
+  DispatchCounts wait_dispatch_counts(int num_local_experts);
   // The copy epilogue; with `join_stream` (kNoStream for none) that stream then waits for `stream`.
   void dispatch_epilogue(const EpilogueParams& p, int64_t stream, int64_t join_stream = kNoStream);
   // After wait_dispatch_counts returned status 3 (the dispatch was refused on every rank because some
@@ -121,7 +136,7 @@ class Runtime {
   // since the last call: (count, the last such id). Never throws.
   std::pair<int64_t, int64_t> take_masked_ids();
   // Push then reduce; with `wait_event` (a cudaEvent_t, 0 for none) the reduce also waits for it, so
-  // the push overlaps whatever the event marks (the seed's previous_event_before_epilogue).
+  // the push overlaps whatever the event marks (DeepEP's previous_event_before_epilogue).
   // `wait_stream` / `join_stream` as in dispatch / dispatch_epilogue.
   void combine(const CombineParams& p, int64_t stream, uint64_t wait_event = 0, int64_t wait_stream = kNoStream,
                int64_t join_stream = kNoStream);
@@ -130,7 +145,8 @@ class Runtime {
   CommView view() const;
   void set_device() const;
   // Argument checks, device, SM count, workspace size; returns the window's bytes. Both windows.
-  uint64_t begin_setup(int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs);
+  uint64_t begin_setup(int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs,
+                       const RuntimeOptions& options);
   // Host workspace, events, zeroed device workspace: the half of the set-up both windows share.
   void finish_setup();
   // The rest of the NCCL constructor, after ncclMemAlloc.
@@ -155,6 +171,7 @@ class Runtime {
   int num_cpu_timeout_secs_;
   uint64_t gpu_timeout_ns_;
   uint64_t host_wait_yield_ns_ = 20ull * 1000000ull;  // poll_host: yield this long, then sleep
+  bool debug_ = false;                                // RuntimeOptions::debug
   void* comm_ = nullptr;          // ncclComm_t (not owned)
   void* window_ = nullptr;        // ncclWindow_t
   void* devcomm_ = nullptr;       // heap ncclDevComm

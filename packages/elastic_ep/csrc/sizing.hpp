@@ -18,7 +18,8 @@
 // min(R, K) with multiple reduction (one slot per rank when R <= K, else one per master top-k lane),
 // K without.
 //
-// Everything here is host+device constexpr so the CPU test suite checks it (test_lowlevel_sizing.py).
+// Everything here is host+device constexpr; the bindings expose it to Python in every build, CUDA or
+// not, and the CPU suite checks it against DeepEP V2's formulas by hand (test_sizing.py).
 #pragma once
 
 #include <cstdint>
@@ -155,13 +156,13 @@ CK_HD constexpr bool combine_slot_per_rank(int num_ranks, int num_topk, bool all
   return allow_multiple_reduction && num_ranks <= num_topk;
 }
 
-// Channels of the seed's hybrid (scale-out + scale-up) kernels, kNumMaxChannelsPerSM x kNumMaxSMs. Only
+// Channels of DeepEP V2's hybrid (scale-out + scale-up) kernels, kNumMaxChannelsPerSM x kNumMaxSMs. Only
 // the size hints use it: hybrid mode is not implemented here, but its sizes are pure arithmetic, so
-// they follow the seed rather than silently returning direct-mode figures (a caller sizing a buffer
-// for a later hybrid runtime would get one that is too small). _sizing.py mirrors every function below.
+// they follow DeepEP rather than silently returning direct-mode figures (a caller sizing a buffer
+// for a later hybrid runtime would get one that is too small).
 constexpr int64_t kHybridNumMaxChannels = int64_t(8) * 160;
 
-// The seed's get_dispatch_buffer_size.
+// DeepEP V2's get_dispatch_buffer_size.
 CK_HD constexpr int64_t dispatch_buffer_size(int64_t num_max_tokens_per_rank, int64_t hidden,
                                              int64_t num_sf_packs, int64_t num_topk, int64_t elem_size,
                                              int64_t num_scaleout_ranks, int64_t num_scaleup_ranks,
@@ -183,7 +184,7 @@ CK_HD constexpr int64_t dispatch_buffer_size(int64_t num_max_tokens_per_rank, in
              buffer_layout_bytes(tok, num_scaleout_ranks, add(num_max_tokens_per_rank, kHybridNumMaxChannels)));
 }
 
-// The seed's get_combine_buffer_size.
+// DeepEP V2's get_combine_buffer_size.
 CK_HD constexpr int64_t combine_buffer_size(int64_t num_max_tokens_per_rank, int64_t hidden, int64_t num_topk,
                                             int64_t num_scaleout_ranks, int64_t num_scaleup_ranks,
                                             bool is_scaleup_nvlink, bool allow_multiple_reduction) {
@@ -216,7 +217,7 @@ CK_HD constexpr int64_t sizing_num_sf_packs(int64_t hidden, bool use_fp8_dispatc
   return use_fp8_dispatch ? int64_t(ceil_div(uint64_t(hidden), 32)) : 0;
 }
 
-// The seed's calculate_buffer_size, with the domain sizes given explicitly. Returns -1 when the
+// DeepEP V2's calculate_buffer_size, with the domain sizes given explicitly. Returns -1 when the
 // arguments are invalid (the binding turns that into a ValueError with the reason), kSizeOverflow
 // when the size exceeds int64 (host).
 CK_HD constexpr int64_t calculate_buffer_size(int64_t num_max_tokens_per_rank, int64_t hidden, int64_t num_topk,
@@ -233,6 +234,19 @@ CK_HD constexpr int64_t calculate_buffer_size(int64_t num_max_tokens_per_rank, i
   const int64_t c = combine_buffer_size(num_max_tokens_per_rank, hidden, k, num_scaleout_ranks, num_scaleup_ranks,
                                         is_scaleup_nvlink, allow_multiple_reduction);
   return sizing_detail::from_u64(align_up(uint64_t(d > c ? d : c), uint64_t(kBufferAlignmentBytes)));
+}
+
+// DeepEP V2's topology rule for sizing: with hybrid mode allowed and ranks beyond one NVLink domain,
+// scale-out = num_ranks / num_nvl_ranks domains of num_nvl_ranks (on NVLink); otherwise one scale-up
+// domain of every rank, on NVLink only when it is the whole NVLink domain. num_ranks must be a
+// multiple of num_nvl_ranks (the binding refuses others: rounding the scale-out down would undersize).
+struct SizingDomain {
+  int64_t num_scaleout_ranks, num_scaleup_ranks;
+  bool is_scaleup_nvlink;
+};
+CK_HD constexpr SizingDomain sizing_domain(int64_t num_ranks, int64_t num_nvl_ranks, bool allow_hybrid_mode) {
+  if (allow_hybrid_mode && num_nvl_ranks < num_ranks) return SizingDomain{num_ranks / num_nvl_ranks, num_nvl_ranks, true};
+  return SizingDomain{1, num_ranks, num_ranks == num_nvl_ranks};
 }
 
 // Per-rank count words of dispatch notify, to the peers (tag = epoch) and to the host (tag = the
@@ -310,19 +324,22 @@ CK_HD constexpr HostWorkspaceLayout host_workspace_layout() {
   return h;
 }
 
-// Worst-case output rows when the CPU does not wait for the counts (seed semantics).
+// Worst-case output rows when the CPU does not wait for the counts (as DeepEP V2 sizes them).
 CK_HD constexpr int64_t worst_case_num_recv_tokens(int64_t num_ranks, int64_t num_max_tokens_per_rank) {
   return num_ranks * num_max_tokens_per_rank;
 }
 // Expand mode: one row per top-k lane whose expert is local, so at most num_topk rows per received
-// token. The seed bounds it by min(num_topk, num_local_experts), which holds only while a token never
-// names the same expert twice; a repeated id then made the epilogue write past the output (nothing
-// refuses repeats, and the CPU-synced path handles them exactly). The bounds differ only when
-// num_local_experts < num_topk.
+// token (a token that names one expert on several lanes gets a row per lane; nothing refuses such
+// repeats, and the CPU-synced path handles them exactly), plus each expert's alignment padding.
+// Saturates at kSizeOverflow on the host (the alignment comes from the user).
 CK_HD constexpr int64_t worst_case_num_expanded_tokens(int64_t num_ranks, int64_t num_max_tokens_per_rank,
                                                        int64_t num_topk, int64_t num_local_experts,
                                                        int64_t expert_alignment) {
-  const int64_t n = num_ranks * num_max_tokens_per_rank * num_topk + (expert_alignment - 1) * num_local_experts;
+  using sizing_detail::add;
+  using sizing_detail::mul;
+  const int64_t n = add(mul(mul(num_ranks, num_max_tokens_per_rank), num_topk),
+                        mul(expert_alignment - 1, num_local_experts));
+  if (n >= kSizeOverflow - expert_alignment) return kSizeOverflow;
   return int64_t(align_up(uint64_t(n), uint64_t(expert_alignment)));
 }
 

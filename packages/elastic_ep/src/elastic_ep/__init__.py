@@ -1,39 +1,32 @@
-"""elastic_ep: MoE expert-parallel dispatch/combine for one NVLink domain (DeepEP V2 ElasticBuffer API).
+"""elastic_ep: MoE expert-parallel dispatch/combine for one NVLink domain (DeepEP V2's ElasticBuffer API).
 
 ``ElasticBuffer(group, ...)`` is a drop-in for ``deep_ep.ElasticBuffer``: ``dispatch`` sends each token
-to the ranks owning its top-k experts, ``combine`` brings the expert outputs back and sums them.
-Two backends implement the low-level buffer:
+to the ranks owning its top-k experts, ``combine`` brings the expert outputs back and sums them. It
+validates each call once and runs it on one of two runtimes (``elastic_ep._runtime.Runtime``):
 
-* ``native``: torch-free C++/CUDA kernels over NCCL symmetric memory (``elastic_ep._low_level``),
+* ``native``: torch-free C++/CUDA kernels over an NCCL symmetric window or a CUDA-IPC window
+  (``elastic_ep._native_runtime``, also importable as DeepEP's low level, ``elastic_ep._low_level``),
   built ahead of time for sm_90a;
-* ``torch``: ``torch.distributed`` collectives (``elastic_ep._torch_backend``), on any process group
-  (gloo on the CPU, NCCL on GPUs); it is also the reference the native kernels are tested against.
+* ``torch``: ``torch.distributed`` collectives (``elastic_ep._torch_runtime``), on any process group
+  (gloo on the CPU, NCCL on GPUs); also the reference the native kernels are tested against.
 
 ``backend="auto"`` (the default) picks ``native`` for an NCCL group when the extension was built with
-CUDA, else ``torch``. Importing this package never needs a GPU; the native module is loaded lazily.
+CUDA, else ``torch``. Importing this package never needs a GPU; the buffer sizing lives in the extension
+``elastic_ep._C``, which every build has (a host-only one without nvcc).
 """
-import torch  # noqa: F401  (the native extension relies on torch's CUDA runtime being loaded first)
+import torch  # noqa: F401  (loaded before the extension, which relies on torch's CUDA libraries)
 
-from .buffer import (ElasticBuffer, EPHandle, EventHandle, EventOverlap, calculate_elastic_buffer_size,
-                     get_elastic_buffer_alignment, get_logical_domain_size, get_physical_domain_size,
-                     native_available)
-from ._sizing import ALIGNMENT_BYTES
+from . import _C
+from .buffer import (ALIGNMENT_BYTES, ElasticBuffer, EPHandle, EventHandle, EventOverlap, NcclCommHandle,
+                     calculate_elastic_buffer_size, get_elastic_buffer_alignment, get_logical_domain_size,
+                     get_physical_domain_size, native_available)
 
 __version__ = "0.1.0"
+#: DeepEP's top-k index dtype; int32 ``topk_idx`` is accepted too (DeepEP's 32-bit builds).
 topk_idx_t = torch.int64
+CommError = _C.CommError
+CommTimeoutError = _C.CommTimeoutError
 
-
-
-def __getattr__(name: str):
-    # The native exception types live in the extension, which is loaded lazily (importing the package
-    # must work without it): resolved on first use.
-    if name in ("CommError", "CommTimeoutError"):
-        from . import _low_level
-
-        return getattr(_low_level, name)
-    raise AttributeError(f"module 'elastic_ep' has no attribute {name!r}")
-
-
-__all__ = ["CommError", "CommTimeoutError", "ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap", "native_available", "ALIGNMENT_BYTES",
-           "topk_idx_t", "calculate_elastic_buffer_size", "get_elastic_buffer_alignment", "get_physical_domain_size",
-           "get_logical_domain_size"]
+__all__ = ["CommError", "CommTimeoutError", "ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap",
+           "NcclCommHandle", "native_available", "ALIGNMENT_BYTES", "topk_idx_t", "calculate_elastic_buffer_size",
+           "get_elastic_buffer_alignment", "get_physical_domain_size", "get_logical_domain_size"]

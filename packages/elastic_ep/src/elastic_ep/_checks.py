@@ -1,26 +1,42 @@
-"""Argument checks shared by the two low-level backends (native ``_low_level`` and ``_torch_backend``),
-so both reject the same calls with the same messages before anything is launched."""
+"""Every argument check of the public API, in one place: ``ElasticBuffer`` validates each call once, here,
+into the typed arguments of its runtime (``DispatchArgs`` / ``CombineArgs``), which trusts them.
+
+Bad input raises ``ValueError`` naming the argument before anything is launched. Integer arguments
+refuse floats, strings and bools by name (a C conversion would truncate a float and take a bool as
+0 / 1); every tensor is checked for type, layout, dtype, shape, device and contiguity.
+"""
 from __future__ import annotations
 
+import collections.abc
 import math
 import operator
-import os
-from typing import Any, Mapping, Optional
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
-# _sizing imports this module too; both only read each other's names at call time, so the cycle is
-# harmless, and a module-level import keeps an import statement off every dispatch.
-from . import _sizing
+from . import _C
+from ._events import EventHandle, EventOverlap
+from ._handle import EPHandle
+from ._runtime import CombineArgs, DispatchArgs
 
 INT32_MAX = 2 ** 31 - 1  # the native kernels' and bindings' int parameters
 INT64_MAX = 2 ** 63 - 1
-# The native kernels' expert limits (csrc/sizing.hpp kMaxExperts, kMaxLocalExperts), kept by the torch
-# backend too so that both backends refuse the same calls.
-MAX_EXPERTS = 2048
-MAX_LOCAL_EXPERTS = 256
+MAX_TOPK = int(_C.MAX_TOPK)
+MAX_EXPERTS = int(_C.MAX_EXPERTS)
+MAX_LOCAL_EXPERTS = int(_C.MAX_LOCAL_EXPERTS)
+FP8 = torch.float8_e4m3fn
+_C_INT = " (the native runtime takes a C int)"
+_X_DTYPES = (torch.bfloat16, FP8)
+_SF_DTYPES = (torch.float32, torch.int32)
+_TOPK_DTYPES = (torch.int64, torch.int32)  # DeepEP builds with a 32-bit topk_idx_t; int64 is the default
+_BF16 = (torch.bfloat16,)
+_F32 = (torch.float32,)
+_I32 = (torch.int32,)
+_STRIDED = torch.strided
 
 
+# ---------------------------------------------------------------------------------------------- scalars
 def as_int(v: Any) -> Any:
     """``v`` as a Python int when it is an integer of any kind (numpy, torch scalars), else unchanged
     (bools stay bools, for the caller to refuse)."""
@@ -33,10 +49,8 @@ def as_int(v: Any) -> Any:
 
 
 def int_arg(name: str, v: Any, lo: Optional[int] = None, hi: Optional[int] = None, why: str = "") -> int:
-    """``v`` as a Python int in ``[lo, hi]`` (either bound optional). Integers of any kind pass (numpy,
-    torch scalars); bools, floats and strings are refused naming the argument: a C conversion would
-    truncate a float, take a bool as 0 / 1 and refuse a larger int only with pybind11's
-    "incompatible function arguments", after earlier work may already have run.
+    """``v`` as a Python int in ``[lo, hi]`` (either bound optional); integers of any kind pass,
+    bools, floats and strings are refused naming the argument.
 
     Arguments:
         name: the argument's name, for the message.
@@ -44,7 +58,7 @@ def int_arg(name: str, v: Any, lo: Optional[int] = None, hi: Optional[int] = Non
         lo, hi: inclusive bounds, or None.
         why: appended to the message of a value above ``hi`` (where the bound comes from).
     """
-    i = as_int(v)
+    i = v if type(v) is int else as_int(v)
     if isinstance(i, bool) or not isinstance(i, int) or (lo is not None and i < lo):
         what = "an int" if lo is None else "a positive int" if lo == 1 else f"an int >= {lo}"
         raise ValueError(f"{name}: expected {what}, got {v!r}")
@@ -53,9 +67,19 @@ def int_arg(name: str, v: Any, lo: Optional[int] = None, hi: Optional[int] = Non
     return i
 
 
+def c_ints(**sizes: Any) -> Tuple[int, ...]:
+    """The arguments (by name, in order) as ints in a C int's range, what the native sizing takes."""
+    out = []
+    for name, v in sizes.items():
+        i = int_arg(name, v)
+        if not -INT32_MAX - 1 <= i <= INT32_MAX:
+            raise ValueError(f"{name}: expected an int in [-2**31, 2**31) (the native sizing takes a C int), got {i}")
+        out.append(i)
+    return tuple(out)
+
+
 def real_arg(name: str, v: Any, lo: float, lo_inclusive: bool = True) -> float:
-    """``v`` as a finite float ``>= lo`` (``> lo`` unless ``lo_inclusive``); bools, strings and NaN are
-    refused naming the argument."""
+    """``v`` as a finite float ``>= lo`` (``> lo`` unless ``lo_inclusive``)."""
     if isinstance(v, (bool, str, bytes)):
         raise ValueError(f"{name}: expected a number, got {v!r}")
     try:
@@ -67,25 +91,90 @@ def real_arg(name: str, v: Any, lo: float, lo_inclusive: bool = True) -> float:
     return f
 
 
-def check_dense(name: str, t: Any) -> None:
+def itemsize(dtype: Any) -> int:
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r}")
+    return dtype.itemsize
+
+
+def is_sequence(v: Any) -> bool:
+    return isinstance(v, collections.abc.Sequence) and not isinstance(v, (str, bytes))
+
+
+# ---------------------------------------------------------------------------------------------- tensors
+def describe(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"tensor(shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}, contiguous={t.is_contiguous()})"
+    return repr(type(t).__name__) if t is not None else "None"
+
+
+def check_dense(name: str, t: torch.Tensor) -> None:
     """Refuses sparse and nested tensors by name: their shape, strides and data pointer raise, or mean
-    something else, where the callers' other checks and the kernels read them."""
-    if t.layout != torch.strided or t.is_nested:
+    something else, where the other checks and the kernels read them."""
+    if t.layout != _STRIDED or t.is_nested:
         kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
         raise ValueError(f"{name}: expected a dense (strided) tensor, got {kind}")
 
 
-def check_routing(num_experts: Any, expert_alignment: Any, num_ranks: int, num_max_tokens_per_rank: int,
-                  num_topk: int) -> tuple:
-    """``(num_experts, expert_alignment)`` as ints that both backends handle: a positive multiple of the
-    rank count within the native kernels' expert limits, and an alignment whose worst-case expanded
-    layout fits the int32 per-expert offsets of the handle (the native kernels take it as an int: a
-    larger one was truncated there, and wrapped in the torch backend's int32 prefix sums).
+def off_device(t: torch.Tensor, device: torch.device) -> bool:
+    """True when ``t`` is not on ``device``. On a CUDA buffer this is one integer compare
+    (``get_device()`` is the CUDA index, -1 off CUDA), which also catches another GPU's tensor: the
+    native kernels take raw pointers of the buffer's device."""
+    if device.type == "cuda":
+        return t.get_device() != device.index
+    return t.device != device
 
-    Arguments:
-        num_experts, expert_alignment: the dispatch's arguments.
-        num_ranks, num_max_tokens_per_rank, num_topk: the call's (already checked) sizes.
-    """
+
+def check_tensor(name: str, t: Any, dtypes: Tuple[torch.dtype, ...], ndim: int, device: torch.device,
+                 shape: Optional[Sequence[Optional[int]]] = None, contiguous: bool = True) -> None:
+    """Raises ValueError naming ``name`` unless ``t`` is a dense tensor of one of ``dtypes``, ``ndim``
+    dimensions, ``shape`` (None entries: any), on ``device`` and (``contiguous``) contiguous."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {describe(t)}")
+    check_dense(name, t)
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
+    if shape is not None:
+        for i, s in enumerate(shape):
+            if s is not None and t.shape[i] != s:
+                raise ValueError(f"{name}: expected shape {tuple('*' if v is None else v for v in shape)}, got shape "
+                                 f"{tuple(t.shape)}")
+    if off_device(t, device):
+        raise ValueError(f"{name}: expected a tensor on {device} (the buffer's device), got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+
+def check_handle_tensors(handle: EPHandle, names: Sequence[str], device: torch.device,
+                         shapes: Optional[dict] = None) -> None:
+    """The handle's tensors a call uses must be on the buffer's device (the handle is a plain dataclass:
+    its fields may have been replaced since the dispatch that made it); with ``shapes`` (name ->
+    shape) each must also be an int32 tensor of that shape."""
+    for name in names:
+        t = getattr(handle, name)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"handle.{name}: expected a torch.Tensor, got {describe(t)}")
+        if off_device(t, device):
+            raise ValueError(f"handle.{name}: expected a tensor on {device} (the buffer's device), got {t.device}")
+        if shapes is not None and (t.dtype != torch.int32 or tuple(t.shape) != shapes[name]):
+            raise ValueError(f"handle.{name}: expected an int32 tensor of shape {shapes[name]} (the handle must come "
+                             f"from a dispatch of these tokens, top-k and ranks), got {t.dtype} of shape "
+                             f"{tuple(t.shape)}")
+
+
+_CACHED_HANDLE_TENSORS = ("psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
+                          "num_unaligned_recv_tokens_per_expert", "dst_buffer_slot_idx", "recv_src_metadata")
+_COMBINE_HANDLE_TENSORS = ("topk_idx", "psum_num_recv_tokens_per_scaleup_rank", "recv_src_metadata")
+
+
+# ---------------------------------------------------------------------------------------------- routing
+def check_routing(num_experts: Any, expert_alignment: Any, num_ranks: int, num_max_tokens_per_rank: int,
+                  num_topk: int) -> Tuple[int, int]:
+    """``(num_experts, expert_alignment)`` as ints both runtimes handle: a positive multiple of the rank
+    count within the native kernels' expert limits, and an alignment whose worst-case expanded layout
+    fits the int32 per-expert offsets of the handle."""
     R = num_ranks
     E = as_int(num_experts)
     if isinstance(E, bool) or not isinstance(E, int) or E <= 0 or E % R:
@@ -97,19 +186,12 @@ def check_routing(num_experts: Any, expert_alignment: Any, num_ranks: int, num_m
         raise ValueError(f"num_experts: expected at most {MAX_LOCAL_EXPERTS} experts per rank (the native kernels' "
                          f"limit), got {E} on {R} ranks ({L} per rank)")
     a = int_arg("expert_alignment", expert_alignment, 1)
-    worst = _sizing.worst_case_num_expanded_tokens(R, num_max_tokens_per_rank, num_topk, L, a)
+    worst = int(_C.worst_case_num_expanded_tokens(R, num_max_tokens_per_rank, num_topk, L, a)) if a <= INT32_MAX else a
     if worst > INT32_MAX:
         raise ValueError(f"expert_alignment: {a} with num_max_tokens_per_rank={num_max_tokens_per_rank}, num_topk="
-                         f"{num_topk} and {R} rank(s) gives an expanded worst case of {worst} rows; it must be below "
-                         "2**31 (the per-expert offsets are int32)")
+                         f"{num_topk} and {R} rank(s) gives an expanded worst case of {worst} rows or more; it must be "
+                         "below 2**31 (the per-expert offsets are int32)")
     return E, a
-
-
-def index_check_enabled() -> bool:
-    """Expert ids outside ``[-1, E)`` raise unless ``EP_SKIP_INDEX_CHECK=1``: the native backend's
-    CPU-synced dispatch is then refused on every rank (the notify kernel counts them, free), the torch
-    backend checks with torch ops (one host sync). With the check off they are treated as masked."""
-    return os.environ.get("EP_SKIP_INDEX_CHECK", "0") != "1"
 
 
 def expert_ids_error(num_bad: int, example: int, num_experts: int) -> ValueError:
@@ -118,9 +200,9 @@ def expert_ids_error(num_bad: int, example: int, num_experts: int) -> ValueError
                       f"(e.g. {example})")
 
 
-def count_bad_expert_ids(topk_idx, num_experts: int) -> tuple:
-    """``(count, an example)`` of the ids outside ``[-1, num_experts)``, with plain torch ops (one host
-    sync), for the torch backend; ``(0, 0)`` when there are none."""
+def count_bad_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> Tuple[int, int]:
+    """``(count, an example)`` of the ids outside ``[-1, num_experts)`` with torch ops (one host sync);
+    ``(0, 0)`` when there are none."""
     if topk_idx.numel() == 0:
         return 0, 0
     bad = (topk_idx < -1) | (topk_idx >= num_experts)
@@ -128,36 +210,266 @@ def count_bad_expert_ids(topk_idx, num_experts: int) -> tuple:
     return (num_bad, int(topk_idx[bad][0])) if num_bad else (0, 0)
 
 
-# The cached handle's fields a cached dispatch needs, by the low-level dispatch's argument names.
-CACHED_HANDLE_FIELDS = ("cached_num_expanded_tokens", "cached_num_recv_tokens_per_expert_list",
-                        "cached_psum_num_recv_tokens_per_scaleup_rank", "cached_psum_num_recv_tokens_per_expert",
-                        "cached_num_unaligned_recv_tokens_per_expert", "cached_dst_buffer_slot_idx",
-                        "cached_recv_src_metadata")
-
-
-def cached_handle_fields(args: Mapping[str, object]) -> Optional[dict]:
-    """``check_dispatch_modes``' ``cached`` argument from a low-level dispatch's arguments (e.g. its
-    ``locals()``): the handle's fields in cached mode, None otherwise."""
-    if args.get("cached_num_recv_tokens") is None:
-        return None
-    return {name: args.get(name) for name in CACHED_HANDLE_FIELDS}
-
-
-def check_dispatch_modes(do_expand: bool, do_zero_padding: bool, do_cpu_sync: bool,
-                         cached: Optional[Mapping[str, object]]) -> None:
-    """Raise ValueError for an inconsistent combination of dispatch modes.
-
-    Arguments:
-        do_expand, do_zero_padding, do_cpu_sync: the dispatch flags.
-        cached: in cached mode, the handle's fields by argument name (``None`` values are missing);
-            ``None`` when not in cached mode.
-    """
-    if do_zero_padding and not do_expand:
-        raise ValueError("do_zero_padding: only valid with do_expand=True (it zeroes the alignment gaps of the expanded layout)")
-    if cached is None:
+# ---------------------------------------------------------------------------------------------- events
+def check_event(name: str, e: Any) -> None:
+    """An event argument must be an ``EventHandle`` (``capture()``) or an ``EventOverlap`` (what a call
+    returned): anything else would fail only after the first kernels were queued."""
+    if isinstance(e, EventHandle) or (isinstance(e, EventOverlap) and (e.event is None or
+                                                                      isinstance(e.event, EventHandle))):
         return
-    missing = [name for name, value in cached.items() if value is None]
-    if missing:
-        raise ValueError(f"cached dispatch needs the whole handle; missing {', '.join(missing)}")
-    if do_cpu_sync:
-        raise ValueError("cached dispatch cannot do a CPU sync (do_cpu_sync must be False)")
+    inner = f" around a {type(e.event).__name__}" if isinstance(e, EventOverlap) else ""
+    raise ValueError(f"{name}: expected None, an EventHandle (ElasticBuffer.capture()) or the EventOverlap a "
+                     f"dispatch / combine returned, got a {type(e).__name__}{inner}")
+
+
+def _raw_events(previous_event: Any, previous_event_before_epilogue: Any,
+                allocate_on_comm_stream: bool) -> Tuple[Optional[EventHandle], Optional[EventHandle]]:
+    """Both event arguments checked, as the ``EventHandle`` behind each (or None)."""
+    raw = []
+    for name, e in (("previous_event", previous_event),
+                    ("previous_event_before_epilogue", previous_event_before_epilogue)):
+        if e is not None:
+            check_event(name, e)
+            e = e.event if isinstance(e, EventOverlap) else e
+        raw.append(e)
+    if previous_event is not None and not allocate_on_comm_stream:
+        raise ValueError("previous_event: requires allocate_on_comm_stream=True (outputs must be allocated "
+                         "on the communication stream when waiting for overlapped compute)")
+    return raw[0], raw[1]
+
+
+# ---------------------------------------------------------------------------------------------- calls
+def _num_qps(buf: Any, num_qps: Any) -> int:
+    """``num_qps`` has no effect without RDMA, but DeepEP refuses more than were allocated: the same
+    refusal keeps code that runs here from failing there."""
+    n = int_arg("num_qps", num_qps, 0)
+    if n > buf.num_allocated_qps:
+        raise ValueError(f"num_qps: expected at most num_allocated_qps={buf.num_allocated_qps}, got {n}")
+    return n
+
+
+def _num_sms(buf: Any, num_sms: int, num_experts: int, num_topk: int) -> int:
+    """The SM count of a call: ``num_sms``, else ``ELASTIC_EP_NUM_SMS``, else DeepEP's theoretical count."""
+    if num_sms == 0:
+        num_sms = buf._sms_for(num_experts, num_topk)
+    if buf._max_sms is not None and num_sms > buf._max_sms:
+        raise ValueError(f"num_sms must be in [0, {buf._max_sms}], got {num_sms}")
+    return num_sms
+
+
+def dispatch_bytes(num_max_tokens_per_rank: int, hidden: int, num_sf_packs: int, num_topk: int, elem_size: int,
+                   num_ranks: int) -> int:
+    """Bytes a direct-mode dispatch of these sizes needs (``get_dispatch_buffer_size`` on NVLink)."""
+    sizes = c_ints(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden, num_sf_packs=num_sf_packs,
+                   num_topk=num_topk, elem_size=elem_size, num_scaleup_ranks=num_ranks)
+    return int(_C.get_dispatch_buffer_size(*sizes[:5], 1, sizes[5], True))
+
+
+def combine_bytes(num_max_tokens_per_rank: int, hidden: int, num_topk: int, num_ranks: int,
+                  allow_multiple_reduction: bool) -> int:
+    """Bytes a direct-mode combine of these sizes needs (``get_combine_buffer_size`` on NVLink)."""
+    M, H, K, R = c_ints(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden, num_topk=num_topk,
+                        num_scaleup_ranks=num_ranks)
+    return int(_C.get_combine_buffer_size(M, H, K, 1, R, True, bool(allow_multiple_reduction)))
+
+
+def dispatch_args(buf: Any, x: Any, topk_idx: Any, topk_weights: Any, stats: Any, num_experts: Any,
+                  num_max_tokens_per_rank: Any, expert_alignment: Any, num_sms: Any, num_qps: Any,
+                  previous_event: Any, previous_event_before_epilogue: Any, async_with_compute_stream: bool,
+                  allocate_on_comm_stream: bool, handle: Any, do_handle_copy: bool, do_cpu_sync: Any,
+                  do_expand: bool, do_zero_padding: bool, use_tma_aligned_col_major_sf: bool) -> DispatchArgs:
+    """Every check of ``ElasticBuffer.dispatch`` (its arguments, in its order); the typed arguments of the
+    runtime's dispatch. ``buf`` is the buffer (its device, sizes, serial number and SM policy)."""
+    R, dev = buf.num_ranks, buf.device
+    # ---- data
+    sf = None
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise ValueError(f"x: expected a tensor or a (x, sf) pair, got a sequence of {len(x)}")
+        x, sf = x
+    check_tensor("x", x, _X_DTYPES, 2, dev)
+    T, H = x.shape
+    if x.dtype == FP8 and sf is None:
+        raise ValueError("x: FP8 rows need scales: pass x=(x_fp8, sf)")
+    if sf is not None:
+        if x.dtype != FP8:
+            raise ValueError(f"sf: scales are only meaningful with float8_e4m3fn x, got x of {x.dtype}")
+        check_tensor("sf", sf, _SF_DTYPES, 2, dev, shape=(T, None), contiguous=False)
+        if sf.shape[1] == 0:
+            raise ValueError(f"sf: expected at least one scale pack per token, got shape {tuple(sf.shape)}")
+    elem = x.element_size()
+    if (H * elem) % 16:
+        raise ValueError(f"x: a row must be a multiple of 16 bytes, got hidden={H} x {elem} B")
+    # ---- cached mode
+    cached = handle is not None
+    if cached:
+        if not isinstance(handle, EPHandle):
+            raise ValueError(f"handle: expected an EPHandle from dispatch, got {type(handle).__name__}")
+        if handle.buffer_id != buf._serial:
+            raise ValueError("handle: it was produced by another ElasticBuffer")
+        if topk_idx is not None and topk_idx is not handle.topk_idx:
+            raise ValueError("topk_idx: must be None in cached mode (the handle's routing is reused)")
+        if num_experts is not None and num_experts != handle.num_experts:
+            raise ValueError(f"num_experts: the cached handle has {handle.num_experts}, got {num_experts}")
+        if expert_alignment is not None and expert_alignment != handle.expert_alignment:
+            raise ValueError(f"expert_alignment: the cached handle has {handle.expert_alignment}, "
+                             f"got {expert_alignment}")
+        if do_expand != handle.do_expand:
+            raise ValueError(f"do_expand: the cached handle was made with do_expand={handle.do_expand}")
+        if num_max_tokens_per_rank is not None and num_max_tokens_per_rank != handle.num_max_tokens_per_rank:
+            raise ValueError("num_max_tokens_per_rank: differs from the cached handle's "
+                             f"{handle.num_max_tokens_per_rank}")
+        if T != handle.num_tokens:
+            raise ValueError(f"x: the cached handle routed {handle.num_tokens} tokens, x has {T}")
+        if do_cpu_sync:
+            raise ValueError("do_cpu_sync: cannot be True in cached mode (counts come from the handle)")
+        do_cpu_sync = False
+        topk_idx = handle.topk_idx
+        num_experts = handle.num_experts
+        expert_alignment = handle.expert_alignment
+        num_max_tokens_per_rank = handle.num_max_tokens_per_rank
+        stats = None
+    else:
+        if topk_idx is None:
+            raise ValueError("topk_idx: required unless a cached handle is given")
+        if num_experts is None:
+            raise ValueError("num_experts: required unless a cached handle is given")
+        if expert_alignment is None:
+            expert_alignment = 1
+        if num_max_tokens_per_rank is None:
+            num_max_tokens_per_rank = buf.num_max_tokens_per_rank
+        if do_cpu_sync is None:
+            do_cpu_sync = not buf._capturing()
+        elif do_cpu_sync and buf._capturing():
+            raise ValueError("do_cpu_sync: cannot be True while a CUDA graph is being captured (the CPU would "
+                             "wait for counts that no kernel produces until replay); pass False or None")
+    check_tensor("topk_idx", topk_idx, _TOPK_DTYPES, 2, dev, shape=(T, None))
+    K = topk_idx.shape[1]
+    if not 0 < K <= MAX_TOPK:
+        raise ValueError(f"topk_idx: expected 1..{MAX_TOPK} experts per token, got {K}")
+    if num_max_tokens_per_rank is None or num_max_tokens_per_rank == 0:
+        raise ValueError("num_max_tokens_per_rank: expected a positive int (the buffer was created without "
+                         f"one), got {num_max_tokens_per_rank}")
+    M = int_arg("num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
+    key = (num_experts, expert_alignment, M, K)
+    routing = buf._routing_cache.get(key) if type(num_experts) is int and type(expert_alignment) is int else None
+    if routing is None:
+        routing = check_routing(num_experts, expert_alignment, R, M, K)
+        buf._routing_cache[key] = routing
+    E, a = routing
+    if T > M:
+        raise ValueError(f"x: {T} tokens exceed num_max_tokens_per_rank={M}")
+    if topk_weights is not None:
+        check_tensor("topk_weights", topk_weights, _F32, 2, dev, shape=(T, K))
+    if stats is not None:
+        check_tensor("cumulative_local_expert_recv_stats", stats, _I32, 1, dev, shape=(E // R,))
+    if do_zero_padding and not do_expand:
+        raise ValueError("do_zero_padding: only valid with do_expand=True (it zeroes the alignment gaps of the "
+                         "expanded layout)")
+    prev, prev_epi = _raw_events(previous_event, previous_event_before_epilogue, allocate_on_comm_stream)
+    packs = sf.shape[1] if sf is not None else 0
+    key = (M, H, packs, K, elem)
+    need = buf._need_cache.get(key)
+    if need is None:
+        need = buf._need_cache[key] = dispatch_bytes(M, H, packs, K, elem, R)
+    if need > buf.num_bytes:
+        raise ValueError(f"buffer too small: this dispatch needs {need} bytes (max_tokens={M}, hidden={H}, "
+                         f"topk={K}, sf packs={packs}), the buffer has {buf.num_bytes}; size it with "
+                         "get_buffer_size_hint")
+    if cached:
+        L = E // R
+        meta = (handle.num_recv_tokens, K + 2)
+        names = _CACHED_HANDLE_TENSORS + (("raw_recv_src_metadata",) if handle.perm is not None else ())
+        check_handle_tensors(handle, names, dev, dict(
+            psum_num_recv_tokens_per_scaleup_rank=(R,), psum_num_recv_tokens_per_expert=(L,),
+            num_unaligned_recv_tokens_per_expert=(L,), dst_buffer_slot_idx=(T, K), recv_src_metadata=meta,
+            raw_recv_src_metadata=meta))
+    sms = _num_sms(buf, int_arg("num_sms", num_sms, 0), E, K)
+    qps = _num_qps(buf, num_qps)
+    # Positional: DispatchArgs' field order.
+    return DispatchArgs(x, sf, topk_idx, topk_weights, stats, handle if cached else None, T, H, K, E, M, a, sms, qps,
+                        prev, prev_epi, bool(async_with_compute_stream), bool(allocate_on_comm_stream),
+                        bool(do_handle_copy), bool(do_cpu_sync), bool(do_expand), bool(do_zero_padding),
+                        bool(use_tma_aligned_col_major_sf))
+
+
+def _biases(bias: Any) -> List[Optional[torch.Tensor]]:
+    if bias is None or isinstance(bias, torch.Tensor):
+        return [bias, None]
+    if isinstance(bias, (str, bytes)) or not isinstance(bias, collections.abc.Iterable):
+        raise ValueError(f"bias: expected None, a tensor or a sequence of at most two, got {type(bias).__name__}")
+    biases = list(bias)
+    if len(biases) > 2:
+        raise ValueError(f"bias: expected at most two tensors, got {len(biases)}")
+    return biases + [None] * (2 - len(biases))
+
+
+def combine_args(buf: Any, x: Any, handle: Any, topk_weights: Any, bias: Any, num_sms: Any, num_qps: Any,
+                 previous_event: Any, previous_event_before_epilogue: Any, async_with_compute_stream: bool,
+                 allocate_on_comm_stream: bool) -> CombineArgs:
+    """Every check of ``ElasticBuffer.combine`` (its arguments, in its order); the typed arguments of the
+    runtime's combine, ``x`` and ``topk_weights`` still in the user's row order."""
+    dev = buf.device
+    if not isinstance(handle, EPHandle):
+        raise ValueError(f"handle: expected the EPHandle returned by dispatch, got {type(handle).__name__}")
+    if handle.buffer_id != buf._serial:
+        raise ValueError("handle: it was produced by another ElasticBuffer")
+    n_rows = handle.num_allocated_tokens
+    check_tensor("x", x, _BF16, 2, dev, shape=(n_rows, None))
+    H = x.shape[1]
+    if (H * 2) % 16:
+        raise ValueError(f"x: a row must be a multiple of 16 bytes, got hidden={H}")
+    ti = handle.topk_idx
+    if not isinstance(ti, torch.Tensor) or ti.dim() != 2:
+        raise ValueError("handle.topk_idx: expected a 2-D tensor [num_tokens, num_topk], got "
+                         f"{type(ti).__name__} of shape {tuple(getattr(ti, 'shape', ()))}")
+    T, K = ti.shape
+    # K is the kernels' lane count: 0 would divide by zero, more than 32 breaks their one-warp lane logic.
+    if not 0 < K <= MAX_TOPK:
+        raise ValueError(f"handle.num_topk: expected 1..{MAX_TOPK}, got {K}")
+    check_handle_tensors(handle, _COMBINE_HANDLE_TENSORS, dev)
+    meta = handle.recv_src_metadata
+    if meta.dim() != 2 or meta.shape[1] != K + 2:
+        raise ValueError(f"handle.recv_src_metadata: expected shape (*, {K + 2}) (num_topk + 2 columns), got shape "
+                         f"{tuple(meta.shape)}")
+    if topk_weights is not None:
+        shape = (n_rows,) if handle.do_expand else (n_rows, K)
+        check_tensor("topk_weights", topk_weights, _F32, len(shape), dev, shape=shape)
+    b0, b1 = _biases(bias)
+    for i, b in enumerate((b0, b1)):
+        if b is not None:
+            check_tensor(f"bias[{i}]", b, _BF16, 2, dev, shape=(T, H))
+    prev, prev_epi = _raw_events(previous_event, previous_event_before_epilogue, allocate_on_comm_stream)
+    key = (handle.num_max_tokens_per_rank, H, K)
+    need = buf._combine_need_cache.get(key)
+    if need is None:
+        need = buf._combine_need_cache[key] = combine_bytes(handle.num_max_tokens_per_rank, H, K, buf.num_ranks,
+                                                            buf.allow_multiple_reduction)
+    if need > buf.num_bytes:
+        raise ValueError(f"buffer too small: this combine needs {need} bytes, the buffer has {buf.num_bytes}")
+    # Checked before the fallback: False or None would pick the handle's silently.
+    sms = _num_sms(buf, int_arg("num_sms", num_sms, 0) or handle.num_sms, handle.num_experts, K)
+    qps = _num_qps(buf, num_qps)
+    return CombineArgs(x, handle, topk_weights, b0, b1, sms, qps, prev, prev_epi, bool(async_with_compute_stream),
+                       bool(allocate_on_comm_stream))
+
+
+# ---------------------------------------------------------------------------------------------- collective
+def raise_if_any_rank_failed(group: dist.ProcessGroup, err: Optional[BaseException], what: str,
+                             cleanup: Any = None) -> None:
+    """Collective: every rank of ``group`` learns whether ``what`` failed on some rank (``err``: this
+    rank's exception, or None). If it did, ``cleanup`` runs and every rank raises: a rank that failed
+    its own exception, the others one naming each failed rank and its error (a ``ValueError`` when all
+    of those are, else a ``RuntimeError``). So no rank goes on while a peer gave up."""
+    mine = None if err is None else (f"{type(err).__name__}: {err}", isinstance(err, ValueError))
+    statuses: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(statuses, mine, group=group)
+    failed = [(r, st) for r, st in enumerate(statuses) if st is not None]
+    if not failed:
+        return
+    if cleanup is not None:
+        cleanup()
+    if err is not None:
+        raise err
+    kind = ValueError if all(is_value for _, (_, is_value) in failed) else RuntimeError
+    raise kind(f"{what} failed on " + "; ".join(f"rank {r}: {msg}" for r, (msg, _) in failed))

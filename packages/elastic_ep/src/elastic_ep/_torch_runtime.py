@@ -1,28 +1,22 @@
-"""Pure-torch backend: the low-level ``ElasticBuffer`` interface on ``torch.distributed``.
+"""The torch runtime: ``elastic_ep``'s operations on ``torch.distributed`` collectives.
 
-This module implements the same class interface as the native ``elastic_ep._low_level.ElasticBuffer``
-(itself a mirror of DeepEP V2's C++ ``ElasticBuffer``): the constructor, ``dispatch``, ``combine``,
-``barrier``, ``destroy``, ``get_comm_stream`` and the domain sizes take the same arguments in the same
-order and return the same tuples. It serves two purposes:
+It runs the whole API on any process group (gloo on the CPU in CI, NCCL on GPUs without the native
+kernels) and is the independent reference the GPU tests compare the native runtime against.
 
-* it runs the whole Python API on any process group (gloo on the CPU in CI, NCCL on GPUs without
-  the native kernels), and
-* it is the independent reference the GPU tests compare the native kernels against.
-
-Algorithm
----------
 dispatch
     1. Each token goes once to every rank owning at least one of its top-k experts (expert ``e``
        lives on rank ``e // L``, ``L = num_experts / num_ranks``). Tokens leave in ascending token
        order per destination.
-    2. One ``all_to_all_single`` of the per-destination counts, then one of packed byte records
-       ``[x | sf | topk_idx (global, int64) | topk_weights | token index]`` (every dtype travels as
-       bytes, so FP8 and BF16 work on gloo too).
-    3. The receiver keeps the rows grouped by source rank in rank order (the same grouping as the
-       native buffer), translates expert ids to local ids (-1 when not local) and, in expand mode,
-       scatters one row per (token, local lane) into the expert's segment; segments start at the
-       ``expert_alignment``-aligned exclusive prefix sum of the per-expert counts and rows inside
-       a segment are in receive order.
+    2. One ``all_to_all_single`` of the per-destination counts (with each rank's count of expert ids
+       outside ``[-1, E)``: every rank refuses the call when any rank has some), then one of packed
+       byte records ``[x | sf | topk_idx (int64) | topk_weights | token index]`` (every dtype travels
+       as bytes, so FP8 and BF16 work on gloo too).
+    3. The receiver keeps the rows grouped by source rank in rank order (the native runtime's
+       grouping), translates expert ids to local ids (-1 when not local) and, in expand mode, scatters
+       one row per (token, local lane) into the expert's segment; segments start at the
+       ``expert_alignment``-aligned exclusive prefix sum of the per-expert counts and rows inside a
+       segment are in receive order. A cached expand dispatch places them where the handle's
+       ``recv_src_metadata`` points.
 
 combine
     Every received row goes back to its source rank with a *slot*: the sending rank's index when
@@ -32,30 +26,30 @@ combine
     expanded row travels on its own with its lane as slot. The source reduces in DeepEP's order:
     an fp32 accumulator starts at ``bias_0 + bias_1`` (fp32) and adds, lane by lane, the partial
     of the rank whose last lane it is (every row at its own lane without multiple reduction in
-    expand mode), then rounds to BF16 once. Weights are not
-    multiplied: they are routed back, lane ``k`` taken from the rank that owns expert
-    ``topk_idx[t, k]`` (0 for masked lanes).
+    expand mode), then rounds to BF16 once. Weights are not multiplied: they are routed back, lane
+    ``k`` taken from the rank that owns expert ``topk_idx[t, k]`` (0 for masked lanes).
 
-Differences from the native backend (documented, by design):
-    * it always synchronises with the CPU (split sizes are host values), so it cannot be captured in
-      a CUDA graph; ``do_cpu_sync=False`` still returns worst-case-sized outputs;
-    * it runs on the caller's current stream (after waiting for ``previous_event``); the returned
-      event marks the end of that work;
-    * the order of rows is deterministic (ascending source token), which is one of the orders the
-      native kernels may produce.
+Differences from the native runtime (by design): it always synchronises with the CPU (split sizes are
+host values), so it cannot be captured in a CUDA graph (``do_cpu_sync=False`` still returns worst-case
+outputs); it runs on the caller's current stream (after waiting for ``previous_event``), the returned
+event marking the end of that work; its row order is ascending source token, one of the orders the
+native kernels may produce.
 """
 from __future__ import annotations
 
 import datetime
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import _checks, _sizing
+from . import _C, _checks
+from ._env import Settings
 from ._events import EventHandle
+from ._handle import EPHandle
+from ._runtime import CombineArgs, DispatchArgs, DispatchResult, Runtime
 
-__all__ = ["ElasticBuffer", "EventHandle"]
+__all__ = ["TorchRuntime"]
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -71,72 +65,43 @@ def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
     return b.contiguous().view(dtype).reshape(b.shape[0], cols)
 
 
-class ElasticBuffer:
-    """Pure-torch implementation of the low-level ``ElasticBuffer`` (see the module docstring).
+class TorchRuntime(Runtime):
+    """The torch runtime (see the module docstring).
 
-    Arguments (the seed's order; ``nccl_comm``, ``cpu_comm``, ``sl_idx`` and ``num_allocated_qps`` are
-    accepted and ignored):
-        rank_idx: this process's rank in ``group``.
-        num_ranks: the group size.
-        nccl_comm: ignored (the native backend's ``ncclComm_t`` as an int).
-        cpu_comm: ignored.
-        num_buffer_bytes: the symmetric buffer size the native backend would allocate; dispatch and
-            combine check their layout against it exactly as the native backend does.
-        num_cpu_buffer_bytes: must be 0 (Engram is out of scope).
-        allow_hybrid_mode: accepted; one NVLink domain is always direct mode here.
+    Arguments:
+        group: the ``torch.distributed`` process group.
         allow_multiple_reduction: combine reduces per rank (see the module docstring).
-        prefer_overlap_with_compute: accepted, no effect.
-        sl_idx, num_allocated_qps: ignored.
-        num_cpu_timeout_secs: on CPU (gloo) groups, how long a dispatch/combine waits for its peers before
-            raising ``TimeoutError``; on NCCL groups the process group's own timeout applies.
-        num_gpu_timeout_secs: kept for API parity.
-        explicitly_destroy: when True, ``destroy()`` must be called by the user.
-        group: the ``torch.distributed`` process group (keyword only; default: the world group).
+        num_cpu_timeout_secs: on CPU (gloo) groups, how long a dispatch / combine / barrier waits for its
+            peers before raising ``TimeoutError``; on NCCL groups the process group's own timeout applies.
+        settings: the environment's settings (``ELASTIC_EP_SKIP_INDEX_CHECK``).
+        buffer_id: the serial number the handles of this runtime carry.
     """
 
-    def __init__(self, rank_idx: int, num_ranks: int, nccl_comm: int, cpu_comm, num_buffer_bytes: int,
-                 num_cpu_buffer_bytes: int, allow_hybrid_mode: bool, allow_multiple_reduction: bool,
-                 prefer_overlap_with_compute: bool, sl_idx: int, num_allocated_qps: int,
-                 num_cpu_timeout_secs: int, num_gpu_timeout_secs: int, explicitly_destroy: bool,
-                 *, group: Optional[dist.ProcessGroup] = None) -> None:
-        align = _sizing.ALIGNMENT_BYTES
-        if num_buffer_bytes <= 0 or num_buffer_bytes % align:
-            raise ValueError(f"num_buffer_bytes must be a positive multiple of {align}, got {num_buffer_bytes}")
-        if num_cpu_buffer_bytes != 0:
-            raise ValueError("num_cpu_buffer_bytes must be 0: the CPU segment (Engram) is not supported")
-        self.group = group if group is not None else dist.group.WORLD
-        if dist.get_rank(self.group) != rank_idx or dist.get_world_size(self.group) != num_ranks:
-            raise ValueError(f"rank_idx/num_ranks ({rank_idx}/{num_ranks}) do not match the group "
-                             f"({dist.get_rank(self.group)}/{dist.get_world_size(self.group)})")
-        self.rank_idx = rank_idx
-        self.num_ranks = num_ranks
-        self.num_buffer_bytes = num_buffer_bytes
-        self.allow_hybrid_mode = allow_hybrid_mode
+    backend = "torch"
+
+    def __init__(self, group: dist.ProcessGroup, allow_multiple_reduction: bool, num_cpu_timeout_secs: int,
+                 settings: Settings, buffer_id: int = 0) -> None:
+        self.group = group
+        self.rank_idx = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
         self.allow_multiple_reduction = allow_multiple_reduction
-        self.prefer_overlap_with_compute = prefer_overlap_with_compute
         self.num_cpu_timeout_secs = num_cpu_timeout_secs
-        self.num_gpu_timeout_secs = num_gpu_timeout_secs
-        self.explicitly_destroy = explicitly_destroy
+        self.buffer_id = buffer_id
         self.destroyed = False
-        # Read once, as the native backend does (EP_SKIP_INDEX_CHECK=1: bad ids are masked silently).
-        self._check_ids = _checks.index_check_enabled()
+        self._check_ids = not settings.skip_index_check  # bad ids refuse the dispatch unless skipped
         # Test hook: a torch.Generator here makes expand mode place rows inside each expert segment in
         # a random order, as the native kernels' atomics may (exercises the deterministic sort).
         self.shuffle_generator: Optional[torch.Generator] = None
+        self._gloo = dist.get_backend(group) == "gloo"
         self._comm_stream = None
         self._device = torch.device("cpu")
-        if dist.get_backend(self.group) == "nccl":
+        if dist.get_backend(group) == "nccl":
             self._device = torch.device("cuda", torch.cuda.current_device())
             self._comm_stream = torch.cuda.Stream()
 
     # ------------------------------------------------------------------ lifecycle / info
-    def _check_alive(self) -> None:
-        if self.destroyed:
-            raise RuntimeError("this ElasticBuffer was destroyed; create a new one")
-
     def destroy(self) -> None:
-        """Finish outstanding work on every rank and release the buffer (it cannot be used afterwards)."""
-        self._check_alive()
+        """Finishes outstanding work on every rank (collective)."""
         self.barrier(True, True)
         self.destroyed = True
 
@@ -144,25 +109,16 @@ class ElasticBuffer:
         """The communication stream (a CUDA stream on GPUs, ``None`` on the CPU)."""
         return self._comm_stream
 
-    def get_physical_domain_size(self) -> Tuple[int, int]:
-        """``(num_rdma_ranks, num_nvl_ranks)``: one NVLink domain holding every rank."""
-        return 1, self.num_ranks
-
-    def get_logical_domain_size(self) -> Tuple[int, int]:
-        """``(num_scaleout_ranks, num_scaleup_ranks)``: always direct mode, ``(1, num_ranks)``."""
-        return 1, self.num_ranks
-
     def barrier(self, use_comm_stream: bool, with_cpu_sync: bool, sequential: bool = True) -> None:
-        """Wait until every rank reached this point (and, with ``with_cpu_sync``, finished its GPU work).
+        """Waits until every rank reached this point (and, with ``with_cpu_sync``, finished its GPU work).
 
         On a gloo group the wait is bounded by ``num_cpu_timeout_secs`` and a rank that never arrives
         makes this raise ``TimeoutError`` naming it (``monitored_barrier``); on NCCL groups the process
         group's own watchdog bounds it.
         """
-        self._check_alive()
         if with_cpu_sync and self._device.type == "cuda":
             torch.cuda.synchronize()
-        if dist.get_backend(self.group) == "gloo":
+        if self._gloo:
             try:
                 dist.monitored_barrier(group=self.group,
                                        timeout=datetime.timedelta(seconds=self.num_cpu_timeout_secs))
@@ -174,31 +130,7 @@ class ElasticBuffer:
         if with_cpu_sync and self._device.type == "cuda":
             torch.cuda.synchronize()
 
-    # ------------------------------------------------------------------ sizing (static, seed's names)
-    get_dispatch_buffer_size = staticmethod(_sizing.get_dispatch_buffer_size)
-    get_combine_buffer_size = staticmethod(_sizing.get_combine_buffer_size)
-
-    @staticmethod
-    def calculate_buffer_size(nccl_comm, num_max_tokens_per_rank: int, hidden: int, num_topk: int,
-                              use_fp8_dispatch: bool, allow_hybrid_mode: bool, allow_multiple_reduction: bool,
-                              *, num_ranks: int) -> int:
-        """The seed's ``calculate_buffer_size``; the topology comes from ``num_ranks`` (keyword)."""
-        return _sizing.calculate_buffer_size(num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
-                                             num_ranks=num_ranks, num_nvl_ranks=num_ranks,
-                                             allow_hybrid_mode=allow_hybrid_mode,
-                                             allow_multiple_reduction=allow_multiple_reduction)
-
-    # ------------------------------------------------------------------ stream control
-    def _prologue(self, previous_event, allocate_on_comm_stream: bool) -> None:
-        if previous_event is not None and not allocate_on_comm_stream:
-            raise ValueError("previous_event requires allocate_on_comm_stream=True (the seed's rule: the "
-                             "overlapped compute was launched first, so outputs must live on the comm stream)")
-        if previous_event is not None:
-            previous_event.current_stream_wait()
-
-    def _epilogue(self, async_with_compute_stream: bool) -> Optional[EventHandle]:
-        return EventHandle() if async_with_compute_stream else None
-
+    # ------------------------------------------------------------------ exchange
     def _all_to_all(self, send: torch.Tensor, send_counts: List[int], stage: str,
                     bad_ids: Optional[Tuple[int, int]] = None,
                     num_experts: int = 0) -> Tuple[torch.Tensor, List[int]]:
@@ -250,74 +182,31 @@ class ElasticBuffer:
                                f"{self.num_cpu_timeout_secs} s (local counts {counts}); a peer did not join")
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, x: torch.Tensor, sf: Optional[torch.Tensor], topk_idx: torch.Tensor,
-                 topk_weights: Optional[torch.Tensor],
-                 cumulative_local_expert_recv_stats: Optional[torch.Tensor],
-                 cached_num_recv_tokens: Optional[int], cached_num_expanded_tokens: Optional[int],
-                 cached_num_recv_tokens_per_expert_list: Optional[List[int]],
-                 cached_psum_num_recv_tokens_per_scaleup_rank: Optional[torch.Tensor],
-                 cached_psum_num_recv_tokens_per_expert: Optional[torch.Tensor],
-                 cached_num_unaligned_recv_tokens_per_expert: Optional[torch.Tensor],
-                 cached_dst_buffer_slot_idx: Optional[torch.Tensor],
-                 cached_token_metadata_at_forward: Optional[torch.Tensor],
-                 cached_recv_src_metadata: Optional[torch.Tensor],
-                 cached_channel_linked_list: Optional[torch.Tensor],
-                 num_max_tokens_per_rank: int, num_experts: int, expert_alignment: int,
-                 num_sms: int, num_qps: int,
-                 previous_event: Optional[EventHandle], previous_event_before_epilogue: Optional[EventHandle],
-                 async_with_compute_stream: bool, allocate_on_comm_stream: bool,
-                 do_handle_copy: bool, do_cpu_sync: bool, do_expand: bool, do_zero_padding: bool,
-                 use_tma_aligned_col_major_sf: bool) -> tuple:
-        """Send each token to the ranks owning its experts (the seed's ``dispatch``).
-
-        Arguments: as the seed's ``ElasticBuffer::dispatch``:
-            x: ``[T, H]`` bf16 or float8_e4m3fn rows of this rank.
-            sf: ``[T, P]`` float32 or int32 (packed UE8M0x4) scales of FP8 ``x``, any strides; else None.
-            topk_idx: ``[T, K]`` int64 global expert ids, -1 for masked lanes.
-            topk_weights: ``[T, K]`` float32 or None.
-            cumulative_local_expert_recv_stats: ``[L]`` int32, incremented by the real per-expert counts.
-            cached_*: the handle of an earlier dispatch (cached mode when ``cached_num_recv_tokens`` is set).
-            num_max_tokens_per_rank, num_experts, expert_alignment: routing parameters.
-            num_sms, num_qps: accepted (``num_sms`` must be positive), no effect here.
-            previous_event, previous_event_before_epilogue, async_with_compute_stream,
-            allocate_on_comm_stream: stream control, seed semantics.
-            do_handle_copy: return a copy of ``topk_idx`` for the handle.
-            do_cpu_sync: exact-size outputs; otherwise worst-case-size outputs.
-            do_expand, do_zero_padding, use_tma_aligned_col_major_sf: output layout options.
-
-        Returns:
-            The seed's 16-tuple ``(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, copied_topk_idx,
-            num_recv_tokens, num_expanded_tokens, num_recv_tokens_per_expert_list,
-            psum_num_recv_tokens_per_scaleup_rank, psum_num_recv_tokens_per_expert,
-            num_unaligned_recv_tokens_per_expert, recv_src_metadata, dst_buffer_slot_idx,
-            token_metadata_at_forward, channel_linked_list, event)``.
-        """
-        self._check_alive()
+    def dispatch(self, a: DispatchArgs) -> DispatchResult:
+        """Sends each token to the ranks owning its experts (see the module docstring)."""
         R, me = self.num_ranks, self.rank_idx
-        if num_sms <= 0:
-            raise ValueError(f"num_sms must be positive, got {num_sms}")
-        cached_mode = cached_num_recv_tokens is not None
-        _checks.check_dispatch_modes(do_expand, do_zero_padding, do_cpu_sync, _checks.cached_handle_fields(locals()))
-        T, H = x.shape
-        K = topk_idx.shape[1]
-        num_experts, expert_alignment = _checks.check_routing(num_experts, expert_alignment, R,
-                                                              num_max_tokens_per_rank, K)
+        h = a.handle
+        cached_mode = h is not None
+        x, sf, topk_weights = a.x, a.sf, a.topk_weights
+        topk_idx = a.topk_idx.to(torch.int64)  # DeepEP's 32-bit topk_idx_t too
+        T, H, K = a.num_tokens, a.hidden, a.num_topk
+        num_experts, expert_alignment = a.num_experts, a.expert_alignment
+        num_max_tokens_per_rank = a.num_max_tokens_per_rank
+        do_expand, do_cpu_sync, do_zero_padding = a.do_expand, a.do_cpu_sync, a.do_zero_padding
+        use_tma_aligned_col_major_sf = a.use_tma_aligned_col_major_sf
+        cumulative_local_expert_recv_stats = a.cumulative_local_expert_recv_stats
         L = num_experts // R
-        if T > num_max_tokens_per_rank:
-            raise ValueError(f"x has {T} tokens, more than num_max_tokens_per_rank={num_max_tokens_per_rank}")
+        num_sf_packs = sf.shape[1] if sf is not None else 0
         bad_ids = None
         if self._check_ids and not cached_mode and not (topk_idx.is_cuda and torch.cuda.is_current_stream_capturing()):
             bad_ids = _checks.count_bad_expert_ids(topk_idx, num_experts)
-        num_sf_packs = sf.shape[1] if sf is not None else 0
-        need = _sizing.get_dispatch_buffer_size(num_max_tokens_per_rank, H, num_sf_packs, K, x.element_size(),
-                                                1, R, True)
-        if need > self.num_buffer_bytes:
-            raise ValueError(f"the buffer ({self.num_buffer_bytes} B) is too small for this dispatch ({need} B)")
-        self._prologue(previous_event, allocate_on_comm_stream)
+        if a.previous_event is not None:
+            a.previous_event.current_stream_wait()
         dev = x.device
 
         # ---- send side: one record per (destination rank, token), ascending token per destination
-        # Ids outside [0, E) go nowhere (-1: masked); unless EP_SKIP_INDEX_CHECK=1 they refuse the call below.
+        # Ids outside [0, E) go nowhere (-1: masked); unless ELASTIC_EP_SKIP_INDEX_CHECK=1 they refuse the
+        # call below.
         dst_rank = torch.where((topk_idx >= 0) & (topk_idx < num_experts), topk_idx // L,
                                torch.full_like(topk_idx, -1))  # [T, K]
         goes_to = torch.stack([(dst_rank == d).any(dim=1) for d in range(R)], dim=0) if T else \
@@ -338,7 +227,7 @@ class ElasticBuffer:
         # The slot each token takes in each destination's receive buffer (its rank among the tokens
         # this rank sends there); -1 for masked lanes.
         if cached_mode:
-            dst_buffer_slot_idx = cached_dst_buffer_slot_idx
+            dst_buffer_slot_idx = h.dst_buffer_slot_idx
         else:
             slot_of = torch.full((R, T), -1, dtype=torch.int32, device=dev)
             for d in range(R):
@@ -378,14 +267,7 @@ class ElasticBuffer:
         # ---- counts and sizes
         psum_rank = torch.cumsum(torch.tensor(recv_counts, dtype=torch.int64, device=dev), 0).to(torch.int32)
         if cached_mode:
-            psum_rank = cached_psum_num_recv_tokens_per_scaleup_rank
-            psum_expert = cached_psum_num_recv_tokens_per_expert
-            unaligned = cached_num_unaligned_recv_tokens_per_expert
-            if unaligned is None:
-                unaligned = real.to(torch.int32)
-            num_recv_tokens = int(cached_num_recv_tokens)
-            num_expanded_tokens = int(cached_num_expanded_tokens)
-            per_expert_list = list(cached_num_recv_tokens_per_expert_list)
+            num_recv_tokens, num_expanded_tokens = h.num_recv_tokens, h.num_expanded_tokens
         else:
             unaligned = real.to(torch.int32)
             psum_expert = ((starts + real) if do_expand else torch.cumsum(aligned, 0)).to(torch.int32)
@@ -395,8 +277,8 @@ class ElasticBuffer:
                 num_expanded_tokens = sum(per_expert_list)
             else:
                 num_recv_tokens = num_max_tokens_per_rank * R
-                num_expanded_tokens = _sizing.worst_case_num_expanded_tokens(R, num_max_tokens_per_rank, K, L,
-                                                                             expert_alignment)
+                num_expanded_tokens = int(_C.worst_case_num_expanded_tokens(R, num_max_tokens_per_rank, K, L,
+                                                                            expert_alignment))
                 per_expert_list = []
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(real.to(cumulative_local_expert_recv_stats.dtype))
@@ -406,8 +288,9 @@ class ElasticBuffer:
         # ---- expanded positions: (token, lane) pairs grouped by expert, receive order inside a group
         exp_row = torch.full((N, K), -1, dtype=torch.int64, device=dev)
         if cached_mode and do_expand and N:
-            # The native kernels take cached expand positions from the handle; so does this backend.
-            exp_row = cached_recv_src_metadata[:N, 2:].to(torch.int64)
+            # As the native kernels: where the handle's metadata points (the sorted rows after a
+            # deterministic sort, as in DeepEP).
+            exp_row = h.recv_src_metadata[:N, 2:].to(torch.int64)
         elif N:
             pi, pk = torch.nonzero(is_local, as_tuple=True)  # row-major: by token, then lane
             if self.shuffle_generator is not None:
@@ -463,69 +346,41 @@ class ElasticBuffer:
                 recv_topk_weights = torch.empty((num_allocated, K), dtype=torch.float32, device=dev)
                 recv_topk_weights[:N] = torch.where(is_local, recv_w, torch.zeros_like(recv_w))
 
-        if cached_mode:
-            recv_src_metadata = cached_recv_src_metadata
-        else:
+        new_handle = h
+        if not cached_mode:
             recv_src_metadata = torch.empty((num_recv_tokens, K + 2), dtype=torch.int32, device=dev)
             if N:
                 master = torch.argmax(is_local.to(torch.int8), dim=1)  # first local lane
                 recv_src_metadata[:N, 0] = (src_rank * num_max_tokens_per_rank + recv_tok).to(torch.int32)
                 recv_src_metadata[:N, 1] = (src_rank * K + master).to(torch.int32)
                 recv_src_metadata[:N, 2:] = exp_row.to(torch.int32) if do_expand else -1
-
-        copied_topk_idx = topk_idx.clone() if (do_handle_copy and not cached_mode) else None
-        if previous_event_before_epilogue is not None:
-            previous_event_before_epilogue.current_stream_wait()
-        event = self._epilogue(async_with_compute_stream)
-        return (recv_x, recv_sf, recv_topk_idx, recv_topk_weights, copied_topk_idx,
-                num_recv_tokens, num_expanded_tokens, per_expert_list,
-                psum_rank, psum_expert, unaligned, recv_src_metadata, dst_buffer_slot_idx,
-                None, None, event)
+            new_handle = EPHandle(do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, a.num_sms,
+                                  a.topk_idx.clone() if a.do_handle_copy else a.topk_idx, num_recv_tokens,
+                                  num_expanded_tokens, per_expert_list, psum_rank, psum_expert, unaligned,
+                                  recv_src_metadata, dst_buffer_slot_idx, buffer_id=self.buffer_id)
+        if a.previous_event_before_epilogue is not None:
+            a.previous_event_before_epilogue.current_stream_wait()
+        event = EventHandle() if a.async_with_compute_stream else None
+        return DispatchResult(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, new_handle, event)
 
     # ------------------------------------------------------------------ combine
-    def combine(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor],
-                bias_0: Optional[torch.Tensor], bias_1: Optional[torch.Tensor],
-                src_metadata: torch.Tensor, combined_topk_idx: torch.Tensor,
-                psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
-                token_metadata_at_forward: Optional[torch.Tensor], channel_linked_list: Optional[torch.Tensor],
-                num_experts: int, num_max_tokens_per_rank: int, num_sms: int, num_qps: int,
-                previous_event: Optional[EventHandle], previous_event_before_epilogue: Optional[EventHandle],
-                async_with_compute_stream: bool, allocate_on_comm_stream: bool,
-                use_expanded_layout: bool) -> tuple:
-        """Send expert outputs back to their source tokens and reduce them (the seed's ``combine``).
-
-        Arguments: as the seed's ``ElasticBuffer::combine``:
-            x: ``[N, H]`` bf16 received rows (``[N_exp, H]`` with ``use_expanded_layout``).
-            topk_weights: ``[N, K]`` (``[N_exp]`` expanded) float32 to route back, or None.
-            bias_0, bias_1: ``[T, H]`` bf16 added to the result, or None.
-            src_metadata: the dispatch handle's ``recv_src_metadata`` ``[N, K+2]`` int32.
-            combined_topk_idx: ``[T, K]`` int64, this rank's dispatch ``topk_idx``.
-            psum_num_recv_tokens_per_scaleup_rank: ``[R]`` int32 from the dispatch handle.
-            token_metadata_at_forward, channel_linked_list: hybrid only (None here).
-            num_experts, num_max_tokens_per_rank: as at dispatch.
-            num_sms, num_qps: accepted, no effect here.
-            previous_event ... allocate_on_comm_stream: stream control, seed semantics.
-            use_expanded_layout: ``x`` is the expand-mode output layout.
-
-        Returns:
-            ``(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, event or None)``.
-        """
-        self._check_alive()
+    def combine(self, a: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[EventHandle]]:
+        """Sends expert outputs back to their source tokens and reduces them (see the module docstring)."""
         R, me = self.num_ranks, self.rank_idx
-        if x.dtype != torch.bfloat16:
-            raise ValueError(f"combine takes bf16 x, got {x.dtype}")
-        if num_sms <= 0:
-            raise ValueError(f"num_sms must be positive, got {num_sms}")
+        h = a.handle
+        x, topk_weights, bias_0, bias_1 = a.x, a.topk_weights, a.bias_0, a.bias_1
+        combined_topk_idx = h.topk_idx.to(torch.int64)
+        psum_num_recv_tokens_per_scaleup_rank = h.psum_num_recv_tokens_per_scaleup_rank
+        src_metadata = h.backend_recv_src_metadata
+        num_experts, num_max_tokens_per_rank = h.num_experts, h.num_max_tokens_per_rank
+        use_expanded_layout = h.do_expand
+        previous_event_before_epilogue = a.previous_event_before_epilogue
+        async_with_compute_stream = a.async_with_compute_stream
         T, K = combined_topk_idx.shape
         H = x.shape[1]
         L = num_experts // R
-        if T > num_max_tokens_per_rank:
-            raise ValueError(f"{T} combined tokens exceed num_max_tokens_per_rank={num_max_tokens_per_rank}")
-        need = _sizing.get_combine_buffer_size(num_max_tokens_per_rank, H, K, 1, R, True,
-                                               self.allow_multiple_reduction)
-        if need > self.num_buffer_bytes:
-            raise ValueError(f"the buffer ({self.num_buffer_bytes} B) is too small for this combine ({need} B)")
-        self._prologue(previous_event, allocate_on_comm_stream)
+        if a.previous_event is not None:
+            a.previous_event.current_stream_wait()
         dev = x.device
 
         psum = psum_num_recv_tokens_per_scaleup_rank.to(torch.int64).cpu().tolist()
@@ -618,5 +473,5 @@ class ElasticBuffer:
                 combined_topk_weights[r_tok[mi], mk] = r_w[mi, mk]
         if previous_event_before_epilogue is not None:
             previous_event_before_epilogue.current_stream_wait()
-        event = self._epilogue(async_with_compute_stream)
+        event = EventHandle() if async_with_compute_stream else None
         return combined_x, combined_topk_weights, event
