@@ -8,7 +8,11 @@
 #   smoke   (default) the GPU tests marked `smoke` of each package, a few minutes on one GPU:
 #           pytest tests/<pkg> -m "smoke and (gpu or multigpu)"
 #   full    every GPU test of each package: pytest tests/<pkg> -m "gpu or multigpu"
-#   bench   the benchmarks only: python tools/bench_<pkg>.py --out OUT_DIR [--quick]
+#   bench   the benchmarks, then the model blocks: python tools/bench_<pkg>.py --out OUT_DIR [--quick],
+#           then python -m <pkg>.demo --out OUT_DIR (each package's model block against its baseline:
+#           ipc_all2all's Ulysses attention, elastic_ep's DeepSeek-V3 MoE layer, fp8_layerwise's prefill
+#           loop); ends with the blocks' tables
+#   blocks  the model blocks only
 # OPTIONS
 #           (--preset NAME is the same as NAME)
 #   package=NAMES, --only NAMES   comma-separated, from: fp8_layerwise ipc_all2all elastic_ep
@@ -77,12 +81,12 @@ set_pkgs() {  # set_pkgs WHERE LIST: the comma-separated package list given by W
 }
 while [ $# -gt 0 ]; do
   case "$1" in
-    smoke|full|bench)
+    smoke|full|bench|blocks)
       [ -z "$PRESET" ] || die "two presets given: $PRESET and $1"
       PRESET=$1; shift ;;
     --preset=*) set -- "${1#--preset=}" "${@:2}" ;;  # the same as the bare preset name
-    --preset) [ $# -ge 2 ] || die "--preset needs smoke, full or bench"
-      case "$2" in smoke|full|bench) ;; *) die "--preset: unknown preset '$2' (smoke, full or bench)" ;; esac
+    --preset) [ $# -ge 2 ] || die "--preset needs smoke, full, bench or blocks"
+      case "$2" in smoke|full|bench|blocks) ;; *) die "--preset: unknown preset '$2' (smoke, full, bench or blocks)" ;; esac
       shift ;;
     package=*) set_pkgs "package=" "${1#package=}"; shift ;;
     --only=*) set_pkgs "--only" "${1#--only=}"; shift ;;
@@ -104,7 +108,7 @@ PRESET=${PRESET:-smoke}
 case "$PRESET" in
   smoke) MARK="smoke and (gpu or multigpu)" ;;
   full) MARK="gpu or multigpu" ;;
-  bench) MARK="" ;;
+  bench|blocks) MARK="" ;;
 esac
 
 # --- environment ------------------------------------------------------------------------------
@@ -241,10 +245,13 @@ if [ "$BUILD" = 1 ]; then
 fi
 
 for p in "${RUN_PKGS[@]}"; do
-  if [ "$PRESET" = bench ]; then
-    bench=("$PY" "$ROOT/tools/bench_$p.py" --out "$OUT")
-    [ "$QUICK" = 0 ] || bench+=(--quick)
-    step bench "$p" "${bench[@]}" "${ARGS[@]}"
+  if [ "$PRESET" = bench ] || [ "$PRESET" = blocks ]; then
+    if [ "$PRESET" = bench ]; then
+      bench=("$PY" "$ROOT/tools/bench_$p.py" --out "$OUT")
+      [ "$QUICK" = 0 ] || bench+=(--quick)
+      step bench "$p" "${bench[@]}" "${ARGS[@]}"
+    fi
+    step block "$p" "$PY" -m "$p.demo" --out "$OUT"
   else
     step tests "$p" "$PY" -m pytest "$ROOT/tests/$p" -c "$ROOT/pytest.ini" --rootdir "$ROOT" -q -rfE \
       -m "$MARK" --junitxml="$OUT/junit_$p.xml" "${ARGS[@]}"
@@ -252,6 +259,17 @@ for p in "${RUN_PKGS[@]}"; do
 done
 
 [ "$DRY" = 1 ] && exit 0
+if [ "$PRESET" = bench ] || [ "$PRESET" = blocks ]; then
+  # The model blocks' own tables (each demo writes <pkg>_demo.md into OUT), one after the other.
+  for p in "${RUN_PKGS[@]}"; do
+    for f in "$OUT/${p}_demo.md" "$OUT/${p}"_*demo*.md; do
+      [ -f "$f" ] || continue
+      echo "=== model block: $p ($f) ==="
+      cat "$f"
+      break
+    done
+  done | tee "$OUT/blocks.md"
+fi
 {
   echo "=== $PROG $PRESET, git $COMMKIT_GIT_REV: summary ==="
   printf '%s\n' "${SUMMARY[@]}"
