@@ -318,7 +318,7 @@ def _goal(judged: bool, met: bool) -> str:
 
 
 def report(cfg: dict, results: List[dict], ndev: int) -> tuple:
-    """(printed lines, markdown table, JSON record, correctness ok) of a finished run."""
+    """(printed lines, the same as markdown, JSON record, correctness ok) of a finished run."""
     from . import _moe as M
 
     tp, N = cfg["tp"], cfg["layers"]
@@ -351,6 +351,7 @@ def report(cfg: dict, results: List[dict], ndev: int) -> tuple:
         table.append(f"| {layer} | {ca:.2f} | {ta:.2f} | {bound[layer]:.2f} | {cl:.2f} | "
                      f"{tl:.2f}{' (fill)' if layer == 0 else ''} | {'exact' if ok else 'MISMATCH'} | "
                      f"{'equal' if eq else 'DIFFER'} |")
+    notes = list(lines)
     lines += table
     all_ok = True
     for r, s in zip(results, summ):
@@ -388,7 +389,9 @@ def report(cfg: dict, results: List[dict], ndev: int) -> tuple:
                   goals=dict(loop_ratio=LOOP_GOAL, slowdown=SLOWDOWN_GOAL), goals_met=met, expert_nbytes=nb,
                   layer_bytes_per_rank=layer_bytes, flops_per_rank_and_layer=flops, ok=bool(all_ok),
                   summary=summ, ranks=results)
-    return lines, "\n".join(table), record, all_ok
+    summary = lines[len(notes) + len(table):]
+    md = notes + ([""] if notes else []) + table + ["", "```text"] + summary + ["```"]
+    return lines, "\n".join(md), record, all_ok
 
 
 def _plot(record: dict, path: str) -> None:
@@ -605,16 +608,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         for r, msg in sorted(failed.items()):
             print(f"rank {r} FAILED: {msg}", file=sys.stderr)
         if missing:
-            print(f"ranks {missing} reported nothing (died or timed out after {cfg['timeout']:.0f} s)", file=sys.stderr)
+            print(f"ranks {missing} reported nothing (died or timed out after {cfg['timeout']:.0f} s)",
+                  file=sys.stderr)
         print("prefill FAILED", file=sys.stderr)
         return 1
-    lines, table, record, ok = report(cfg, results, ndev)
+    lines, md, record, ok = report(cfg, results, ndev)
     record["wall_s"] = time.monotonic() - t0
     for line in lines:
         print("  " + line)
     if args.out:
         command = " ".join(["python -m fp8_layerwise.demo --prefill"] + list(sys.argv[1:] if argv is None else argv))
-        md = "\n".join(["# fp8_layerwise prefill loop", "", f"`{command}`", ""] + lines)
+        md = "\n".join(["# fp8_layerwise prefill loop", "", f"`{command}`", "", md])
         print("  wrote " + ", ".join(write_outputs(args.out, "prefill", record, md)))
     print(f"prefill OK: weights byte-exact and outputs checked on every rank ({record['wall_s']:.1f} s)" if ok
           else "prefill FAILED: see the checks above")
