@@ -233,7 +233,7 @@ def _run_rank(rank: int, cfg: dict, tmp: str, barrier) -> dict:
         # 4. the loop: a warm-up run (the caching allocator grows to hold every layer's output), then
         # the timed runs; every run's outputs and timeline are checked.
         loops = []
-        for run in range(reps + 1):
+        for attempt in range(reps + 1):
             barrier.wait(timeout=barrier_s)
             events: List[dict] = []
 
@@ -257,7 +257,7 @@ def _run_rank(rank: int, cfg: dict, tmp: str, barrier) -> dict:
             equal = [M.bitwise_equal(ticket.wait().result, ref_out[layer]) for layer, ticket in enumerate(tickets)]
             del tickets
             events.sort(key=lambda e: e["start_ms"])
-            loops.append(dict(warmup=run == 0, loop_ms=(t_end - t_first) * 1e3, fill_ms=(t_first - t_start) * 1e3,
+            loops.append(dict(warmup=attempt == 0, loop_ms=(t_end - t_first) * 1e3, fill_ms=(t_first - t_start) * 1e3,
                               total_ms=(t_end - t_start) * 1e3,
                               compute_ms=[e["elapsed_ms"] for e in sorted(
                                   (e for e in events if e["kind"] == "compute"), key=lambda e: e["layer"])],
