@@ -9,7 +9,7 @@
 #           pytest tests/<pkg> -m "smoke and (gpu or multigpu)"
 #   full    every GPU test of each package: pytest tests/<pkg> -m "gpu or multigpu"
 #   bench   the benchmarks, then the model blocks: python tools/bench_<pkg>.py --out OUT_DIR [--quick],
-#           then python -m <pkg>.demo --out OUT_DIR (each package's model block against its baseline:
+#           then python -m <pkg>.demo --out OUT_DIR/block_<pkg> (each package's model block against its baseline:
 #           ipc_all2all's Ulysses attention, elastic_ep's DeepSeek-V3 MoE layer, fp8_layerwise's prefill
 #           loop); ends with the blocks' tables
 #   blocks  the model blocks only
@@ -251,7 +251,7 @@ for p in "${RUN_PKGS[@]}"; do
       [ "$QUICK" = 0 ] || bench+=(--quick)
       step bench "$p" "${bench[@]}" "${ARGS[@]}"
     fi
-    step block "$p" "$PY" -m "$p.demo" --out "$OUT"
+    step block "$p" "$PY" -m "$p.demo" --out "$OUT/block_$p"
   else
     step tests "$p" "$PY" -m pytest "$ROOT/tests/$p" -c "$ROOT/pytest.ini" --rootdir "$ROOT" -q -rfE \
       -m "$MARK" --junitxml="$OUT/junit_$p.xml" "${ARGS[@]}"
@@ -260,13 +260,12 @@ done
 
 [ "$DRY" = 1 ] && exit 0
 if [ "$PRESET" = bench ] || [ "$PRESET" = blocks ]; then
-  # The model blocks' own tables (each demo writes <pkg>_demo.md into OUT), one after the other.
+  # The model blocks' own tables (each demo writes its table, JSON and plot into OUT/block_<pkg>/).
   for p in "${RUN_PKGS[@]}"; do
-    for f in "$OUT/${p}_demo.md" "$OUT/${p}"_*demo*.md; do
+    for f in "$OUT/block_$p"/*.md; do
       [ -f "$f" ] || continue
       echo "=== model block: $p ($f) ==="
       cat "$f"
-      break
     done
   done | tee "$OUT/blocks.md"
 fi
