@@ -36,9 +36,9 @@ CUDA context stays usable. A failed kernel also leaves a sticky mark in the inst
 moves nothing and reports itself abandoned, and the host refuses further calls. Destroy the
 instance on every rank and build a new one.
 
-Zero-copy outputs (``copy_output=False``) are views into the instance's buffer: the view returned
+Zero-copy outputs (``copy_out=False``) are views into the instance's buffer: the view returned
 by call N stays valid until this rank enqueues call N+2 on the instance (call N+1 writes the other
-slot). Read it on the stream that made the call, or pass ``copy_output=True`` to get a fresh tensor.
+slot). Read it on the stream that made the call, or pass ``copy_out=True`` to get a fresh tensor.
 A view keeps the buffer allocated, also past ``destroy()`` (the memory is freed with the last view).
 Calls of one instance made on different streams run one after the other (each call waits for the
 previous one). Once a call of an instance has been captured in a CUDA graph, its eager calls return

@@ -386,7 +386,7 @@ class All2All:
         # Peers write this slot during the call; an input inside it would be overwritten while read.
         if ranges_overlap(x.data_ptr(), nbytes, base + self._core.slot_offset(slot), self.capacity):
             raise ValueError(f"{what}: x lies in the output slot this call writes (a zero-copy output from two "
-                             "calls ago); pass copy_output=True to that call or clone x")
+                             "calls ago); pass copy_out=True to that call or clone x")
         other = 1 - slot
         if capture and self._core.slot_capture(other) != capture and \
                 ranges_overlap(x.data_ptr(), nbytes, base + self._core.slot_offset(other), self.capacity):
@@ -394,7 +394,7 @@ class All2All:
             # replays have rewritten it.
             raise ValueError(f"{what}: inside a CUDA graph capture, x is a zero-copy output of a call made outside "
                              "this capture (eager, or in another graph); each replay would read that slot again "
-                             "after other calls rewrote it. Pass copy_output=True to the call that made x, or "
+                             "after other calls rewrote it. Pass copy_out=True to the call that made x, or "
                              "clone x into a static tensor before capturing")
         return slot
 

@@ -4,7 +4,7 @@
 The ops take the instance's integer ``comm_id`` (a registry key; tensors cannot carry the instance)
 and the output token count as plain ints, which dynamo treats as constants guarded on their values.
 Their fake implementations only compute shapes. The ops always return a fresh tensor
-(``copy_output=True``): a compiled graph may keep an output alive across later calls, which the
+(``copy_out=True``): a compiled graph may keep an output alive across later calls, which the
 zero-copy view's lifetime would not survive.
 
 Every op also takes the device's *order token* (:func:`order_token`, ``All2All.order_token``) and
@@ -154,7 +154,7 @@ def _out_tokens(comm, op: int, x: torch.Tensor) -> int:
 
 
 def send_recv_heads(x: torch.Tensor, comm, fp8_wire: bool = False) -> torch.Tensor:
-    """``comm.send_recv_heads(x, copy_output=True, fp8_wire=fp8_wire)`` as a compilable op.
+    """``comm.send_recv_heads(x, copy_out=True, fp8_wire=fp8_wire)`` as a compilable op.
 
     Arguments:
         x: ``[b, local_tokens, H, D]``.
@@ -170,7 +170,7 @@ def send_recv_heads(x: torch.Tensor, comm, fp8_wire: bool = False) -> torch.Tens
 
 
 def gather_heads(x: torch.Tensor, comm, fp8_wire: bool = False) -> torch.Tensor:
-    """``comm.gather_heads(x, copy_output=True, fp8_wire=fp8_wire)`` as a compilable op.
+    """``comm.gather_heads(x, copy_out=True, fp8_wire=fp8_wire)`` as a compilable op.
 
     Arguments:
         x: ``[b, total_tokens, H/W, D]``.
@@ -186,7 +186,7 @@ def gather_heads(x: torch.Tensor, comm, fp8_wire: bool = False) -> torch.Tensor:
 
 
 def allgather(x: torch.Tensor, comm) -> torch.Tensor:
-    """``comm.allgather(x, copy_output=True)`` as a compilable op.
+    """``comm.allgather(x, copy_out=True)`` as a compilable op.
 
     Arguments:
         x: ``[b, local_tokens, h, d]``.
