@@ -35,9 +35,12 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _env
-from ._checks import c_ints, expert_ids_error, int_arg, INT64_MAX, raise_if_any_rank_failed
+from ._checks import c_ints, expert_ids_error, raise_if_any_rank_failed
 from ._events import EventHandle
 from ._handle import EPHandle
+from ._nccl import (all_ok, check_nccl_version, comm_arg, create_nccl_comm, destroy_nccl_comm,  # noqa: F401
+                    get_local_nccl_unique_id, get_logical_domain_size, get_physical_domain_size, nccl_version,
+                    need_cuda, new_nccl_comm, torch_nccl_comm)
 from ._runtime import CombineArgs, DispatchArgs, DispatchResult, Runtime
 
 __all__ = ["NativeRuntime", "OverlapConfig", "topk_idx_t", "get_local_nccl_unique_id", "create_nccl_comm",
@@ -56,95 +59,9 @@ _NOTHING_QUEUED, _EPILOGUE_OWED, _ALL_QUEUED = 0, 1, 2
 _MAX_PLANS = 256  # parameter blocks kept per runtime and kind (shapes seen; cleared when full)
 
 
-# ---------------------------------------------------------------------------------------------- NCCL
-def _need_cuda(what: str) -> None:
-    if not _C.built_with_cuda():
-        raise RuntimeError(f"elastic_ep.{what} needs the CUDA build of elastic_ep._C (this one was built without "
-                           "nvcc); reinstall on a machine with the CUDA toolkit, or use backend='torch'")
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"elastic_ep.{what} needs a CUDA device, and torch sees none")
-
-
-def _version_str(code: int) -> str:
-    return f"{code // 10000}.{(code // 100) % 100}.{code % 100}"
-
-
-def nccl_version() -> int:
-    """The NCCL_VERSION_CODE (e.g. 22809) of the libnccl loaded in this process."""
-    _need_cuda("nccl_version")
-    return int(_C.nccl_version())
-
-
-def check_nccl_version() -> None:
-    """Raises ImportError when the loaded NCCL is older than the one elastic_ep was compiled against (the
-    device-API structures change between releases, so an older library would read them wrongly)."""
-    if not _C.built_with_cuda():
-        return
-    built, loaded = int(_C.nccl_build_version()), int(_C.nccl_version())
-    if loaded < built:
-        raise ImportError(f"elastic_ep was built against NCCL {_version_str(built)} but this process loaded NCCL "
-                          f"{_version_str(loaded)} (older); rebuild elastic_ep here (pip install "
-                          f"--no-build-isolation) or install nvidia-nccl-cu13>={_version_str(built)}")
-
-
-if not _env.skip_nccl_version_check():
-    check_nccl_version()
-
-
-def _comm_arg(nccl_comm: Any) -> int:
-    """An ``ncclComm_t`` as the int64 the bindings take (int() would truncate a float into an address)."""
-    return int_arg("nccl_comm", nccl_comm, 0, INT64_MAX)
-
-
-def get_local_nccl_unique_id() -> bytes:
-    """A new NCCL unique id (128 bytes) to broadcast from rank 0 before ``create_nccl_comm``."""
-    _need_cuda("get_local_nccl_unique_id")
-    return bytes(_C.get_local_nccl_unique_id())
-
-
-def create_nccl_comm(unique_id: bytes, num_ranks: int, rank: int) -> int:
-    """An NCCL communicator on the current CUDA device (collective over ``num_ranks`` processes).
-
-    Arguments:
-        unique_id: rank 0's ``get_local_nccl_unique_id()``, the same bytes on every rank.
-        num_ranks: number of ranks.
-        rank: this process's rank in ``[0, num_ranks)``.
-
-    Returns:
-        The ``ncclComm_t`` as an int, for ``NativeRuntime`` and ``destroy_nccl_comm``.
-    """
-    if not isinstance(unique_id, (bytes, bytearray)):
-        raise ValueError(f"unique_id must be bytes from get_local_nccl_unique_id(), got {type(unique_id).__name__}")
-    num_ranks = int_arg("num_ranks", num_ranks, 1, int(_C.MAX_RANKS))
-    rank = int_arg("rank", rank, 0, num_ranks - 1)
-    _need_cuda("create_nccl_comm")
-    return int(_C.create_nccl_comm(bytes(unique_id), num_ranks, rank))
-
-
-def destroy_nccl_comm(nccl_comm: int) -> None:
-    """Aborts (frees) a communicator made by ``create_nccl_comm``; never blocks on dead peers."""
-    nccl_comm = _comm_arg(nccl_comm)
-    _need_cuda("destroy_nccl_comm")
-    _C.destroy_nccl_comm(nccl_comm)
-
-
 def get_elastic_buffer_alignment() -> int:
     """The alignment of buffer sizes in bytes (2 MiB)."""
     return int(_C.get_elastic_buffer_alignment())
-
-
-def get_physical_domain_size(nccl_comm: int) -> Tuple[int, int]:
-    """``(num_rdma_ranks, num_nvl_ranks)`` of a communicator: ``(1, num_ranks)`` (a communicator that
-    spans several NVLink domains is refused when a runtime is created on it)."""
-    nccl_comm = _comm_arg(nccl_comm)
-    _need_cuda("get_physical_domain_size")
-    _, size = _C.nccl_comm_rank_size(nccl_comm)
-    return 1, int(size)
-
-
-def get_logical_domain_size(nccl_comm: int, allow_hybrid_mode: bool = True) -> Tuple[int, int]:
-    """``(num_scaleout_ranks, num_scaleup_ranks)``: ``(1, num_ranks)`` in direct mode."""
-    return get_physical_domain_size(nccl_comm)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -208,29 +125,6 @@ def _overlap_push_blocks(cfg: OverlapConfig, num_ranks: int, num_sms: int, num_m
     return min(max(push, 1), num_sms - 1)
 
 
-def _all_ok(group: dist.ProcessGroup, ok: bool) -> bool:
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device="cuda")
-    dist.all_reduce(flag, group=group)
-    return int(flag.item()) == 0
-
-
-def _torch_nccl_comm(group: dist.ProcessGroup) -> int:
-    """torch's own ncclComm_t of ``group`` as an int, or 0 when it cannot be reached."""
-    try:
-        return int(group._get_backend(torch.device("cuda"))._comm_ptr())
-    except Exception:  # noqa: BLE001 - private API: absent or different in this torch
-        return 0
-
-
-def _new_nccl_comm(group: dist.ProcessGroup) -> int:
-    """A new communicator over the ranks of ``group`` (unique id from rank 0, exchanged over the group)."""
-    rank = dist.get_rank(group)
-    uid = get_local_nccl_unique_id() if rank == 0 else None
-    ids: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(ids, uid, group=group)
-    return create_nccl_comm(ids[0], dist.get_world_size(group), rank)
-
-
 # ---------------------------------------------------------------------------------------------- runtime
 class NativeRuntime(Runtime):
     """The native runtime; its constructor takes DeepEP V2's C++ ``ElasticBuffer`` arguments, in order.
@@ -267,7 +161,7 @@ class NativeRuntime(Runtime):
             raise ValueError(f"window must be 'nccl' or 'ipc', got {window!r}")
         self._destroyed = False
         self._rt = None
-        _need_cuda("ElasticBuffer")
+        need_cuda("ElasticBuffer")
         settings = settings if settings is not None else _env.Settings.read()
         self.rank_idx, self.num_ranks, self.num_buffer_bytes = rank_idx, num_ranks, num_buffer_bytes
         self.allow_multiple_reduction = bool(allow_multiple_reduction)
@@ -282,7 +176,7 @@ class NativeRuntime(Runtime):
             self._rt = _C.Runtime.create_ipc(rank_idx, num_ranks, num_buffer_bytes, num_cpu_timeout_secs,
                                              num_gpu_timeout_secs, opts)
         else:
-            self._rt = _C.Runtime(rank_idx, num_ranks, _comm_arg(nccl_comm), num_buffer_bytes, num_cpu_timeout_secs,
+            self._rt = _C.Runtime(rank_idx, num_ranks, comm_arg(nccl_comm), num_buffer_bytes, num_cpu_timeout_secs,
                                   num_gpu_timeout_secs, opts)
         self.num_device_sms = int(self._rt.num_device_sms)
         self.dispatch_overlap = OverlapConfig(settings.dispatch_overlap, settings.dispatch_push_blocks)
@@ -324,19 +218,19 @@ class NativeRuntime(Runtime):
             raise_if_any_rank_failed(group, err, "window='ipc': opening the peers' windows", cleanup=rt.destroy)
             return rt, 0, 0, "ipc"
         dist.barrier(group=group)  # torch creates its communicator lazily; make sure it exists
-        comm = _torch_nccl_comm(group) if settings.reuse_nccl_comm else 0
+        comm = torch_nccl_comm(group) if settings.reuse_nccl_comm else 0
         err = None
-        if _all_ok(group, comm != 0):
+        if all_ok(group, comm != 0):
             rt = None
             try:
                 rt = cls(rank, R, comm, **kw)
             except Exception as e:  # noqa: BLE001 - e.g. a non-blocking or non-symmetric communicator
                 err = e
-            if _all_ok(group, rt is not None):
+            if all_ok(group, rt is not None):
                 return rt, comm, 0, "torch"
             if rt is not None:
                 rt.destroy()
-        comm = _new_nccl_comm(group)
+        comm = new_nccl_comm(group)
         try:
             rt = cls(rank, R, comm, **kw)
         except BaseException:
@@ -516,7 +410,7 @@ class NativeRuntime(Runtime):
         """DeepEP's ``calculate_buffer_size``: 2 MiB-aligned; ``nccl_comm`` gives the domain, or is a rank
         count (at most ``_C.MAX_RANKS``) when no communicator exists yet."""
         M, H, K = c_ints(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden, num_topk=num_topk)
-        nccl_comm = _comm_arg(nccl_comm)
+        nccl_comm = comm_arg(nccl_comm)
         if 0 < nccl_comm <= int(_C.MAX_RANKS):
             scaleout, scaleup = 1, nccl_comm
         else:
@@ -660,11 +554,11 @@ class NativeRuntime(Runtime):
                 psum_rank, psum_expert_full = h.psum_num_recv_tokens_per_scaleup_rank, None
                 unaligned, slot_idx, copied = h.num_unaligned_recv_tokens_per_expert, h.dst_buffer_slot_idx, None
             else:
-                # One allocation for the four int32 arrays notify writes (slices, not torch.split, which
-                # costs several times more host time).
-                ints = torch.empty(R + (L + 1) + L + T * K, dtype=torch.int32, device=dev)
-                psum_rank, psum_expert_full = ints[:R], ints[R:R + L + 1]
-                unaligned, slot_idx = ints[R + L + 1:R + 2 * L + 1], ints[R + 2 * L + 1:].view(T, K)
+                # One allocation for the four int32 arrays notify writes (one split_with_sizes costs less
+                # host time than four slices).
+                psum_rank, psum_expert_full, unaligned, slot_idx = torch.empty(
+                    R + (L + 1) + L + T * K, dtype=torch.int32, device=dev).split_with_sizes((R, L + 1, L, T * K))
+                slot_idx = slot_idx.view(T, K)
                 copied = torch.empty_like(topk_idx) if a.do_handle_copy and topk_idx is a.topk_idx else None
             concurrent = self.dispatch_pdl and not overlap
             params = self._plan(("d", T, M, hidden_bytes, packs, sf_ts, sf_hs, E, K, A, cached,

@@ -1,0 +1,125 @@
+"""NCCL communicators for the native runtime, with DeepEP V2's ``_C`` function names: the import-time check
+of the loaded NCCL, unique ids, creating and aborting communicators, torch's own communicator of a group."""
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import _C, _env
+from ._checks import INT64_MAX, int_arg
+
+__all__ = ["need_cuda", "nccl_version", "check_nccl_version", "get_local_nccl_unique_id", "create_nccl_comm",
+           "destroy_nccl_comm", "comm_arg", "get_physical_domain_size", "get_logical_domain_size", "torch_nccl_comm",
+           "new_nccl_comm", "all_ok"]
+
+
+def need_cuda(what: str) -> None:
+    if not _C.built_with_cuda():
+        raise RuntimeError(f"elastic_ep.{what} needs the CUDA build of elastic_ep._C (this one was built without "
+                           "nvcc); reinstall on a machine with the CUDA toolkit, or use backend='torch'")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"elastic_ep.{what} needs a CUDA device, and torch sees none")
+
+
+def _version_str(code: int) -> str:
+    return f"{code // 10000}.{(code // 100) % 100}.{code % 100}"
+
+
+def nccl_version() -> int:
+    """The NCCL_VERSION_CODE (e.g. 22809) of the libnccl loaded in this process."""
+    need_cuda("nccl_version")
+    return int(_C.nccl_version())
+
+
+def check_nccl_version() -> None:
+    """Raises ImportError when the loaded NCCL is older than the one elastic_ep was compiled against (the
+    device-API structures change between releases, so an older library would read them wrongly)."""
+    if not _C.built_with_cuda():
+        return
+    built, loaded = int(_C.nccl_build_version()), int(_C.nccl_version())
+    if loaded < built:
+        raise ImportError(f"elastic_ep was built against NCCL {_version_str(built)} but this process loaded NCCL "
+                          f"{_version_str(loaded)} (older); rebuild elastic_ep here (pip install "
+                          f"--no-build-isolation) or install nvidia-nccl-cu13>={_version_str(built)}")
+
+
+if not _env.skip_nccl_version_check():
+    check_nccl_version()
+
+
+def comm_arg(nccl_comm: Any) -> int:
+    """An ``ncclComm_t`` as the int64 the bindings take (int() would truncate a float into an address)."""
+    return int_arg("nccl_comm", nccl_comm, 0, INT64_MAX)
+
+
+def get_local_nccl_unique_id() -> bytes:
+    """A new NCCL unique id (128 bytes) to broadcast from rank 0 before ``create_nccl_comm``."""
+    need_cuda("get_local_nccl_unique_id")
+    return bytes(_C.get_local_nccl_unique_id())
+
+
+def create_nccl_comm(unique_id: bytes, num_ranks: int, rank: int) -> int:
+    """An NCCL communicator on the current CUDA device (collective over ``num_ranks`` processes).
+
+    Arguments:
+        unique_id: rank 0's ``get_local_nccl_unique_id()``, the same bytes on every rank.
+        num_ranks: number of ranks.
+        rank: this process's rank in ``[0, num_ranks)``.
+
+    Returns:
+        The ``ncclComm_t`` as an int, for ``NativeRuntime`` and ``destroy_nccl_comm``.
+    """
+    if not isinstance(unique_id, (bytes, bytearray)):
+        raise ValueError(f"unique_id must be bytes from get_local_nccl_unique_id(), got {type(unique_id).__name__}")
+    num_ranks = int_arg("num_ranks", num_ranks, 1, int(_C.MAX_RANKS))
+    rank = int_arg("rank", rank, 0, num_ranks - 1)
+    need_cuda("create_nccl_comm")
+    return int(_C.create_nccl_comm(bytes(unique_id), num_ranks, rank))
+
+
+def destroy_nccl_comm(nccl_comm: int) -> None:
+    """Aborts (frees) a communicator made by ``create_nccl_comm``; never blocks on dead peers."""
+    nccl_comm = comm_arg(nccl_comm)
+    need_cuda("destroy_nccl_comm")
+    _C.destroy_nccl_comm(nccl_comm)
+
+
+def get_physical_domain_size(nccl_comm: int) -> Tuple[int, int]:
+    """``(num_rdma_ranks, num_nvl_ranks)`` of a communicator: ``(1, num_ranks)`` (a communicator that
+    spans several NVLink domains is refused when a runtime is created on it)."""
+    nccl_comm = comm_arg(nccl_comm)
+    need_cuda("get_physical_domain_size")
+    _, size = _C.nccl_comm_rank_size(nccl_comm)
+    return 1, int(size)
+
+
+def get_logical_domain_size(nccl_comm: int, allow_hybrid_mode: bool = True) -> Tuple[int, int]:
+    """``(num_scaleout_ranks, num_scaleup_ranks)``: ``(1, num_ranks)`` in direct mode."""
+    return get_physical_domain_size(nccl_comm)
+
+
+def all_ok(group: dist.ProcessGroup, ok: bool) -> bool:
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device="cuda")
+    dist.all_reduce(flag, group=group)
+    return int(flag.item()) == 0
+
+
+def torch_nccl_comm(group: dist.ProcessGroup) -> int:
+    """torch's own ncclComm_t of ``group`` as an int, or 0 when it cannot be reached."""
+    try:
+        return int(group._get_backend(torch.device("cuda"))._comm_ptr())
+    except Exception:  # noqa: BLE001 - private API: absent or different in this torch
+        return 0
+
+
+def new_nccl_comm(group: dist.ProcessGroup) -> int:
+    """A new communicator over the ranks of ``group`` (unique id from rank 0, exchanged over the group)."""
+    rank = dist.get_rank(group)
+    uid = get_local_nccl_unique_id() if rank == 0 else None
+    ids: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ids, uid, group=group)
+    return create_nccl_comm(ids[0], dist.get_world_size(group), rank)
+
+
