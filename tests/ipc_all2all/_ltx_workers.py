@@ -101,23 +101,27 @@ def worker_ltx_compile(rank, world, rdzv):
         o = F.scaled_dot_product_attention(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2))
         return a2a.gather_heads(o.transpose(1, 2).contiguous())
 
+    def comm(x, y, xa):  # every method once, and a round trip
+        return (a2a.send_recv_heads(x), a2a.gather_heads(y, copy_out=False),
+                a2a.gather_heads(a2a.send_recv_heads(x, copy_out=True) * 1), a2a.allgather(xa))
+
     compiled_block = torch.compile(block, fullgraph=True, backend=recording)
-    send = torch.compile(lambda t: a2a.send_recv_heads(t), fullgraph=True)
-    gather = torch.compile(lambda t: a2a.gather_heads(t, copy_out=False), fullgraph=True)
-    round_trip = torch.compile(lambda t: a2a.gather_heads(a2a.send_recv_heads(t) * 1), fullgraph=True)
-    every = torch.compile(lambda t: a2a.allgather(t), fullgraph=True)
+    compiled_comm = torch.compile(comm, fullgraph=True)
     done = 0
-    for name in ("uneven", "uneven_rev", "even"):
+    for name in ("uneven", "even"):  # uneven: rank 0 has no tokens
         counts = sets[name]
         a2a.set_rank_tokens(counts)
         n, T = counts[rank], sum(counts)
-        x = _rand((1, n, H, D), torch.bfloat16, dev, _stable_seed("compile", name) + rank)
-        _assert_same(send(x), ref_send_recv_heads(x, counts, world, rank), f"compiled send_recv_heads {name}")
+        g = torch.Generator(device=dev).manual_seed(_stable_seed("compile", name) + rank)
+        # finite values: the round trip multiplies by 1, which would quiet a signalling NaN's bits
+        x = torch.randn(1, n, H, D, dtype=torch.bfloat16, device=dev, generator=g)
         y = _rand((1, T, H // world, D), torch.bfloat16, dev, _stable_seed("compile-y", name) + rank)
-        _assert_same(gather(y), ref_gather_heads(y, counts, world, rank), f"compiled gather_heads {name}")
-        _assert_same(round_trip(x), x, f"compiled round trip {name}")
         xa = _rand((1, n, 2, D), torch.bfloat16, dev, _stable_seed("compile-a", name) + rank)
-        _assert_same(every(xa), ref_allgather(xa, counts, world, rank), f"compiled allgather {name}")
+        sent, gathered, back, everyone = compiled_comm(x, y, xa)
+        _assert_same(sent, ref_send_recv_heads(x, counts, world, rank), f"compiled send_recv_heads {name}")
+        _assert_same(gathered, ref_gather_heads(y, counts, world, rank), f"compiled gather_heads {name}")
+        _assert_same(back, x, f"compiled round trip {name}")
+        _assert_same(everyone, ref_allgather(xa, counts, world, rank), f"compiled allgather {name}")
         g = torch.Generator(device=dev).manual_seed(_stable_seed("qkv", name) + rank)
         q, k, v = (torch.randn(1, n, H, D, dtype=torch.bfloat16, device=dev, generator=g) for _ in range(3))
         eager = block(q, k, v)
