@@ -23,9 +23,12 @@ class CpuCore:
     alternating like the real core's; records what the Python layer asks of it. ``launch`` moves no
     data (the tests that use it check shapes, arguments and the collective plumbing)."""
 
+    made: list = []  # every core built in this process
+
     def __init__(self, rank, world_size, capacity, num_sms, timeout_seconds):
         from ipc_all2all import _C
 
+        CpuCore.made.append(self)
         self.args = (rank, world_size, capacity, num_sms, timeout_seconds)
         self.rank, self.cap, self.device = rank, capacity, 0
         self.buf = torch.zeros(_C.buffer_layout(capacity)["total"], dtype=torch.uint8)
@@ -148,13 +151,17 @@ def worker_ltx_constructor_with_group(rank, world, rdzv):
         out["mismatch"] = (type(e).__name__, str(e))
     else:
         raise AssertionError("a rank passing another rank than the group's was accepted")
-    # a rank whose slot size differs: refused on every rank before any peer memory is opened
+    # a rank whose slot size differs: refused on every rank before any peer memory is opened, and the
+    # core each rank had built is released at once (not left to the garbage collector)
+    before = len(CpuCore.made)
     try:
         ipc_all2all.All2All(rank, world, 16 * (rank + 1), 256, 8, torch.bfloat16, group=group)
     except ValueError as e:
         out["sizes"] = str(e)
     else:
         raise AssertionError("ranks with different slot sizes were paired")
+    (core,) = CpuCore.made[before:]
+    out["sizes_released"] = core.destroyed and not core.opened
     with warnings.catch_warnings(record=True) as caught:  # ipc_all2all 0.1.0's order: timeout seventh
         warnings.simplefilter("always")
         b = ipc_all2all.All2All(rank, world, 16, 256, 8, torch.bfloat16, 2.5)

@@ -183,6 +183,7 @@ def test_ltx_constructor_with_a_group_is_collective(tmp_path):
         if rank == 0:
             assert msg.startswith("All2All(group=...) failed on rank 1: ValueError"), msg
         assert "every rank must pass the same num_tokens * hidden_dim and tensor_dtype" in r["sizes"], r
+        assert r["sizes_released"], r
         timeout, collective, warned = r["legacy"]
         assert timeout == 2.5 and not collective and any("seventh argument" in w for w in warned), r
 

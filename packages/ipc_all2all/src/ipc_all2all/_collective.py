@@ -39,7 +39,8 @@ def discard(obj) -> None:
     core = getattr(obj, "_core", None) if obj is not None else None
     if core is None or core.destroyed:
         return
-    obj._unregister()
+    if hasattr(obj, "comm_id"):  # registered (a build that failed half-way may not have got that far)
+        obj._unregister()
     try:
         core.destroy()
     except Exception as e:  # noqa: BLE001 - the failure being raised is the one that matters

@@ -134,7 +134,8 @@ class All2All:
             payload = _collective.local_payload(self)
         except Exception as e:  # noqa: BLE001 - reported to every rank by the exchange
             err, payload = e, _collective.error_payload(e)
-        _collective.exchange(self if err is None else None, err, payload, group, g_rank, g_world, what)
+        # self, also after a failure: a native core built before the failure is released with it
+        _collective.exchange(self, err, payload, group, g_rank, g_world, what)
         self._group = group
         self._collective = True
 
