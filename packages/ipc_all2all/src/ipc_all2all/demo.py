@@ -27,8 +27,8 @@ are time-sliced: the times mean nothing), and the baseline's collectives go over
 memory (NCCL refuses two ranks on one device). Without a GPU (or with ``--cpu``) it says what the
 GPU run does and runs what it can on the CPU: the layer with the baseline's exchange over gloo,
 checked bitwise against the same exchange done by all-gathers and slicing, and against the
-unsharded layer on one process. The baseline runs with NVLink multicast off (``NCCL_NVLS_ENABLE=0``)
-unless the environment sets it, as every figure in BENCHMARKS.md was measured.
+unsharded layer on one process. Run it through ``tools/gpu.sh`` (preset ``blocks`` or ``bench``), or
+source ``tools/env.sh`` first, for the NVLink settings every figure in BENCHMARKS.md was measured with.
 """
 from __future__ import annotations
 
@@ -486,7 +486,6 @@ def main(argv=None) -> int:
           + ("" if cpu else f", bf16, flash attention; fp8 on the wire: {'yes (fp8_wire=True)' if fp8 else 'no'}"))
     for n in notes:
         print("  " + n)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # see the module docstring
     cfg = dict(cpu=cpu, heads=args.heads, head_dim=args.head_dim, batch=args.batch, uneven=args.uneven,
                tokens=tokens, warmup=args.warmup, iters=args.iters, fp8=fp8)
     try:
