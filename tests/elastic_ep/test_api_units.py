@@ -220,6 +220,7 @@ def test_nvlink_bandwidth_from_nvml_is_cached(monkeypatch):
     assert _nvml.nvlink_gbs("0000:18:00.0") == pytest.approx(360.0)
     assert fake.calls == ["init", "0000:18:00.0", "shutdown"]  # asked once
     assert _nvml.nvlink_gbs(None) == _nvml.FALLBACK_GBS  # no device (a CPU buffer)
+    assert _nvml.pci_bus_id(None) is None
     # A buffer on that GPU asks NVML when nvlink_gbs=0: the model then needs 360 / 0.5 / 50 = 14.4 SMs
     # -> 18 (+25 %, even), where the 450 GB/s fallback gives 24.
     from types import SimpleNamespace
@@ -229,7 +230,8 @@ def test_nvlink_bandwidth_from_nvml_is_cached(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: SimpleNamespace(pci_domain_id=0, pci_bus_id=0x18, pci_device_id=0))
     assert b.get_theoretical_num_sms(256, 8) == 18
-    assert fake.calls == ["init", "0000:18:00.0", "shutdown"]  # still asked once
+    assert fake.calls == ["init", "0000:18:00.0", "shutdown", "init", "00000000:18:00.0", "shutdown"]
+    assert b.get_theoretical_num_sms(256, 8) == 18 and len(fake.calls) == 6  # asked once per GPU
 
 
 def test_nvlink_bandwidth_through_ctypes_and_the_fallback(monkeypatch):

@@ -4,7 +4,7 @@
   by name before anything runs (a float reached the native parser only after the first kernels were
   queued, which left the buffer unusable), and numpy integers pass.
 * A token that names the same expert twice gets one expanded row per lane, in every mode, equal to
-  the independent oracle. Without a CPU sync the worst-case output must hold those rows: the seed's
+  the independent oracle. Without a CPU sync the worst-case output must hold those rows: DeepEP V2's
   bound ``min(num_topk, num_local_experts)`` per token does not, and the epilogue wrote past the output.
 * Bad expert ids on one rank only refuse the dispatch on every rank (the torch backend sent nothing
   about them to its peers before), and the next dispatch still pairs up and equals the oracle.
@@ -15,7 +15,7 @@ import pytest
 
 from tests._dist import run_workers
 
-H, K, E_PER_RANK, M = 128, 4, 2, 16  # L = 2 < K: the case where repeated ids overflow the seed's bound
+H, K, E_PER_RANK, M = 128, 4, 2, 16  # L = 2 < K: the case where repeated ids overflow DeepEP's bound
 
 
 def _group(rank, world, rdzv, backend, window):

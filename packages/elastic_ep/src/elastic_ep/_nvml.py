@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Dict, Optional, Tuple
 
-__all__ = ["FALLBACK_GBS", "EFFICIENCY", "nvlink_gbs"]
+__all__ = ["FALLBACK_GBS", "EFFICIENCY", "nvlink_gbs", "pci_bus_id"]
 
 FALLBACK_GBS = 450.0     # an H100 / H200's NVLink, per direction
 EFFICIENCY = 0.9         # DeepEP's factor on the links' nominal speed
@@ -18,8 +18,17 @@ _FI_SPEED_COMMON = 90    # NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON: MB/s per active
 _cache: Dict[Optional[str], float] = {}
 
 
+def pci_bus_id(props: Any) -> Optional[str]:
+    """NVML's bus id (``"00000000:18:00.0"``) of a GPU from its ``torch.cuda.get_device_properties``, or
+    None (no properties, or a torch without the PCI fields)."""
+    try:
+        return f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 def nvlink_gbs(pci_bus_id: Optional[str]) -> float:
-    """Unidirectional NVLink GB/s of the GPU at ``pci_bus_id`` (``"0000:18:00.0"``): active links x
+    """Unidirectional NVLink GB/s of the GPU at ``pci_bus_id`` (``"00000000:18:00.0"``): active links x
     per-link speed x ``EFFICIENCY``; ``FALLBACK_GBS`` when NVML cannot tell (or ``pci_bus_id`` is
     None). Cached per device."""
     if pci_bus_id not in _cache:

@@ -386,11 +386,8 @@ class ElasticBuffer:
         if R == 1:
             return self._device_sms
         if not nvlink_gbs:
-            bus = None
-            if self.device.type == "cuda":
-                p = torch.cuda.get_device_properties(self.device)
-                bus = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
-            nvlink_gbs = _nvml.nvlink_gbs(bus)
+            props = torch.cuda.get_device_properties(self.device) if self.device.type == "cuda" else None
+            nvlink_gbs = _nvml.nvlink_gbs(_nvml.pci_bus_id(props))
         # expected distinct ranks hit by num_topk experts drawn without replacement
         k = R * (1 - math.comb(num_experts - num_experts // R, num_topk) / math.comb(num_experts, num_topk))
         traffic = 1 - 1 / R
