@@ -474,7 +474,7 @@ def render(record: Dict[str, Any]) -> str:
                   "|---:|---|---|---:|---:|---:|---:|"]
         for o in record["overlap"]:
             # the torch runtime runs no kernels of its own: an SM count means nothing to it
-            sms = "-" if o["runtime"] == "torch" else (o["num_sms"] or "all")
+            sms = "-" if o["runtime"] == "torch" else (o["num_sms"] or "DeepEP model")
             lines.append(f"| {o['tokens']} | {o['name']} | {' + '.join(map(str, o['micro_batches']))} | {sms} | "
                          f"{o['sequential_ms']:.3f} | {o['overlapped_ms']:.3f} | {o['gain']:.2f} x |")
     ne = checks["native_equals_torch"]
@@ -561,7 +561,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gemm", default="auto", choices=("auto", "grouped", "loop"),
                    help="expert GEMMs: torch._grouped_mm, a matmul per expert, or auto (grouped where it runs)")
     p.add_argument("--overlap-sms", type=int, default=24,
-                   help="SMs of the communication kernels in the micro-batch runs (0: all)")
+                   help="SMs of the communication kernels in the micro-batch runs (0: get_theoretical_num_sms, DeepEP's model)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights and tokens")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
     return p
