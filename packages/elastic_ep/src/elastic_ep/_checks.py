@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import _C
 from ._events import EventHandle, EventOverlap
 from ._handle import EPHandle
-from ._runtime import CombineArgs, DispatchArgs
+from ._runtime import AllGatherArgs, CombineArgs, DispatchArgs
 
 INT32_MAX = 2 ** 31 - 1  # the native kernels' and bindings' int parameters
 INT64_MAX = 2 ** 63 - 1
@@ -452,6 +452,107 @@ def combine_args(buf: Any, x: Any, handle: Any, topk_weights: Any, bias: Any, nu
     qps = _num_qps(buf, num_qps)
     return CombineArgs(x, handle, topk_weights, b0, b1, sms, qps, prev, prev_epi, bool(async_with_compute_stream),
                        bool(allocate_on_comm_stream))
+
+
+# ---------------------------------------------------------------------------------------------- AGRS
+#: Most all-gathers one AGRS session may hold (DeepEP V2's in-flight limit of its workspace).
+MAX_AGRS_PER_SESSION = 32
+
+
+def align32(n: int) -> int:
+    return (n + 31) // 32 * 32
+
+
+def agrs_shapes(shapes: Any) -> Tuple[List[Tuple[int, ...]], bool]:
+    """``(shapes as tuples, batched)``: one shape (a tuple / ``torch.Size`` of ints) or a non-empty
+    sequence of them; ``batched`` when a sequence of shapes was given."""
+    if not is_sequence(shapes) or not shapes:
+        raise ValueError(f"shapes: expected a shape or a non-empty sequence of shapes, got {shapes!r}")
+    batched = is_sequence(shapes[0])  # a torch.Size starts with an int too
+    out = []
+    for i, shape in enumerate(shapes if batched else (shapes,)):
+        if not is_sequence(shape):
+            raise ValueError(f"shapes[{i}]: expected a shape (a sequence of ints), got {shape!r}")
+        out.append(tuple(int_arg(f"shapes[{i}]", d, 0) for d in shape))
+    return out, batched
+
+
+def agrs_config_args(buf: Any, num_max_session_bytes: Any, num_max_all_gathers_per_session: Any) -> Tuple[int, int]:
+    """``agrs_set_config``'s arguments: ``(session bytes rounded up to 32, gathers per session)``."""
+    if buf._agrs_in_session:
+        raise ValueError("agrs_set_config: called inside an AGRS session; end it (destroy_agrs_session) first")
+    n = int_arg("num_max_session_bytes", num_max_session_bytes, 1, buf.num_bytes,
+                " (the buffer's num_bytes, as DeepEP V2)")
+    k = int_arg("num_max_all_gathers_per_session", num_max_all_gathers_per_session, 1, MAX_AGRS_PER_SESSION,
+                " (DeepEP V2's in-flight all-gather limit)")
+    return align32(n), k
+
+
+def _agrs_ready(buf: Any, op: str) -> None:
+    if buf._agrs_region is None:
+        raise ValueError(f"{op}: AGRS is not configured; call agrs_set_config(num_max_session_bytes, "
+                         "num_max_all_gathers_per_session) first")
+    if not buf._agrs_in_session:
+        raise ValueError(f"{op}: called outside an AGRS session; use `with buf.agrs_new_session():` or "
+                         "create_agrs_session() / destroy_agrs_session()")
+    if buf._agrs_slot >= buf._agrs_max_gathers:
+        raise ValueError(f"{op}: this session already holds num_max_all_gathers_per_session="
+                         f"{buf._agrs_max_gathers} all-gathers; end the session (or configure more)")
+
+
+def _agrs_budget(buf: Any, op: str, end: int) -> None:
+    if end > buf._agrs_region.numel():
+        raise ValueError(f"{op}: the session would need {end} bytes, more than num_max_session_bytes="
+                         f"{buf._agrs_region.numel()} (get_agrs_num_max_session_bytes sizes a session); end the "
+                         "session or configure more bytes")
+
+
+def agrs_inplace_args(buf: Any, shapes: Any, dtype: Any) -> Tuple[List[Tuple[Tuple[int, ...], int]], bool]:
+    """``agrs_get_inplace_tensor``'s arguments: ``([(shape, byte offset of this rank's part)], batched)``."""
+    _agrs_ready(buf, "agrs_get_inplace_tensor")
+    shapes, batched = agrs_shapes(shapes)
+    size = itemsize(dtype)
+    R, me, offset, out = buf.num_ranks, buf.rank_idx, buf._agrs_offset, []
+    for shape in shapes:
+        nbytes = math.prod(shape) * size
+        out.append((shape, offset + nbytes * me))
+        offset += align32(nbytes * R)
+    _agrs_budget(buf, "agrs_get_inplace_tensor", offset)
+    return out, batched
+
+
+def all_gather_args(buf: Any, t: Any) -> Tuple[Any, bool, int]:
+    """``all_gather``'s argument (a tensor or a non-empty sequence of them): ``(AllGatherArgs, batched,
+    the session's byte offset after this gather)``."""
+    _agrs_ready(buf, "all_gather")
+    batched = not isinstance(t, torch.Tensor)
+    if batched and (not is_sequence(t) or not t):
+        raise ValueError(f"t: expected a tensor or a non-empty sequence of tensors, got {describe(t)}")
+    tensors = list(t) if batched else [t]
+    region = buf._agrs_region
+    base, R, me, offset = region.data_ptr(), buf.num_ranks, buf.rank_idx, buf._agrs_offset
+    offsets, inplace = [], []
+    for i, x in enumerate(tensors):
+        name = f"t[{i}]" if batched else "t"
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name}: expected a tensor, got {describe(x)}")
+        check_dense(name, x)
+        if off_device(x, buf.device):
+            raise ValueError(f"{name}: expected a tensor on {buf.device}, got {describe(x)}")
+        if not x.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor, got {describe(x)}")
+        nbytes = x.nbytes
+        ptr = x.data_ptr()
+        mine = nbytes > 0 and base <= ptr < base + region.numel()
+        if mine and ptr != base + offset + nbytes * me:
+            raise ValueError(f"{name}: a tensor inside the AGRS session region must be this rank's part of this "
+                             f"gather (agrs_get_inplace_tensor, in the order of the gathers), at byte "
+                             f"{offset + nbytes * me}, got byte {ptr - base}")
+        offsets.append(offset)
+        inplace.append(mine)
+        offset += align32(nbytes * R)
+    _agrs_budget(buf, "all_gather", offset)
+    return AllGatherArgs(tensors, offsets, inplace, buf._agrs_session_idx, buf._agrs_slot), batched, offset
 
 
 # ---------------------------------------------------------------------------------------------- collective

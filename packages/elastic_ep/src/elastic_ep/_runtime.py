@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._events import EventHandle
     from ._handle import EPHandle
 
-__all__ = ["DispatchArgs", "CombineArgs", "DispatchResult", "Runtime"]
+__all__ = ["DispatchArgs", "CombineArgs", "DispatchResult", "AllGatherArgs", "Runtime"]
 
 
 @dataclass(eq=False)
@@ -74,6 +74,19 @@ class CombineArgs:
     allocate_on_comm_stream: bool
 
 
+@dataclass(eq=False)
+class AllGatherArgs:
+    """A validated AGRS all-gather (``_checks.all_gather_args``): where each tensor's ``[R, ...]`` result
+    lies in the session region. Rank ``r``'s part of tensor ``i`` is the ``tensors[i].nbytes`` bytes at
+    ``offsets[i] + r * tensors[i].nbytes``."""
+
+    tensors: List[torch.Tensor]                 # contiguous, on the buffer's device, any dtype
+    offsets: List[int]                          # byte offsets in the session region, multiples of 32
+    inplace: List[bool]                         # the tensor already is this rank's part of its result
+    session_idx: int                            # >= 1, the session the gather belongs to
+    slot_idx: int                               # the gather's index in its session
+
+
 class DispatchResult(NamedTuple):
     """What a runtime's dispatch returns."""
 
@@ -112,3 +125,22 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
         """The stream the operations run on (None where there is none: a CPU group)."""
+
+    # AGRS, PP and Engram: the torch runtime implements them; a runtime that does not keeps these.
+    def _not_implemented(self, op: str) -> NotImplementedError:
+        return NotImplementedError(f"elastic_ep.ElasticBuffer.{op}: the {self.backend} runtime does not implement it "
+                                   "yet; create the buffer with backend='torch' to use it")
+
+    def agrs_set_config(self, num_max_session_bytes: int) -> torch.Tensor:
+        """Flushes outstanding work on every rank (collective) and returns this rank's AGRS session
+        region, ``num_max_session_bytes`` uint8 (a multiple of 32), which all-gathers write into."""
+        raise self._not_implemented("agrs_set_config")
+
+    def all_gather(self, args: AllGatherArgs) -> Tuple[List[torch.Tensor], Callable[[], None]]:
+        """Starts the all-gather; returns the ``[R, ...]`` results (views of the session region, final
+        once the returned wait function ran) and that function."""
+        raise self._not_implemented("all_gather")
+
+    def agrs_end_session(self, session_idx: int) -> None:
+        """Ends session ``session_idx``: its gathers are complete on this rank before the region is reused."""
+        raise self._not_implemented("destroy_agrs_session")

@@ -38,7 +38,7 @@ native kernels may produce.
 from __future__ import annotations
 
 import datetime
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ from . import _C, _checks
 from ._env import Settings
 from ._events import EventHandle
 from ._handle import EPHandle
-from ._runtime import CombineArgs, DispatchArgs, DispatchResult, Runtime
+from ._runtime import AllGatherArgs, CombineArgs, DispatchArgs, DispatchResult, Runtime
 
 __all__ = ["TorchRuntime"]
 
@@ -98,6 +98,8 @@ class TorchRuntime(Runtime):
         if dist.get_backend(group) == "nccl":
             self._device = torch.device("cuda", torch.cuda.current_device())
             self._comm_stream = torch.cuda.Stream()
+        self._agrs_region: Optional[torch.Tensor] = None
+        self._agrs_pending: List[Tuple[object, str]] = []  # (work, what) of the session's gathers
 
     # ------------------------------------------------------------------ lifecycle / info
     def destroy(self) -> None:
@@ -129,6 +131,59 @@ class TorchRuntime(Runtime):
             dist.barrier(group=self.group)
         if with_cpu_sync and self._device.type == "cuda":
             torch.cuda.synchronize()
+
+    # ------------------------------------------------------------------ AGRS
+    def agrs_set_config(self, num_max_session_bytes: int) -> torch.Tensor:
+        """Flushes (a barrier of every rank) and allocates the session region on this rank."""
+        self._agrs_wait_pending("agrs_set_config")
+        self.barrier(True, True)
+        self._agrs_region = torch.empty(num_max_session_bytes, dtype=torch.uint8, device=self._device)
+        return self._agrs_region
+
+    def all_gather(self, a: AllGatherArgs) -> Tuple[List[torch.Tensor], Callable[[], None]]:
+        """One ``all_gather_single`` of bytes per tensor into its place in the region (asynchronous);
+        the wait function waits for them, each with the ``num_cpu_timeout_secs`` deadline."""
+        R, region, outs, works = self.num_ranks, self._agrs_region, [], []
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        for i, (x, off, inplace) in enumerate(zip(a.tensors, a.offsets, a.inplace)):
+            n = x.nbytes
+            dst = region[off:off + R * n]
+            outs.append(dst.view(x.dtype).view(R, *x.shape))
+            if n == 0:
+                continue
+            src = x.reshape(-1).view(torch.uint8)
+            if inplace:  # the source is the destination's own part: the collective must not read what it writes
+                src = src.clone()
+            what = f"all_gather (session {a.session_idx}, gather {a.slot_idx}, tensor {i})"
+            works.append((gather(dst, src, group=self.group, async_op=True), what))
+        self._agrs_pending.extend(works)
+
+        def wait() -> None:
+            for work, what in works:
+                self._wait_work(work, what)
+
+        return outs, wait
+
+    def agrs_end_session(self, session_idx: int) -> None:
+        """Waits for every gather of the session (the region may be reused after this)."""
+        self._agrs_wait_pending(f"destroy_agrs_session (session {session_idx})")
+
+    def _agrs_wait_pending(self, op: str) -> None:
+        pending, self._agrs_pending = self._agrs_pending, []
+        for work, what in pending:
+            self._wait_work(work, f"{op}: {what}")
+
+    def _wait_work(self, work, what: str) -> None:
+        """Waits for an asynchronous collective with the ``num_cpu_timeout_secs`` deadline (gloo); on
+        NCCL groups the current stream waits for it (the process group's watchdog bounds it)."""
+        if not self._gloo:
+            work.wait()
+            return
+        try:
+            work.wait(datetime.timedelta(seconds=self.num_cpu_timeout_secs))
+        except RuntimeError as e:
+            raise TimeoutError(f"elastic_ep {what} did not complete on rank {self.rank_idx} of {self.num_ranks} "
+                               f"within {self.num_cpu_timeout_secs} s: {e}") from None
 
     # ------------------------------------------------------------------ exchange
     def _all_to_all(self, send: torch.Tensor, send_counts: List[int], stage: str,

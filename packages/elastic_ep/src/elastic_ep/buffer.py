@@ -277,6 +277,11 @@ class ElasticBuffer:
         self._routing_cache: Dict[tuple, Tuple[int, int]] = {}
         self._need_cache: Dict[tuple, int] = {}
         self._combine_need_cache: Dict[tuple, int] = {}
+        # AGRS session state (agrs_set_config / create_agrs_session / all_gather).
+        self._agrs_region: Optional[torch.Tensor] = None
+        self._agrs_max_gathers = 0
+        self._agrs_in_session = False
+        self._agrs_offset = self._agrs_slot = self._agrs_session_idx = 0
         if self.backend == "native":
             self.runtime, self.nccl_comm, self._owned_comm, self.comm_source = native.NativeRuntime.create(
                 group, self.num_bytes, allow_multiple_reduction, num_cpu_timeout_secs, num_gpu_timeout_secs,
@@ -413,11 +418,11 @@ class ElasticBuffer:
         n = 16 * num_sms + 1 if self.allow_hybrid_mode else min(num_sms, 9)
         return min(n, self.num_allocated_qps)
 
-    # ------------------------------------------------------------------ Engram / PP / AGRS (not implemented)
+    # ------------------------------------------------------------------ Engram / PP (not implemented)
     def _not_implemented(self, what: str) -> NotImplementedError:
         return NotImplementedError(
             f"elastic_ep.ElasticBuffer.{what}: not implemented (this package implements DeepEP V2's dispatch and "
-            "combine inside one NVLink domain; Engram, PP send/recv and AGRS sessions are not available yet)")
+            "combine inside one NVLink domain, and AGRS sessions; Engram and PP send/recv are not available yet)")
 
     def engram_write(self, storage: torch.Tensor, sf: Optional[torch.Tensor] = None) -> None:
         """DeepEP's Engram storage write. Raises ``NotImplementedError``."""
@@ -439,33 +444,112 @@ class ElasticBuffer:
         """DeepEP's PP receive. Raises ``NotImplementedError``."""
         raise self._not_implemented("pp_recv")
 
+    # ------------------------------------------------------------------ AGRS (all-gather sessions)
+    # A session is a bump allocator over the session region: each all_gather takes the next
+    # align32(R x nbytes) bytes per tensor and one of num_max_all_gathers_per_session slots; results are
+    # views of the region, valid until a later session reuses it.
+    def agrs_set_config(self, num_max_session_bytes: int, num_max_all_gathers_per_session: int) -> None:
+        """Sizes AGRS sessions (collective; flushes earlier work on every rank, as DeepEP).
+
+        Arguments:
+            num_max_session_bytes: most bytes of gathered results per session (``get_agrs_num_max_session_bytes``
+                computes it), at most the buffer's ``num_bytes``; rounded up to 32.
+            num_max_all_gathers_per_session: most ``all_gather`` calls per session, 1..32.
+
+        Raises:
+            ValueError: a bad value, or inside a session, on any rank (every rank raises).
+        """
+        self._check_alive()
+        err, cfg = None, None
+        try:
+            cfg = _checks.agrs_config_args(self, num_max_session_bytes, num_max_all_gathers_per_session)
+        except ValueError as e:
+            err = e
+        _checks.raise_if_any_rank_failed(self.group, err, "agrs_set_config")
+        self._agrs_region = self.runtime.agrs_set_config(cfg[0])
+        self._agrs_max_gathers = cfg[1]
+
     def create_agrs_session(self) -> None:
-        """DeepEP's AGRS session start. Raises ``NotImplementedError``."""
-        raise self._not_implemented("create_agrs_session")
+        """Starts an AGRS session (local, no communication). Raises ``ValueError`` inside a session."""
+        self._check_alive()
+        if self._agrs_in_session:
+            raise ValueError("create_agrs_session: already inside an AGRS session; end it first")
+        self._agrs_in_session = True
+        self._agrs_offset = self._agrs_slot = 0
+        self._agrs_session_idx += 1
 
     def destroy_agrs_session(self) -> None:
-        """DeepEP's AGRS session end. Raises ``NotImplementedError``."""
-        raise self._not_implemented("destroy_agrs_session")
+        """Ends the AGRS session: its gathers complete before the region is reused (their results stay
+        readable until the next session's gathers overwrite them). Raises ``ValueError`` outside one."""
+        self._check_alive()
+        if not self._agrs_in_session:
+            raise ValueError("destroy_agrs_session: not inside an AGRS session")
+        self._agrs_in_session = False
+        self.runtime.agrs_end_session(self._agrs_session_idx)
 
     @contextlib.contextmanager
     def agrs_new_session(self, enabled: bool = True):
-        """DeepEP's AGRS session context manager: ``enabled=False`` is a no-op there and here; an enabled
-        session raises ``NotImplementedError``."""
-        if enabled:
-            raise self._not_implemented("agrs_new_session")
-        yield
-
-    def agrs_set_config(self, num_max_session_bytes: int, num_max_all_gathers_per_session: int) -> None:
-        """DeepEP's AGRS configuration. Raises ``NotImplementedError``."""
-        raise self._not_implemented("agrs_set_config")
+        """``create_agrs_session`` on entry and ``destroy_agrs_session`` on exit (also on an exception);
+        ``enabled=False``: a no-op, as DeepEP's."""
+        if not enabled:
+            yield
+            return
+        self.create_agrs_session()
+        try:
+            yield
+        finally:
+            self.destroy_agrs_session()
 
     def agrs_get_inplace_tensor(self, shapes, dtype: torch.dtype):
-        """DeepEP's AGRS in-place tensor. Raises ``NotImplementedError``."""
-        raise self._not_implemented("agrs_get_inplace_tensor")
+        """Views of this rank's part of the next all-gather(s) of this session, for a producer to write in
+        place: ``all_gather`` of these tensors (same order, as the next call) copies nothing locally.
+
+        Arguments:
+            shapes: one shape, or a sequence of shapes (one per tensor of the next ``all_gather``).
+            dtype: any torch dtype.
+
+        Returns:
+            One tensor for one shape, a tuple for a sequence (contents undefined until written).
+
+        Raises:
+            ValueError: not configured, outside a session, the session's bytes or gathers exhausted, bad shapes.
+        """
+        self._check_alive()
+        parts, batched = _checks.agrs_inplace_args(self, shapes, dtype)
+        region = self._agrs_region
+        out = tuple(region[o:o + math.prod(s) * dtype.itemsize].view(dtype).view(s) for s, o in parts)
+        return out if batched else out[0]
 
     def all_gather(self, t):
-        """DeepEP's AGRS all-gather. Raises ``NotImplementedError``."""
-        raise self._not_implemented("all_gather")
+        """Gathers a tensor (or several) from every rank into the session region (collective).
+
+        Arguments:
+            t: a contiguous tensor of any dtype on the buffer's device, or a non-empty sequence of them;
+                every rank passes the same shapes and dtypes in the same order (not checked). Shapes may
+                differ from one call to the next.
+
+        Returns:
+            ``(gathered, wait)`` for a tensor, ``(*gathered, wait)`` for a sequence: ``gathered`` is
+            ``[R, *t.shape]`` (row ``r`` is rank ``r``'s tensor), a view of the session region to read
+            after ``wait()``; ``wait`` must be called inside the same session.
+
+        Raises:
+            ValueError: not configured, outside a session, over the session's bytes or gathers, a
+                non-contiguous / other-device tensor, or a tensor inside the region that is not this
+                rank's part of this gather.
+        """
+        self._check_alive()
+        a, batched, end = _checks.all_gather_args(self, t)
+        out, wait = self.runtime.all_gather(a)
+        self._agrs_offset, self._agrs_slot = end, self._agrs_slot + 1
+        session = self._agrs_session_idx
+
+        def wait_fn() -> None:
+            if not self._agrs_in_session or session != self._agrs_session_idx:
+                raise ValueError("all_gather's wait: its AGRS session has ended; wait inside the session")
+            wait()
+
+        return (*out, wait_fn) if batched else (out[0], wait_fn)
 
     # ------------------------------------------------------------------ info / lifecycle
     def _check_alive(self) -> None:
