@@ -555,6 +555,37 @@ def all_gather_args(buf: Any, t: Any) -> Tuple[Any, bool, int]:
     return AllGatherArgs(tensors, offsets, inplace, buf._agrs_session_idx, buf._agrs_slot), batched, offset
 
 
+# ---------------------------------------------------------------------------------------------- PP
+def pp_config_args(buf: Any, num_max_tensor_bytes: Any, num_max_inflight_tensors: Any) -> Tuple[int, int]:
+    """``pp_set_config``'s arguments: ``(tensor bytes rounded up to 32, tensors in flight per peer)``;
+    DeepEP V2's four regions of ``inflight x bytes`` must fit the buffer's ``num_bytes``."""
+    n = int_arg("num_max_tensor_bytes", num_max_tensor_bytes, 1)
+    k = int_arg("num_max_inflight_tensors", num_max_inflight_tensors, 1)
+    if 4 * n * k > buf.num_bytes:
+        raise ValueError(f"num_max_tensor_bytes x num_max_inflight_tensors: 4 x {n} x {k} bytes exceed the buffer's "
+                         f"num_bytes={buf.num_bytes} (get_pp_buffer_size_hint sizes a buffer for them)")
+    return align32(n), k
+
+
+def pp_args(buf: Any, op: str, t: Any, peer_name: str, peer: Any, num_sms: Any) -> int:
+    """Checks ``pp_send`` / ``pp_recv``'s arguments; returns the peer's rank index."""
+    if not buf._pp_max_bytes:
+        raise ValueError(f"{op}: PP is not configured; call pp_set_config(num_max_tensor_bytes, "
+                         "num_max_inflight_tensors) first")
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"t: expected a tensor, got {describe(t)}")
+    check_dense("t", t)
+    if off_device(t, buf.device) or not t.is_contiguous():
+        raise ValueError(f"t: expected a contiguous tensor on {buf.device}, got {describe(t)}")
+    if t.nbytes > buf._pp_max_bytes:
+        raise ValueError(f"t: {t.nbytes} bytes exceed num_max_tensor_bytes={buf._pp_max_bytes} (pp_set_config)")
+    peer = int_arg(peer_name, peer, 0, buf.num_ranks - 1, f" (the group has {buf.num_ranks} ranks)")
+    if peer == buf.rank_idx:
+        raise ValueError(f"{peer_name}: expected another rank than this one ({buf.rank_idx})")
+    int_arg("num_sms", num_sms, 0)
+    return peer
+
+
 # ---------------------------------------------------------------------------------------------- collective
 def raise_if_any_rank_failed(group: dist.ProcessGroup, err: Optional[BaseException], what: str,
                              cleanup: Any = None) -> None:

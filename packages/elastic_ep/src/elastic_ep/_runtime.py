@@ -144,3 +144,16 @@ class Runtime(abc.ABC):
     def agrs_end_session(self, session_idx: int) -> None:
         """Ends session ``session_idx``: its gathers are complete on this rank before the region is reused."""
         raise self._not_implemented("destroy_agrs_session")
+
+    def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
+        """Flushes outstanding work on every rank (collective) and sizes PP send/recv."""
+        raise self._not_implemented("pp_set_config")
+
+    def pp_send(self, x: torch.Tensor, dst_rank_idx: int) -> None:
+        """Sends ``x``'s bytes to ``dst_rank_idx`` (validated: another rank, within the configured size);
+        ``x`` may be reused when this returns (in stream order)."""
+        raise self._not_implemented("pp_send")
+
+    def pp_recv(self, x: torch.Tensor, src_rank_idx: int) -> None:
+        """Receives the next tensor ``src_rank_idx`` sent to this rank into ``x``."""
+        raise self._not_implemented("pp_recv")

@@ -38,7 +38,8 @@ native kernels may produce.
 from __future__ import annotations
 
 import datetime
-from typing import Callable, List, Optional, Tuple
+import collections
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -100,10 +101,14 @@ class TorchRuntime(Runtime):
             self._comm_stream = torch.cuda.Stream()
         self._agrs_region: Optional[torch.Tensor] = None
         self._agrs_pending: List[Tuple[object, str]] = []  # (work, what) of the session's gathers
+        self._pp_inflight = 0
+        self._pp_sends: Dict[int, Deque[Tuple[object, torch.Tensor]]] = {}  # per peer: (work, staged bytes)
 
     # ------------------------------------------------------------------ lifecycle / info
     def destroy(self) -> None:
         """Finishes outstanding work on every rank (collective)."""
+        self._agrs_wait_pending("destroy")
+        self._pp_flush("destroy")
         self.barrier(True, True)
         self.destroyed = True
 
@@ -184,6 +189,35 @@ class TorchRuntime(Runtime):
         except RuntimeError as e:
             raise TimeoutError(f"elastic_ep {what} did not complete on rank {self.rank_idx} of {self.num_ranks} "
                                f"within {self.num_cpu_timeout_secs} s: {e}") from None
+
+    # ------------------------------------------------------------------ PP
+    # A send stages a copy of the bytes and posts an isend (tag 0: per peer pair, messages match in the
+    # order posted, so ordering holds per pair); at most num_max_inflight_tensors stay outstanding per
+    # peer, the oldest waited for first (the credit DeepEP's receiver returns). A receive waits.
+    def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
+        self._pp_flush("pp_set_config")
+        self.barrier(True, True)
+        self._pp_inflight = num_max_inflight_tensors
+
+    def pp_send(self, x: torch.Tensor, dst_rank_idx: int) -> None:
+        if x.nbytes == 0:
+            return
+        sends = self._pp_sends.setdefault(dst_rank_idx, collections.deque())
+        while sends and (len(sends) >= self._pp_inflight or sends[0][0].is_completed()):
+            self._wait_work(sends.popleft()[0], f"pp_send to peer {dst_rank_idx} (waiting for a free slot)")
+        staged = x.reshape(-1).view(torch.uint8).clone()
+        sends.append((dist.isend(staged, group=self.group, group_dst=dst_rank_idx), staged))
+
+    def pp_recv(self, x: torch.Tensor, src_rank_idx: int) -> None:
+        if x.nbytes == 0:
+            return
+        work = dist.irecv(x.reshape(-1).view(torch.uint8), group=self.group, group_src=src_rank_idx)
+        self._wait_work(work, f"pp_recv from peer {src_rank_idx}")
+
+    def _pp_flush(self, op: str) -> None:
+        for peer, sends in self._pp_sends.items():
+            while sends:
+                self._wait_work(sends.popleft()[0], f"{op}: pp_send to peer {peer}")
 
     # ------------------------------------------------------------------ exchange
     def _all_to_all(self, send: torch.Tensor, send_counts: List[int], stage: str,

@@ -277,6 +277,7 @@ class ElasticBuffer:
         self._routing_cache: Dict[tuple, Tuple[int, int]] = {}
         self._need_cache: Dict[tuple, int] = {}
         self._combine_need_cache: Dict[tuple, int] = {}
+        self._pp_max_bytes = 0  # pp_set_config's num_max_tensor_bytes (0: not configured)
         # AGRS session state (agrs_set_config / create_agrs_session / all_gather).
         self._agrs_region: Optional[torch.Tensor] = None
         self._agrs_max_gathers = 0
@@ -418,11 +419,11 @@ class ElasticBuffer:
         n = 16 * num_sms + 1 if self.allow_hybrid_mode else min(num_sms, 9)
         return min(n, self.num_allocated_qps)
 
-    # ------------------------------------------------------------------ Engram / PP (not implemented)
+    # ------------------------------------------------------------------ Engram (not implemented)
     def _not_implemented(self, what: str) -> NotImplementedError:
         return NotImplementedError(
             f"elastic_ep.ElasticBuffer.{what}: not implemented (this package implements DeepEP V2's dispatch and "
-            "combine inside one NVLink domain, and AGRS sessions; Engram and PP send/recv are not available yet)")
+            "combine inside one NVLink domain, AGRS sessions and PP send/recv; Engram is not available yet)")
 
     def engram_write(self, storage: torch.Tensor, sf: Optional[torch.Tensor] = None) -> None:
         """DeepEP's Engram storage write. Raises ``NotImplementedError``."""
@@ -432,17 +433,58 @@ class ElasticBuffer:
         """DeepEP's Engram fetch. Raises ``NotImplementedError``."""
         raise self._not_implemented("engram_fetch")
 
+    # ------------------------------------------------------------------ PP send/recv
     def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
-        """DeepEP's PP configuration. Raises ``NotImplementedError``."""
-        raise self._not_implemented("pp_set_config")
+        """Sizes pipeline send/recv (collective; flushes earlier work on every rank, as DeepEP).
+
+        Arguments:
+            num_max_tensor_bytes: the largest tensor sent (rounded up to 32).
+            num_max_inflight_tensors: tensors sent to one peer and not yet received there; a further
+                ``pp_send`` to that peer waits (with the CPU timeout) until the peer received one.
+            DeepEP V2's four regions of ``num_max_inflight_tensors x num_max_tensor_bytes`` must fit
+            ``num_bytes`` (``get_pp_buffer_size_hint``).
+
+        Raises:
+            ValueError: a bad value on any rank (every rank raises).
+        """
+        self._check_alive()
+        err, cfg = None, None
+        try:
+            cfg = _checks.pp_config_args(self, num_max_tensor_bytes, num_max_inflight_tensors)
+        except ValueError as e:
+            err = e
+        _checks.raise_if_any_rank_failed(self.group, err, "pp_set_config")
+        self.runtime.pp_set_config(*cfg)
+        self._pp_max_bytes = cfg[0]
 
     def pp_send(self, t: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
-        """DeepEP's PP send. Raises ``NotImplementedError``."""
-        raise self._not_implemented("pp_send")
+        """Sends ``t`` to rank ``dst_rank_idx`` (any other rank; DeepEP V2 allows the previous and next
+        rank only). Tensors sent to one rank arrive in the order sent; ``t`` may be reused on return.
+
+        Arguments:
+            t: a contiguous tensor of at most ``num_max_tensor_bytes``; the receiver passes a tensor of
+                the same number of bytes (its dtype and shape are the receiver's, not checked).
+            dst_rank_idx: the receiving rank.
+            num_sms: accepted (an int >= 0); the torch backend uses no SMs.
+
+        Raises:
+            ValueError: not configured, a bad tensor, this rank or no rank as ``dst_rank_idx``.
+            TimeoutError: ``num_max_inflight_tensors`` sent to that rank stay unreceived past the timeout.
+        """
+        self._check_alive()
+        dst = _checks.pp_args(self, "pp_send", t, "dst_rank_idx", dst_rank_idx, num_sms)
+        self.runtime.pp_send(t, dst)
 
     def pp_recv(self, t: torch.Tensor, src_rank_idx: int, num_sms: int = 0) -> None:
-        """DeepEP's PP receive. Raises ``NotImplementedError``."""
-        raise self._not_implemented("pp_recv")
+        """Receives into ``t`` the oldest tensor rank ``src_rank_idx`` sent to this rank and this rank has
+        not received yet (``t`` holds it on return, in stream order). Arguments as ``pp_send``.
+
+        Raises:
+            ValueError: as ``pp_send``; TimeoutError: nothing arrives within ``num_cpu_timeout_secs``.
+        """
+        self._check_alive()
+        src = _checks.pp_args(self, "pp_recv", t, "src_rank_idx", src_rank_idx, num_sms)
+        self.runtime.pp_recv(t, src)
 
     # ------------------------------------------------------------------ AGRS (all-gather sessions)
     # A session is a bump allocator over the session region: each all_gather takes the next

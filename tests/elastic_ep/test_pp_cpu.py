@@ -1,0 +1,143 @@
+"""PP send/recv on the torch runtime over gloo: every received tensor equals, bitwise, what its sender
+sent (the receiver regenerates it from the same seed), in ring and all-pairs patterns with several
+tensors in flight per peer, random sizes and dtypes, the sender overwriting its tensor right after
+``pp_send``; the refusals; a receive from a peer that never sends times out naming op, rank and peer.
+"""
+import pytest
+import torch
+
+from tests._dist import init_gloo, run_workers
+from tests.elastic_ep._common import import_elastic_ep, refusal_checker
+
+ep = import_elastic_ep()
+
+MiB2 = 2 << 20
+MAX_BYTES = 4096
+INFLIGHT = 3
+DTYPES = [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int64, torch.uint8, torch.float16]
+
+
+def _tensor(src: int, dst: int, i: int) -> torch.Tensor:
+    """The ``i``-th tensor ``src`` sends to ``dst``: random bytes (NaN patterns included) of a random
+    dtype and shape, 0 to ``MAX_BYTES`` bytes; both ends compute it."""
+    g = torch.Generator().manual_seed(1_000_000 * src + 1000 * dst + i)
+    dtype = DTYPES[int(torch.randint(0, len(DTYPES), (1,), generator=g))]
+    numel = int(torch.randint(0, MAX_BYTES // dtype.itemsize + 1, (1,), generator=g))
+    if i % 7 == 0:
+        numel = MAX_BYTES // dtype.itemsize  # the largest size allowed
+    cols = 8 if numel % 8 == 0 else 1
+    b = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    return b.view(dtype).view(numel // cols, cols)
+
+
+def _send(buf, dst: int, i: int) -> None:
+    x = _tensor(buf.rank_idx, dst, i)
+    buf.pp_send(x, dst)
+    x.view(torch.uint8).fill_(0xA5)  # reusable once pp_send returns
+
+
+def _recv(buf, src: int, i: int) -> None:
+    want = _tensor(src, buf.rank_idx, i)
+    got = torch.empty_like(want)
+    buf.pp_recv(got, src)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"tensor {i} from {src} differs"
+
+
+def _worker(rank, world, rdzv, pattern):
+    group = init_gloo(rank, world, rdzv)
+    buf = ep.ElasticBuffer(group, num_bytes=MiB2, backend="torch")
+    buf.pp_set_config(MAX_BYTES, INFLIGHT)
+    n = 0
+    if pattern == "ring":
+        # to the next rank, from the previous one, INFLIGHT tensors in flight (the credits recycle)
+        nxt, prv, N = (rank + 1) % world, (rank - 1) % world, 20
+        for i in range(N):
+            _send(buf, nxt, i)
+            if i >= INFLIGHT - 1:
+                _recv(buf, prv, i - INFLIGHT + 1)
+                n += 1
+        for i in range(N - INFLIGHT + 1, N):
+            _recv(buf, prv, i)
+            n += 1
+        # and the other way round, one at a time
+        for i in range(5):
+            _send(buf, prv, 100 + i)
+            _recv(buf, nxt, 100 + i)
+            n += 1
+    else:
+        # every pair: INFLIGHT tensors to every peer, then everything received, in rounds
+        for r in range(4):
+            for p in range(world):
+                if p != rank:
+                    for j in range(INFLIGHT):
+                        _send(buf, p, r * INFLIGHT + j)
+            for p in reversed(range(world)):
+                if p != rank:
+                    for j in range(INFLIGHT):
+                        _recv(buf, p, r * INFLIGHT + j)
+                        n += 1
+    buf.destroy()
+    return n
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("pattern", ["ring", "all_pairs"])
+def test_pp_patterns_bitwise(tmp_path, pattern, world):
+    counts = run_workers(_worker, world, pattern, tmp_path=tmp_path, timeout=180)
+    expect = 25 if pattern == "ring" else 4 * INFLIGHT * (world - 1)
+    assert counts == [expect] * world
+
+
+def _refusal_worker(rank, world, rdzv):
+    group = init_gloo(rank, world, rdzv)
+    buf = ep.ElasticBuffer(group, num_bytes=MiB2, backend="torch", num_cpu_timeout_secs=2)
+    seen = []
+    bad = refusal_checker(seen)
+    x = torch.zeros(16)
+    bad("pp_set_config", lambda: buf.pp_send(x, 1 - rank))
+    bad("pp_set_config", lambda: buf.pp_recv(x, 1 - rank))
+    bad("num_max_tensor_bytes", lambda: buf.pp_set_config(0, 2))
+    bad("num_max_tensor_bytes", lambda: buf.pp_set_config(1.5, 2))
+    bad("num_max_inflight_tensors", lambda: buf.pp_set_config(64, 0))
+    bad("exceed the buffer", lambda: buf.pp_set_config(MiB2 // 8 + 1, 2))  # 4 x bytes x inflight > num_bytes
+    buf.pp_set_config(100, 2)  # 100 -> 128 bytes
+    bad("another rank", lambda: buf.pp_send(x, rank))
+    bad("src_rank_idx", lambda: buf.pp_recv(x, rank))
+    bad("dst_rank_idx", lambda: buf.pp_send(x, world))
+    bad("dst_rank_idx", lambda: buf.pp_send(x, -1))
+    bad("dst_rank_idx", lambda: buf.pp_send(x, 1.0))
+    bad("exceed num_max_tensor_bytes=128", lambda: buf.pp_send(torch.zeros(33), 1 - rank))
+    bad("contiguous", lambda: buf.pp_send(torch.zeros(4, 4)[:, 0], 1 - rank))
+    bad("expected a tensor", lambda: buf.pp_recv([0.0], 1 - rank))
+    bad("num_sms", lambda: buf.pp_send(x, 1 - rank, num_sms=-1))
+    # usable after the refusals; 128 bytes, the configured limit, pass
+    y = torch.arange(32, dtype=torch.float32) + rank
+    buf.pp_send(y, 1 - rank, num_sms=4)
+    z = torch.empty(32)
+    buf.pp_recv(z, 1 - rank)
+    assert torch.equal(z, torch.arange(32, dtype=torch.float32) + 1 - rank)
+    buf.barrier()
+    # a peer that never sends: rank 1's receive times out naming the op, the rank and the peer
+    if rank == 1:
+        with pytest.raises(TimeoutError, match=r"pp_recv from peer 0 .*rank 1 of 2"):
+            buf.pp_recv(z, 0)
+    return len(seen)
+
+
+def test_pp_refusals_and_timeout(tmp_path):
+    counts = run_workers(_refusal_worker, 2, tmp_path=tmp_path, timeout=120)
+    assert counts == [15, 15]
+
+
+def test_native_runtime_says_pp_is_not_implemented():
+    from elastic_ep._runtime import Runtime
+
+    class Native(Runtime):
+        backend = "native"
+        dispatch = combine = barrier = destroy = get_comm_stream = None
+
+    r = Native()
+    for fn, op in ((lambda: r.pp_set_config(64, 2), "pp_set_config"), (lambda: r.pp_send(torch.zeros(1), 1), "pp_send"),
+                   (lambda: r.pp_recv(torch.zeros(1), 1), "pp_recv")):
+        with pytest.raises(NotImplementedError, match=rf"{op}: the native runtime does not implement it yet"):
+            fn()
