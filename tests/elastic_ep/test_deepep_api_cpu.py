@@ -11,8 +11,7 @@ as positional-or-keyword; our extra parameters are keyword-only or come after up
 default, so every upstream call binds here to the same parameters. Staticmethods stay static.
 
 The behaviour half runs the torch backend over gloo: positional calls in upstream's order, the
-return structures, the RDMA-only arguments, the size hints, the unimplemented features' errors, and
-``EPHandle.deterministic_sort``.
+return structures, the RDMA-only arguments, the size hints and ``EPHandle.deterministic_sort``.
 """
 import inspect
 
@@ -61,8 +60,7 @@ BUFFER_METHODS = [
     ("combine", [("x", REQ), ("handle", REQ), ("topk_weights", None), ("bias", None), ("num_sms", 0), ("num_qps", 0),
                  ("previous_event", None), ("previous_event_before_epilogue", None),
                  ("async_with_compute_stream", False), ("allocate_on_comm_stream", False)], False),
-    # Engram / PP / AGRS: present with upstream's signatures (AGRS and PP run on the torch backend; Engram
-    # raises NotImplementedError for now).
+    # Engram / PP / AGRS: present with upstream's signatures (the torch backend runs them).
     ("engram_write", [("storage", REQ), ("sf", None)], False),
     ("engram_fetch", [("indices", REQ), ("num_qps", 0), ("use_tma_aligned_col_major_sf", False)], False),
     ("pp_set_config", [("num_max_tensor_bytes", REQ), ("num_max_inflight_tensors", REQ)], False),
@@ -283,7 +281,7 @@ def api_worker(rank, world, rdzv):
     e32 = buf.dispatch(x, idx.int(), w, None, E, None, 4, do_expand=True, do_zero_padding=True)
     assert torch.equal(e32[0], buf.dispatch(x, idx, w, None, E, None, 4, do_expand=True, do_zero_padding=True)[0])
 
-    # ---- static hints that read the group; unimplemented features say so
+    # ---- static hints that read the group
     assert ep.ElasticBuffer.get_agrs_num_max_session_bytes(group, (3, 5), torch.bfloat16) == \
         (world * 15 * 2 + 31) // 32 * 32
     assert ep.ElasticBuffer.get_agrs_num_max_session_bytes(group, torch.Size([3, 5]), torch.bfloat16) == \
@@ -292,15 +290,8 @@ def api_worker(rank, world, rdzv):
         (world * 15 * 4 + 31) // 32 * 32 + (world * 7 * 4 + 31) // 32 * 32
     assert ep.ElasticBuffer.get_agrs_buffer_size_hint(group, 1) == MiB2
     assert ep.ElasticBuffer.get_agrs_buffer_size_hint(group, MiB2 + 1) == 2 * MiB2
-    # (AGRS and PP work on the torch backend: tests/elastic_ep/test_agrs_cpu.py, test_pp_cpu.py)
-    calls = [lambda: buf.engram_write(x), lambda: buf.engram_fetch(idx.int())]
-    for fn in calls:
-        try:
-            fn()
-        except NotImplementedError as e:
-            assert "not implemented" in str(e)
-        else:
-            raise AssertionError("an unimplemented feature returned normally")
+    # (AGRS, PP and Engram work on the torch backend: tests/elastic_ep/test_agrs_cpu.py, test_pp_cpu.py,
+    # test_engram_cpu.py)
     with buf.agrs_new_session(enabled=False):  # a no-op upstream too
         pass
 

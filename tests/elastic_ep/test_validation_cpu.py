@@ -83,7 +83,7 @@ def validation_worker(rank, world, rdzv, backend="torch"):
     bad("produced by another ElasticBuffer", lambda: buf2.combine(recv, h))
 
     # constructor arguments
-    bad("num_cpu_bytes", lambda: ep.ElasticBuffer(group, num_cpu_bytes=2 << 20, num_max_tokens_per_rank=M, hidden=H))
+    bad("num_cpu_bytes", lambda: ep.ElasticBuffer(group, num_cpu_bytes=1000, num_max_tokens_per_rank=M, hidden=H))
     bad("num_bytes=None needs", lambda: ep.ElasticBuffer(group))
     bad("num_bytes: expected a positive multiple", lambda: ep.ElasticBuffer(group, num_bytes=1000, backend="torch"))
     bad("backend:", lambda: ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, backend="cuda"))

@@ -586,6 +586,52 @@ def pp_args(buf: Any, op: str, t: Any, peer_name: str, peer: Any, num_sms: Any) 
     return peer
 
 
+# ---------------------------------------------------------------------------------------------- Engram
+def engram_write_args(buf: Any, storage: Any, sf: Any) -> None:
+    """Checks ``engram_write``'s arguments (this rank's shard and the replicated scale table)."""
+    if not buf.num_cpu_bytes:
+        raise ValueError("engram_write: the buffer has no CPU (Engram) segment; create it with num_cpu_bytes > 0 "
+                         "(get_engram_storage_size_hint sizes it)")
+    check_tensor("storage", storage, (torch.bfloat16, torch.float8_e4m3fn), 2, buf.device)
+    if storage.shape[0] < 1 or storage.shape[1] < 1:
+        raise ValueError(f"storage: expected [num_entries >= 1, hidden >= 1], got {describe(storage)}")
+    if storage.nbytes > buf.num_cpu_bytes:
+        raise ValueError(f"storage: {storage.nbytes} bytes exceed num_cpu_bytes={buf.num_cpu_bytes}")
+    fp8 = storage.dtype == torch.float8_e4m3fn
+    if fp8 != (sf is not None):
+        raise ValueError("sf: expected the scale factors with an FP8 (float8_e4m3fn) storage and None with a bf16 one, "
+                         f"got {describe(sf)} with {storage.dtype}")
+    if sf is not None:
+        check_tensor("sf", sf, (torch.float32, torch.int32), 2, buf.device)
+        total = storage.shape[0] * buf.num_ranks
+        if sf.shape[0] != total or sf.shape[1] < 1:
+            raise ValueError(f"sf: expected [num_entries x num_ranks = {total}, num_sf_packs >= 1] (replicated on every "
+                             f"rank), got {describe(sf)}")
+
+
+def engram_fetch_args(buf: Any, indices: Any, num_qps: Any, use_tma_aligned_col_major_sf: Any) -> None:
+    """Checks ``engram_fetch``'s arguments; every index must name an entry (``[0, entries x ranks)``)."""
+    if not buf._engram_shape:
+        raise ValueError("engram_fetch: no Engram table; call engram_write first")
+    check_tensor("indices", indices, (torch.int32,), 2, buf.device)
+    _num_qps(buf, num_qps)
+    if not isinstance(use_tma_aligned_col_major_sf, bool):
+        raise ValueError(f"use_tma_aligned_col_major_sf: expected a bool, got {use_tma_aligned_col_major_sf!r}")
+    num_entries, hidden, elem = buf._engram_shape
+    T, E = indices.shape
+    if T * E * hidden * elem > buf.num_bytes:
+        raise ValueError(f"indices: {T} x {E} entries of {hidden * elem} bytes exceed the buffer's num_bytes="
+                         f"{buf.num_bytes}")
+    total = num_entries * buf.num_ranks
+    if indices.numel():
+        bad = (indices < 0) | (indices >= total)
+        num_bad = int(bad.sum())
+        if num_bad:
+            example = int(indices[bad][0])
+            raise ValueError(f"indices: {num_bad} outside [0, {total}) (the table's entries on all ranks), e.g. "
+                             f"{example}; DeepEP V2 reads such indices unchecked")
+
+
 # ---------------------------------------------------------------------------------------------- collective
 def raise_if_any_rank_failed(group: dist.ProcessGroup, err: Optional[BaseException], what: str,
                              cleanup: Any = None) -> None:

@@ -157,3 +157,14 @@ class Runtime(abc.ABC):
     def pp_recv(self, x: torch.Tensor, src_rank_idx: int) -> None:
         """Receives the next tensor ``src_rank_idx`` sent to this rank into ``x``."""
         raise self._not_implemented("pp_recv")
+
+    def engram_write(self, storage: torch.Tensor, sf: Optional[torch.Tensor]) -> None:
+        """Installs this rank's shard ``[entries, hidden]`` of the Engram table (collective; every rank's
+        shard has the same shape and dtype, else every rank raises ``ValueError``)."""
+        raise self._not_implemented("engram_write")
+
+    def engram_fetch(self, indices: torch.Tensor,
+                     use_tma_aligned_col_major_sf: bool) -> Callable[[], Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """Starts gathering the rows of global entries ``indices`` (validated ``int32 [T, E]`` in range);
+        the hook returns ``(data [T, E * hidden], sf [T, E * packs] or None)``."""
+        raise self._not_implemented("engram_fetch")

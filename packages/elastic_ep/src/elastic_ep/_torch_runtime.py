@@ -102,6 +102,8 @@ class TorchRuntime(Runtime):
         self._agrs_region: Optional[torch.Tensor] = None
         self._agrs_pending: List[Tuple[object, str]] = []  # (work, what) of the session's gathers
         self._pp_inflight = 0
+        self._engram_table: Optional[torch.Tensor] = None  # every rank's shard, [entries x R, hidden]
+        self._engram_sf: Optional[torch.Tensor] = None
         self._pp_sends: Dict[int, Deque[Tuple[object, torch.Tensor]]] = {}  # per peer: (work, staged bytes)
 
     # ------------------------------------------------------------------ lifecycle / info
@@ -189,6 +191,44 @@ class TorchRuntime(Runtime):
         except RuntimeError as e:
             raise TimeoutError(f"elastic_ep {what} did not complete on rank {self.rank_idx} of {self.num_ranks} "
                                f"within {self.num_cpu_timeout_secs} s: {e}") from None
+
+    # ------------------------------------------------------------------ Engram
+    # The reference keeps every rank's shard (gathered once by engram_write) in host memory, so a fetch
+    # is a local index_select, one-sided as DeepEP's RDMA gets.
+    def engram_write(self, storage: torch.Tensor, sf: Optional[torch.Tensor]) -> None:
+        self._engram_table = self._engram_sf = None
+        meta = (tuple(storage.shape), str(storage.dtype), None if sf is None else (tuple(sf.shape), str(sf.dtype)))
+        metas: List[object] = [None] * self.num_ranks
+        dist.all_gather_object(metas, meta, group=self.group)
+        if any(m != metas[0] for m in metas):
+            raise ValueError("storage / sf: expected the same shapes and dtypes on every rank, got "
+                             + "; ".join(f"rank {r}: {m}" for r, m in enumerate(metas)))
+        src = storage.reshape(-1).view(torch.uint8)
+        table = torch.empty(self.num_ranks * src.numel(), dtype=torch.uint8, device=self._device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._wait_work(gather(table, src, group=self.group, async_op=True), "engram_write")
+        self._engram_table = table.view(storage.dtype).view(self.num_ranks * storage.shape[0], storage.shape[1])
+        self._engram_sf = None if sf is None else sf.clone()
+        self.barrier(True, True)
+
+    def engram_fetch(self, indices: torch.Tensor, use_tma_aligned_col_major_sf: bool):
+        T, E = indices.shape
+        flat = indices.reshape(-1).long()
+        data = self._engram_table.index_select(0, flat).view(T, E * self._engram_table.shape[1])
+        sf = None
+        if self._engram_sf is not None:
+            rows = self._engram_sf.index_select(0, flat).view(T, E * self._engram_sf.shape[1])
+            if use_tma_aligned_col_major_sf:
+                ld = (T + 3) // 4 * 4
+                sf = torch.empty_strided(rows.shape, (1, ld), dtype=rows.dtype, device=rows.device)
+                sf.copy_(rows)
+            else:
+                sf = rows
+
+        def hook() -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+            return data, sf
+
+        return hook
 
     # ------------------------------------------------------------------ PP
     # A send stages a copy of the bytes and posts an isend (tag 0: per peer pair, messages match in the

@@ -144,7 +144,8 @@ class ElasticBuffer:
         group: the process group of the expert-parallel ranks (NCCL for GPUs; gloo with the torch backend
             or the IPC window).
         num_bytes: buffer bytes; None sizes it from ``num_max_tokens_per_rank``/``hidden``/``num_topk``.
-        num_cpu_bytes: CPU (Engram) segment bytes; must be 0 (not supported).
+        num_cpu_bytes: bytes of this rank's CPU (Engram) segment, a multiple of 2 MiB (0: none); the torch
+            backend only (``get_engram_storage_size_hint`` sizes it).
         num_max_tokens_per_rank: most tokens a rank dispatches at once (required when ``num_bytes`` is None).
         hidden, num_topk (0: sized for 32), use_fp8_dispatch: what the buffer is sized for.
         deterministic: sort received rows by source token (see the module docstring).
@@ -197,9 +198,10 @@ class ElasticBuffer:
         err, native = None, None
         try:
             self._settings = _env.Settings.read()
-            if num_cpu_bytes != 0:
-                raise ValueError(f"num_cpu_bytes: expected 0 (the CPU/Engram segment is not supported), got "
-                                 f"{num_cpu_bytes}")
+            num_cpu_bytes = int_arg("num_cpu_bytes", num_cpu_bytes, 0, _checks.INT64_MAX)
+            if num_cpu_bytes % ALIGNMENT_BYTES:
+                raise ValueError(f"num_cpu_bytes: expected a multiple of {ALIGNMENT_BYTES} (see "
+                                 f"get_engram_storage_size_hint), got {num_cpu_bytes}")
             if backend not in ("auto", "native", "torch"):
                 raise ValueError(f"backend: expected 'auto', 'native' or 'torch', got {backend!r}")
             if window not in ("auto", "nccl", "ipc"):
@@ -241,6 +243,9 @@ class ElasticBuffer:
                 if pg_backend != "nccl" and not ipc:
                     raise ValueError(f"group: the native backend needs an NCCL process group (or window='ipc'), got "
                                      f"{pg_backend!r}")
+            if num_cpu_bytes and backend == "native":
+                raise ValueError("num_cpu_bytes: the native backend has no CPU (Engram) segment yet; use "
+                                 "backend='torch' for Engram")
             self.backend = backend
             on_gpu = pg_backend == "nccl" or backend == "native"
             self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -257,7 +262,7 @@ class ElasticBuffer:
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             err = e
         _checks.raise_if_any_rank_failed(group, err, "ElasticBuffer: creating the buffer")
-        self.num_bytes = int(num_bytes)
+        self.num_bytes, self.num_cpu_bytes = int(num_bytes), num_cpu_bytes
         self.num_max_tokens_per_rank, self.hidden, self.num_topk = num_max_tokens_per_rank, hidden, num_topk
         self.use_fp8_dispatch, self.deterministic = use_fp8_dispatch, deterministic
         self.allow_hybrid_mode, self.allow_multiple_reduction = allow_hybrid_mode, allow_multiple_reduction
@@ -278,6 +283,7 @@ class ElasticBuffer:
         self._need_cache: Dict[tuple, int] = {}
         self._combine_need_cache: Dict[tuple, int] = {}
         self._pp_max_bytes = 0  # pp_set_config's num_max_tensor_bytes (0: not configured)
+        self._engram_shape: Tuple[int, ...] = ()  # (entries per rank, hidden, element size) after engram_write
         # AGRS session state (agrs_set_config / create_agrs_session / all_gather).
         self._agrs_region: Optional[torch.Tensor] = None
         self._agrs_max_gathers = 0
@@ -317,8 +323,7 @@ class ElasticBuffer:
     @staticmethod
     def get_engram_storage_size_hint(num_entries: int, hidden: int, num_max_tokens_per_rank: int,
                                      dtype: torch.dtype = torch.bfloat16) -> Tuple[int, int]:
-        """``(num_gpu_bytes, num_cpu_bytes)`` an Engram storage would need (DeepEP's hint; Engram is not
-        implemented here): entries of ``hidden`` elements rounded up to 32 B, ``num_max_tokens_per_rank``
+        """``(num_gpu_bytes, num_cpu_bytes)`` an Engram storage would need (DeepEP's hint): entries of ``hidden`` elements rounded up to 32 B, ``num_max_tokens_per_rank``
         on the GPU and ``num_entries`` on the CPU, each total 2 MiB-aligned."""
         num_entries, hidden = int_arg("num_entries", num_entries, 0), int_arg("hidden", hidden, 0)
         num_max_tokens_per_rank = int_arg("num_max_tokens_per_rank", num_max_tokens_per_rank, 0)
@@ -327,7 +332,7 @@ class ElasticBuffer:
 
     @staticmethod
     def get_pp_buffer_size_hint(num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> int:
-        """Bytes PP send/recv would need (DeepEP's hint; PP is not implemented here): four regions of
+        """Bytes PP send/recv would need (DeepEP's hint): four regions of
         ``num_max_inflight_tensors`` slots of ``num_max_tensor_bytes`` rounded up to 32 B, 2 MiB-aligned."""
         num_max_tensor_bytes = int_arg("num_max_tensor_bytes", num_max_tensor_bytes, 0)
         num_max_inflight_tensors = int_arg("num_max_inflight_tensors", num_max_inflight_tensors, 0)
@@ -419,19 +424,50 @@ class ElasticBuffer:
         n = 16 * num_sms + 1 if self.allow_hybrid_mode else min(num_sms, 9)
         return min(n, self.num_allocated_qps)
 
-    # ------------------------------------------------------------------ Engram (not implemented)
-    def _not_implemented(self, what: str) -> NotImplementedError:
-        return NotImplementedError(
-            f"elastic_ep.ElasticBuffer.{what}: not implemented (this package implements DeepEP V2's dispatch and "
-            "combine inside one NVLink domain, AGRS sessions and PP send/recv; Engram is not available yet)")
-
+    # ------------------------------------------------------------------ Engram
     def engram_write(self, storage: torch.Tensor, sf: Optional[torch.Tensor] = None) -> None:
-        """DeepEP's Engram storage write. Raises ``NotImplementedError``."""
-        raise self._not_implemented("engram_write")
+        """Installs this rank's shard of the Engram table in its CPU segment (collective, as DeepEP).
+
+        Rank ``r``'s ``storage`` holds global entries ``[r * num_entries, (r + 1) * num_entries)``.
+
+        Arguments:
+            storage: ``[num_entries, hidden]`` bf16, or float8_e4m3fn with ``sf``; at most ``num_cpu_bytes``;
+                the same shape and dtype on every rank.
+            sf: FP8 only: ``[num_entries * R, num_sf_packs]`` float32 or int32 (four UE8M0 exponents)
+                scale factors of every global entry, the same on every rank.
+
+        Raises:
+            ValueError: bad arguments on any rank, or shards that differ between ranks (every rank raises).
+        """
+        self._check_alive()
+        err = None
+        try:
+            _checks.engram_write_args(self, storage, sf)
+        except ValueError as e:
+            err = e
+        _checks.raise_if_any_rank_failed(self.group, err, "engram_write")
+        self._engram_shape = ()
+        self.runtime.engram_write(storage, sf)
+        self._engram_shape = (storage.shape[0], storage.shape[1], storage.element_size())
 
     def engram_fetch(self, indices: torch.Tensor, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = False):
-        """DeepEP's Engram fetch. Raises ``NotImplementedError``."""
-        raise self._not_implemented("engram_fetch")
+        """Gathers table rows by global entry index from whichever rank holds them (local: no peer takes part).
+
+        Arguments:
+            indices: ``[T, E]`` int32 global entry indices, each in ``[0, num_entries * R)``.
+            num_qps: accepted (no RDMA); more than ``num_allocated_qps`` raises, as DeepEP.
+            use_tma_aligned_col_major_sf: FP8: scale factors column-major, rows padded to 4.
+
+        Returns:
+            A hook; its call returns ``(data [T, E * hidden], sf [T, E * num_sf_packs] or None)``: token
+            ``t``'s entries concatenated along the hidden dimension.
+
+        Raises:
+            ValueError: no table, bad ``indices`` (any index outside the table: DeepEP reads those unchecked).
+        """
+        self._check_alive()
+        _checks.engram_fetch_args(self, indices, num_qps, use_tma_aligned_col_major_sf)
+        return self.runtime.engram_fetch(indices, use_tma_aligned_col_major_sf)
 
     # ------------------------------------------------------------------ PP send/recv
     def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
