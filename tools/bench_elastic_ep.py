@@ -286,8 +286,11 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
         sms_list = [int(s) for s in args.num_sms.split(",")] if backend == "native" else [0]
         for num_sms in sms_list:
           try:
-            buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, use_fp8_dispatch=True,
-                                   backend=backend, explicitly_destroy=True)
+            # Room for the zero-copy cases too (their receive area lies past the combine area).
+            nbytes = max(ep.ElasticBuffer.get_buffer_size_hint(group, T, H, K, True),
+                         ep.ElasticBuffer.get_buffer_size_hint(group, T, H, K, False, zero_copy=True))
+            buf = ep.ElasticBuffer(group, nbytes, num_max_tokens_per_rank=T, hidden=H, num_topk=K,
+                                   use_fp8_dispatch=True, backend=backend, explicitly_destroy=True)
             # --num-sms 0: every SM, what the benchmark always measured (elastic_ep's own num_sms=0 is
             # DeepEP's get_theoretical_num_sms, which leaves SMs to overlapped compute).
             call_sms = num_sms or torch.cuda.get_device_properties(rank).multi_processor_count
@@ -310,6 +313,25 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
             cases["dispatch_bf16_cached"] = lambda: buf.dispatch(inp["xb"], topk_weights=inp["w"], handle=handle,
                                                                  num_sms=call_sms)
             cases["combine_bf16"] = lambda: buf.combine(recv, handle, topk_weights=rw, num_sms=call_sms)
+            if backend == "native":
+                # Zero-copy receive: recv_x is a view of the buffer the senders wrote in place (no copy
+                # epilogue for the hidden bytes; its push also writes this rank's own rows).
+                cases["dispatch_bf16_zc"] = lambda: buf.dispatch(inp["xb"], topk_idx=inp["topk"], topk_weights=inp["w"],
+                                                                 num_experts=E, num_sms=call_sms, zero_copy=True)
+                cases["dispatch_fp8_zc"] = lambda: buf.dispatch((inp["x8"], inp["sf"]), topk_idx=inp["topk"],
+                                                                topk_weights=inp["w"], num_experts=E, num_sms=call_sms,
+                                                                zero_copy=True)
+                zc = {}
+
+                def cached_zc():
+                    # A zero-copy handle is refused once another dispatch overwrote its views: take a
+                    # fresh one then (in the warm-up calls; the timed calls follow each other).
+                    h = zc.get("handle")
+                    if h is None or h.views_serial != buf._dispatch_serial:
+                        h = zc["handle"] = cases["dispatch_bf16_zc"]()[3]
+                    return buf.dispatch(inp["xb"], topk_weights=inp["w"], handle=h, num_sms=call_sms, zero_copy=True)
+
+                cases["dispatch_bf16_cached_zc"] = cached_zc
             # Overlapped variants: the same calls with the low-level buffer's OverlapConfig switched on
             # for the case (and back off after it).
             case_overlap = {}

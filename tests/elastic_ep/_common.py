@@ -402,6 +402,7 @@ def case_matrix(kind: str) -> List[dict]:
             sf_strided_input=dtype != "bf16" and i % 3 == 1,
             stream_opt=["sync", "async", "prev_event", "alloc_comm"][i % 4] if kind == "gpu" else ["sync", "async"][i % 2],
             handle_copy=i % 5 != 4,
+            zero_copy=not expand and i % 3 != 2,
         ))
     return cases
 
@@ -428,10 +429,10 @@ def run_case(buf, ref, group, me: int, R: int, case: dict, shape: dict, seed: in
         kw = dict(num_experts=E, expert_alignment=case["alignment"], do_expand=case["expand"],
                   do_zero_padding=case["zero_padding"], do_cpu_sync=case["cpu_sync"],
                   use_tma_aligned_col_major_sf=case["tma_sf"], do_handle_copy=case["handle_copy"],
-                  cumulative_local_expert_recv_stats=stats)
+                  cumulative_local_expert_recv_stats=stats, zero_copy=case.get("zero_copy", False))
         if handle is not None:
             kw = dict(handle=handle, do_expand=case["expand"], do_zero_padding=case["zero_padding"],
-                      use_tma_aligned_col_major_sf=case["tma_sf"])
+                      use_tma_aligned_col_major_sf=case["tma_sf"], zero_copy=case.get("zero_copy", False))
         opt = case["stream_opt"]
         if opt == "async":
             kw.update(async_with_compute_stream=True)
@@ -458,6 +459,13 @@ def run_case(buf, ref, group, me: int, R: int, case: dict, shape: dict, seed: in
         n_alloc = recv[1].shape[0]
         check(recv[1].stride() == (1, (n_alloc + 3) // 4 * 4), f"sf strides {recv[1].stride()} {case}")
     canon = canonical_dispatch(recv, ridx, rw, handle, buf.deterministic)
+    if case.get("zero_copy"):
+        check(handle.views_serial == buf._dispatch_serial, f"zero-copy handle not marked {case}")
+        if buf.backend == "native":  # a view of the receive buffer, not a copy
+            x0 = recv[0] if isinstance(recv, tuple) else recv
+            lo = int(buf.runtime._rt.buffer_ptr)
+            check(lo <= x0.data_ptr() and x0.data_ptr() + x0.numel() * x0.element_size() <= lo + buf.num_bytes,
+                  f"zero-copy recv_x is not inside the buffer {case}")
     if with_oracle:
         orc = oracle_dispatch(all_inp, me, E, M, case["alignment"])
         assert_same(oracle_canonical(orc, case["expand"], case["alignment"]), canon, f"oracle vs {buf.backend} {case}")
@@ -497,6 +505,9 @@ def run_case(buf, ref, group, me: int, R: int, case: dict, shape: dict, seed: in
     cx, cw, ev = buf.combine(y, handle, topk_weights=w2, bias=bias, **kw)
     ev.current_stream_wait()
     check(cx.shape == (tokens, H) and cx.dtype == torch.bfloat16, f"combined shape {tuple(cx.shape)} {case}")
+    if case.get("zero_copy"):  # the views outlive the combine
+        assert_same(canonical_dispatch(recv, ridx, rw, handle, buf.deterministic), canon,
+                    f"zero-copy views after combine {case}")
     if with_oracle:
         exp = oracle_combine(all_inp, me, E, case["expand"], buf.allow_multiple_reduction, biases + [None])
         check(torch.equal(bytes_of(cx.cpu()), bytes_of(exp)), f"combine vs oracle {case}")
@@ -543,10 +554,16 @@ def matrix_worker(rank: int, world: int, rdzv: str, cfg: dict):
     for bopts in cfg["buffers"]:
         kw = dict(num_max_tokens_per_rank=shape["max_tokens"], hidden=shape["hidden"], num_topk=shape["topk"],
                   use_fp8_dispatch=True, **bopts)
-        buf = ep.ElasticBuffer(group, backend=cfg["backend"], window=window, **kw)
+        # Room for the zero-copy cases (bf16 rows: the larger receive area).
+        nbytes = max(ep.ElasticBuffer.get_buffer_size_hint(group, shape["max_tokens"], shape["hidden"], shape["topk"],
+                                                           False, True, bopts.get("allow_multiple_reduction", True),
+                                                           zero_copy=True),
+                     ep.ElasticBuffer.get_buffer_size_hint(group, shape["max_tokens"], shape["hidden"], shape["topk"],
+                                                           True, True, bopts.get("allow_multiple_reduction", True)))
+        buf = ep.ElasticBuffer(group, nbytes, backend=cfg["backend"], window=window, **kw)
         if cfg.get("shuffle") and buf.backend == "torch":  # emulate the native kernels' row order
             buf.runtime.shuffle_generator = torch.Generator().manual_seed(1000 + rank)
-        ref = ep.ElasticBuffer(group, backend="torch", **kw) if cfg.get("compare_torch") else None
+        ref = ep.ElasticBuffer(group, nbytes, backend="torch", **kw) if cfg.get("compare_torch") else None
         for i, case in enumerate(cfg.get("cases") or case_matrix(cfg["kind"])):
             run_case(buf, ref, group, rank, world, case, shape, seed=cfg.get("seed", 0) * 100 + i,
                      with_oracle=cfg.get("oracle", True))

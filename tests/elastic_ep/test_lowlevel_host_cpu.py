@@ -85,7 +85,9 @@ class FakeRuntime:
         return out
 
     def dispatch(self, params, *pointers):
-        assert isinstance(params, _C.DispatchParams) and len(pointers) == 12
+        # x, sf, topk_idx, weights, copied, stats, psum_rank, psum_expert, unaligned, slot_idx, stream,
+        # wait_stream, direct_base: the binding's positional arguments
+        assert isinstance(params, _C.DispatchParams) and len(pointers) == 13
         self._call("dispatch", params, pointers)
 
     def wait_dispatch_counts(self, num_local_experts):

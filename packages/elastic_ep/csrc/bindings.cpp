@@ -189,6 +189,21 @@ void bind_sizing(py::module_& m) {
     return overlap_fits(num_ranks, num_max_tokens_per_rank);
   });
   m.def("workspace_bytes", [] { return int64_t(workspace_layout().bytes); });
+  m.def(
+      "zero_copy_layout",
+      [](int64_t buffer_bytes, int64_t num_ranks, int64_t num_max_tokens_per_rank, int64_t hidden, int64_t elem_size,
+         int64_t num_sf_packs, int64_t num_topk, bool allow_multiple_reduction) {
+        CK_CHECK_ARG(buffer_bytes >= 0 && num_ranks > 0 && num_max_tokens_per_rank > 0 && hidden > 0 && elem_size > 0 &&
+                         num_sf_packs >= 0 && num_topk > 0 && num_topk <= kMaxTopk,
+                     "zero_copy_layout: sizes must be positive (num_sf_packs >= 0, num_topk <= ", kMaxTopk, ")");
+        const ZeroCopyLayout z = zero_copy_layout(buffer_bytes, num_ranks, num_max_tokens_per_rank, hidden, elem_size,
+                                                  num_sf_packs, num_topk, allow_multiple_reduction);
+        return std::make_pair(z.x_offset, fits_int64("zero_copy_layout", z.need_bytes));
+      },
+      py::arg("buffer_bytes"), py::arg("num_ranks"), py::arg("num_max_tokens_per_rank"), py::arg("hidden"),
+      py::arg("elem_size"), py::arg("num_sf_packs"), py::arg("num_topk"), py::arg("allow_multiple_reduction"),
+      "Zero-copy dispatch: (offset of the dense receive area in the buffer, or -1 when it does not fit; the "
+      "smallest buffer size with room for it).");
 }
 
 // The parameter blocks: named scalar fields (the pointers go to each launch as typed arguments).
@@ -209,7 +224,9 @@ void bind_params(py::module_& m) {
       .def_readwrite("notify_atomic_masks", &DispatchParams::notify_atomic_masks)
       .def_readwrite("refuse_bad_ids", &DispatchParams::refuse_bad_ids)
       .def_readwrite("overlap", &DispatchParams::overlap)
-      .def_readwrite("concurrent_notify", &DispatchParams::concurrent_notify);
+      .def_readwrite("concurrent_notify", &DispatchParams::concurrent_notify)
+      .def_readwrite("zero_copy", &DispatchParams::zero_copy)
+      .def_readwrite("zero_copy_x_offset", &DispatchParams::zero_copy_x_offset);
   py::class_<EpilogueParams>(m, "EpilogueParams", "Scalars of a dispatch's copy-epilogue launch (kernels.hpp).")
       .def(py::init([] { return EpilogueParams{}; }))
       .def_readwrite("sf_token_stride", &EpilogueParams::sf_token_stride)
@@ -224,7 +241,8 @@ void bind_params(py::module_& m) {
       .def_readwrite("cached", &EpilogueParams::cached)
       .def_readwrite("do_zero_padding", &EpilogueParams::do_zero_padding)
       .def_readwrite("num_sms", &EpilogueParams::num_sms)
-      .def_readwrite("overlap", &EpilogueParams::overlap);
+      .def_readwrite("overlap", &EpilogueParams::overlap)
+      .def_readwrite("zero_copy", &EpilogueParams::zero_copy);
   py::class_<CombineParams>(m, "CombineParams", "Scalars of a combine's launches (kernels.hpp).")
       .def(py::init([] { return CombineParams{}; }))
       .def_readwrite("num_combined_tokens", &CombineParams::num_combined_tokens)
@@ -325,8 +343,9 @@ void bind_runtime(py::module_& m) {
           [](Runtime& r, const DispatchParams& plan, uintptr_t x, uintptr_t sf, uintptr_t topk_idx,
              uintptr_t topk_weights, uintptr_t copied_topk_idx, uintptr_t cumulative_stats, uintptr_t psum_rank,
              uintptr_t psum_expert, uintptr_t unaligned_expert, uintptr_t slot_idx, int64_t stream,
-             int64_t wait_stream) {
+             int64_t wait_stream, uintptr_t direct_base) {
             DispatchParams p = plan;
+            p.direct_base = ptr<int>(direct_base);
             p.x = ptr<const void>(x);
             p.sf = ptr<const void>(sf);
             p.topk_idx = ptr<const int64_t>(topk_idx);
@@ -342,6 +361,7 @@ void bind_runtime(py::module_& m) {
           py::arg("params"), py::arg("x"), py::arg("sf"), py::arg("topk_idx"), py::arg("topk_weights"),
           py::arg("copied_topk_idx"), py::arg("cumulative_stats"), py::arg("psum_rank"), py::arg("psum_expert"),
           py::arg("unaligned_expert"), py::arg("slot_idx"), py::arg("stream"), py::arg("wait_stream") = kNoStream,
+          py::arg("direct_base") = 0,
           "Notify (or, cached, the entry barrier) and the push; tensor arguments are data pointers (0: none).")
       .def("wait_dispatch_counts",
            [](Runtime& r, int n) { return without_gil([&] { return r.wait_dispatch_counts(n); }); },

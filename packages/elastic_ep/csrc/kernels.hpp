@@ -62,8 +62,17 @@ struct DispatchParams {
   // the runtime's second stream beside it. num_sms is then the push's share of the grid.
   int overlap;
   // The push runs beside notify (a programmatic dependent launch; see dispatch_push_kernel) instead of
-  // after it (ElasticBuffer.dispatch_pdl; the runtime clears it with `overlap`).
+  // after it (ElasticBuffer.dispatch_pdl; the runtime clears it with `overlap` and with a non-cached
+  // zero_copy, whose push needs notify's direct_base).
   int concurrent_notify;
+  // Zero-copy dispatch (non-expanded; sizing.hpp zero_copy_layout): the push writes each row's hidden
+  // bytes, its own rows included, to buffer offset zero_copy_x_offset + (direct_base[dest] + slot) *
+  // hidden_bytes at the destination; the records carry the rest (record layout with hidden = 0).
+  // Non-cached, notify first exchanges the count matrix rows and writes direct_base.
+  int zero_copy;
+  int64_t zero_copy_x_offset;
+  int* direct_base;            // [R] this rank's first receive row at each destination rank (that rank's
+                               // psum_rank[this rank - 1]); written by notify, kept in the handle
 };
 
 struct EpilogueParams {
@@ -89,6 +98,9 @@ struct EpilogueParams {
   // Overlapped dispatch: wait per chunk of 32 slots for the senders' arrival counts instead of for
   // their dispatch_done, and clear the counters at the end. num_sms is the epilogue's share.
   int overlap;
+  // Zero-copy dispatch: recv_x is the dense area the push wrote (DispatchParams::zero_copy); the
+  // epilogue copies no hidden bytes (recv_x is ignored) and reads records without them.
+  int zero_copy;
 };
 
 struct CombineParams {

@@ -481,6 +481,16 @@ void Runtime::dispatch(const DispatchParams& p, int64_t stream, int64_t wait_str
   // The overlapped dispatch's epilogue starts after notify's event and counts on a push that pushes
   // nothing when notify refused: its push follows notify.
   if (q.overlap) q.concurrent_notify = 0;
+  if (q.zero_copy) {
+    // The Python layer checked the layout (zero_copy_layout); a bad plan must not write past the buffer.
+    CK_CHECK(q.direct_base != nullptr, "dispatch: zero_copy needs direct_base");
+    CK_CHECK(q.zero_copy_x_offset >= 0 &&
+                 q.zero_copy_x_offset + int64_t(num_ranks_) * q.num_max_tokens_per_rank * q.hidden_bytes <=
+                     num_buffer_bytes_,
+             "dispatch: the zero-copy receive area (offset ", q.zero_copy_x_offset, ") does not fit the buffer of ",
+             num_buffer_bytes_, " bytes");
+    if (!q.cached) q.concurrent_notify = 0;  // its push needs notify's direct_base
+  }
   entered_ = true;
   launch_dispatch(view(), q, reinterpret_cast<void*>(stream), q.overlap ? notify_done_ : nullptr);
   CK_CUDA_CHECK(cudaGetLastError());

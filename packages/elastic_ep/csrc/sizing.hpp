@@ -279,6 +279,8 @@ struct WorkspaceLayout {
   Region arrive;           // u32[kArriveWords] [src rank][chunk]: tokens a peer finished pushing in an
                            //                    overlapped dispatch or combine (counted up by the
                            //                    peers, reset by the operation's last block)
+  Region count_matrix;     // u64[kMaxRanks][kMaxRanks] zero-copy dispatch: [src][dst] (epoch<<32)|tokens src
+                           //                    sends dst, from every lower-ranked peer (written by the peer)
   uint64_t bytes;          // total, 2 MiB aligned
 };
 
@@ -297,6 +299,7 @@ CK_HD constexpr WorkspaceLayout workspace_layout() {
   w.notify_block_base = l.add(4ull * kMaxNotifyBlocks * kMaxRanks, 128);
   w.notify_bad = l.add(16, 128);
   w.arrive = l.add(4ull * kArriveWords, 128);
+  w.count_matrix = l.add(8ull * kMaxRanks * kMaxRanks, 128);
   w.bytes = l.total(uint64_t(kBufferAlignmentBytes));
   return w;
 }
@@ -343,6 +346,37 @@ CK_HD constexpr int64_t worst_case_num_expanded_tokens(int64_t num_ranks, int64_
   return int64_t(align_up(uint64_t(n), uint64_t(expert_alignment)));
 }
 
+// Zero-copy dispatch (ElasticBuffer.dispatch(zero_copy=True), non-expanded layout). The hidden bytes
+// skip the records: each sender writes a row straight to its final place in the receiver's dense area
+// [R * num_max_tokens_per_rank][hidden bytes] (rows in receive order: by source rank, then source
+// token), so recv_x is a view of that area. The records keep the scales, top-k and source metadata
+// (the record layout with hidden = 0) at the start of the buffer, where the combine area lies too. The
+// dense area is the end of the buffer, past both, so a combine leaves the views intact; the next
+// dispatch overwrites them. x_offset < 0: the buffer is too small (need_bytes, 2 MiB aligned, fits).
+struct ZeroCopyLayout {
+  int64_t x_offset;    // of the dense area in the buffer (128 B aligned)
+  int64_t need_bytes;  // the smallest buffer (multiple of kBufferAlignmentBytes) with room for it
+};
+CK_HD constexpr ZeroCopyLayout zero_copy_layout(int64_t buffer_bytes, int64_t num_ranks, int64_t num_max_tokens_per_rank,
+                                                int64_t hidden, int64_t elem_size, int64_t num_sf_packs,
+                                                int64_t num_topk, bool allow_multiple_reduction) {
+  using sizing_detail::add;
+  using sizing_detail::mul;
+  const int64_t records = buffer_layout_bytes(dispatch_token_layout(0, 1, num_sf_packs, num_topk).bytes, num_ranks,
+                                              num_max_tokens_per_rank);
+  const int64_t combine = combine_buffer_size(num_max_tokens_per_rank, hidden, num_topk, 1, num_ranks, true,
+                                              allow_multiple_reduction);
+  const int64_t front = sizing_detail::from_u64(align_up(uint64_t(records > combine ? records : combine), 128));
+  const int64_t dense = sizing_detail::from_u64(
+      align_up(uint64_t(mul(mul(num_ranks, num_max_tokens_per_rank), mul(hidden, elem_size))), 128));
+  const int64_t need = add(front, dense);
+  ZeroCopyLayout z{-1, need >= kSizeOverflow - kBufferAlignmentBytes
+                           ? kSizeOverflow
+                           : int64_t(align_up(uint64_t(need), uint64_t(kBufferAlignmentBytes)))};
+  if (need <= buffer_bytes) z.x_offset = buffer_bytes - dense;
+  return z;
+}
+
 // Compile-time checks of the invariants the kernels rely on.
 static_assert(notify_split(0).blocks == 1 && notify_split(4096).blocks == 4 && notify_split(4096).span == 1024, "");
 static_assert(notify_split(4097).blocks == 5 && notify_split(32768).blocks == 32, "one block per chunk up to 32");
@@ -357,5 +391,8 @@ static_assert(chunk_order_at(0, 2, 0).source == 1 && chunk_order_at(32, 2, 0).so
 static_assert(overlap_fits(2, 4096) && overlap_fits(256, 8192) && !overlap_fits(256, 8193),
               "arrival counters: 256 ranks x 8192 tokens fit");
 static_assert(calculate_buffer_size(4096, 7168, 8, true, 1, 2, true, true) % kBufferAlignmentBytes == 0, "");
+static_assert(zero_copy_layout(int64_t(1) << 30, 2, 4096, 7168, 2, 0, 8, true).x_offset ==
+                  (int64_t(1) << 30) - int64_t(2) * 4096 * 7168 * 2,
+              "zero-copy: the dense area ends the buffer");
 
 }  // namespace elastic_ep

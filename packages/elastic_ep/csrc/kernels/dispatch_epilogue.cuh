@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
   }
   __syncthreads();
 
-  const auto tl = dispatch_token_layout(p.hidden_bytes, 1, p.num_sf_packs, K);
+  const auto tl = dispatch_token_layout(p.zero_copy ? 0 : p.hidden_bytes, 1, p.num_sf_packs, K);
   const int n16 = p.hidden_bytes / 16;
   const int N = psum[R - 1];
   const int M = K + 2;
@@ -95,7 +95,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
     const bool in_flight = p.overlap && !own;
     auto copy_row = [&](int64_t dst) {
       int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + dst * p.hidden_bytes);
-      if (in_flight)
+      if (p.zero_copy)
+        ;  // the push wrote the row in place
+      else if (in_flight)
         warp_copy_v4<4, false, true>(out, reinterpret_cast<const int4*>(row), n16, lane);
       else
         warp_copy_v4<4, false>(out, reinterpret_cast<const int4*>(row), n16, lane);

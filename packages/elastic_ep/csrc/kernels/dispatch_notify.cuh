@@ -232,6 +232,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
       const int r = e / L, l = e % L;
       cx.tr.put_u64(r, cx.ws.expert_count.offset + 8ull * (rank * L + l), tag | uint64_t(expert_cnt[e]));
     }
+    // Zero-copy: a sender's rows start at the receiver's psum_rank[sender - 1], the tokens every
+    // lower-ranked sender sends there. Each rank's row of counts goes to the higher-ranked peers,
+    // the only ones that need it.
+    if (p.zero_copy)
+      for (int i = tid; i < (R - 1 - rank) * R; i += kThreads) {
+        const int q = rank + 1 + i / R, r = i % R;
+        cx.tr.put_u64(q, cx.ws.count_matrix.offset + 8ull * (uint64_t(rank) * R + r), tag | uint64_t(running[r]));
+      }
   }
 
   // Wait for every peer: entry barrier, then (non-cached) its counts. The push kernel learns the
@@ -251,6 +259,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
   for (int i = tid; i < R * L && ok; i += kThreads)
     ok = commkit::wait_tag_ge(cx.local_u64(cx.ws.expert_count, i), uint32_t(E), cx.timeout_ns, cx.rec,
                               kOpDispatchNotify, rank, i / L);
+  for (int i = tid; p.zero_copy && i < rank * R && ok; i += kThreads)
+    ok = commkit::wait_tag_ge(cx.local_u64(cx.ws.count_matrix, i), uint32_t(E), cx.timeout_ns, cx.rec,
+                              kOpDispatchNotify, rank, i / R);
   failed = __syncthreads_or(!ok);
   if (failed) {
     notify_outcome(cx, E, kNotifyFailed);
@@ -277,6 +288,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
     for (int l = tid; l < L; l += kThreads) commkit::st_relaxed(&host_expert[l], tag);
     notify_outcome(cx, E, kNotifyRefused);
     return;
+  }
+  // Before the outcome: the push reads it after notify (zero_copy clears concurrent_notify).
+  for (int r = tid; p.zero_copy && r < R; r += kThreads) {
+    int b = 0;
+    for (int s = 0; s < rank; ++s) b += int(*cx.local_u64(cx.ws.count_matrix, s * R + r) & kCountMask);
+    p.direct_base[r] = b;
   }
   for (int l = tid; l < L; l += kThreads) {
     int u = 0;

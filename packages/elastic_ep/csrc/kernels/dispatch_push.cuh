@@ -28,7 +28,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
   const int R = c.num_ranks, rank = c.rank, K = p.num_topk, T = p.num_tokens;
   const int L = p.num_experts / R;
   const int tid = threadIdx.x, lane = lane_id();
-  const auto tl = dispatch_token_layout(p.hidden_bytes, 1, p.num_sf_packs, K);
+  // Zero-copy: records without the hidden bytes, which go to the dense area (sizing.hpp).
+  const auto tl = dispatch_token_layout(p.zero_copy ? 0 : p.hidden_bytes, 1, p.num_sf_packs, K);
   const int n16 = p.hidden_bytes / 16;
   __shared__ int block_skip;  // after notify: its status; beside it: 1 when this block's waits failed
   if (!p.concurrent_notify) {
@@ -76,11 +77,16 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
       const unsigned dests = __ballot_sync(kFull, master);
       if (dests == 0) continue;
       // The row itself only goes to other ranks: the epilogue reads this rank's own tokens straight
-      // from x (one HBM round trip less; at EP 1 the push then moves no hidden bytes at all).
-      const unsigned xdests = dests & ~__ballot_sync(kFull, master && owner == rank);
-      // Record base offset per destination lane (valid on master lanes).
+      // from x (one HBM round trip less; at EP 1 the push then moves no hidden bytes at all). Zero-copy:
+      // to every destination, own rank included (the view is all there is).
+      const unsigned xdests = p.zero_copy ? dests : dests & ~__ballot_sync(kFull, master && owner == rank);
+      // Record base offset per destination lane (valid on master lanes), and where the row goes.
       const uint64_t my_off = cx.buf + (uint64_t(rank) * p.num_max_tokens_per_rank + uint64_t(slot < 0 ? 0 : slot)) *
                                            tl.bytes;
+      uint64_t x_off = my_off + tl.x.offset;
+      if (p.zero_copy && master)
+        x_off = cx.buf + uint64_t(p.zero_copy_x_offset) +
+                (uint64_t(__ldcg(&p.direct_base[owner])) + uint64_t(slot)) * uint64_t(p.hidden_bytes);
       const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + int64_t(t) * p.hidden_bytes);
       // Hidden bytes: read once, store to every destination.
       constexpr int U = 4;
@@ -94,8 +100,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
         for (unsigned d = xdests; d; d &= d - 1) {
           const int k = __ffs(d) - 1;
           const int r = __shfl_sync(kFull, owner, k);
-          const uint64_t off = __shfl_sync(kFull, my_off, k);
-          const auto dst = cx.tr.dest(r, off + tl.x.offset);  // resolved once per chunk
+          const uint64_t off = __shfl_sync(kFull, x_off, k);
+          const auto dst = cx.tr.dest(r, off);  // resolved once per chunk
 #pragma unroll
           for (int u = 0; u < U; ++u) {
             const int i = i0 + u * 32 + lane;

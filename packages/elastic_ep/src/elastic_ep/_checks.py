@@ -277,7 +277,8 @@ def dispatch_args(buf: Any, x: Any, topk_idx: Any, topk_weights: Any, stats: Any
                   num_max_tokens_per_rank: Any, expert_alignment: Any, num_sms: Any, num_qps: Any,
                   previous_event: Any, previous_event_before_epilogue: Any, async_with_compute_stream: bool,
                   allocate_on_comm_stream: bool, handle: Any, do_handle_copy: bool, do_cpu_sync: Any,
-                  do_expand: bool, do_zero_padding: bool, use_tma_aligned_col_major_sf: bool) -> DispatchArgs:
+                  do_expand: bool, do_zero_padding: bool, use_tma_aligned_col_major_sf: bool,
+                  zero_copy: bool = False) -> DispatchArgs:
     """Every check of ``ElasticBuffer.dispatch`` (its arguments, in its order); the typed arguments of the
     runtime's dispatch. ``buf`` is the buffer (its device, sizes, serial number and SM policy)."""
     R, dev = buf.num_ranks, buf.device
@@ -376,7 +377,28 @@ def dispatch_args(buf: Any, x: Any, topk_idx: Any, topk_weights: Any, stats: Any
         raise ValueError(f"buffer too small: this dispatch needs {need} bytes (max_tokens={M}, hidden={H}, "
                          f"topk={K}, sf packs={packs}), the buffer has {buf.num_bytes}; size it with "
                          "get_buffer_size_hint")
+    zc_off = -1
+    if zero_copy:
+        if type(zero_copy) is not bool:
+            raise ValueError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
+        if do_expand:
+            raise ValueError("zero_copy: only the non-expanded layout is returned as views (do_expand=False); the "
+                             "expanded rows' places are known only after the counts arrive")
+        if cached and handle.direct_base is None:
+            raise ValueError("zero_copy: the cached handle comes from a dispatch without zero_copy (it has no "
+                             "direct_base); make the first dispatch with zero_copy=True")
+        zkey = ("zero_copy", M, H, packs, K, elem)
+        zc = buf._need_cache.get(zkey)
+        if zc is None:
+            zc = buf._need_cache[zkey] = zero_copy_layout(buf.num_bytes, R, M, H, elem, packs, K,
+                                                          buf.allow_multiple_reduction)
+        zc_off, zc_need = zc
+        if zc_off < 0:
+            raise ValueError(f"buffer too small for zero_copy: it needs {zc_need} bytes (max_tokens={M}, hidden={H}, "
+                             f"topk={K}: the receive area of {R} x {M} rows after the records and the combine area), "
+                             f"the buffer has {buf.num_bytes}; size it with get_buffer_size_hint(..., zero_copy=True)")
     if cached:
+        check_views_alive(buf, handle, "dispatch")
         L = E // R
         meta = (handle.num_recv_tokens, K + 2)
         names = _CACHED_HANDLE_TENSORS + (("raw_recv_src_metadata",) if handle.perm is not None else ())
@@ -390,7 +412,26 @@ def dispatch_args(buf: Any, x: Any, topk_idx: Any, topk_weights: Any, stats: Any
     return DispatchArgs(x, sf, topk_idx, topk_weights, stats, handle if cached else None, T, H, K, E, M, a, sms, qps,
                         prev, prev_epi, bool(async_with_compute_stream), bool(allocate_on_comm_stream),
                         bool(do_handle_copy), bool(do_cpu_sync), bool(do_expand), bool(do_zero_padding),
-                        bool(use_tma_aligned_col_major_sf))
+                        bool(use_tma_aligned_col_major_sf), bool(zero_copy), zc_off)
+
+
+def zero_copy_layout(buffer_bytes: int, num_ranks: int, num_max_tokens_per_rank: int, hidden: int, elem_size: int,
+                     num_sf_packs: int, num_topk: int, allow_multiple_reduction: bool) -> Tuple[int, int]:
+    """``(offset of the zero-copy receive area in the buffer or -1, the buffer size it needs)`` (sizing.hpp)."""
+    M, H, P, K, R = c_ints(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden, num_sf_packs=num_sf_packs,
+                           num_topk=num_topk, num_ranks=num_ranks)
+    off, need = _C.zero_copy_layout(int(buffer_bytes), R, M, H, int(elem_size), P, K, bool(allow_multiple_reduction))
+    return int(off), int(need)
+
+
+def check_views_alive(buf: Any, handle: EPHandle, op: str) -> None:
+    """Refuses a handle whose zero-copy ``recv_x`` views a later dispatch on ``buf`` overwrote."""
+    if handle.views_serial and handle.views_serial != buf._dispatch_serial:
+        later = buf._dispatch_serial - handle.views_serial
+        raise ValueError(f"handle: its dispatch returned zero-copy views (zero_copy=True), and {later} later "
+                         f"dispatch(es) on this buffer overwrote them, so expert outputs computed from them now are "
+                         f"not that dispatch's data; {op} with this handle is refused. Finish each zero-copy "
+                         f"dispatch's {op} before the next dispatch, or clone recv_x")
 
 
 def _biases(bias: Any) -> List[Optional[torch.Tensor]]:
@@ -414,6 +455,7 @@ def combine_args(buf: Any, x: Any, handle: Any, topk_weights: Any, bias: Any, nu
         raise ValueError(f"handle: expected the EPHandle returned by dispatch, got {type(handle).__name__}")
     if handle.buffer_id != buf._serial:
         raise ValueError("handle: it was produced by another ElasticBuffer")
+    check_views_alive(buf, handle, "combine")
     n_rows = handle.num_allocated_tokens
     check_tensor("x", x, _BF16, 2, dev, shape=(n_rows, None))
     H = x.shape[1]

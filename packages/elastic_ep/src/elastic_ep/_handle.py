@@ -25,7 +25,10 @@ class EPHandle:
     its own row order, which ``combine`` reads), while ``recv_src_metadata`` describes the user's
     (sorted) rows as in DeepEP; ``buffer_id`` names the buffer that made the handle (a serial number
     never reused in the process, unlike ``id()``: a handle of a destroyed and collected buffer is
-    refused by every later one).
+    refused by every later one). Zero-copy dispatches (``dispatch(zero_copy=True)``) keep
+    ``direct_base`` (``[R]`` int32: where this rank's rows start at each destination, reused by cached
+    zero-copy dispatches) and ``views_serial`` (the buffer's dispatch serial number whose ``recv_x``
+    views the handle's outputs are; 0 when its outputs are plain tensors).
     """
 
     do_expand: bool
@@ -48,6 +51,8 @@ class EPHandle:
     perm: Optional[torch.Tensor] = None
     raw_recv_src_metadata: Optional[torch.Tensor] = None
     buffer_id: int = 0
+    direct_base: Optional[torch.Tensor] = None
+    views_serial: int = 0
 
     @property
     def num_tokens(self) -> int:

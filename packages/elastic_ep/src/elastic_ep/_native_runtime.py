@@ -93,6 +93,14 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+class _DeviceMemory:
+    """Device bytes torch can wrap without owning them (``__cuda_array_interface__``, version 2)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2,
+                                         "strides": None}
+
+
 class OverlapConfig:
     """Whether an operation runs overlapped, and how many blocks push (see ``_overlap_push_blocks``).
 
@@ -185,6 +193,7 @@ class NativeRuntime(Runtime):
         self._refuse_bad_ids = not settings.skip_index_check
         self._notify_atomics = int(settings.test_notify_atomics)
         self._plans: dict = {}
+        self._buffer_u8: Optional[torch.Tensor] = None
         self.comm_stream = torch.cuda.Stream(device=self.device)
         self._comm_raw = int(self.comm_stream.cuda_stream)
         # The caller runs a process-group barrier next (DeepEP's does too): no peer may write into this
@@ -271,6 +280,7 @@ class NativeRuntime(Runtime):
             raise RuntimeError("ElasticBuffer.destroy() was already called")
         torch.cuda.synchronize(self.device)
         self._destroyed = True
+        self._buffer_u8 = None  # zero-copy views of the window dangle from here (documented)
         if self._rt is not None:
             self._rt.destroy()
 
@@ -468,6 +478,15 @@ class NativeRuntime(Runtime):
         if use_comm_stream:
             compute_stream.wait_stream(self.comm_stream)
 
+    def _buffer_bytes(self) -> torch.Tensor:
+        """The buffer (after the workspace) as a uint8 tensor that does not own it: zero-copy outputs are
+        slices of it, valid while the window lives (``destroy`` frees it)."""
+        t = self._buffer_u8
+        if t is None:
+            t = self._buffer_u8 = torch.as_tensor(_DeviceMemory(int(self._rt.buffer_ptr), self.num_buffer_bytes),
+                                                  device=torch.device("cuda", self.device))
+        return t
+
     # ------------------------------------------------------------------ parameter blocks
     def _plan(self, key: tuple, make: Any) -> Any:
         p = self._plans.get(key)
@@ -478,22 +497,26 @@ class NativeRuntime(Runtime):
         return p
 
     def _notify_params(self, T: int, M: int, hidden_bytes: int, packs: int, sf_ts: int, sf_hs: int, E: int, K: int,
-                       A: int, cached: bool, num_sms: int, refuse: bool, overlap: bool, concurrent: bool) -> Any:
+                       A: int, cached: bool, num_sms: int, refuse: bool, overlap: bool, concurrent: bool,
+                       zero_copy_x_offset: int) -> Any:
         p = _C.DispatchParams()
         p.num_tokens, p.num_max_tokens_per_rank, p.hidden_bytes, p.num_sf_packs = T, M, hidden_bytes, packs
         p.sf_token_stride, p.sf_hidden_stride, p.num_experts, p.num_topk, p.expert_alignment = sf_ts, sf_hs, E, K, A
         p.cached, p.num_sms, p.refuse_bad_ids, p.overlap = int(cached), num_sms, int(refuse), int(overlap)
         p.concurrent_notify, p.notify_atomic_masks = int(concurrent), self._notify_atomics
+        p.zero_copy, p.zero_copy_x_offset = int(zero_copy_x_offset >= 0), max(zero_copy_x_offset, 0)
         return p
 
     @staticmethod
     def _epilogue_params(M: int, hidden_bytes: int, packs: int, sf_ts: int, sf_hs: int, E: int, K: int, A: int,
-                         do_expand: bool, cached: bool, zero_padding: bool, num_sms: int, overlap: bool) -> Any:
+                         do_expand: bool, cached: bool, zero_padding: bool, num_sms: int, overlap: bool,
+                         zero_copy: bool) -> Any:
         p = _C.EpilogueParams()
         p.num_max_tokens_per_rank, p.hidden_bytes, p.num_sf_packs = M, hidden_bytes, packs
         p.sf_token_stride, p.sf_hidden_stride, p.num_experts, p.num_topk, p.expert_alignment = sf_ts, sf_hs, E, K, A
         p.do_expand, p.cached, p.do_zero_padding, p.num_sms, p.overlap = (int(do_expand), int(cached),
                                                                           int(zero_padding), num_sms, int(overlap))
+        p.zero_copy = int(zero_copy)
         return p
 
     @staticmethod
@@ -550,26 +573,32 @@ class NativeRuntime(Runtime):
                 # DeepEP's 32-bit topk_idx_t: the kernels read int64. One cast, on the stream whose work
                 # the kernels are ordered after; it is also the handle's copy.
                 topk_idx = topk_idx.to(torch.int64)
+            zero_copy = a.zero_copy
             if cached:
                 psum_rank, psum_expert_full = h.psum_num_recv_tokens_per_scaleup_rank, None
                 unaligned, slot_idx, copied = h.num_unaligned_recv_tokens_per_expert, h.dst_buffer_slot_idx, None
+                direct_base = h.direct_base if zero_copy else None
             else:
-                # One allocation for the four int32 arrays notify writes (one split_with_sizes costs less
-                # host time than four slices).
-                psum_rank, psum_expert_full, unaligned, slot_idx = torch.empty(
-                    R + (L + 1) + L + T * K, dtype=torch.int32, device=dev).split_with_sizes((R, L + 1, L, T * K))
+                # One allocation for the int32 arrays notify writes (one split_with_sizes costs less host
+                # time than several slices); zero-copy: direct_base too.
+                zc_rows = R if zero_copy else 0
+                psum_rank, psum_expert_full, unaligned, slot_idx, direct_base = torch.empty(
+                    R + (L + 1) + L + T * K + zc_rows, dtype=torch.int32, device=dev).split_with_sizes(
+                        (R, L + 1, L, T * K, zc_rows))
                 slot_idx = slot_idx.view(T, K)
+                direct_base = direct_base if zero_copy else None
                 copied = torch.empty_like(topk_idx) if a.do_handle_copy and topk_idx is a.topk_idx else None
             concurrent = self.dispatch_pdl and not overlap
             params = self._plan(("d", T, M, hidden_bytes, packs, sf_ts, sf_hs, E, K, A, cached,
-                                 push_sms if overlap else num_sms, refuse, overlap, concurrent), self._notify_params)
+                                 push_sms if overlap else num_sms, refuse, overlap, concurrent,
+                                 a.zero_copy_x_offset if zero_copy else -1), self._notify_params)
             # From here until the epilogue is queued, this rank owes its peers the rest of the operation
             # (set before the call: a launch error inside it may come after notify was queued).
             stage = _EPILOGUE_OWED
             self._rt.dispatch(params, x.data_ptr(), _ptr(sf), topk_idx.data_ptr(), _ptr(w), _ptr(copied),
                               0 if cached else _ptr(a.cumulative_local_expert_recv_stats), psum_rank.data_ptr(),
                               _ptr(psum_expert_full), unaligned.data_ptr(), slot_idx.data_ptr(), self._comm_raw,
-                              compute_raw)
+                              compute_raw, _ptr(direct_base))
             if cached:
                 num_recv, num_expanded, per_expert = h.num_recv_tokens, h.num_expanded_tokens, \
                     h.num_recv_tokens_per_expert_list
@@ -599,7 +628,11 @@ class NativeRuntime(Runtime):
                 num_expanded = int(_C.worst_case_num_expanded_tokens(R, M, K, L, A))
                 per_expert = []
             n = num_expanded if a.do_expand else num_recv
-            recv_x = torch.empty((n, a.hidden), dtype=x.dtype, device=dev)
+            if zero_copy:  # the rows the push wrote in place: receive order, dense
+                off = a.zero_copy_x_offset
+                recv_x = self._buffer_bytes()[off:off + n * hidden_bytes].view(x.dtype).view(n, a.hidden)
+            else:
+                recv_x = torch.empty((n, a.hidden), dtype=x.dtype, device=dev)
             recv_sf = None
             rsf_ts = rsf_hs = 0
             if sf is not None:
@@ -621,7 +654,7 @@ class NativeRuntime(Runtime):
             if a.previous_event_before_epilogue is not None:
                 _stream_wait(self.comm_stream, a.previous_event_before_epilogue)
             params = self._plan(("e", M, hidden_bytes, packs, sf_ts, sf_hs, E, K, A, a.do_expand, cached,
-                                 a.do_zero_padding, epilogue_sms, overlap), self._epilogue_params)
+                                 a.do_zero_padding, epilogue_sms, overlap, zero_copy), self._epilogue_params)
             # Rows this rank sends to itself are copied from x by the epilogue.
             self._rt.dispatch_epilogue(params, x.data_ptr(), _ptr(sf), recv_x.data_ptr(), _ptr(recv_sf), rsf_ts,
                                        rsf_hs, _ptr(recv_topk_idx), _ptr(recv_w), meta.data_ptr(),
@@ -631,7 +664,9 @@ class NativeRuntime(Runtime):
             event = None
             if not fast:
                 event = self.stream_control_epilogue(
-                    [x, sf, topk_idx, w, recv_x, recv_sf, recv_topk_idx, recv_w, a.cumulative_local_expert_recv_stats,
+                    # (A zero-copy recv_x is the window's memory, not the caching allocator's.)
+                    [x, sf, topk_idx, w, None if zero_copy else recv_x, recv_sf, recv_topk_idx, recv_w,
+                     a.cumulative_local_expert_recv_stats,
                      copied, psum_rank, psum_expert_full, psum_expert, unaligned, meta, slot_idx],
                     compute_stream, a.allocate_on_comm_stream, a.async_with_compute_stream)
         except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too: re-raised after the clean-up
@@ -640,7 +675,7 @@ class NativeRuntime(Runtime):
         if not cached:
             h = EPHandle(a.do_expand, E, A, M, num_sms, copied if copied is not None else topk_idx, num_recv,
                          num_expanded, per_expert, psum_rank, psum_expert, unaligned, meta, slot_idx,
-                         buffer_id=self.buffer_id)
+                         buffer_id=self.buffer_id, direct_base=direct_base)
         return DispatchResult(recv_x, recv_sf, recv_topk_idx, recv_w, h, event)
 
     # ------------------------------------------------------------------ combine

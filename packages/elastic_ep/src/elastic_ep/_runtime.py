@@ -54,6 +54,8 @@ class DispatchArgs:
     do_expand: bool
     do_zero_padding: bool                       # only with do_expand
     use_tma_aligned_col_major_sf: bool
+    zero_copy: bool = False                     # recv_x as a view of the receive buffer (non-expanded)
+    zero_copy_x_offset: int = -1                # its offset in the buffer (zero_copy_layout), else -1
 
 
 @dataclass(eq=False)

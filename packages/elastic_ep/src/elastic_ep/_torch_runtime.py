@@ -486,7 +486,10 @@ class TorchRuntime(Runtime):
             new_handle = EPHandle(do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, a.num_sms,
                                   a.topk_idx.clone() if a.do_handle_copy else a.topk_idx, num_recv_tokens,
                                   num_expanded_tokens, per_expert_list, psum_rank, psum_expert, unaligned,
-                                  recv_src_metadata, dst_buffer_slot_idx, buffer_id=self.buffer_id)
+                                  recv_src_metadata, dst_buffer_slot_idx, buffer_id=self.buffer_id,
+                                  # No window here: zero-copy outputs are plain tensors; the field only marks
+                                  # the handle as zero-copy for cached dispatches (as the native one's).
+                                  direct_base=torch.zeros(R, dtype=torch.int32, device=dev) if a.zero_copy else None)
         if a.previous_event_before_epilogue is not None:
             a.previous_event_before_epilogue.current_stream_wait()
         event = EventHandle() if a.async_with_compute_stream else None

@@ -91,7 +91,8 @@ class NcclCommHandle:
 
 def calculate_elastic_buffer_size(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
                                   use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
-                                  allow_multiple_reduction: bool = True, num_nvl_ranks: Optional[int] = None) -> int:
+                                  allow_multiple_reduction: bool = True, num_nvl_ranks: Optional[int] = None, *,
+                                  zero_copy: bool = False) -> int:
     """Bytes of the buffer for a configuration (DeepEP V2's ``calculate_buffer_size``, computed by ``_C``).
 
     Arguments:
@@ -102,16 +103,25 @@ def calculate_elastic_buffer_size(num_ranks: int, num_max_tokens_per_rank: int, 
         use_fp8_dispatch: FP8 rows plus scale packs (one 4-byte pack per 32 elements).
         allow_hybrid_mode, allow_multiple_reduction: as the buffer's options.
         num_nvl_ranks: ranks inside one NVLink domain (default: all of them).
+        zero_copy: also room for ``dispatch(zero_copy=True)`` (its receive area after the records and
+            the combine area; ours, not DeepEP's).
 
     Returns:
-        The 2 MiB-aligned maximum of the dispatch and combine layouts.
+        The 2 MiB-aligned maximum of the dispatch and combine layouts (with ``zero_copy``: at least the
+        zero-copy layout's size).
     """
     # Only None means "all of them": 0 is a bad count, not the default.
     R, M, H, K, nvl = _checks.c_ints(num_ranks=num_ranks, num_max_tokens_per_rank=num_max_tokens_per_rank,
                                      hidden=hidden, num_topk=num_topk,
                                      num_nvl_ranks=num_ranks if num_nvl_ranks is None else num_nvl_ranks)
-    return int(_C.calculate_elastic_buffer_size(R, M, H, K, bool(use_fp8_dispatch), bool(allow_hybrid_mode),
+    size = int(_C.calculate_elastic_buffer_size(R, M, H, K, bool(use_fp8_dispatch), bool(allow_hybrid_mode),
                                                 bool(allow_multiple_reduction), nvl))
+    if zero_copy:
+        k = K or _checks.MAX_TOPK
+        packs = (H + 31) // 32 if use_fp8_dispatch else 0
+        size = max(size, _checks.zero_copy_layout(0, R, M, H, 1 if use_fp8_dispatch else 2, packs, k,
+                                                  bool(allow_multiple_reduction))[1])
+    return size
 
 
 def get_elastic_buffer_alignment() -> int:
@@ -174,6 +184,8 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
     #: The handles' ``buffer_id``: a serial number the constructor sets (>= 1, never reused in the process,
     #: unlike ``id(self)``). 0 only on an object made without the constructor (as the diagnostic tools do).
     _serial = 0
+    #: Dispatches made on this buffer; a zero-copy handle's views are those of dispatch ``views_serial``.
+    _dispatch_serial = 0
 
     def __init__(self, group: dist.ProcessGroup, num_bytes: Optional[int] = None, num_cpu_bytes: int = 0,
                  num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0,
@@ -315,11 +327,13 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
     @staticmethod
     def get_buffer_size_hint(group: dist.ProcessGroup, num_max_tokens_per_rank: int, hidden: int,
                              num_topk: int = 0, use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
-                             allow_multiple_reduction: bool = True) -> int:
+                             allow_multiple_reduction: bool = True, *, zero_copy: bool = False) -> int:
         """Bytes a buffer needs for this configuration on ``group`` (2 MiB aligned): DeepEP's
-        ``calculate_buffer_size`` for one NVLink domain holding every rank."""
+        ``calculate_buffer_size`` for one NVLink domain holding every rank (``zero_copy``: with room for
+        ``dispatch(zero_copy=True)`` too)."""
         return calculate_elastic_buffer_size(dist.get_world_size(group), num_max_tokens_per_rank, hidden, num_topk,
-                                             use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
+                                             use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction,
+                                             zero_copy=zero_copy)
 
     @staticmethod
     def get_engram_storage_size_hint(num_entries: int, hidden: int, num_max_tokens_per_rank: int,
@@ -496,7 +510,7 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
                  async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
                  handle: Optional[EPHandle] = None, do_handle_copy: bool = True,
                  do_cpu_sync: Optional[bool] = None, do_expand: bool = False, do_zero_padding: bool = False,
-                 use_tma_aligned_col_major_sf: bool = False):
+                 use_tma_aligned_col_major_sf: bool = False, zero_copy: bool = False):
         """Send every token to the ranks that own its top-k experts.
 
         Arguments:
@@ -523,6 +537,13 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
             do_expand: one row per (token, local expert), segments aligned to ``expert_alignment``.
             do_zero_padding: zero the alignment gaps (expand mode only).
             use_tma_aligned_col_major_sf: return ``recv_sf`` column-major with rows padded to 4.
+            zero_copy: return ``recv_x`` as a view of this buffer's receive area, which the senders
+                wrote in place (no copy epilogue for the hidden bytes; ours, not DeepEP's). Non-expanded
+                layout only; the buffer needs ``get_buffer_size_hint(..., zero_copy=True)`` bytes. The
+                view is valid until the next ``dispatch`` on this buffer (a ``combine`` keeps it) and
+                until the buffer is destroyed; ``combine`` or a cached dispatch given the handle after a
+                later dispatch raises ``ValueError``. Clone ``recv_x`` to keep it longer. The torch
+                reference runtime returns a plain tensor under the same rules.
 
         Returns:
             ``(recv_x | (recv_x, recv_sf), recv_topk_idx, recv_topk_weights, handle, event)``.
@@ -542,8 +563,10 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
                                   num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, previous_event,
                                   previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream,
                                   handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
-                                  use_tma_aligned_col_major_sf)
+                                  use_tma_aligned_col_major_sf, zero_copy)
+        self._dispatch_serial += 1  # before the call: a dispatch that raised may have written the area too
         recv_x, recv_sf, recv_topk_idx, recv_w, h, event = self.runtime.dispatch(a)
+        h.views_serial = self._dispatch_serial if a.zero_copy else 0
         overlap = EventOverlap(event)
         if self.deterministic:
             cached = a.handle is not None
