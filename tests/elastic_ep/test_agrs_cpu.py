@@ -26,7 +26,9 @@ MAX_GATHERS = 6
 def _reference(x: torch.Tensor, world: int, group) -> torch.Tensor:
     """``[R, nbytes]`` uint8: every rank's bytes of ``x`` by a plain torch all-gather."""
     src = x.reshape(-1).view(torch.uint8).clone()
-    out = torch.empty(world * src.numel(), dtype=torch.uint8)
+    if dist.get_backend(group) == "gloo":
+        src = src.cpu()
+    out = torch.empty(world * src.numel(), dtype=torch.uint8, device=src.device)
     if src.numel():
         dist.all_gather_into_tensor(out, src, group=group)
     return out.view(world, -1)
@@ -56,9 +58,17 @@ def _random_tensor(g: torch.Generator, shape, dtype: torch.dtype) -> torch.Tenso
     return b.view(dtype).view(shape)
 
 
-def _stress_worker(rank, world, rdzv, seed):
-    group = init_gloo(rank, world, rdzv)
-    buf = ep.ElasticBuffer(group, num_bytes=MiB2, backend="torch")
+def _stress_worker(rank, world, rdzv, seed, backend="torch"):
+    """The random sessions on the torch runtime over gloo, or (backend="native") on the native runtime's
+    CUDA-IPC window (test_agrs_pp_gpu.py), the reference then gathered over the test's group."""
+    if backend == "native":
+        from tests.elastic_ep._common import init_ep_group
+
+        group = init_ep_group(rank, world, rdzv, "ipc")
+        buf = ep.ElasticBuffer(group, num_bytes=MiB2, backend="native", window="ipc")
+    else:
+        group = init_gloo(rank, world, rdzv)
+        buf = ep.ElasticBuffer(group, num_bytes=MiB2, backend="torch")
     buf.agrs_set_config(SESSION_BYTES, MAX_GATHERS)
     plan = torch.Generator().manual_seed(seed)          # the same on every rank: shapes, dtypes, choices
     data = torch.Generator().manual_seed(seed * 100 + rank)  # this rank's bytes
@@ -81,7 +91,7 @@ def _stress_worker(rank, world, rdzv, seed):
                 if used + need > SESSION_BYTES:
                     break
                 used += need
-                xs = [_random_tensor(data, s, dt) for s, dt in zip(shapes, dtypes)]
+                xs = [_random_tensor(data, s, dt).to(buf.device) for s, dt in zip(shapes, dtypes)]
                 if inplace:
                     views = buf.agrs_get_inplace_tensor(shapes, dtypes[0])
                     assert isinstance(views, tuple) and len(views) == n
@@ -117,7 +127,7 @@ def _stress_worker(rank, world, rdzv, seed):
             for gathered, refs in (c for c in checks if not callable(c)):
                 for gt, ref in zip(gathered, refs):
                     got = gt.reshape(world, -1).view(torch.uint8)
-                    assert torch.equal(got, ref), f"all_gather differs: {gt.dtype} {tuple(gt.shape)} {got} {ref}"
+                    assert torch.equal(got.cpu(), ref.cpu()), f"all_gather differs: {gt.dtype} {tuple(gt.shape)}"
     buf.destroy()
     return num_gathers, num_sessions, num_inplace, num_deferred
 
@@ -192,10 +202,10 @@ def test_agrs_refusals(tmp_path):
     assert counts[0] == counts[1] == 25
 
 
-def test_native_runtime_says_agrs_is_not_implemented():
+def test_runtime_without_agrs_says_not_implemented():
     from elastic_ep._runtime import AllGatherArgs, Runtime
 
-    class Native(Runtime):  # the native runtime keeps the interface's defaults for these ops
+    class Native(Runtime):  # a runtime that keeps the interface's defaults for these ops
         backend = "native"
         dispatch = combine = barrier = destroy = get_comm_stream = None
 
@@ -210,5 +220,6 @@ def test_native_runtime_says_agrs_is_not_implemented():
         from elastic_ep import _native_runtime
     except Exception:  # noqa: BLE001 - not importable on this machine: the interface check above stands
         return
-    for op in ("agrs_set_config", "all_gather", "agrs_end_session"):
-        assert getattr(_native_runtime.NativeRuntime, op) is getattr(Runtime, op)
+    for op in ("agrs_set_config", "all_gather", "agrs_end_session", "pp_set_config", "pp_send", "pp_recv"):
+        # the native runtime has its own (test_agrs_pp_gpu.py)
+        assert getattr(_native_runtime.NativeRuntime, op) is not getattr(Runtime, op)

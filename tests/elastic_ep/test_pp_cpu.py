@@ -31,21 +31,29 @@ def _tensor(src: int, dst: int, i: int) -> torch.Tensor:
 
 
 def _send(buf, dst: int, i: int) -> None:
-    x = _tensor(buf.rank_idx, dst, i)
+    x = _tensor(buf.rank_idx, dst, i).to(buf.device)
     buf.pp_send(x, dst)
     x.view(torch.uint8).fill_(0xA5)  # reusable once pp_send returns
 
 
 def _recv(buf, src: int, i: int) -> None:
     want = _tensor(src, buf.rank_idx, i)
-    got = torch.empty_like(want)
+    got = torch.empty_like(want, device=buf.device)
     buf.pp_recv(got, src)
-    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"tensor {i} from {src} differs"
+    assert torch.equal(got.view(torch.uint8).cpu(), want.view(torch.uint8)), f"tensor {i} from {src} differs"
 
 
-def _worker(rank, world, rdzv, pattern):
-    group = init_gloo(rank, world, rdzv)
-    buf = ep.ElasticBuffer(group, num_bytes=MiB2, backend="torch")
+def _worker(rank, world, rdzv, pattern, backend="torch"):
+    """The patterns on the torch runtime over gloo, or (backend="native") on the native runtime's CUDA-IPC
+    window (test_agrs_pp_gpu.py)."""
+    if backend == "native":
+        from tests.elastic_ep._common import init_ep_group
+
+        group = init_ep_group(rank, world, rdzv, "ipc")
+        buf = ep.ElasticBuffer(group, num_bytes=MiB2, backend="native", window="ipc")
+    else:
+        group = init_gloo(rank, world, rdzv)
+        buf = ep.ElasticBuffer(group, num_bytes=MiB2, backend="torch")
     buf.pp_set_config(MAX_BYTES, INFLIGHT)
     n = 0
     if pattern == "ring":

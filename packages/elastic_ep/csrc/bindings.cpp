@@ -190,6 +190,15 @@ void bind_sizing(py::module_& m) {
   });
   m.def("workspace_bytes", [] { return int64_t(workspace_layout().bytes); });
   m.def(
+      "pp_buffer_bytes",
+      [](int64_t num_ranks, int64_t num_max_tensor_bytes, int64_t num_max_inflight) {
+        CK_CHECK_ARG(num_ranks > 0 && num_max_tensor_bytes > 0 && num_max_inflight > 0,
+                     "pp_buffer_bytes: sizes must be positive");
+        return fits_int64("pp_buffer_bytes", pp_buffer_bytes(num_ranks, num_max_tensor_bytes, num_max_inflight));
+      },
+      py::arg("num_ranks"), py::arg("num_max_tensor_bytes"), py::arg("num_max_inflight"),
+      "Bytes of the native runtime's PP receive slots: R x inflight x tensor bytes rounded up to 32.");
+  m.def(
       "zero_copy_layout",
       [](int64_t buffer_bytes, int64_t num_ranks, int64_t num_max_tokens_per_rank, int64_t hidden, int64_t elem_size,
          int64_t num_sf_packs, int64_t num_topk, bool allow_multiple_reduction) {
@@ -363,6 +372,28 @@ void bind_runtime(py::module_& m) {
           py::arg("unaligned_expert"), py::arg("slot_idx"), py::arg("stream"), py::arg("wait_stream") = kNoStream,
           py::arg("direct_base") = 0,
           "Notify (or, cached, the entry barrier) and the push; tensor arguments are data pointers (0: none).")
+      .def(
+          "pp_send",
+          [](Runtime& r, uintptr_t x, int64_t nbytes, int peer, int64_t slot_bytes, int num_max_inflight, int num_sms,
+             int64_t stream) {
+            r.pp_send(PpParams{ptr<void>(x), nbytes, slot_bytes, peer, num_max_inflight, num_sms}, stream);
+          },
+          py::arg("x"), py::arg("nbytes"), py::arg("peer"), py::arg("slot_bytes"), py::arg("num_max_inflight"),
+          py::arg("num_sms"), py::arg("stream"), "PP send of nbytes at x to peer (pp.cuh); x is a data pointer.")
+      .def(
+          "pp_recv",
+          [](Runtime& r, uintptr_t x, int64_t nbytes, int peer, int64_t slot_bytes, int num_max_inflight, int num_sms,
+             int64_t stream) {
+            r.pp_recv(PpParams{ptr<void>(x), nbytes, slot_bytes, peer, num_max_inflight, num_sms}, stream);
+          },
+          py::arg("x"), py::arg("nbytes"), py::arg("peer"), py::arg("slot_bytes"), py::arg("num_max_inflight"),
+          py::arg("num_sms"), py::arg("stream"), "PP receive of nbytes into x from peer (pp.cuh).")
+      .def("agrs_all_gather", &Runtime::agrs_all_gather, py::arg("srcs"), py::arg("nbytes"), py::arg("offsets"),
+           py::arg("stream"), "One AGRS gather: copy-engine copies into every rank's region, then its signals.")
+      .def("pp_unreceived", [](Runtime& r) { return without_gil([&] { return r.pp_unreceived(); }); },
+           "Per source rank: PP tensors delivered to this rank and not received (synchronises the device).")
+      .def("agrs_session_end", &Runtime::agrs_session_end, py::arg("stream"),
+           "Ends an AGRS session: count, signal and wait for every peer's end (agrs.cuh).")
       .def("wait_dispatch_counts",
            [](Runtime& r, int n) { return without_gil([&] { return r.wait_dispatch_counts(n); }); },
            py::arg("num_local_experts"))

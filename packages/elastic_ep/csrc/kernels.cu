@@ -1,7 +1,7 @@
-// elastic_ep/csrc/kernels.cu -- direct-mode (one NVLink domain) dispatch, combine and barrier kernels:
-// the one CUDA translation unit. The kernels live one family per header in kernels/ (device_common,
-// barrier, dispatch_notify, dispatch_push, dispatch_epilogue, combine); this file holds the device
-// communicator set-up and the launchers declared in kernels.hpp.
+// elastic_ep/csrc/kernels.cu -- direct-mode (one NVLink domain) dispatch, combine, barrier, PP and AGRS
+// kernels: the one CUDA translation unit. The kernels live one family per header in kernels/
+// (device_common, barrier, dispatch_notify, dispatch_push, dispatch_epilogue, combine, pp, agrs); this
+// file holds the device communicator set-up and the launchers declared in kernels.hpp.
 //
 // Every operation (barrier, dispatch, combine) has an epoch E = 1 + the epoch stored in this rank's
 // workspace; the operation's last kernel stores E when it finishes. All ranks run the same sequence of
@@ -18,6 +18,8 @@
 #include "kernels/dispatch_push.cuh"
 #include "kernels/dispatch_epilogue.cuh"
 #include "kernels/combine.cuh"
+#include "kernels/pp.cuh"
+#include "kernels/agrs.cuh"
 
 namespace elastic_ep {
 namespace {
@@ -123,6 +125,22 @@ void launch_combine_reduce(const CommView& c, const CombineParams& p, void* stre
 
 void launch_combine_overlapped(const CommView& c, const CombineParams& p, void* stream) {
   combine_overlapped_kernel<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p);
+}
+
+void launch_pp_send(const CommView& c, const PpParams& p, void* stream) {
+  pp_send_kernel<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p);
+}
+
+void launch_pp_recv(const CommView& c, const PpParams& p, void* stream) {
+  pp_recv_kernel<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p);
+}
+
+void launch_agrs_gather_done(const CommView& c, void* stream) {
+  agrs_gather_done_kernel<<<1, kMaxRanks, 0, static_cast<cudaStream_t>(stream)>>>(c);
+}
+
+void launch_agrs_session_end(const CommView& c, void* stream) {
+  agrs_session_end_kernel<<<1, kMaxRanks, 0, static_cast<cudaStream_t>(stream)>>>(c);
 }
 
 }  // namespace elastic_ep

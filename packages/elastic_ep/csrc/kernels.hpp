@@ -26,6 +26,10 @@ enum OpCode : uint32_t {
   kOpDispatchEpilogue = 3,
   kOpCombine = 4,
   kOpCombineReduce = 5,
+  kOpPpSend = 6,
+  kOpPpRecv = 7,
+  kOpAllGather = 8,
+  kOpAgrsSession = 9,
 };
 const char* op_name(uint32_t op);
 
@@ -124,6 +128,18 @@ struct CombineParams {
   int overlap_push_blocks;
 };
 
+// One PP send or receive (pp.cuh): `x` goes into / comes out of slot seq % num_max_inflight of the
+// receiver's row for the sender, seq being the pair's running count (kept on the device, so a CUDA
+// graph replays correctly).
+struct PpParams {
+  void* x;                     // [nbytes] the sent tensor (send) or the one received into (recv)
+  int64_t nbytes;              // <= slot_bytes
+  int64_t slot_bytes;          // num_max_tensor_bytes rounded up to 32
+  int peer;                    // dst_rank_idx (send) / src_rank_idx (recv)
+  int num_max_inflight;
+  int num_sms;
+};
+
 #if COMMKIT_WITH_CUDA
 // NCCL device communicator (LSA only, GIN never requested). Return ncclResult_t codes; never throw.
 int devcomm_create(void* nccl_comm, void** out_devcomm, int* out_lsa_rank, int* out_lsa_size);
@@ -142,6 +158,14 @@ void launch_combine_push(const CommView& c, const CombineParams& p, void* stream
 void launch_combine_reduce(const CommView& c, const CombineParams& p, void* stream);
 // The overlapped combine (p.overlap_push_blocks > 0): push and reduce in one kernel.
 void launch_combine_overlapped(const CommView& c, const CombineParams& p, void* stream);
+// PP (pp.cuh): the send waits for a free slot at the peer, copies, signals; the receive waits for the
+// tensor, copies it out, returns the slot. Both point-to-point: no epoch, no entry barrier.
+void launch_pp_send(const CommView& c, const PpParams& p, void* stream);
+void launch_pp_recv(const CommView& c, const PpParams& p, void* stream);
+// AGRS (agrs.cuh), one block each, after the copy engine's copies: count the gather, signal every
+// peer, wait for every peer's copies; end a session (count it, signal, wait for every peer's end).
+void launch_agrs_gather_done(const CommView& c, void* stream);
+void launch_agrs_session_end(const CommView& c, void* stream);
 #endif
 
 }  // namespace elastic_ep

@@ -51,6 +51,10 @@ const char* op_name(uint32_t op) {
     case kOpDispatchEpilogue: return "elastic_ep dispatch epilogue (waiting for a peer's token records)";
     case kOpCombine: return "elastic_ep combine (entry barrier)";
     case kOpCombineReduce: return "elastic_ep combine reduce (waiting for a peer's combined rows)";
+    case kOpPpSend: return "elastic_ep pp_send (waiting for a free slot at the peer)";
+    case kOpPpRecv: return "elastic_ep pp_recv (waiting for the peer's tensor)";
+    case kOpAllGather: return "elastic_ep all_gather (waiting for a peer's data)";
+    case kOpAgrsSession: return "elastic_ep destroy_agrs_session (waiting for a peer to end the session)";
     default: return "elastic_ep operation";
   }
 }
@@ -175,6 +179,7 @@ void Runtime::setup_nccl_window(uint64_t total) {
   // their own window through that mapping too (lsa_base_), the ncclMemAlloc pointer aliases it.
   lsa_base_ = bases[rank];
   CK_CHECK(lsa_base_ != nullptr, "ncclGetLsaPointer returned null for this rank");
+  for (void* b : bases) host_peer_bases_.push_back(static_cast<char*>(b));
   finish_setup();
 }
 
@@ -268,6 +273,8 @@ void Runtime::open_ipc_peers(const std::vector<std::string>& handles) {
   ipc_peers_ = commkit::open_ipc_handles(raw, rank_, "open_ipc_peers");
   std::vector<void*> bases = ipc_peers_;
   bases[rank_] = sym_ptr_;
+  host_peer_bases_.clear();
+  for (void* b : bases) host_peer_bases_.push_back(static_cast<char*>(b));
   void** dev = nullptr;
   CK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&dev), sizeof(void*) * num_ranks_));
   CK_CUDA_CHECK(cudaMemcpy(dev, bases.data(), sizeof(void*) * num_ranks_, cudaMemcpyHostToDevice));
@@ -610,6 +617,77 @@ void Runtime::dispatch_epilogue(const EpilogueParams& p, int64_t stream, int64_t
     CK_CUDA_CHECK(cudaGetLastError());
   }
   stream_wait(join_stream, stream, event_out_);
+}
+
+void Runtime::pp_send(const PpParams& p, int64_t stream) {
+  CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
+  CK_CHECK(p.peer >= 0 && p.peer < num_ranks_ && p.peer != rank_ && p.nbytes >= 0 && p.nbytes <= p.slot_bytes &&
+               p.num_max_inflight > 0 &&
+               int64_t(num_ranks_) * p.num_max_inflight * p.slot_bytes <= num_buffer_bytes_,
+           "pp_send: bad parameters (peer ", p.peer, ", ", p.nbytes, " bytes, slots of ", p.slot_bytes, ")");
+  set_device();
+  launch_pp_send(view(), p, reinterpret_cast<void*>(stream));
+  CK_CUDA_CHECK(cudaGetLastError());
+}
+
+void Runtime::pp_recv(const PpParams& p, int64_t stream) {
+  CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
+  CK_CHECK(p.peer >= 0 && p.peer < num_ranks_ && p.peer != rank_ && p.nbytes >= 0 && p.nbytes <= p.slot_bytes &&
+               p.num_max_inflight > 0 &&
+               int64_t(num_ranks_) * p.num_max_inflight * p.slot_bytes <= num_buffer_bytes_,
+           "pp_recv: bad parameters (peer ", p.peer, ", ", p.nbytes, " bytes, slots of ", p.slot_bytes, ")");
+  set_device();
+  launch_pp_recv(view(), p, reinterpret_cast<void*>(stream));
+  CK_CUDA_CHECK(cudaGetLastError());
+}
+
+void Runtime::agrs_all_gather(const std::vector<uint64_t>& srcs, const std::vector<int64_t>& nbytes,
+                              const std::vector<int64_t>& offsets, int64_t stream) {
+  CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
+  CK_CHECK(srcs.size() == nbytes.size() && srcs.size() == offsets.size() && !srcs.empty(),
+           "all_gather: one source, size and offset per tensor");
+  CK_CHECK(int(host_peer_bases_.size()) == num_ranks_, "all_gather: the peers' windows are not open");
+  for (size_t i = 0; i < srcs.size(); ++i)
+    CK_CHECK(nbytes[i] >= 0 && offsets[i] >= 0 && offsets[i] + num_ranks_ * nbytes[i] <= num_buffer_bytes_,
+             "all_gather: tensor ", i, " (", nbytes[i], " bytes at ", offsets[i], ") exceeds the buffer");
+  set_device();
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  // Peers in a rotating order, starting with the next rank, so the ranks' first copies do not all
+  // target rank 0.
+  for (int j = 0; j < num_ranks_; ++j) {
+    const int r = (rank_ + 1 + j) % num_ranks_;
+    for (size_t i = 0; i < srcs.size(); ++i) {
+      if (nbytes[i] == 0) continue;
+      char* dst = host_peer_bases_[r] + workspace_bytes_ + offsets[i] + int64_t(rank_) * nbytes[i];
+      const void* src = reinterpret_cast<const void*>(srcs[i]);
+      if (r == rank_ && dst == src) continue;  // written in place (agrs_get_inplace_tensor)
+      CK_CUDA_CHECK(cudaMemcpyAsync(dst, src, size_t(nbytes[i]), cudaMemcpyDeviceToDevice, s));
+    }
+  }
+  launch_agrs_gather_done(view(), s);
+  CK_CUDA_CHECK(cudaGetLastError());
+}
+
+std::vector<int64_t> Runtime::pp_unreceived() {
+  CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
+  set_device();
+  CK_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto ws = workspace_layout();
+  std::vector<uint64_t> sent(num_ranks_), received(num_ranks_);
+  const char* base = static_cast<const char*>(lsa_base_);
+  CK_CUDA_CHECK(cudaMemcpy(sent.data(), base + ws.pp_sent.offset, 8 * sent.size(), cudaMemcpyDeviceToHost));
+  CK_CUDA_CHECK(cudaMemcpy(received.data(), base + ws.pp_seq.offset + 8ull * kMaxRanks, 8 * received.size(),
+                           cudaMemcpyDeviceToHost));
+  std::vector<int64_t> out(num_ranks_);
+  for (int r = 0; r < num_ranks_; ++r) out[r] = int64_t(sent[r] - received[r]);
+  return out;
+}
+
+void Runtime::agrs_session_end(int64_t stream) {
+  CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
+  set_device();
+  launch_agrs_session_end(view(), reinterpret_cast<void*>(stream));
+  CK_CUDA_CHECK(cudaGetLastError());
 }
 
 void Runtime::combine(const CombineParams& p, int64_t stream, uint64_t wait_event, int64_t wait_stream,

@@ -138,6 +138,19 @@ class Runtime {
   // Push then reduce; with `wait_event` (a cudaEvent_t, 0 for none) the reduce also waits for it, so
   // the push overlaps whatever the event marks (DeepEP's previous_event_before_epilogue).
   // `wait_stream` / `join_stream` as in dispatch / dispatch_epilogue.
+  // PP send / receive on `stream` (pp.cuh); point-to-point, no epoch. The Python layer checked the
+  // arguments and that the slots fit the buffer.
+  void pp_send(const PpParams& p, int64_t stream);
+  void pp_recv(const PpParams& p, int64_t stream);
+  // One AGRS gather on `stream`: copy-engine copies of this rank's part of tensor i (nbytes[i] bytes
+  // at srcs[i]) into every rank's region at buffer offset offsets[i] + rank * nbytes[i] (none where
+  // source and destination coincide: in place), then the gather-done kernel (agrs.cuh).
+  void agrs_all_gather(const std::vector<uint64_t>& srcs, const std::vector<int64_t>& nbytes,
+                       const std::vector<int64_t>& offsets, int64_t stream);
+  void agrs_session_end(int64_t stream);
+  // Per source rank: tensors it delivered into this rank's PP slots that this rank did not receive
+  // yet. Synchronises the device (pp_set_config's flush).
+  std::vector<int64_t> pp_unreceived();
   void combine(const CombineParams& p, int64_t stream, uint64_t wait_event = 0, int64_t wait_stream = kNoStream,
                int64_t join_stream = kNoStream);
 
@@ -179,6 +192,7 @@ class Runtime {
   bool ipc_ = false;
   bool entered_ = false;          // an operation (barrier, dispatch, combine) was launched on this rank
   std::vector<void*> ipc_peers_;  // IPC: opened peer windows (nullptr for this rank)
+  std::vector<char*> host_peer_bases_;  // every rank's window base as this process addresses it (AGRS copies)
   void* lsa_base_ = nullptr;      // the same memory in NCCL's flat LSA mapping (what kernels use)
   void** peer_bases_ = nullptr;   // device [num_ranks]
   void* host_ws_ = nullptr;       // cudaHostAlloc mapped

@@ -281,6 +281,16 @@ struct WorkspaceLayout {
                            //                    peers, reset by the operation's last block)
   Region count_matrix;     // u64[kMaxRanks][kMaxRanks] zero-copy dispatch: [src][dst] (epoch<<32)|tokens src
                            //                    sends dst, from every lower-ranked peer (written by the peer)
+  // PP send/recv (pp.cuh): monotonic per-pair tensor counts; never reset (pp_set_config checks that
+  // nothing is in flight).
+  Region pp_sent;          // u64[kMaxRanks]     tensors the peer delivered into my slots (written by the peer)
+  Region pp_freed;         // u64[kMaxRanks]     tensors of mine the peer copied out (written by the peer)
+  Region pp_seq;           // u64[2][kMaxRanks]  local: [0] tensors I sent to each peer, [1] received from each
+  Region pp_grid;          // u32[2][kMaxRanks]  local: finished blocks of the send / recv kernel per peer
+  // AGRS (agrs.cuh): monotonic counts.
+  Region agrs_arrived;     // u64[kMaxRanks]     all-gathers whose data the peer copied into my region
+  Region agrs_ended;       // u64[kMaxRanks]     sessions the peer ended (its reads of my region are done)
+  Region agrs_local;       // u64[2]             local: [0] all-gathers issued, [1] sessions ended
   uint64_t bytes;          // total, 2 MiB aligned
 };
 
@@ -300,6 +310,13 @@ CK_HD constexpr WorkspaceLayout workspace_layout() {
   w.notify_bad = l.add(16, 128);
   w.arrive = l.add(4ull * kArriveWords, 128);
   w.count_matrix = l.add(8ull * kMaxRanks * kMaxRanks, 128);
+  w.pp_sent = l.add(8ull * kMaxRanks, 128);
+  w.pp_freed = l.add(8ull * kMaxRanks, 128);
+  w.pp_seq = l.add(16ull * kMaxRanks, 128);
+  w.pp_grid = l.add(8ull * kMaxRanks, 128);
+  w.agrs_arrived = l.add(8ull * kMaxRanks, 128);
+  w.agrs_ended = l.add(8ull * kMaxRanks, 128);
+  w.agrs_local = l.add(16, 128);
   w.bytes = l.total(uint64_t(kBufferAlignmentBytes));
   return w;
 }
@@ -375,6 +392,13 @@ CK_HD constexpr ZeroCopyLayout zero_copy_layout(int64_t buffer_bytes, int64_t nu
                            : int64_t(align_up(uint64_t(need), uint64_t(kBufferAlignmentBytes)))};
   if (need <= buffer_bytes) z.x_offset = buffer_bytes - dense;
   return z;
+}
+
+// PP send/recv: the receive slots [source rank][num_max_inflight_tensors][num_max_tensor_bytes] at the
+// start of the buffer (one row of slots per rank, its own unused: the rank index is the row index).
+CK_HD constexpr int64_t pp_buffer_bytes(int64_t num_ranks, int64_t num_max_tensor_bytes, int64_t num_max_inflight) {
+  return sizing_detail::mul(sizing_detail::mul(num_ranks, num_max_inflight),
+                            int64_t(align_up(uint64_t(num_max_tensor_bytes), 32)));
 }
 
 // Compile-time checks of the invariants the kernels rely on.

@@ -606,6 +606,13 @@ def pp_config_args(buf: Any, num_max_tensor_bytes: Any, num_max_inflight_tensors
     if 4 * n * k > buf.num_bytes:
         raise ValueError(f"num_max_tensor_bytes x num_max_inflight_tensors: 4 x {n} x {k} bytes exceed the buffer's "
                          f"num_bytes={buf.num_bytes} (get_pp_buffer_size_hint sizes a buffer for them)")
+    if buf.backend == "native":
+        # Any peer may send: the native runtime keeps a row of slots per source rank.
+        need = int(_C.pp_buffer_bytes(buf.num_ranks, n, k))
+        if need > buf.num_bytes:
+            raise ValueError(f"num_max_tensor_bytes x num_max_inflight_tensors: the native runtime's receive slots, "
+                             f"{buf.num_ranks} ranks x {k} x {align32(n)} bytes = {need}, exceed the buffer's "
+                             f"num_bytes={buf.num_bytes}")
     return align32(n), k
 
 
@@ -624,7 +631,7 @@ def pp_args(buf: Any, op: str, t: Any, peer_name: str, peer: Any, num_sms: Any) 
     peer = int_arg(peer_name, peer, 0, buf.num_ranks - 1, f" (the group has {buf.num_ranks} ranks)")
     if peer == buf.rank_idx:
         raise ValueError(f"{peer_name}: expected another rank than this one ({buf.rank_idx})")
-    int_arg("num_sms", num_sms, 0)
+    int_arg("num_sms", num_sms, 0, INT32_MAX)
     return peer
 
 

@@ -38,6 +38,7 @@ from . import _C, _env
 from ._checks import c_ints, expert_ids_error, raise_if_any_rank_failed
 from ._events import EventHandle
 from ._handle import EPHandle
+from ._native_agrs_pp import NativeAgrsPp
 from ._nccl import (all_ok, check_nccl_version, comm_arg, create_nccl_comm, destroy_nccl_comm,  # noqa: F401
                     get_local_nccl_unique_id, get_logical_domain_size, get_physical_domain_size, nccl_version,
                     need_cuda, new_nccl_comm, torch_nccl_comm)
@@ -134,7 +135,7 @@ def _overlap_push_blocks(cfg: OverlapConfig, num_ranks: int, num_sms: int, num_m
 
 
 # ---------------------------------------------------------------------------------------------- runtime
-class NativeRuntime(Runtime):
+class NativeRuntime(NativeAgrsPp, Runtime):
     """The native runtime; its constructor takes DeepEP V2's C++ ``ElasticBuffer`` arguments, in order.
 
     Arguments:
@@ -194,6 +195,7 @@ class NativeRuntime(Runtime):
         self._notify_atomics = int(settings.test_notify_atomics)
         self._plans: dict = {}
         self._buffer_u8: Optional[torch.Tensor] = None
+        self._pp_slot_bytes = self._pp_inflight = 0  # pp_set_config
         self.comm_stream = torch.cuda.Stream(device=self.device)
         self._comm_raw = int(self.comm_stream.cuda_stream)
         # The caller runs a process-group barrier next (DeepEP's does too): no peer may write into this

@@ -2,8 +2,8 @@
 
 ``ElasticBuffer`` (buffer.py) inherits them. As there, each call is validated once (``_checks``) and
 then makes one call into the buffer's runtime (``_runtime.Runtime``); the state they keep on the buffer
-(``_agrs_*``, ``_pp_max_bytes``, ``_engram_shape``) is set by its constructor. The torch runtime
-implements them; the native runtime raises ``NotImplementedError`` naming the op.
+(``_agrs_*``, ``_pp_max_bytes``, ``_engram_shape``) is set by its constructor. Both runtimes
+implement AGRS and PP; Engram only the torch runtime (the native one raises ``NotImplementedError``).
 """
 from __future__ import annotations
 
@@ -98,26 +98,32 @@ class AgrsPpEngramOps:
             t: a contiguous tensor of at most ``num_max_tensor_bytes``; the receiver passes a tensor of
                 the same number of bytes (its dtype and shape are the receiver's, not checked).
             dst_rank_idx: the receiving rank.
-            num_sms: accepted (an int >= 0); the torch backend uses no SMs.
+            num_sms: SMs the native kernel copies with (0: one per 256 KiB, at most 32); the torch
+                backend uses none.
 
         Raises:
             ValueError: not configured, a bad tensor, this rank or no rank as ``dst_rank_idx``.
-            TimeoutError: ``num_max_inflight_tensors`` sent to that rank stay unreceived past the timeout.
+            TimeoutError: (torch backend) ``num_max_inflight_tensors`` sent to that rank stay unreceived
+                past the CPU timeout. The native backend waits on the GPU, in stream order: a slot that
+                stays taken past ``num_gpu_timeout_secs`` makes the next call raise ``CommTimeoutError``
+                naming ``pp_send``, this rank and the peer.
         """
         self._check_alive()
         dst = _checks.pp_args(self, "pp_send", t, "dst_rank_idx", dst_rank_idx, num_sms)
-        self.runtime.pp_send(t, dst)
+        self.runtime.pp_send(t, dst, num_sms)
 
     def pp_recv(self, t: torch.Tensor, src_rank_idx: int, num_sms: int = 0) -> None:
         """Receives into ``t`` the oldest tensor rank ``src_rank_idx`` sent to this rank and this rank has
         not received yet (``t`` holds it on return, in stream order). Arguments as ``pp_send``.
 
         Raises:
-            ValueError: as ``pp_send``; TimeoutError: nothing arrives within ``num_cpu_timeout_secs``.
+            ValueError: as ``pp_send``; TimeoutError (torch backend): nothing arrives within
+                ``num_cpu_timeout_secs``; native: the next call raises ``CommTimeoutError`` naming
+                ``pp_recv``, this rank and the peer when nothing arrived within ``num_gpu_timeout_secs``.
         """
         self._check_alive()
         src = _checks.pp_args(self, "pp_recv", t, "src_rank_idx", src_rank_idx, num_sms)
-        self.runtime.pp_recv(t, src)
+        self.runtime.pp_recv(t, src, num_sms)
 
     # ------------------------------------------------------------------ AGRS (all-gather sessions)
     # A session is a bump allocator over the session region: each all_gather takes the next

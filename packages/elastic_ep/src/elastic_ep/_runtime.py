@@ -151,12 +151,12 @@ class Runtime(abc.ABC):
         """Flushes outstanding work on every rank (collective) and sizes PP send/recv."""
         raise self._not_implemented("pp_set_config")
 
-    def pp_send(self, x: torch.Tensor, dst_rank_idx: int) -> None:
+    def pp_send(self, x: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
         """Sends ``x``'s bytes to ``dst_rank_idx`` (validated: another rank, within the configured size);
         ``x`` may be reused when this returns (in stream order)."""
         raise self._not_implemented("pp_send")
 
-    def pp_recv(self, x: torch.Tensor, src_rank_idx: int) -> None:
+    def pp_recv(self, x: torch.Tensor, src_rank_idx: int, num_sms: int = 0) -> None:
         """Receives the next tensor ``src_rank_idx`` sent to this rank into ``x``."""
         raise self._not_implemented("pp_recv")
 

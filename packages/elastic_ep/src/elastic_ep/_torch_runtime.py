@@ -239,7 +239,7 @@ class TorchRuntime(Runtime):
         self.barrier(True, True)
         self._pp_inflight = num_max_inflight_tensors
 
-    def pp_send(self, x: torch.Tensor, dst_rank_idx: int) -> None:
+    def pp_send(self, x: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
         if x.nbytes == 0:
             return
         sends = self._pp_sends.setdefault(dst_rank_idx, collections.deque())
@@ -248,7 +248,7 @@ class TorchRuntime(Runtime):
         staged = x.reshape(-1).view(torch.uint8).clone()
         sends.append((dist.isend(staged, group=self.group, group_dst=dst_rank_idx), staged))
 
-    def pp_recv(self, x: torch.Tensor, src_rank_idx: int) -> None:
+    def pp_recv(self, x: torch.Tensor, src_rank_idx: int, num_sms: int = 0) -> None:
         if x.nbytes == 0:
             return
         work = dist.irecv(x.reshape(-1).view(torch.uint8), group=self.group, group_src=src_rank_idx)
