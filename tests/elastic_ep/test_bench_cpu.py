@@ -76,3 +76,14 @@ def test_comm_time_counts_a_push_beside_notify_once():
     # sequential kernels: the union is the sum, as before
     seq = [("dispatch_notify", 0, 16), ("dispatch_push", 16, 24), ("dispatch_epilogue", 30, 65)]
     assert b._group_times(seq, 1)[:2] == pytest.approx((24.0, 35.0))
+
+
+def test_agrs_pp_table_and_bandwidth():
+    p2p = load_tool("_bench_ep_p2p")
+    # 16 MiB gathered from 1 peer in 50 us: 16777216 / 50e-6 / 1e9 = 335.54 GB/s
+    r = p2p._result("all_gather", "native", 16 << 20, 50.0, 16 << 20, True)
+    assert r["gbps"] == pytest.approx(335.54, abs=0.01)
+    n = p2p._result("all_gather", "nccl", 16 << 20, 80.0, 16 << 20, True)
+    table = p2p.markdown([r, n])
+    assert "| all_gather | 16 | 50.0 | 335.5 | 80.0 | 209.7 | yes |" in table
+    assert p2p.markdown([]) == ""
