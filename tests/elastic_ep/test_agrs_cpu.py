@@ -60,7 +60,7 @@ def _random_tensor(g: torch.Generator, shape, dtype: torch.dtype) -> torch.Tenso
 
 def _stress_worker(rank, world, rdzv, seed, backend="torch"):
     """The random sessions on the torch runtime over gloo, or (backend="native") on the native runtime's
-    CUDA-IPC window (test_agrs_pp_gpu.py), the reference then gathered over the test's group."""
+    CUDA-IPC window (test_agrs_pp_engram_gpu.py), the reference then gathered over the test's group."""
     if backend == "native":
         from tests.elastic_ep._common import init_ep_group
 
@@ -221,5 +221,5 @@ def test_runtime_without_agrs_says_not_implemented():
     except Exception:  # noqa: BLE001 - not importable on this machine: the interface check above stands
         return
     for op in ("agrs_set_config", "all_gather", "agrs_end_session", "pp_set_config", "pp_send", "pp_recv"):
-        # the native runtime has its own (test_agrs_pp_gpu.py)
+        # the native runtime has its own (test_agrs_pp_engram_gpu.py)
         assert getattr(_native_runtime.NativeRuntime, op) is not getattr(Runtime, op)

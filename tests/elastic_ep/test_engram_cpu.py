@@ -42,13 +42,13 @@ def _indices(T, E, N, world, g):
 
 def _check_fetch(buf, table, sf_table, idx, tma: bool):
     T, E = idx.shape
-    hook = buf.engram_fetch(idx, 0, tma)
+    hook = buf.engram_fetch(idx.to(buf.device), 0, tma)
     assert callable(hook)
     data, sf = hook()
     H = table.shape[1]
     assert data.shape == (T, E * H) and data.dtype == table.dtype
     want = table[idx.long().view(-1)].reshape(T, E * H)
-    assert torch.equal(data.view(torch.uint8), want.view(torch.uint8)), "engram data differs"
+    assert torch.equal(data.view(torch.uint8).cpu(), want.view(torch.uint8)), "engram data differs"
     if sf_table is None:
         assert sf is None
         return
@@ -59,12 +59,22 @@ def _check_fetch(buf, table, sf_table, idx, tma: bool):
     else:
         assert sf.is_contiguous()
     want_sf = sf_table[idx.long().view(-1)].reshape(T, E * P)
-    assert torch.equal(sf.contiguous().view(torch.int32), want_sf.view(torch.int32)), "engram scales differ"
+    assert torch.equal(sf.contiguous().view(torch.int32).cpu(), want_sf.view(torch.int32)), "engram scales differ"
 
 
-def _worker(rank, world, rdzv):
-    group = init_gloo(rank, world, rdzv)
-    buf = ep.ElasticBuffer(group, num_bytes=MiB2, num_cpu_bytes=MiB2, backend="torch")
+def _worker(rank, world, rdzv, backend="torch"):
+    """The fetch checks on the torch runtime over gloo, or (backend="native") on the native runtime's
+    CUDA-IPC window and host segments (test_agrs_pp_engram_gpu.py); the reference table always over gloo."""
+    if backend == "native":
+        from tests._dist import init_gpu_group
+
+        init_gpu_group(rank, world, rdzv)
+        group = dist.group.WORLD
+        ref_group = dist.new_group(backend="gloo")
+        buf = ep.ElasticBuffer(group, num_bytes=MiB2, num_cpu_bytes=MiB2, backend="native", window="ipc")
+    else:
+        group = ref_group = init_gloo(rank, world, rdzv)
+        buf = ep.ElasticBuffer(group, num_bytes=MiB2, num_cpu_bytes=MiB2, backend="torch")
     assert buf.num_cpu_bytes == MiB2
     g = torch.Generator().manual_seed(10 + rank)      # this rank's shard
     shared = torch.Generator().manual_seed(99)        # the same on every rank: indices, scale tables
@@ -75,9 +85,10 @@ def _worker(rank, world, rdzv):
         shard = _bits((N, H), dtype, g)
         sf_table = None if sf_dtype is None else _bits((N * world, H // 64), sf_dtype, shared)
         kept = shard.clone()
-        buf.engram_write(shard, sf_table)
+        shard = shard.to(buf.device)
+        buf.engram_write(shard, None if sf_table is None else sf_table.to(buf.device))
         shard.view(torch.uint8).fill_(0)  # the buffer keeps its own copy
-        table = _all_shards(kept, world, group)
+        table = _all_shards(kept, world, ref_group)
         for T, E in ((50, 6), (7, 1), (0, 3), (1, 24)):
             for tma in (False, True):
                 _check_fetch(buf, table, sf_table, _indices(T, E, N, world, shared) if T else

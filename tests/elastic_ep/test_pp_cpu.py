@@ -45,7 +45,7 @@ def _recv(buf, src: int, i: int) -> None:
 
 def _worker(rank, world, rdzv, pattern, backend="torch"):
     """The patterns on the torch runtime over gloo, or (backend="native") on the native runtime's CUDA-IPC
-    window (test_agrs_pp_gpu.py)."""
+    window (test_agrs_pp_engram_gpu.py)."""
     if backend == "native":
         from tests.elastic_ep._common import init_ep_group
 

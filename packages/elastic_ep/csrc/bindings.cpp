@@ -13,6 +13,9 @@
 #include "commkit/check.hpp"
 #include "commkit/python_errors.hpp"
 #include "kernels.hpp"
+#if COMMKIT_WITH_CUDA
+#include "engram.hpp"
+#endif
 #include "sizing.hpp"
 #if COMMKIT_WITH_CUDA
 #include "runtime.hpp"
@@ -297,6 +300,22 @@ void bind_runtime(py::module_& m) {
       .def_readonly("waited_ms", &Runtime::TimeoutInfo::waited_ms)
       .def_readonly("channel", &Runtime::TimeoutInfo::channel);
 
+  py::class_<EngramStore>(m, "EngramStore", "Pinned shared host segments of the Engram shards (engram.hpp).")
+      .def(py::init<int, int, int64_t>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_bytes"))
+      .def_property_readonly("name", [](const EngramStore& e) { return py::bytes(e.name()); })
+      .def_property_readonly("num_bytes", &EngramStore::num_bytes)
+      .def(
+          "attach",
+          [](EngramStore& e, const std::vector<py::bytes>& names) {
+            std::vector<std::string> v(names.begin(), names.end());
+            e.attach(v);
+          },
+          py::arg("names"))
+      .def("unlink", &EngramStore::unlink)
+      .def("write", &EngramStore::write, py::arg("src"), py::arg("nbytes"), py::arg("stream"))
+      .def("fetch", &EngramStore::fetch, py::arg("indices"), py::arg("num_indices"), py::arg("entries_per_rank"),
+           py::arg("row_bytes"), py::arg("out"), py::arg("stream"))
+      .def("close", [](EngramStore& e) { without_gil([&] { e.close(); }); });
   py::class_<Runtime>(m, "Runtime")
       .def(py::init([](int rank, int num_ranks, int64_t comm, int64_t num_buffer_bytes, int cpu_timeout,
                        int gpu_timeout, const RuntimeOptions& options) {

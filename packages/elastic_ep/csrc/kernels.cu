@@ -10,6 +10,7 @@
 // cleared again after creation. Each operation begins with an entry barrier: a rank writes into a
 // peer's buffer only after the peer published "entered epoch E", which it does after its previous
 // operation's kernels finished reading the (aliased) buffer.
+#include <algorithm>
 #include <cstring>
 
 #include "kernels/device_common.cuh"
@@ -20,6 +21,7 @@
 #include "kernels/combine.cuh"
 #include "kernels/pp.cuh"
 #include "kernels/agrs.cuh"
+#include "kernels/engram.cuh"
 
 namespace elastic_ep {
 namespace {
@@ -141,6 +143,14 @@ void launch_agrs_gather_done(const CommView& c, void* stream) {
 
 void launch_agrs_session_end(const CommView& c, void* stream) {
   agrs_session_end_kernel<<<1, kMaxRanks, 0, static_cast<cudaStream_t>(stream)>>>(c);
+}
+
+void launch_engram_fetch(const void* const* hosts, const int* indices, int64_t n, int64_t entries_per_rank,
+                         int64_t row_bytes, void* out, void* stream) {
+  const int64_t warps_per_block = kThreads / 32;
+  const int blocks = int(std::min<int64_t>((n + warps_per_block - 1) / warps_per_block, 264));
+  engram_fetch_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(hosts, indices, n, entries_per_rank,
+                                                                                  row_bytes, out);
 }
 
 }  // namespace elastic_ep

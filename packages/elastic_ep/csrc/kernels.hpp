@@ -166,6 +166,10 @@ void launch_pp_recv(const CommView& c, const PpParams& p, void* stream);
 // peer, wait for every peer's copies; end a session (count it, signal, wait for every peer's end).
 void launch_agrs_gather_done(const CommView& c, void* stream);
 void launch_agrs_session_end(const CommView& c, void* stream);
+// Engram (engram.cuh): out[i] = row indices[i] of the table whose rank r's shard is at hosts[r]
+// (device-mapped pinned host memory), row_bytes a multiple of 16.
+void launch_engram_fetch(const void* const* hosts, const int* indices, int64_t n, int64_t entries_per_rank,
+                         int64_t row_bytes, void* out, void* stream);
 #endif
 
 }  // namespace elastic_ep

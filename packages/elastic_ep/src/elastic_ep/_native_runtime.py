@@ -39,6 +39,7 @@ from ._checks import c_ints, expert_ids_error, raise_if_any_rank_failed
 from ._events import EventHandle
 from ._handle import EPHandle
 from ._native_agrs_pp import NativeAgrsPp
+from ._native_engram import NativeEngram
 from ._nccl import (all_ok, check_nccl_version, comm_arg, create_nccl_comm, destroy_nccl_comm,  # noqa: F401
                     get_local_nccl_unique_id, get_logical_domain_size, get_physical_domain_size, nccl_version,
                     need_cuda, new_nccl_comm, torch_nccl_comm)
@@ -135,7 +136,7 @@ def _overlap_push_blocks(cfg: OverlapConfig, num_ranks: int, num_sms: int, num_m
 
 
 # ---------------------------------------------------------------------------------------------- runtime
-class NativeRuntime(NativeAgrsPp, Runtime):
+class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
     """The native runtime; its constructor takes DeepEP V2's C++ ``ElasticBuffer`` arguments, in order.
 
     Arguments:
@@ -283,6 +284,7 @@ class NativeRuntime(NativeAgrsPp, Runtime):
         torch.cuda.synchronize(self.device)
         self._destroyed = True
         self._buffer_u8 = None  # zero-copy views of the window dangle from here (documented)
+        self._close_engram()
         if self._rt is not None:
             self._rt.destroy()
 

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from . import _C, _checks
 from ._env import Settings
 from ._events import EventHandle
+from ._engram import check_same_shards, gather_scales
 from ._handle import EPHandle
 from ._runtime import AllGatherArgs, CombineArgs, DispatchArgs, DispatchResult, Runtime
 
@@ -197,12 +198,7 @@ class TorchRuntime(Runtime):
     # is a local index_select, one-sided as DeepEP's RDMA gets.
     def engram_write(self, storage: torch.Tensor, sf: Optional[torch.Tensor]) -> None:
         self._engram_table = self._engram_sf = None
-        meta = (tuple(storage.shape), str(storage.dtype), None if sf is None else (tuple(sf.shape), str(sf.dtype)))
-        metas: List[object] = [None] * self.num_ranks
-        dist.all_gather_object(metas, meta, group=self.group)
-        if any(m != metas[0] for m in metas):
-            raise ValueError("storage / sf: expected the same shapes and dtypes on every rank, got "
-                             + "; ".join(f"rank {r}: {m}" for r, m in enumerate(metas)))
+        check_same_shards(self.group, storage, sf)
         src = storage.reshape(-1).view(torch.uint8)
         table = torch.empty(self.num_ranks * src.numel(), dtype=torch.uint8, device=self._device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -215,15 +211,7 @@ class TorchRuntime(Runtime):
         T, E = indices.shape
         flat = indices.reshape(-1).long()
         data = self._engram_table.index_select(0, flat).view(T, E * self._engram_table.shape[1])
-        sf = None
-        if self._engram_sf is not None:
-            rows = self._engram_sf.index_select(0, flat).view(T, E * self._engram_sf.shape[1])
-            if use_tma_aligned_col_major_sf:
-                ld = (T + 3) // 4 * 4
-                sf = torch.empty_strided(rows.shape, (1, ld), dtype=rows.dtype, device=rows.device)
-                sf.copy_(rows)
-            else:
-                sf = rows
+        sf = gather_scales(self._engram_sf, flat, T, E, use_tma_aligned_col_major_sf)
 
         def hook() -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
             return data, sf

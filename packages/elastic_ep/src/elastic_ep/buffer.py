@@ -155,8 +155,9 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
         group: the process group of the expert-parallel ranks (NCCL for GPUs; gloo with the torch backend
             or the IPC window).
         num_bytes: buffer bytes; None sizes it from ``num_max_tokens_per_rank``/``hidden``/``num_topk``.
-        num_cpu_bytes: bytes of this rank's CPU (Engram) segment, a multiple of 2 MiB (0: none); the torch
-            backend only (``get_engram_storage_size_hint`` sizes it).
+        num_cpu_bytes: bytes of this rank's CPU (Engram) segment, a multiple of 2 MiB (0: none;
+            ``get_engram_storage_size_hint`` sizes it); native: pinned shared host memory every GPU of
+            the node reads (one node only).
         num_max_tokens_per_rank: most tokens a rank dispatches at once (required when ``num_bytes`` is None).
         hidden, num_topk (0: sized for 32), use_fp8_dispatch: what the buffer is sized for.
         deterministic: sort received rows by source token (see the module docstring).
@@ -256,9 +257,6 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
                 if pg_backend != "nccl" and not ipc:
                     raise ValueError(f"group: the native backend needs an NCCL process group (or window='ipc'), got "
                                      f"{pg_backend!r}")
-            if num_cpu_bytes and backend == "native":
-                raise ValueError("num_cpu_bytes: the native backend has no CPU (Engram) segment yet; use "
-                                 "backend='torch' for Engram")
             self.backend = backend
             on_gpu = pg_backend == "nccl" or backend == "native"
             self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -312,6 +310,8 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
                 self._comm_finalizer = weakref.finalize(self, _release_native, self.runtime, native.destroy_nccl_comm,
                                                         self._owned_comm)
                 self._comm_finalizer.atexit = False
+            if num_cpu_bytes:
+                self.runtime.open_engram(group, num_cpu_bytes)
         else:
             from ._torch_runtime import TorchRuntime
             self.runtime = TorchRuntime(group, allow_multiple_reduction, num_cpu_timeout_secs, self._settings,

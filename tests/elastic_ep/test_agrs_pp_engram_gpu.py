@@ -1,5 +1,5 @@
-"""AGRS and PP send/recv on the native runtime, over the CUDA-IPC window (ranks may share one GPU), checked
-bitwise against plain references:
+"""AGRS, PP send/recv and Engram on the native runtime, over the CUDA-IPC window (ranks may share one GPU),
+checked bitwise against plain references:
 
 * PP: the ring and all-pairs patterns of test_pp_cpu.py (several tensors in flight per peer, random
   sizes and dtypes, the sender overwriting its tensor right after ``pp_send``) at 2 and 4 ranks; a
@@ -9,6 +9,10 @@ bitwise against plain references:
   or not, waited at once or at the session's end) against an all-gather over the test's group, at
   2 and 4 ranks; a CUDA graph of a whole session replayed with new data; a peer that never gathers
   makes ``all_gather`` time out naming the rank and the peer.
+* Engram: the fetches of test_engram_cpu.py (bf16 and FP8 tables with float32 / UE8M0 scales, random
+  and edge indices, no tokens, column-major scales, a table written again with another size) against
+  indexing the table a gloo all-gather of the shards builds, at 2 and 3 ranks, reading every rank's
+  pinned host segment.
 """
 import time
 
@@ -16,7 +20,7 @@ import pytest
 import torch
 
 from tests._dist import run_workers
-from tests.elastic_ep import test_agrs_cpu, test_pp_cpu
+from tests.elastic_ep import test_agrs_cpu, test_engram_cpu, test_pp_cpu
 from tests.elastic_ep._common import import_elastic_ep, init_ep_group
 
 ep = import_elastic_ep()
@@ -172,3 +176,11 @@ def _agrs_timeout_worker(rank, world, rdzv):
 @pytest.mark.multigpu(2, shared_ok=True)
 def test_agrs_native_timeout_names_rank_and_peer(tmp_path):
     assert run_workers(_agrs_timeout_worker, 2, tmp_path=tmp_path, timeout=60)[0] == "timeout"
+
+
+# ----------------------------------------------------------------------------------------- Engram
+@pytest.mark.multigpu(2, shared_ok=True)
+@pytest.mark.parametrize("world", [2, 3])
+def test_engram_native_matches_indexing_the_gathered_table(tmp_path, world):
+    counts = run_workers(test_engram_cpu._worker, world, "native", tmp_path=tmp_path, timeout=240)
+    assert counts == [32] * world
