@@ -439,14 +439,14 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
         for _ in range(2):
             a2a()
         out["results"].append(_e2e_only_result("torch_a2a", name, _timed_us(a2a, iters, align), remote, total))
-    p2p_ops = [o for o in args.ops.split(",") if o in ("agrs", "pp")]
-    if p2p_ops and world >= 2 and ep.native_available():
+    p2p_ops = [o for o in args.ops.split(",") if o in ("agrs", "pp", "engram")]
+    if p2p_ops and ep.native_available():
         from _bench_ep_p2p import bench_agrs_pp
 
         try:
             out["p2p"] = bench_agrs_pp(ep, group, rank, world, p2p_ops, iters, args.quick, align)
         except Exception as e:  # noqa: BLE001 - report and keep the dispatch/combine results
-            out.setdefault("errors", []).append(f"agrs/pp: {type(e).__name__}: {e}")
+            out.setdefault("errors", []).append(f"agrs/pp/engram: {type(e).__name__}: {e}")
     all_out = [None] * world
     dist.all_gather_object(all_out, out, group=group)
     if rank == 0:
@@ -582,9 +582,9 @@ def main() -> int:
                     help="dispatch push beside notify (on), after it (off), or every dispatch case both ways")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--world", type=int, default=0, help="GPUs to use (default: all)")
-    ap.add_argument("--ops", default="dispatch,agrs,pp",
-                    help="also the AGRS all-gather and PP ring cases against NCCL (two or more GPUs; "
-                         "tools/_bench_ep_p2p.py)")
+    ap.add_argument("--ops", default="dispatch,agrs,pp,engram",
+                    help="also the AGRS all-gather and PP ring cases against NCCL (two or more GPUs) and the "
+                         "Engram fetch against a host gather + copy (tools/_bench_ep_p2p.py)")
     ap.add_argument("--align", default="gemm", choices=("gemm", "barrier"),
                     help="how each iteration starts on every rank (see the module docstring)")
     args = ap.parse_args()
