@@ -9,6 +9,7 @@ checked bitwise against plain references:
   or not, waited at once or at the session's end) against an all-gather over the test's group, at
   2 and 4 ranks; a CUDA graph of a whole session replayed with new data; a peer that never gathers
   makes ``all_gather`` time out naming the rank and the peer.
+* AGRS and PP at sizes from 1 B to 64 MiB (log-uniform, both ends included), mixed dtypes.
 * Engram: the fetches of test_engram_cpu.py (bf16 and FP8 tables with float32 / UE8M0 scales, random
   and edge indices, no tokens, column-major scales, a table written again with another size) against
   indexing the table a gloo all-gather of the shards builds, at 2 and 3 ranks, reading every rank's
@@ -184,3 +185,58 @@ def test_agrs_native_timeout_names_rank_and_peer(tmp_path):
 def test_engram_native_matches_indexing_the_gathered_table(tmp_path, world):
     counts = run_workers(test_engram_cpu._worker, world, "native", tmp_path=tmp_path, timeout=240)
     assert counts == [32] * world
+
+
+# ------------------------------------------------------------------------------- large sizes, 1 B-64 MiB
+def _log_uniform_bytes(g: torch.Generator, hi: int) -> int:
+    """A size in [1, hi] bytes, uniform in log2 (1 B to 64 MiB in equal measure)."""
+    return max(1, min(hi, int(2 ** (float(torch.rand(1, generator=g)) * hi.bit_length()))))
+
+
+def _large_worker(rank, world, rdzv):
+    """AGRS gathers and PP ring steps of random sizes from 1 B to 64 MiB (log-uniform, both ends forced),
+    random dtypes, checked bitwise: AGRS against an all-gather of the same bytes over the test's group,
+    PP against the sender's bytes (regenerated from the shared seed)."""
+    from tests.elastic_ep.test_agrs_cpu import _reference
+
+    top = 64 << 20
+    group = init_ep_group(rank, world, rdzv, "ipc")
+    buf = ep.ElasticBuffer(group, num_bytes=(2 * world * top + (2 << 20) - 1) // (2 << 20) * (2 << 20), backend="native",
+                           window="ipc")
+    plan = torch.Generator().manual_seed(5)   # sizes and dtypes, the same on every rank
+    dtypes = [torch.uint8, torch.bfloat16, torch.float32, torch.int64, torch.float8_e4m3fn]
+    buf.agrs_set_config(world * top, 2)
+    n = 0
+    for i in range(12):
+        dt = dtypes[i % len(dtypes)]
+        size = 1 if i == 0 else top if i == 1 else _log_uniform_bytes(plan, top)
+        numel = max(1, size // dt.itemsize)
+        data = torch.Generator().manual_seed(1000 * i + rank)
+        x = torch.randint(0, 256, (numel * dt.itemsize,), dtype=torch.uint8, generator=data).view(dt).cuda()
+        with buf.agrs_new_session():
+            gathered, wait = buf.all_gather(x)
+            wait()
+            got = gathered.reshape(world, -1).view(torch.uint8).cpu()
+        assert torch.equal(got, _reference(x, world, group).cpu()), f"all_gather of {numel * dt.itemsize} B differs"
+        n += 1
+    buf.pp_set_config(top, 2)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    for i in range(12):
+        size = 1 if i == 0 else top if i == 1 else _log_uniform_bytes(plan, top)
+
+        def tensor(src: int) -> torch.Tensor:
+            return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(77 * i + src))
+
+        buf.pp_send(tensor(rank).cuda(), nxt)
+        y = torch.empty(size, dtype=torch.uint8, device="cuda")
+        buf.pp_recv(y, prv)
+        assert torch.equal(y.cpu(), tensor(prv)), f"pp tensor {i} ({size} B) from rank {prv} differs"
+        n += 1
+    buf.barrier(with_cpu_sync=True)
+    buf.destroy()
+    return n
+
+
+@pytest.mark.multigpu(2, shared_ok=True)
+def test_agrs_pp_native_sizes_1B_to_64MiB(tmp_path):
+    assert run_workers(_large_worker, 2, tmp_path=tmp_path, timeout=300) == [24, 24]
