@@ -240,3 +240,27 @@ def _large_worker(rank, world, rdzv):
 @pytest.mark.multigpu(2, shared_ok=True)
 def test_agrs_pp_native_sizes_1B_to_64MiB(tmp_path):
     assert run_workers(_large_worker, 2, tmp_path=tmp_path, timeout=300) == [24, 24]
+
+
+def _pp_reconfigure_worker(rank, world, rdzv):
+    """pp_set_config while a tensor was delivered and not received: refused on every rank (the slots would
+    move under it); accepted once it was received."""
+    buf = _buffer(rank, world, rdzv)
+    buf.pp_set_config(4096, 2)
+    x = torch.arange(64, dtype=torch.float32, device="cuda")
+    if rank == 0:
+        buf.pp_send(x, 1)
+    with pytest.raises(ValueError, match="not received" if rank == 1 else "rank 1"):
+        buf.pp_set_config(8192, 2)
+    if rank == 1:
+        y = torch.empty_like(x)
+        buf.pp_recv(y, 0)
+        assert torch.equal(y, x)
+    buf.pp_set_config(8192, 2)
+    buf.destroy()
+    return "ok"
+
+
+@pytest.mark.multigpu(2, shared_ok=True)
+def test_pp_native_reconfigure_refused_while_in_flight(tmp_path):
+    assert run_workers(_pp_reconfigure_worker, 2, tmp_path=tmp_path, timeout=120) == ["ok", "ok"]

@@ -87,7 +87,13 @@ class AgrsPpEngramOps:
         except ValueError as e:
             err = e
         _checks.raise_if_any_rank_failed(self.group, err, "pp_set_config")
-        self.runtime.pp_set_config(*cfg)
+        try:
+            # The native runtime refuses while tensors delivered to this rank were not received: every
+            # rank learns it, so none goes on with a configuration the others refused.
+            self.runtime.pp_set_config(*cfg)
+        except ValueError as e:
+            err = e
+        _checks.raise_if_any_rank_failed(self.group, err, "pp_set_config")
         self._pp_max_bytes = cfg[0]
 
     def pp_send(self, t: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
