@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from . import _checks
+from . import _checks_agrs_pp_engram as _op_checks
 
 __all__ = ["AgrsPpEngramOps"]
 
@@ -39,7 +40,7 @@ class AgrsPpEngramOps:
         self._check_alive()
         err = None
         try:
-            _checks.engram_write_args(self, storage, sf)
+            _op_checks.engram_write_args(self, storage, sf)
         except ValueError as e:
             err = e
         _checks.raise_if_any_rank_failed(self.group, err, "engram_write")
@@ -63,7 +64,7 @@ class AgrsPpEngramOps:
             ValueError: no table, bad ``indices`` (any index outside the table: DeepEP reads those unchecked).
         """
         self._check_alive()
-        _checks.engram_fetch_args(self, indices, num_qps, use_tma_aligned_col_major_sf)
+        _op_checks.engram_fetch_args(self, indices, num_qps, use_tma_aligned_col_major_sf)
         return self.runtime.engram_fetch(indices, use_tma_aligned_col_major_sf)
 
     # ------------------------------------------------------------------ PP send/recv
@@ -83,7 +84,7 @@ class AgrsPpEngramOps:
         self._check_alive()
         err, cfg = None, None
         try:
-            cfg = _checks.pp_config_args(self, num_max_tensor_bytes, num_max_inflight_tensors)
+            cfg = _op_checks.pp_config_args(self, num_max_tensor_bytes, num_max_inflight_tensors)
         except ValueError as e:
             err = e
         _checks.raise_if_any_rank_failed(self.group, err, "pp_set_config")
@@ -115,7 +116,7 @@ class AgrsPpEngramOps:
                 naming ``pp_send``, this rank and the peer.
         """
         self._check_alive()
-        dst = _checks.pp_args(self, "pp_send", t, "dst_rank_idx", dst_rank_idx, num_sms)
+        dst = _op_checks.pp_args(self, "pp_send", t, "dst_rank_idx", dst_rank_idx, num_sms)
         self.runtime.pp_send(t, dst, num_sms)
 
     def pp_recv(self, t: torch.Tensor, src_rank_idx: int, num_sms: int = 0) -> None:
@@ -128,7 +129,7 @@ class AgrsPpEngramOps:
                 ``pp_recv``, this rank and the peer when nothing arrived within ``num_gpu_timeout_secs``.
         """
         self._check_alive()
-        src = _checks.pp_args(self, "pp_recv", t, "src_rank_idx", src_rank_idx, num_sms)
+        src = _op_checks.pp_args(self, "pp_recv", t, "src_rank_idx", src_rank_idx, num_sms)
         self.runtime.pp_recv(t, src, num_sms)
 
     # ------------------------------------------------------------------ AGRS (all-gather sessions)
@@ -149,7 +150,7 @@ class AgrsPpEngramOps:
         self._check_alive()
         err, cfg = None, None
         try:
-            cfg = _checks.agrs_config_args(self, num_max_session_bytes, num_max_all_gathers_per_session)
+            cfg = _op_checks.agrs_config_args(self, num_max_session_bytes, num_max_all_gathers_per_session)
         except ValueError as e:
             err = e
         _checks.raise_if_any_rank_failed(self.group, err, "agrs_set_config")
@@ -202,7 +203,7 @@ class AgrsPpEngramOps:
             ValueError: not configured, outside a session, the session's bytes or gathers exhausted, bad shapes.
         """
         self._check_alive()
-        parts, batched = _checks.agrs_inplace_args(self, shapes, dtype)
+        parts, batched = _op_checks.agrs_inplace_args(self, shapes, dtype)
         region = self._agrs_region
         out = tuple(region[o:o + math.prod(s) * dtype.itemsize].view(dtype).view(s) for s, o in parts)
         return out if batched else out[0]
@@ -226,7 +227,7 @@ class AgrsPpEngramOps:
                 rank's part of this gather.
         """
         self._check_alive()
-        a, batched, end = _checks.all_gather_args(self, t)
+        a, batched, end = _op_checks.all_gather_args(self, t)
         out, wait = self.runtime.all_gather(a)
         self._agrs_offset, self._agrs_slot = end, self._agrs_slot + 1
         session = self._agrs_session_idx

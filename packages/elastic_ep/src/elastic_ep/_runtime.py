@@ -78,7 +78,7 @@ class CombineArgs:
 
 @dataclass(eq=False)
 class AllGatherArgs:
-    """A validated AGRS all-gather (``_checks.all_gather_args``): where each tensor's ``[R, ...]`` result
+    """A validated AGRS all-gather (``_checks_agrs_pp_engram.all_gather_args``): where each tensor's ``[R, ...]`` result
     lies in the session region. Rank ``r``'s part of tensor ``i`` is the ``tensors[i].nbytes`` bytes at
     ``offsets[i] + r * tensors[i].nbytes``."""
 
