@@ -201,8 +201,8 @@ def _large_worker(rank, world, rdzv):
 
     top = 64 << 20
     group = init_ep_group(rank, world, rdzv, "ipc")
-    buf = ep.ElasticBuffer(group, num_bytes=(2 * world * top + (2 << 20) - 1) // (2 << 20) * (2 << 20), backend="native",
-                           window="ipc")
+    # AGRS: R x 64 MiB; PP: DeepEP's 4 x 64 MiB x 2 in flight (and the native R x 2 x 64 MiB slots)
+    buf = ep.ElasticBuffer(group, num_bytes=max(world, 4) * 2 * top, backend="native", window="ipc")
     plan = torch.Generator().manual_seed(5)   # sizes and dtypes, the same on every rank
     dtypes = [torch.uint8, torch.bfloat16, torch.float32, torch.int64, torch.float8_e4m3fn]
     buf.agrs_set_config(world * top, 2)
