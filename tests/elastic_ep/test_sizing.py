@@ -221,3 +221,21 @@ def test_chunk_order_visits_every_row_once_chunk_major(R, rank, rows):
     assert keys == sorted(keys)
     with pytest.raises(ValueError):
         C.chunk_order(R, R, rows)
+
+
+def test_node_shapes_1x8_to_8x8_by_hand():
+    # DeepSeek-V3, BF16, multiple reduction, nodes of 8 NVLink ranks (U = 8), S = 1, 2, 4, 8 nodes.
+    # 1 x 8 is direct mode: dispatch 14416 x 8 x 4096 = 472,383,488 B -> 226 x 2 MiB (see the EP 8 test).
+    assert calculate_elastic_buffer_size(8, **DSV3, num_nvl_ranks=8) == 226 * MiB2
+    # 2 x 8: 579 x 2 MiB (the EP 16 test above).
+    assert calculate_elastic_buffer_size(16, **DSV3, num_nvl_ranks=8) == 579 * MiB2
+    # 4 x 8: dispatch 14416 x (8*4*4096 + 4096 + 4*(4096 + 1280)) = 14416 x 156672 = 2,258,583,552 B;
+    # combine 14368 x (8*4*4096 + 4*4096 + 1*4*(4096 + 1280)) = 14368 x 168960 = 2,427,617,280 B -> 1158 x 2 MiB.
+    assert C.get_dispatch_buffer_size(4096, 7168, 0, 8, 2, 4, 8, True) == 2_258_583_552
+    assert C.get_combine_buffer_size(4096, 7168, 8, 4, 8, True, True) == 2_427_617_280
+    assert calculate_elastic_buffer_size(32, **DSV3, num_nvl_ranks=8) == 1158 * MiB2
+    # 8 x 8: dispatch 14416 x (8*8*4096 + 4096 + 8*5376) = 14416 x 309248 = 4,458,119,168 B; combine
+    # 14368 x (8*8*4096 + min(8, 8)*4096 + 8*5376) = 14368 x 337920 = 4,855,234,560 B -> 2316 x 2 MiB.
+    assert C.get_dispatch_buffer_size(4096, 7168, 0, 8, 2, 8, 8, True) == 4_458_119_168
+    assert C.get_combine_buffer_size(4096, 7168, 8, 8, 8, True, True) == 4_855_234_560
+    assert calculate_elastic_buffer_size(64, **DSV3, num_nvl_ranks=8) == 2316 * MiB2
