@@ -392,21 +392,14 @@ void bind_runtime(py::module_& m) {
           py::arg("direct_base") = 0,
           "Notify (or, cached, the entry barrier) and the push; tensor arguments are data pointers (0: none).")
       .def(
-          "pp_send",
-          [](Runtime& r, uintptr_t x, int64_t nbytes, int peer, int64_t slot_bytes, int num_max_inflight, int num_sms,
-             int64_t stream) {
-            r.pp_send(PpParams{ptr<void>(x), nbytes, slot_bytes, peer, num_max_inflight, num_sms}, stream);
+          "pp_transfer",
+          [](Runtime& r, bool send, uintptr_t x, int64_t nbytes, int peer, int64_t slot_bytes, int num_max_inflight,
+             int num_sms, int64_t stream) {
+            r.pp_transfer(PpParams{ptr<void>(x), nbytes, slot_bytes, peer, num_max_inflight, num_sms}, send, stream);
           },
-          py::arg("x"), py::arg("nbytes"), py::arg("peer"), py::arg("slot_bytes"), py::arg("num_max_inflight"),
-          py::arg("num_sms"), py::arg("stream"), "PP send of nbytes at x to peer (pp.cuh); x is a data pointer.")
-      .def(
-          "pp_recv",
-          [](Runtime& r, uintptr_t x, int64_t nbytes, int peer, int64_t slot_bytes, int num_max_inflight, int num_sms,
-             int64_t stream) {
-            r.pp_recv(PpParams{ptr<void>(x), nbytes, slot_bytes, peer, num_max_inflight, num_sms}, stream);
-          },
-          py::arg("x"), py::arg("nbytes"), py::arg("peer"), py::arg("slot_bytes"), py::arg("num_max_inflight"),
-          py::arg("num_sms"), py::arg("stream"), "PP receive of nbytes into x from peer (pp.cuh).")
+          py::arg("send"), py::arg("x"), py::arg("nbytes"), py::arg("peer"), py::arg("slot_bytes"),
+          py::arg("num_max_inflight"), py::arg("num_sms"), py::arg("stream"),
+          "PP send (send=True: nbytes at x to peer) or receive (into x from peer), pp.cuh; x is a data pointer.")
       .def("agrs_all_gather", &Runtime::agrs_all_gather, py::arg("srcs"), py::arg("nbytes"), py::arg("offsets"),
            py::arg("stream"), "One AGRS gather: copy-engine copies into every rank's region, then its signals.")
       .def("pp_unreceived", [](Runtime& r) { return without_gil([&] { return r.pp_unreceived(); }); },

@@ -619,25 +619,15 @@ void Runtime::dispatch_epilogue(const EpilogueParams& p, int64_t stream, int64_t
   stream_wait(join_stream, stream, event_out_);
 }
 
-void Runtime::pp_send(const PpParams& p, int64_t stream) {
+void Runtime::pp_transfer(const PpParams& p, bool send, int64_t stream) {
+  const char* op = send ? "pp_send" : "pp_recv";
   CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
   CK_CHECK(p.peer >= 0 && p.peer < num_ranks_ && p.peer != rank_ && p.nbytes >= 0 && p.nbytes <= p.slot_bytes &&
                p.num_max_inflight > 0 &&
                int64_t(num_ranks_) * p.num_max_inflight * p.slot_bytes <= num_buffer_bytes_,
-           "pp_send: bad parameters (peer ", p.peer, ", ", p.nbytes, " bytes, slots of ", p.slot_bytes, ")");
+           op, ": bad parameters (peer ", p.peer, ", ", p.nbytes, " bytes, slots of ", p.slot_bytes, ")");
   set_device();
-  launch_pp_send(view(), p, reinterpret_cast<void*>(stream));
-  CK_CUDA_CHECK(cudaGetLastError());
-}
-
-void Runtime::pp_recv(const PpParams& p, int64_t stream) {
-  CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
-  CK_CHECK(p.peer >= 0 && p.peer < num_ranks_ && p.peer != rank_ && p.nbytes >= 0 && p.nbytes <= p.slot_bytes &&
-               p.num_max_inflight > 0 &&
-               int64_t(num_ranks_) * p.num_max_inflight * p.slot_bytes <= num_buffer_bytes_,
-           "pp_recv: bad parameters (peer ", p.peer, ", ", p.nbytes, " bytes, slots of ", p.slot_bytes, ")");
-  set_device();
-  launch_pp_recv(view(), p, reinterpret_cast<void*>(stream));
+  (send ? launch_pp_send : launch_pp_recv)(view(), p, reinterpret_cast<void*>(stream));
   CK_CUDA_CHECK(cudaGetLastError());
 }
 

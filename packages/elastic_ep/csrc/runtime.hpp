@@ -140,8 +140,7 @@ class Runtime {
   // `wait_stream` / `join_stream` as in dispatch / dispatch_epilogue.
   // PP send / receive on `stream` (pp.cuh); point-to-point, no epoch. The Python layer checked the
   // arguments and that the slots fit the buffer.
-  void pp_send(const PpParams& p, int64_t stream);
-  void pp_recv(const PpParams& p, int64_t stream);
+  void pp_transfer(const PpParams& p, bool send, int64_t stream);
   // One AGRS gather on `stream`: copy-engine copies of this rank's part of tensor i (nbytes[i] bytes
   // at srcs[i]) into every rank's region at buffer offset offsets[i] + rank * nbytes[i] (none where
   // source and destination coincide: in place), then the gather-done kernel (agrs.cuh).

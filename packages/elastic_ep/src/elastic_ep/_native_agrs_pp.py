@@ -57,21 +57,20 @@ class NativeAgrsPp:
             return min(num_sms, self.num_device_sms)
         return max(1, min(_PP_MAX_AUTO_SMS, -(-nbytes // _PP_BYTES_PER_SM)))
 
-    def pp_send(self, x: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
-        """One send kernel on the current stream (x is read before it ends: reusable in stream order)."""
+    def _pp(self, send: bool, x: torch.Tensor, peer: int, num_sms: int) -> None:
         self._alive()
         if x.nbytes == 0:
             return
-        self._rt.pp_send(x.data_ptr(), x.nbytes, dst_rank_idx, self._pp_slot_bytes, self._pp_inflight,
-                         self._pp_sms(x.nbytes, num_sms), torch.cuda.current_stream(self.device).cuda_stream)
+        self._rt.pp_transfer(send, x.data_ptr(), x.nbytes, peer, self._pp_slot_bytes, self._pp_inflight,
+                             self._pp_sms(x.nbytes, num_sms), torch.cuda.current_stream(self.device).cuda_stream)
+
+    def pp_send(self, x: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
+        """One send kernel on the current stream (x is read before it ends: reusable in stream order)."""
+        self._pp(True, x, dst_rank_idx, num_sms)
 
     def pp_recv(self, x: torch.Tensor, src_rank_idx: int, num_sms: int = 0) -> None:
         """One receive kernel on the current stream (x holds the tensor when it ends)."""
-        self._alive()
-        if x.nbytes == 0:
-            return
-        self._rt.pp_recv(x.data_ptr(), x.nbytes, src_rank_idx, self._pp_slot_bytes, self._pp_inflight,
-                         self._pp_sms(x.nbytes, num_sms), torch.cuda.current_stream(self.device).cuda_stream)
+        self._pp(False, x, src_rank_idx, num_sms)
 
     # ------------------------------------------------------------------ AGRS
     def agrs_set_config(self, num_max_session_bytes: int) -> torch.Tensor:
