@@ -14,11 +14,11 @@ or more GPUs).
   the GPU; and the pinned host-to-device copy of the same bytes, whose bandwidth is the ceiling
   (target: >= 80 % of it). GB/s = fetched bytes over the time; also million entries per second.
 
-S in 1, 4, 16, 64 MiB (``--quick``: 1 and 16 MiB). Every iteration starts aligned (the caller's aligner).
+S in 1, 4, 16, 64 MiB (``--quick``: 1 and 16 MiB). ``timed_us(fn)`` is the caller's timer (bench_elastic_ep's:
+the median over its iterations, each started aligned on every GPU).
 """
 from __future__ import annotations
 
-import statistics
 from typing import Callable, List
 
 import torch
@@ -28,24 +28,11 @@ SIZES = [1 << 20, 4 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [1 << 20, 16 << 20]
 
 
-def _median_us(fn: Callable[[], None], iters: int, align: Callable[[], None]) -> float:
-    out = []
-    for _ in range(iters):
-        align()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        out.append(start.elapsed_time(stop) * 1000.0)
-    return statistics.median(out)
-
-
 def _result(op: str, backend: str, size: int, us: float, moved: int, same: bool) -> dict:
     return dict(op=op, backend=backend, bytes=size, us=us, gbps=moved / us / 1e3, bitwise_equal=same)
 
 
-def bench_engram(ep, group, rank: int, world: int, iters: int, align: Callable[[], None]) -> List[dict]:
+def bench_engram(ep, group, rank: int, world: int, timed_us: Callable[[Callable[[], None]], float]) -> List[dict]:
     """The Engram case (see the module docstring) on this rank; every rank calls it alike."""
     T, E, H, N = 512, 24, 7168, 4096
     row = H * 2
@@ -84,7 +71,7 @@ def bench_engram(ep, group, rank: int, world: int, iters: int, align: Callable[[
     for backend, fn in (("native", ours), ("host_gather_h2d", host_gather), ("pinned_h2d", pinned_copy)):
         fn()
         torch.cuda.synchronize()
-        us = _median_us(fn, iters, align)
+        us = timed_us(fn)
         r = _result("engram_fetch", backend, fetched, us, fetched, same if backend == "native" else True)
         r["mentries_per_s"] = T * E / us
         res.append(r)
@@ -93,10 +80,10 @@ def bench_engram(ep, group, rank: int, world: int, iters: int, align: Callable[[
     return res
 
 
-def bench_agrs_pp(ep, group, rank: int, world: int, ops: List[str], iters: int, quick: bool,
-                  align: Callable[[], None]) -> List[dict]:
+def bench_agrs_pp(ep, group, rank: int, world: int, ops: List[str], quick: bool,
+                  timed_us: Callable[[Callable[[], None]], float]) -> List[dict]:
     """The cases of ``ops`` (``agrs``, ``pp``, ``engram``) on this rank; every rank calls it alike."""
-    out = bench_engram(ep, group, rank, world, iters, align) if "engram" in ops else []
+    out = bench_engram(ep, group, rank, world, timed_us) if "engram" in ops else []
     ops = [o for o in ops if o in ("agrs", "pp")] if world >= 2 else []
     if not ops:
         return out
@@ -128,8 +115,8 @@ def bench_agrs_pp(ep, group, rank: int, world: int, ops: List[str], iters: int, 
             torch.cuda.synchronize()
             same = torch.equal(got, ref)
             moved = (world - 1) * size
-            out.append(_result("all_gather", "native", size, _median_us(ours, iters, align), moved, same))
-            out.append(_result("all_gather", "nccl", size, _median_us(nccl, iters, align), moved, True))
+            out.append(_result("all_gather", "native", size, timed_us(ours), moved, same))
+            out.append(_result("all_gather", "nccl", size, timed_us(nccl), moved, True))
     if "pp" in ops:
         buf.pp_set_config(top, 2)
         nxt, prv = (rank + 1) % world, (rank - 1) % world
@@ -150,8 +137,8 @@ def bench_agrs_pp(ep, group, rank: int, world: int, ops: List[str], iters: int, 
             nccl()
             torch.cuda.synchronize()
             same = torch.equal(y, y_ref)
-            out.append(_result("pp_ring", "native", size, _median_us(ours, iters, align), size, same))
-            out.append(_result("pp_ring", "nccl", size, _median_us(nccl, iters, align), size, True))
+            out.append(_result("pp_ring", "native", size, timed_us(ours), size, same))
+            out.append(_result("pp_ring", "nccl", size, timed_us(nccl), size, True))
     buf.barrier(with_cpu_sync=True)
     buf.destroy()
     return out

@@ -444,7 +444,8 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
         from _bench_ep_p2p import bench_agrs_pp
 
         try:
-            out["p2p"] = bench_agrs_pp(ep, group, rank, world, p2p_ops, iters, args.quick, align)
+            out["p2p"] = bench_agrs_pp(ep, group, rank, world, p2p_ops, args.quick,
+                                       lambda fn: statistics.median(_timed_us(fn, iters, align)))
         except Exception as e:  # noqa: BLE001 - report and keep the dispatch/combine results
             out.setdefault("errors", []).append(f"agrs/pp/engram: {type(e).__name__}: {e}")
     all_out = [None] * world
