@@ -535,6 +535,19 @@ def init_ep_group(rank: int, world: int, rdzv: str, window: str = "auto"):
     return init_nccl(rank, world, rdzv)
 
 
+def ops_buffer(rank: int, world: int, rdzv: str, backend: str, **kw):
+    """``(group, buffer)`` of the AGRS / PP / Engram workers: the torch runtime over gloo, or
+    (``backend="native"``) the native runtime on its CUDA-IPC window (the ranks may share a GPU)."""
+    from tests._dist import init_gloo
+
+    ep = import_elastic_ep()
+    if backend == "native":
+        group = init_ep_group(rank, world, rdzv, "ipc")
+        return group, ep.ElasticBuffer(group, backend="native", window="ipc", **kw)
+    group = init_gloo(rank, world, rdzv)
+    return group, ep.ElasticBuffer(group, backend="torch", **kw)
+
+
 def matrix_worker(rank: int, world: int, rdzv: str, cfg: dict):
     """Runs ``case_matrix(cfg['kind'])`` for each buffer option set in ``cfg['buffers']``.
 
@@ -574,3 +587,23 @@ def matrix_worker(rank: int, world: int, rdzv: str, cfg: dict):
     dist.destroy_process_group()
     raise_failures(rank)
     return done
+
+
+def expect_timeout(buf, stage, call, rank=0, peer=1):
+    """A waiting rank's side of a timeout test: `call` must raise TimeoutError naming `stage`, `rank` and
+    `peer` (the device record names who waited for whom) within 14 s, and CUDA must stay usable."""
+    import time
+
+    t0 = time.monotonic()
+    try:
+        call()
+        torch.cuda.synchronize()
+        buf.barrier(with_cpu_sync=True)
+    except TimeoutError as e:
+        msg = str(e)
+        assert time.monotonic() - t0 < 14, "the timeout took too long"
+        assert stage in msg.lower(), msg
+        assert f"rank {rank}" in msg and f"peer {peer}" in msg, msg
+        assert int(torch.arange(10, device="cuda").sum()) == 45
+        return "timeout"
+    raise AssertionError(f"{stage} without a peer did not time out")

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tests._dist import init_gloo, run_workers
-from tests.elastic_ep._common import import_elastic_ep, refusal_checker
+from tests.elastic_ep._common import import_elastic_ep, ops_buffer, refusal_checker
 
 ep = import_elastic_ep()
 
@@ -61,14 +61,7 @@ def _random_tensor(g: torch.Generator, shape, dtype: torch.dtype) -> torch.Tenso
 def _stress_worker(rank, world, rdzv, seed, backend="torch"):
     """The random sessions on the torch runtime over gloo, or (backend="native") on the native runtime's
     CUDA-IPC window (test_agrs_pp_engram_gpu.py), the reference then gathered over the test's group."""
-    if backend == "native":
-        from tests.elastic_ep._common import init_ep_group
-
-        group = init_ep_group(rank, world, rdzv, "ipc")
-        buf = ep.ElasticBuffer(group, num_bytes=MiB2, backend="native", window="ipc")
-    else:
-        group = init_gloo(rank, world, rdzv)
-        buf = ep.ElasticBuffer(group, num_bytes=MiB2, backend="torch")
+    group, buf = ops_buffer(rank, world, rdzv, backend, num_bytes=MiB2)
     buf.agrs_set_config(SESSION_BYTES, MAX_GATHERS)
     plan = torch.Generator().manual_seed(seed)          # the same on every rank: shapes, dtypes, choices
     data = torch.Generator().manual_seed(seed * 100 + rank)  # this rank's bytes
@@ -202,7 +195,7 @@ def test_agrs_refusals(tmp_path):
     assert counts[0] == counts[1] == 25
 
 
-def test_runtime_without_agrs_says_not_implemented():
+def test_runtime_without_agrs_pp_engram_says_not_implemented():
     from elastic_ep._runtime import AllGatherArgs, Runtime
 
     class Native(Runtime):  # a runtime that keeps the interface's defaults for these ops
@@ -212,7 +205,11 @@ def test_runtime_without_agrs_says_not_implemented():
     r = Native()
     for fn, op in ((lambda: r.agrs_set_config(1024), "agrs_set_config"),
                    (lambda: r.all_gather(AllGatherArgs([], [], [], 1, 0)), "all_gather"),
-                   (lambda: r.agrs_end_session(1), "destroy_agrs_session")):
+                   (lambda: r.agrs_end_session(1), "destroy_agrs_session"),
+                   (lambda: r.pp_set_config(64, 2), "pp_set_config"), (lambda: r.pp_send(torch.zeros(1), 1), "pp_send"),
+                   (lambda: r.pp_recv(torch.zeros(1), 1), "pp_recv"),
+                   (lambda: r.engram_write(torch.zeros(1, 8), None), "engram_write"),
+                   (lambda: r.engram_fetch(torch.zeros(1, 1, dtype=torch.int32), False), "engram_fetch")):
         with pytest.raises(NotImplementedError, match=rf"{op}: the native runtime does not implement it yet.*"
                                                       r"backend='torch'"):
             fn()
@@ -220,6 +217,7 @@ def test_runtime_without_agrs_says_not_implemented():
         from elastic_ep import _native_runtime
     except Exception:  # noqa: BLE001 - not importable on this machine: the interface check above stands
         return
-    for op in ("agrs_set_config", "all_gather", "agrs_end_session", "pp_set_config", "pp_send", "pp_recv"):
+    for op in ("agrs_set_config", "all_gather", "agrs_end_session", "pp_set_config", "pp_send", "pp_recv",
+               "engram_write", "engram_fetch"):
         # the native runtime has its own (test_agrs_pp_engram_gpu.py)
         assert getattr(_native_runtime.NativeRuntime, op) is not getattr(Runtime, op)

@@ -22,7 +22,7 @@ import torch
 
 from tests._dist import run_workers
 from tests.elastic_ep import test_agrs_cpu, test_engram_cpu, test_pp_cpu
-from tests.elastic_ep._common import import_elastic_ep, init_ep_group
+from tests.elastic_ep._common import expect_timeout, import_elastic_ep, init_ep_group
 
 ep = import_elastic_ep()
 MiB2 = 2 << 20
@@ -31,22 +31,6 @@ MiB2 = 2 << 20
 def _buffer(rank, world, rdzv, **kw):
     group = init_ep_group(rank, world, rdzv, "ipc")
     return ep.ElasticBuffer(group, num_bytes=MiB2, backend="native", window="ipc", **kw)
-
-
-def _expect_timeout(buf, stage, call, rank, peer):
-    t0 = time.monotonic()
-    try:
-        call()
-        torch.cuda.synchronize()
-        buf.barrier(with_cpu_sync=True)
-    except TimeoutError as e:
-        msg = str(e)
-        assert time.monotonic() - t0 < 14, "the timeout took too long"
-        assert stage in msg, msg
-        assert f"rank {rank}" in msg and f"peer {peer}" in msg, msg
-        assert int(torch.arange(10, device="cuda").sum()) == 45  # CUDA still usable
-        return "timeout"
-    raise AssertionError(f"{stage} without a peer did not time out")
 
 
 # --------------------------------------------------------------------------------------------- PP
@@ -99,7 +83,7 @@ def _pp_timeout_worker(rank, world, rdzv):
         time.sleep(15)  # never sends
         return "idle"
     y = torch.empty(256, device="cuda")
-    return _expect_timeout(buf, "pp_recv", lambda: (buf.pp_recv(y, 0), torch.cuda.synchronize(), buf.pp_recv(y, 0)),
+    return expect_timeout(buf, "pp_recv", lambda: (buf.pp_recv(y, 0), torch.cuda.synchronize(), buf.pp_recv(y, 0)),
                            rank=1, peer=0)
 
 
@@ -171,7 +155,7 @@ def _agrs_timeout_worker(rank, world, rdzv):
         torch.cuda.synchronize()
         buf.all_gather(x)  # the next call raises the recorded timeout
 
-    return _expect_timeout(buf, "all_gather", gather, rank=0, peer=1)
+    return expect_timeout(buf, "all_gather", gather, rank=0, peer=1)
 
 
 @pytest.mark.multigpu(2, shared_ok=True)

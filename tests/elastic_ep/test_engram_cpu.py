@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tests._dist import init_gloo, run_workers
-from tests.elastic_ep._common import import_elastic_ep, refusal_checker
+from tests.elastic_ep._common import import_elastic_ep, ops_buffer, refusal_checker
 
 ep = import_elastic_ep()
 
@@ -65,16 +65,8 @@ def _check_fetch(buf, table, sf_table, idx, tma: bool):
 def _worker(rank, world, rdzv, backend="torch"):
     """The fetch checks on the torch runtime over gloo, or (backend="native") on the native runtime's
     CUDA-IPC window and host segments (test_agrs_pp_engram_gpu.py); the reference table always over gloo."""
-    if backend == "native":
-        from tests._dist import init_gpu_group
-
-        init_gpu_group(rank, world, rdzv)
-        group = dist.group.WORLD
-        ref_group = dist.new_group(backend="gloo")
-        buf = ep.ElasticBuffer(group, num_bytes=MiB2, num_cpu_bytes=MiB2, backend="native", window="ipc")
-    else:
-        group = ref_group = init_gloo(rank, world, rdzv)
-        buf = ep.ElasticBuffer(group, num_bytes=MiB2, num_cpu_bytes=MiB2, backend="torch")
+    group, buf = ops_buffer(rank, world, rdzv, backend, num_bytes=MiB2, num_cpu_bytes=MiB2)
+    ref_group = group if backend == "torch" else dist.new_group(backend="gloo")
     assert buf.num_cpu_bytes == MiB2
     g = torch.Generator().manual_seed(10 + rank)      # this rank's shard
     shared = torch.Generator().manual_seed(99)        # the same on every rank: indices, scale tables
@@ -154,17 +146,3 @@ def _refusal_worker(rank, world, rdzv):
 def test_engram_refusals(tmp_path):
     counts = run_workers(_refusal_worker, 2, tmp_path=tmp_path, timeout=120)
     assert counts == [23, 23]
-
-
-def test_native_runtime_says_engram_is_not_implemented():
-    from elastic_ep._runtime import Runtime
-
-    class Native(Runtime):
-        backend = "native"
-        dispatch = combine = barrier = destroy = get_comm_stream = None
-
-    r = Native()
-    for fn, op in ((lambda: r.engram_write(torch.zeros(1, 8), None), "engram_write"),
-                   (lambda: r.engram_fetch(torch.zeros(1, 1, dtype=torch.int32), False), "engram_fetch")):
-        with pytest.raises(NotImplementedError, match=rf"{op}: the native runtime does not implement it yet"):
-            fn()

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests._dist import run_workers
-from tests.elastic_ep._common import matrix_worker
+from tests.elastic_ep._common import expect_timeout, matrix_worker
 
 SMALL = dict(hidden=512, topk=8, experts=32, max_tokens=96, tokens=[96, 0, 61, 7])
 BUFFERS = [dict(allow_multiple_reduction=True, deterministic=False),
@@ -241,29 +241,9 @@ def timeout_worker(rank, world, rdzv, window="auto"):
         time.sleep(15)  # never joins the dispatch
         return "idle"
     inp = make_inputs(rank, 32, 256, 2, 8 * world, "bf16", 0, "cuda")
-    return _expect_timeout(buf, "dispatch",
-                           lambda: buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], num_experts=8 * world,
-                                                do_cpu_sync=True))
-
-
-def _expect_timeout(buf, stage, call, rank=0, peer=1):
-    """A waiting rank's side of a timeout test: `call` must raise TimeoutError naming `stage`, `rank` and
-    `peer` (the device record names who waited for whom) within 14 s, and CUDA must stay usable."""
-    import time
-
-    t0 = time.monotonic()
-    try:
-        call()
-        torch.cuda.synchronize()
-        buf.barrier(with_cpu_sync=True)
-    except TimeoutError as e:
-        msg = str(e)
-        assert time.monotonic() - t0 < 14, "the timeout took too long"
-        assert stage in msg.lower(), msg
-        assert f"rank {rank}" in msg and f"peer {peer}" in msg, msg
-        assert int(torch.arange(10, device="cuda").sum()) == 45
-        return "timeout"
-    raise AssertionError(f"{stage} without a peer did not time out")
+    return expect_timeout(buf, "dispatch",
+                          lambda: buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], num_experts=8 * world,
+                                               do_cpu_sync=True))
 
 
 @pytest.mark.multigpu(2)
@@ -338,8 +318,8 @@ def combine_timeout_worker(rank, world, rdzv, window="auto"):
     if rank == world - 1:
         time.sleep(15)  # never joins the combine
         return "idle"
-    return _expect_timeout(buf, "combine", lambda: buf.combine(recv, handle, topk_weights=rw), rank=rank,
-                           peer=world - 1)
+    return expect_timeout(buf, "combine", lambda: buf.combine(recv, handle, topk_weights=rw), rank=rank,
+                          peer=world - 1)
 
 
 @pytest.mark.multigpu(2, shared_ok=True)

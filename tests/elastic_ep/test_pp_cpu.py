@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests._dist import init_gloo, run_workers
-from tests.elastic_ep._common import import_elastic_ep, refusal_checker
+from tests.elastic_ep._common import import_elastic_ep, ops_buffer, refusal_checker
 
 ep = import_elastic_ep()
 
@@ -46,14 +46,7 @@ def _recv(buf, src: int, i: int) -> None:
 def _worker(rank, world, rdzv, pattern, backend="torch"):
     """The patterns on the torch runtime over gloo, or (backend="native") on the native runtime's CUDA-IPC
     window (test_agrs_pp_engram_gpu.py)."""
-    if backend == "native":
-        from tests.elastic_ep._common import init_ep_group
-
-        group = init_ep_group(rank, world, rdzv, "ipc")
-        buf = ep.ElasticBuffer(group, num_bytes=MiB2, backend="native", window="ipc")
-    else:
-        group = init_gloo(rank, world, rdzv)
-        buf = ep.ElasticBuffer(group, num_bytes=MiB2, backend="torch")
+    _, buf = ops_buffer(rank, world, rdzv, backend, num_bytes=MiB2)
     buf.pp_set_config(MAX_BYTES, INFLIGHT)
     n = 0
     if pattern == "ring":
@@ -135,17 +128,3 @@ def _refusal_worker(rank, world, rdzv):
 def test_pp_refusals_and_timeout(tmp_path):
     counts = run_workers(_refusal_worker, 2, tmp_path=tmp_path, timeout=120)
     assert counts == [15, 15]
-
-
-def test_native_runtime_says_pp_is_not_implemented():
-    from elastic_ep._runtime import Runtime
-
-    class Native(Runtime):
-        backend = "native"
-        dispatch = combine = barrier = destroy = get_comm_stream = None
-
-    r = Native()
-    for fn, op in ((lambda: r.pp_set_config(64, 2), "pp_set_config"), (lambda: r.pp_send(torch.zeros(1), 1), "pp_send"),
-                   (lambda: r.pp_recv(torch.zeros(1), 1), "pp_recv")):
-        with pytest.raises(NotImplementedError, match=rf"{op}: the native runtime does not implement it yet"):
-            fn()
