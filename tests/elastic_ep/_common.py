@@ -7,6 +7,7 @@ compared bitwise (``torch.equal`` on raw bytes).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Dict, List, Optional
@@ -548,6 +549,20 @@ def ops_buffer(rank: int, world: int, rdzv: str, backend: str, **kw):
     return group, ep.ElasticBuffer(group, backend="torch", **kw)
 
 
+@contextlib.contextmanager
+def scaleup_override(n: Optional[int]):
+    """``ELASTIC_EP_NUM_SCALEUP_RANKS=n`` while buffers are created inside (nothing when ``n`` is None)."""
+    old = os.environ.pop("ELASTIC_EP_NUM_SCALEUP_RANKS", None)
+    if n is not None:
+        os.environ["ELASTIC_EP_NUM_SCALEUP_RANKS"] = str(n)
+    try:
+        yield
+    finally:
+        os.environ.pop("ELASTIC_EP_NUM_SCALEUP_RANKS", None)
+        if old is not None:
+            os.environ["ELASTIC_EP_NUM_SCALEUP_RANKS"] = old
+
+
 def matrix_worker(rank: int, world: int, rdzv: str, cfg: dict):
     """Runs ``case_matrix(cfg['kind'])`` for each buffer option set in ``cfg['buffers']``.
 
@@ -573,7 +588,13 @@ def matrix_worker(rank: int, world: int, rdzv: str, cfg: dict):
                                                            zero_copy=True),
                      ep.ElasticBuffer.get_buffer_size_hint(group, shape["max_tokens"], shape["hidden"], shape["topk"],
                                                            True, True, bopts.get("allow_multiple_reduction", True)))
-        buf = ep.ElasticBuffer(group, nbytes, backend=cfg["backend"], window=window, **kw)
+        # cfg["num_scaleup_ranks"]: the buffer under test in hybrid mode (logical domains of that size);
+        # the reference buffer (compare_torch) stays in direct mode.
+        with scaleup_override(cfg.get("num_scaleup_ranks")):
+            buf = ep.ElasticBuffer(group, nbytes, backend=cfg["backend"], window=window, **kw)
+        if cfg.get("num_scaleup_ranks"):
+            check(buf.get_logical_domain_size() == (world // cfg["num_scaleup_ranks"], cfg["num_scaleup_ranks"]),
+                  f"logical domains {buf.get_logical_domain_size()}")
         if cfg.get("shuffle") and buf.backend == "torch":  # emulate the native kernels' row order
             buf.runtime.shuffle_generator = torch.Generator().manual_seed(1000 + rank)
         ref = ep.ElasticBuffer(group, nbytes, backend="torch", **kw) if cfg.get("compare_torch") else None

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["Settings", "avoid_record_stream", "skip_nccl_version_check"]
+__all__ = ["Settings", "avoid_record_stream", "skip_nccl_version_check", "num_scaleup_ranks", "local_world_size"]
 
 
 def _is(name: str, value: str) -> bool:
@@ -52,6 +52,8 @@ class Settings:
     host_wait_yield_us: int = 20000
     #: ELASTIC_EP_TEST_NOTIFY_ATOMICS=1: notify's shared-atomics path (the one above 32 ranks), for tests.
     test_notify_atomics: bool = False
+    #: ELASTIC_EP_NUM_SCALEUP_RANKS=N: logical scale-up domains of N ranks (hybrid mode inside one node).
+    num_scaleup_ranks: Optional[int] = None
 
     @classmethod
     def read(cls) -> "Settings":
@@ -73,6 +75,7 @@ class Settings:
             combine_push_blocks=_int("ELASTIC_EP_COMBINE_PUSH_BLOCKS", None),
             host_wait_yield_us=max(0, _int("ELASTIC_EP_HOST_WAIT_YIELD_US", 20000)),
             test_notify_atomics=_is("ELASTIC_EP_TEST_NOTIFY_ATOMICS", "1"),
+            num_scaleup_ranks=_int("ELASTIC_EP_NUM_SCALEUP_RANKS", None),
         )
 
 
@@ -85,3 +88,17 @@ def avoid_record_stream() -> bool:
 def skip_nccl_version_check() -> bool:
     """ELASTIC_EP_SKIP_NCCL_VERSION_CHECK=1: no import-time check of the loaded NCCL's version."""
     return _is("ELASTIC_EP_SKIP_NCCL_VERSION_CHECK", "1")
+
+
+def num_scaleup_ranks() -> Optional[int]:
+    """ELASTIC_EP_NUM_SCALEUP_RANKS (read per call): the logical scale-up domain size, or None."""
+    return _int("ELASTIC_EP_NUM_SCALEUP_RANKS", None)
+
+
+def local_world_size() -> Optional[int]:
+    """LOCAL_WORLD_SIZE (torchrun's ranks per node), or None when unset or not a positive integer."""
+    try:
+        n = int(os.environ.get("LOCAL_WORLD_SIZE", ""))
+    except ValueError:
+        return None
+    return n if n > 0 else None

@@ -104,11 +104,11 @@ class EPHandle:
             do_cpu_sync: accepted; rows past the real count are found on the device either way.
             is_cached_dispatch: the outputs come from ``dispatch(handle=self)``.
             recv_x, recv_sf, recv_topk_idx, recv_topk_weights: the dispatch's outputs (None skipped).
-            channel_linked_list: must be None (hybrid mode, which does not exist here).
+            channel_linked_list: None or the handle's own (hybrid mode); the sort leaves it as it is: it
+                lists the rows a forwarder relayed, which the receiver's sort does not move.
         """
-        if channel_linked_list is not None:
-            raise ValueError("channel_linked_list: expected None (it exists only in hybrid mode, which this "
-                             "package does not implement)")
+        if channel_linked_list is not None and channel_linked_list is not self.channel_linked_list:
+            raise ValueError("channel_linked_list: expected None or this handle's channel_linked_list (hybrid mode)")
         if is_cached_dispatch and self.do_expand:
             return
         if self.perm is None:

@@ -48,7 +48,9 @@ from . import _C, _checks
 from ._env import Settings
 from ._events import EventHandle
 from ._engram import check_same_shards, gather_scales
+from ._domains import Domains
 from ._handle import EPHandle
+from ._torch_hybrid import HybridExchange
 from ._runtime import AllGatherArgs, CombineArgs, DispatchArgs, DispatchResult, Runtime
 
 __all__ = ["TorchRuntime"]
@@ -60,11 +62,18 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     row_bytes = t.element_size()
     for d in t.shape[1:]:
         row_bytes *= d
+    if t.numel() == 0:  # e.g. no tokens: an empty tensor may keep strides (0) that view() refuses
+        return torch.empty((t.shape[0], row_bytes), dtype=torch.uint8, device=t.device)
     return t.view(torch.uint8).reshape(t.shape[0], row_bytes)
 
 
 def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
-    return b.contiguous().view(dtype).reshape(b.shape[0], cols)
+    """Columns of a ``[rows, bytes]`` uint8 tensor read as ``dtype`` (``[rows, cols]``)."""
+    # A fresh copy unless the view is safe: one row's slice counts as contiguous but may keep an odd
+    # row stride or a misaligned offset, which view() refuses.
+    if not (b.is_contiguous() and b.stride(0) == b.shape[1] and b.storage_offset() % dtype.itemsize == 0):
+        b = b.clone(memory_format=torch.contiguous_format)
+    return b.view(dtype).reshape(b.shape[0], cols)
 
 
 class TorchRuntime(Runtime):
@@ -82,7 +91,7 @@ class TorchRuntime(Runtime):
     backend = "torch"
 
     def __init__(self, group: dist.ProcessGroup, allow_multiple_reduction: bool, num_cpu_timeout_secs: int,
-                 settings: Settings, buffer_id: int = 0) -> None:
+                 settings: Settings, buffer_id: int = 0, domains: Optional[Domains] = None) -> None:
         self.group = group
         self.rank_idx = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
@@ -106,6 +115,8 @@ class TorchRuntime(Runtime):
         self._engram_table: Optional[torch.Tensor] = None  # every rank's shard, [entries x R, hidden]
         self._engram_sf: Optional[torch.Tensor] = None
         self._pp_sends: Dict[int, Deque[Tuple[object, torch.Tensor]]] = {}  # per peer: (work, staged bytes)
+        # Hybrid mode (more than one scale-out domain): the two-hop exchange of _torch_hybrid.
+        self.hybrid = HybridExchange(domains, self._all_to_all) if domains is not None and domains.hybrid else None
 
     # ------------------------------------------------------------------ lifecycle / info
     def destroy(self) -> None:
@@ -355,7 +366,12 @@ class TorchRuntime(Runtime):
                 rows = token_ids.view(-1, 1).expand(T, K)
                 dst_buffer_slot_idx[valid] = slot_of[dst_rank[valid], rows[valid]]
 
-        recv, recv_counts = self._all_to_all(send, send_counts, "dispatch", bad_ids, num_experts)
+        forward = (None, None)
+        if self.hybrid is not None:
+            recv, recv_counts, forward = self.hybrid.dispatch(send, send_counts, torch.cat(order) if T else token_ids,
+                                                              T, num_max_tokens_per_rank, bad_ids, num_experts)
+        else:
+            recv, recv_counts = self._all_to_all(send, send_counts, "dispatch", bad_ids, num_experts)
         N = recv.shape[0]
 
         # ---- unpack
@@ -474,7 +490,7 @@ class TorchRuntime(Runtime):
             new_handle = EPHandle(do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, a.num_sms,
                                   a.topk_idx.clone() if a.do_handle_copy else a.topk_idx, num_recv_tokens,
                                   num_expanded_tokens, per_expert_list, psum_rank, psum_expert, unaligned,
-                                  recv_src_metadata, dst_buffer_slot_idx, buffer_id=self.buffer_id,
+                                  recv_src_metadata, dst_buffer_slot_idx, *forward, buffer_id=self.buffer_id,
                                   # No window here: zero-copy outputs are plain tensors; the field only marks
                                   # the handle as zero-copy for cached dispatches (as the native one's).
                                   direct_base=torch.zeros(R, dtype=torch.int32, device=dev) if a.zero_copy else None)
@@ -548,7 +564,10 @@ class TorchRuntime(Runtime):
         if w_vec is not None:
             parts.append(_as_bytes(w_vec))
         send = torch.cat(parts, 1)
-        recv, recv_counts = self._all_to_all(send, rec_counts, "combine")
+        if self.hybrid is not None:
+            recv, recv_counts = self.hybrid.combine(send, rec_counts)
+        else:
+            recv, recv_counts = self._all_to_all(send, rec_counts, "combine")
         M = recv.shape[0]
         off = 0
         r_rows = _from_bytes(recv[:, :2 * H], torch.bfloat16, H); off = 2 * H

@@ -38,7 +38,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _C, _checks, _env, _nvml
+from . import _C, _checks, _domains, _env, _nvml
 from . import _ops_agrs_pp_engram as _ops
 from ._checks import int_arg
 from ._events import EventHandle, EventOverlap
@@ -130,14 +130,27 @@ def get_elastic_buffer_alignment() -> int:
 
 
 def get_physical_domain_size(group: dist.ProcessGroup) -> Tuple[int, int]:
-    """``(num_rdma_ranks, num_nvlink_ranks)`` of ``group`` (DeepEP's module function): ``(1, R)``, every
-    rank in one NVLink domain, the only layout this package supports."""
-    return 1, dist.get_world_size(group)
+    """``(num_rdma_ranks, num_nvlink_ranks)`` of ``group`` (DeepEP's module function): the ranks' nodes
+    (collective: every rank's host name is gathered), each node one NVLink domain (``_domains``).
+
+    Raises:
+        ValueError: nodes with different rank counts, or a node whose ranks are not consecutive.
+    """
+    return _domains.physical_from_nodes(_domains.node_key(group))
 
 
 def get_logical_domain_size(group: dist.ProcessGroup, allow_hybrid_mode: bool = True) -> Tuple[int, int]:
-    """``(num_scaleout_ranks, num_scaleup_ranks)`` of ``group`` (DeepEP's module function): ``(1, R)``."""
-    return 1, dist.get_world_size(group)
+    """``(num_scaleout_ranks, num_scaleup_ranks)`` of ``group`` (DeepEP's module function; collective):
+    ``(1, R)`` in direct mode; the physical domains in hybrid mode; ``(R / N, N)`` with
+    ``ELASTIC_EP_NUM_SCALEUP_RANKS=N`` (``_domains``).
+
+    Raises:
+        ValueError: see ``get_physical_domain_size``; an override that does not divide the NVLink domain.
+    """
+    R = dist.get_world_size(group)
+    S, U, _ = _domains.logical_domains(R, get_physical_domain_size(group), bool(allow_hybrid_mode),
+                                       _env.num_scaleup_ranks())
+    return S, U
 
 
 def _release_native(runtime: Any, destroy_comm: Any, comm: int) -> None:
@@ -261,18 +274,32 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
             on_gpu = pg_backend == "nccl" or backend == "native"
             self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
             self.window = ("ipc" if ipc else "nccl") if backend == "native" else None
-            if num_bytes is None:
-                if num_max_tokens_per_rank <= 0 or hidden <= 0:
-                    raise ValueError("num_bytes=None needs num_max_tokens_per_rank > 0 and hidden > 0 to size the "
-                                     f"buffer, got num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}")
-                num_bytes = self.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk,
-                                                      use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
-            if num_bytes <= 0 or num_bytes % ALIGNMENT_BYTES:
+            if num_bytes is None and (num_max_tokens_per_rank <= 0 or hidden <= 0):
+                raise ValueError("num_bytes=None needs num_max_tokens_per_rank > 0 and hidden > 0 to size the "
+                                 f"buffer, got num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}")
+            if num_bytes is not None and num_bytes % ALIGNMENT_BYTES:
                 raise ValueError(f"num_bytes: expected a positive multiple of {ALIGNMENT_BYTES} "
                                  f"(see get_buffer_size_hint), got {num_bytes}")
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             err = e
         _checks.raise_if_any_rank_failed(group, err, "ElasticBuffer: creating the buffer")
+        # The domains (collective: every rank's node), then the size they call for.
+        try:
+            physical = _domains.physical_from_nodes(_domains.node_key(group))
+            self.domains = _domains.make_domains(self.num_ranks, self.rank, physical, allow_hybrid_mode,
+                                                 self._settings.num_scaleup_ranks)
+            if backend == "native" and (self.domains.hybrid or self.domains.num_rdma_ranks > 1):
+                transport = _domains.scaleout_backend(self.domains, None)
+                raise RuntimeError(f"hybrid mode ({self.domains.num_scaleout_ranks} scale-out x "
+                                   f"{self.domains.num_scaleup_ranks} scale-up ranks, scale-out transport {transport}) "
+                                   "is not implemented by the native runtime yet; backend='torch' runs it")
+            if num_bytes is None:
+                num_bytes = calculate_elastic_buffer_size(self.num_ranks, num_max_tokens_per_rank, hidden, num_topk,
+                                                          use_fp8_dispatch, allow_hybrid_mode,
+                                                          allow_multiple_reduction, self.domains.num_scaleup_ranks)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            err = e
+        _checks.raise_if_any_rank_failed(group, err, "ElasticBuffer: the group's domains")
         self.num_bytes, self.num_cpu_bytes = int(num_bytes), num_cpu_bytes
         self.num_max_tokens_per_rank, self.hidden, self.num_topk = num_max_tokens_per_rank, hidden, num_topk
         self.use_fp8_dispatch, self.deterministic = use_fp8_dispatch, deterministic
@@ -282,7 +309,7 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
         # DeepEP's automatic count (hybrid allowed: 129, or 65 with MT4131 NICs, which a machine without
         # RDMA lacks; direct: 17). Unused without RDMA, but get_theoretical_num_qps and the num_qps bound
         # read it, so they give DeepEP's values.
-        self.num_allocated_qps = num_allocated_qps or (129 if allow_hybrid_mode else 17)
+        self.num_allocated_qps = _domains.num_allocated_qps(allow_hybrid_mode, num_allocated_qps)
         if self._settings.buffer_debug:  # DeepEP's switch for the same report
             print(f"elastic_ep: rank {self.rank}/{self.num_ranks}: buffer of {self.num_bytes} bytes, "
                   f"backend {self.backend}", flush=True)
@@ -315,12 +342,13 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
         else:
             from ._torch_runtime import TorchRuntime
             self.runtime = TorchRuntime(group, allow_multiple_reduction, num_cpu_timeout_secs, self._settings,
-                                        self._serial)
+                                        self._serial, self.domains)
         self.nccl_comm_handle = NcclCommHandle(self.nccl_comm)
-        # DeepEP's logical and physical rank indices (one NVLink domain: 1 scale-out rank, no RDMA).
-        self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
-        self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
-        self.num_rdma_ranks, self.num_nvlink_ranks = 1, self.num_ranks
+        # DeepEP's logical and physical rank indices.
+        d = self.domains
+        self.num_scaleout_ranks, self.num_scaleup_ranks = d.logical
+        self.scaleout_rank_idx, self.scaleup_rank_idx = d.scaleout_rank_idx, d.scaleup_rank_idx
+        self.num_rdma_ranks, self.num_nvlink_ranks = d.physical
         dist.barrier(group=group)
 
     # ------------------------------------------------------------------ sizing
@@ -329,11 +357,18 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
                              num_topk: int = 0, use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
                              allow_multiple_reduction: bool = True, *, zero_copy: bool = False) -> int:
         """Bytes a buffer needs for this configuration on ``group`` (2 MiB aligned): DeepEP's
-        ``calculate_buffer_size`` for one NVLink domain holding every rank (``zero_copy``: with room for
-        ``dispatch(zero_copy=True)`` too)."""
-        return calculate_elastic_buffer_size(dist.get_world_size(group), num_max_tokens_per_rank, hidden, num_topk,
-                                             use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction,
-                                             zero_copy=zero_copy)
+        ``calculate_buffer_size`` (``zero_copy``: with room for ``dispatch(zero_copy=True)`` too).
+
+        Not collective, so it cannot ask the other ranks for their nodes: the scale-up domain is
+        ``ELASTIC_EP_NUM_SCALEUP_RANKS`` when set, else the launcher's ranks per node
+        (``LOCAL_WORLD_SIZE``, torchrun's) with hybrid mode allowed, else every rank
+        (``_domains.local_scaleup_ranks``). A buffer created with ``num_bytes=None`` sizes itself from
+        the domains it detects."""
+        R = dist.get_world_size(group)
+        U = _domains.local_scaleup_ranks(R, bool(allow_hybrid_mode), _env.num_scaleup_ranks(),
+                                         _env.local_world_size())
+        return calculate_elastic_buffer_size(R, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
+                                             allow_hybrid_mode, allow_multiple_reduction, U, zero_copy=zero_copy)
 
     @staticmethod
     def get_engram_storage_size_hint(num_entries: int, hidden: int, num_max_tokens_per_rank: int,
@@ -380,27 +415,38 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
                                 rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
                                 sm_write_gbs: float = 50) -> int:
-        """SMs that keep NVLink busy for a balanced gate (DeepEP's bandwidth model, scale-up only); what
+        """SMs that keep the bottleneck link busy for a balanced gate (DeepEP's bandwidth model); what
         ``dispatch`` / ``combine`` use for ``num_sms=0``, leaving the other SMs to overlapped compute.
 
-        A token is read once and written to each of the ``k`` ranks it selects (``k`` = the expected
-        number of distinct ranks among ``num_topk`` experts of ``num_experts``); per token the SMs read
-        ``1/k`` and write ``1`` row, the link carries ``1 - 1/R`` rows. The count is what the link
-        bandwidth needs at ``sm_read_gbs`` / ``sm_write_gbs`` per SM, plus 25 %, even, at least 4, at
-        least 64 when ``prefer_overlap_with_compute`` is False, at most the device's SMs (all of them
-        at EP 1). ``ELASTIC_EP_NUM_SMS`` overrides it.
+        The model (``_domains.theoretical_num_sms``): direct mode is bound by NVLink; hybrid mode by the
+        slower of the network (a token crosses it once per remote domain) and NVLink (the forwarders'
+        fan-out). The count is that need plus 25 %, even, at least 4, at least 64 when
+        ``prefer_overlap_with_compute`` is False, at most the device's SMs (all of them at EP 1).
+        ``ELASTIC_EP_NUM_SMS`` overrides it.
 
         Arguments:
             num_experts: all experts (a multiple of the rank count); num_topk: experts per token.
-            num_scaleout_topk: must be 0 (no scale-out domain here); rdma_gbs: accepted (no RDMA).
+            num_scaleout_topk: hybrid mode: domains a token reaches (a node-limited gate's limit, e.g.
+                DeepSeek-V3's 4); 0: the balanced gate's expectation. Must be 0 in direct mode.
+            rdma_gbs: scale-out GB/s per GPU; 0: NVLink's on the NVLink-emulated scale-out, else
+                ``_domains.NIC_GBS`` (one 400 Gb/s NIC per GPU at 90 %).
             nvlink_gbs: NVLink GB/s per direction; 0: from NVML (active links x speed x 0.9, as DeepEP
                 reads ``nvidia-smi``), 450 where NVML cannot tell.
             sm_read_gbs, sm_write_gbs: what one SM reads from HBM / writes to a peer, GB/s.
+
+        Raises:
+            ValueError: a bad argument (naming it).
         """
-        if num_scaleout_topk != 0:
-            raise ValueError(f"num_scaleout_topk: expected 0 (one NVLink domain), got {num_scaleout_topk}")
         num_experts, num_topk = int_arg("num_experts", num_experts), int_arg("num_topk", num_topk)
-        nvlink_gbs, _ = _checks.real_arg("nvlink_gbs", nvlink_gbs, 0), _checks.real_arg("rdma_gbs", rdma_gbs, 0)
+        num_scaleout_topk = int_arg("num_scaleout_topk", num_scaleout_topk, 0)
+        if num_scaleout_topk and not self.domains.hybrid:
+            raise ValueError(f"num_scaleout_topk: expected 0 in direct mode (one scale-out domain), got "
+                             f"{num_scaleout_topk}")
+        if num_scaleout_topk > self.domains.num_scaleout_ranks:
+            raise ValueError(f"num_scaleout_topk: expected at most the {self.domains.num_scaleout_ranks} scale-out "
+                             f"domains, got {num_scaleout_topk}")
+        nvlink_gbs = _checks.real_arg("nvlink_gbs", nvlink_gbs, 0)
+        rdma_gbs = _checks.real_arg("rdma_gbs", rdma_gbs, 0)
         sm_read_gbs = _checks.real_arg("sm_read_gbs", sm_read_gbs, 0, lo_inclusive=False)
         sm_write_gbs = _checks.real_arg("sm_write_gbs", sm_write_gbs, 0, lo_inclusive=False)
         if self._settings.num_sms:
@@ -414,10 +460,10 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
         if not nvlink_gbs:
             props = torch.cuda.get_device_properties(self.device) if self.device.type == "cuda" else None
             nvlink_gbs = _nvml.nvlink_gbs(_nvml.pci_bus_id(props))
-        # expected distinct ranks hit by num_topk experts drawn without replacement
-        k = R * (1 - math.comb(num_experts - num_experts // R, num_topk) / math.comb(num_experts, num_topk))
-        traffic = 1 - 1 / R
-        need = max(nvlink_gbs / traffic * (1 / k) / sm_read_gbs, nvlink_gbs / traffic / sm_write_gbs)
+        if not rdma_gbs:
+            rdma_gbs = nvlink_gbs if self.domains.num_rdma_ranks == 1 else _domains.NIC_GBS
+        need = _domains.theoretical_num_sms(self.domains, num_experts, num_topk, num_scaleout_topk, rdma_gbs,
+                                            nvlink_gbs, sm_read_gbs, sm_write_gbs)
         n = max(4, math.ceil(need * 1.25))
         n += n % 2
         if not self.prefer_overlap_with_compute:
@@ -433,11 +479,10 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
         return n
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
-        """RDMA queue pairs for ``num_sms`` SMs as DeepEP computes them (unused: no RDMA here):
+        """RDMA queue pairs for ``num_sms`` SMs as DeepEP computes them (what a GIN backend opens):
         ``16 * num_sms + 1`` with hybrid mode allowed, else ``min(num_sms, 9)``; at most ``num_allocated_qps``."""
-        num_sms = int_arg("num_sms", num_sms, 0)
-        n = 16 * num_sms + 1 if self.allow_hybrid_mode else min(num_sms, 9)
-        return min(n, self.num_allocated_qps)
+        return _domains.theoretical_num_qps(self.allow_hybrid_mode, int_arg("num_sms", num_sms, 0),
+                                            self.num_allocated_qps)
 
     # ------------------------------------------------------------------ info / lifecycle
     def _check_alive(self) -> None:
@@ -453,12 +498,13 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
         return self.runtime.get_comm_stream()
 
     def get_physical_domain_size(self) -> Tuple[int, int]:
-        """``(num_rdma_ranks, num_nvlink_ranks)``: ``(1, R)`` for one NVLink domain of ``R`` ranks."""
-        return 1, self.num_ranks
+        """``(num_rdma_ranks, num_nvlink_ranks)``: NVLink domains and ranks per domain (``_domains``)."""
+        return self.domains.physical
 
     def get_logical_domain_size(self) -> Tuple[int, int]:
-        """``(num_scaleout_ranks, num_scaleup_ranks)``: ``(1, R)`` in direct mode."""
-        return 1, self.num_ranks
+        """``(num_scaleout_ranks, num_scaleup_ranks)``: ``(1, R)`` in direct mode; hybrid mode with several
+        NVLink domains, or with ``ELASTIC_EP_NUM_SCALEUP_RANKS`` (``_domains``)."""
+        return self.domains.logical
 
     @staticmethod
     def capture() -> EventHandle:
