@@ -5,7 +5,7 @@ import torch
 from tests.elastic_ep._common import import_elastic_ep
 
 ep = import_elastic_ep()
-from elastic_ep import _checks, _env, _nvml  # noqa: E402
+from elastic_ep import _checks, _domains, _env, _nvml  # noqa: E402
 from elastic_ep._handle import sorted_metadata  # noqa: E402
 from elastic_ep.buffer import EPHandle, EventOverlap  # noqa: E402
 
@@ -137,7 +137,33 @@ def _buffer(num_ranks=2, settings=None):
     b = object.__new__(ep.ElasticBuffer)
     b.num_ranks, b.device, b.prefer_overlap_with_compute = num_ranks, torch.device("cpu"), True
     b._settings, b._device_sms = settings or _env.Settings(), 132
+    b.domains = _domains.Domains(num_ranks, 0, 1, num_ranks, 1, num_ranks)
     return b
+
+
+def test_theoretical_num_sms_hybrid_scaleout_term():
+    """Hybrid mode, 256 experts, top-8, 450 GB/s NVLink, one 400 Gb/s NIC per GPU (45 GB/s).
+    2x8: a token reaches k_out = 2 (1 - C(128,8)/C(256,8)) = 1.993 domains (0.997 remote rows on the
+    network) and k = 6.523 ranks (5.708 NVLink rows): the network binds, 45 / 0.997 = 45.2 row-GB/s of
+    tokens; the SMs write (1.993 + 6.523) rows per token: 45.2 x 8.516 / 50 = 7.69 SMs, +25 % -> 10.
+    8x8: k_out = 5.295 (4.633 remote rows), k = 7.676: 45 / 4.633 x 12.97 / 50 = 2.52 -> 4 (the floor).
+    The emulated 2x2 of one node (scale-out on NVLink, 450 GB/s): 256 experts, top-8, k_out = 1.993,
+    k = 3.614 (1.807 NVLink rows, more than the 0.997 on the emulated network) -> NVLink binds:
+    450 / 1.807 x 5.607 / 50 = 27.9, +25 % = 34.9 -> 36 (even)."""
+    b = _buffer(16)
+    b.domains = _domains.Domains(16, 0, 2, 8, 2, 8)
+    assert b.get_theoretical_num_sms(256, 8) == 10
+    b.domains = _domains.Domains(64, 0, 8, 8, 8, 8)
+    b.num_ranks = 64
+    assert b.get_theoretical_num_sms(256, 8) == 4
+    assert b.get_theoretical_num_sms(256, 8, num_scaleout_topk=4) == 4
+    b.num_ranks, b.domains = 4, _domains.Domains(4, 0, 1, 4, 2, 2, overridden=True)
+    assert b.get_theoretical_num_sms(256, 8) == 36
+    with pytest.raises(ValueError, match="num_scaleout_topk"):
+        b.get_theoretical_num_sms(256, 8, num_scaleout_topk=3)  # more than the 2 domains
+    b.domains = _domains.Domains(4, 0, 1, 4, 1, 4)
+    with pytest.raises(ValueError, match="num_scaleout_topk: expected 0 in direct mode"):
+        b.get_theoretical_num_sms(256, 8, num_scaleout_topk=1)
 
 
 def test_theoretical_num_sms_follows_the_bandwidth_model():

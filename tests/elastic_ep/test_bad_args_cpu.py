@@ -21,7 +21,7 @@ from tests._dist import run_workers
 from tests.elastic_ep._common import native_module_or_skip
 
 native_module_or_skip()
-from elastic_ep import EventOverlap, _env, calculate_elastic_buffer_size  # noqa: E402
+from elastic_ep import EventOverlap, _domains, _env, calculate_elastic_buffer_size  # noqa: E402
 from elastic_ep import _low_level as ll  # noqa: E402
 from elastic_ep.buffer import ElasticBuffer  # noqa: E402
 from tests.elastic_ep.test_lowlevel_host_cpu import FakeRuntime, make_buffer  # noqa: E402
@@ -114,6 +114,7 @@ def _fake_front_end(num_ranks=2):
     b = object.__new__(ElasticBuffer)
     b.num_ranks, b._settings, b.device, b._device_sms = num_ranks, _env.Settings(), torch.device("cpu"), 132
     b.prefer_overlap_with_compute, b.allow_hybrid_mode, b.num_allocated_qps = True, True, 129
+    b.domains = _domains.Domains(num_ranks, 0, 1, num_ranks, 1, num_ranks)
     return b
 
 

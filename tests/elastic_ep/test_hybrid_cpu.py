@@ -172,8 +172,6 @@ def test_hybrid_forward_metadata(tmp_path, world, scaleup):
 def _timeout_worker(rank, world, rdzv, cfg):
     import time
 
-    import torch.distributed as dist
-
     from tests._dist import init_gloo
     from tests.elastic_ep._common import import_elastic_ep, make_inputs, scaleup_override
 

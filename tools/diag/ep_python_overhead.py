@@ -49,7 +49,7 @@ class _StubRuntime:
 
 def make_buffer(T: int, E: int):
     """An ElasticBuffer at EP 1 on the native runtime, both made without CUDA around the stub."""
-    from elastic_ep import _env, _native_runtime
+    from elastic_ep import _domains, _env, _native_runtime
     from elastic_ep import buffer as fe
 
     low = object.__new__(_native_runtime.NativeRuntime)
@@ -66,6 +66,7 @@ def make_buffer(T: int, E: int):
     buf.deterministic, buf.allow_multiple_reduction, buf.destroyed = False, True, False
     buf._settings, buf.num_allocated_qps, buf.prefer_overlap_with_compute = _env.Settings(), 17, True
     buf._device_sms = buf._max_sms = 132
+    buf.domains = _domains.Domains(1, 0, 1, 1, 1, 1)
     buf._sms_cache, buf._routing_cache, buf._need_cache, buf._combine_need_cache = {}, {}, {}, {}
     buf._capturing = lambda: False
     return buf

@@ -400,6 +400,13 @@ void bind_runtime(py::module_& m) {
           py::arg("send"), py::arg("x"), py::arg("nbytes"), py::arg("peer"), py::arg("slot_bytes"),
           py::arg("num_max_inflight"), py::arg("num_sms"), py::arg("stream"),
           "PP send (send=True: nbytes at x to peer) or receive (into x from peer), pp.cuh; x is a data pointer.")
+      .def(
+          "scaleout_probe",
+          [](Runtime& r, int next, int prev, uint64_t src, uint64_t dst, uint64_t bytes, uint64_t round,
+             int64_t stream) { r.scaleout_probe(ScaleoutProbeParams{next, prev, src, dst, bytes, round}, stream); },
+          py::arg("next"), py::arg("prev"), py::arg("src"), py::arg("dst"), py::arg("bytes"), py::arg("round"),
+          py::arg("stream"),
+          "One ring step of the NVLink-emulated scale-out transport (kernels/scaleout_probe.cuh).")
       .def("agrs_all_gather", &Runtime::agrs_all_gather, py::arg("srcs"), py::arg("nbytes"), py::arg("offsets"),
            py::arg("stream"), "One AGRS gather: copy-engine copies into every rank's region, then its signals.")
       .def("pp_unreceived", [](Runtime& r) { return without_gil([&] { return r.pp_unreceived(); }); },

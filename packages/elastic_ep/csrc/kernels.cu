@@ -1,6 +1,7 @@
 // elastic_ep/csrc/kernels.cu -- direct-mode (one NVLink domain) dispatch, combine, barrier, PP and AGRS
 // kernels: the one CUDA translation unit. The kernels live one family per header in kernels/
-// (device_common, barrier, dispatch_notify, dispatch_push, dispatch_epilogue, combine, pp, agrs); this
+// (device_common, barrier, dispatch_notify, dispatch_push, dispatch_epilogue, combine, pp, agrs, engram,
+// scaleout_probe); this
 // file holds the device communicator set-up and the launchers declared in kernels.hpp.
 //
 // Every operation (barrier, dispatch, combine) has an epoch E = 1 + the epoch stored in this rank's
@@ -22,6 +23,7 @@
 #include "kernels/pp.cuh"
 #include "kernels/agrs.cuh"
 #include "kernels/engram.cuh"
+#include "kernels/scaleout_probe.cuh"
 
 namespace elastic_ep {
 namespace {
@@ -71,6 +73,12 @@ void devcomm_destroy(void* nccl_comm, void* devcomm) {
 void launch_resolve_peers(void* window, int num_ranks, void** out_peer_bases, int* out_info, void* stream) {
   resolve_peers_kernel<<<1, kMaxRanks, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<ncclWindow_t>(window),
                                                                                num_ranks, out_peer_bases, out_info);
+}
+
+void launch_scaleout_probe(const CommView& c, const ScaleoutProbeParams& p, void* stream) {
+  const NvlinkEmulatedScaleout tr{c.peer_bases, workspace_layout().scaleout_signal.offset, c.rank, c.num_ranks};
+  auto* rec = host_workspace_layout().timeout.at<commkit::TimeoutRecord>(c.host_workspace);
+  scaleout_probe_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(tr, p, rec, c.timeout_ns);
 }
 
 void launch_barrier(const CommView& c, void* stream) {

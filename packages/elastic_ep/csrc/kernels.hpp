@@ -30,6 +30,7 @@ enum OpCode : uint32_t {
   kOpPpRecv = 7,
   kOpAllGather = 8,
   kOpAgrsSession = 9,
+  kOpScaleoutProbe = 10,
 };
 const char* op_name(uint32_t op);
 
@@ -164,6 +165,14 @@ void launch_pp_send(const CommView& c, const PpParams& p, void* stream);
 void launch_pp_recv(const CommView& c, const PpParams& p, void* stream);
 // AGRS (agrs.cuh), one block each, after the copy engine's copies: count the gather, signal every
 // peer, wait for every peer's copies; end a session (count it, signal, wait for every peer's end).
+// Scale-out transport probe (kernels/scaleout_probe.cuh), NVLink-emulated backend.
+struct ScaleoutProbeParams {
+  int next, prev;        // the rail peer this rank puts to, the one it waits for
+  uint64_t src, dst;     // byte offsets in the window (this rank's source, the next peer's destination)
+  uint64_t bytes;        // a multiple of 16
+  uint64_t round;        // the wait: signal[prev] >= round (the signal is monotonic)
+};
+void launch_scaleout_probe(const CommView& c, const ScaleoutProbeParams& p, void* stream);
 void launch_agrs_gather_done(const CommView& c, void* stream);
 void launch_agrs_session_end(const CommView& c, void* stream);
 // Engram (engram.cuh): out[i] = row indices[i] of the table whose rank r's shard is at hosts[r]

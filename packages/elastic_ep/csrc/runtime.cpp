@@ -55,6 +55,7 @@ const char* op_name(uint32_t op) {
     case kOpPpRecv: return "elastic_ep pp_recv (waiting for the peer's tensor)";
     case kOpAllGather: return "elastic_ep all_gather (waiting for a peer's data)";
     case kOpAgrsSession: return "elastic_ep destroy_agrs_session (waiting for a peer to end the session)";
+    case kOpScaleoutProbe: return "elastic_ep scale-out probe (waiting for the previous rail peer's put)";
     default: return "elastic_ep operation";
   }
 }
@@ -628,6 +629,19 @@ void Runtime::pp_transfer(const PpParams& p, bool send, int64_t stream) {
            op, ": bad parameters (peer ", p.peer, ", ", p.nbytes, " bytes, slots of ", p.slot_bytes, ")");
   set_device();
   (send ? launch_pp_send : launch_pp_recv)(view(), p, reinterpret_cast<void*>(stream));
+  CK_CUDA_CHECK(cudaGetLastError());
+}
+
+void Runtime::scaleout_probe(const ScaleoutProbeParams& p, int64_t stream) {
+  CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
+  CK_CHECK(p.next >= 0 && p.next < num_ranks_ && p.prev >= 0 && p.prev < num_ranks_ && p.bytes % 16 == 0 &&
+               p.src % 16 == 0 && p.dst % 16 == 0 && p.src >= workspace_bytes_ && p.dst >= workspace_bytes_ &&
+               p.src + p.bytes <= workspace_bytes_ + uint64_t(num_buffer_bytes_) &&
+               p.dst + p.bytes <= workspace_bytes_ + uint64_t(num_buffer_bytes_),
+           "scaleout_probe: bad parameters (next ", p.next, ", prev ", p.prev, ", ", p.bytes, " bytes from ", p.src,
+           " to ", p.dst, ")");
+  set_device();
+  launch_scaleout_probe(view(), p, reinterpret_cast<void*>(stream));
   CK_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -141,6 +141,9 @@ class Runtime {
   // PP send / receive on `stream` (pp.cuh); point-to-point, no epoch. The Python layer checked the
   // arguments and that the slots fit the buffer.
   void pp_transfer(const PpParams& p, bool send, int64_t stream);
+  // One ring step of the NVLink-emulated scale-out transport (kernels/scaleout_probe.cuh); offsets are
+  // window offsets inside the buffer.
+  void scaleout_probe(const ScaleoutProbeParams& p, int64_t stream);
   // One AGRS gather on `stream`: copy-engine copies of this rank's part of tensor i (nbytes[i] bytes
   // at srcs[i]) into every rank's region at buffer offset offsets[i] + rank * nbytes[i] (none where
   // source and destination coincide: in place), then the gather-done kernel (agrs.cuh).

@@ -50,6 +50,8 @@ CK_HD constexpr int64_t from_u64(uint64_t v) { return commkit::sat_cast<int64_t>
 constexpr int64_t kBufferAlignmentBytes = int64_t(2) << 20;
 // Direct mode limits (one NVLink domain).
 constexpr int kMaxRanks = 256;
+// Scale-out signals per rank beyond one per peer (DeepEP asks NCCL for ranks + 4).
+constexpr int kScaleoutExtraSignals = 4;
 constexpr int kMaxExperts = 2048;
 constexpr int kMaxLocalExperts = 256;
 constexpr int kMaxTopk = 32;
@@ -291,6 +293,8 @@ struct WorkspaceLayout {
   Region agrs_arrived;     // u64[kMaxRanks]     all-gathers whose data the peer copied into my region
   Region agrs_ended;       // u64[kMaxRanks]     sessions the peer ended (its reads of my region are done)
   Region agrs_local;       // u64[2]             local: [0] all-gathers issued, [1] sessions ended
+  // Scale-out transport (scaleout.cuh), NVLink-emulated backend: monotonic signals raised by the peers.
+  Region scaleout_signal;  // u64[kMaxRanks + kScaleoutExtraSignals]
   uint64_t bytes;          // total, 2 MiB aligned
 };
 
@@ -317,6 +321,7 @@ CK_HD constexpr WorkspaceLayout workspace_layout() {
   w.agrs_arrived = l.add(8ull * kMaxRanks, 128);
   w.agrs_ended = l.add(8ull * kMaxRanks, 128);
   w.agrs_local = l.add(16, 128);
+  w.scaleout_signal = l.add(8ull * (kMaxRanks + kScaleoutExtraSignals), 128);
   w.bytes = l.total(uint64_t(kBufferAlignmentBytes));
   return w;
 }

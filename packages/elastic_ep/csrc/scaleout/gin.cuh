@@ -1,0 +1,101 @@
+// elastic_ep/csrc/scaleout/gin.cuh -- the scale-out transport over NCCL GIN (see ../scaleout.cuh).
+//
+// Needs a device communicator created with GIN contexts (one per QP: `context`) and R + 4 signals, and
+// the symmetric window every offset refers to. Peers are addressed as world ranks (ncclTeamWorld);
+// with RAIL connections (hybrid mode) only rail peers are connected, which is all hybrid mode talks to.
+// Signal waits poll readSignal under the package's device deadline instead of NCCL's unbounded
+// waitSignal, so an unresponsive scale-out peer becomes a TimeoutRecord, never a hang.
+// API across NCCL versions: put / signal / flush / readSignal / putValue exist from 2.28.9 (the
+// headers this package supports); strong signals are spelled ncclGin_StrongSignalAdd from 2.30 and
+// ncclGin_SignalAdd before; get exists from 2.30.
+#pragma once
+
+#include <cstdint>
+
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include "commkit/device_deadline.cuh"
+
+namespace elastic_ep {
+
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 30, 0)
+using GinSignalAdd = ncclGin_StrongSignalAdd;
+constexpr bool kGinHasGet = true;
+#else
+using GinSignalAdd = ncclGin_SignalAdd;
+constexpr bool kGinHasGet = false;
+#endif
+
+struct GinScaleout {
+  static constexpr bool kHasGet = kGinHasGet;
+  ncclDevComm comm;     // the device communicator (by value: kernels take it as a parameter)
+  ncclWindow_t window;  // the symmetric window every offset refers to
+  int context;          // GIN context (QP) of the calling warp's channel
+  int rank;
+  int num_ranks;
+
+  __device__ __forceinline__ void put(int peer, uint64_t dst, uint64_t src, uint64_t bytes, int lane) const {
+    ncclGin gin(comm, context);
+    gin.put(ncclTeamWorld(comm), peer, window, dst, window, src, bytes, ncclGin_None{}, ncclGin_None{},
+            ncclCoopWarp{});
+    (void)lane;
+  }
+  __device__ __forceinline__ void put_signal(int peer, uint64_t dst, uint64_t src, uint64_t bytes, int lane, int sig,
+                                             uint64_t add) const {
+    ncclGin gin(comm, context);
+    gin.put(ncclTeamWorld(comm), peer, window, dst, window, src, bytes,
+            GinSignalAdd{static_cast<ncclGinSignal_t>(sig), add}, ncclGin_None{}, ncclCoopWarp{});
+    (void)lane;
+  }
+  __device__ __forceinline__ void put_value(int peer, uint64_t dst, uint64_t v) const {
+    ncclGin gin(comm, context);
+    gin.putValue(ncclTeamWorld(comm), peer, window, dst, v);
+  }
+  __device__ __forceinline__ void signal(int peer, int sig, uint64_t add) const {
+    ncclGin gin(comm, context);
+    gin.signal(ncclTeamWorld(comm), peer, GinSignalAdd{static_cast<ncclGinSignal_t>(sig), add});
+  }
+  __device__ __forceinline__ void flush(int lane) const {
+    ncclGin gin(comm, context);
+    gin.flush(ncclCoopWarp{});
+    (void)lane;
+  }
+  __device__ __forceinline__ uint64_t read_signal(int sig) const {
+    ncclGin gin(comm, context);
+    return gin.readSignal(static_cast<ncclGinSignal_t>(sig));
+  }
+  __device__ __forceinline__ bool wait_signal(int sig, uint64_t least, uint64_t timeout_ns,
+                                              commkit::TimeoutRecord* rec, uint32_t op, int peer) const {
+    ncclGin gin(comm, context);
+    uint64_t seen = gin.readSignal(static_cast<ncclGinSignal_t>(sig));
+    uint64_t start = commkit::globaltimer_ns();
+    uint32_t spins = 0;
+    while (seen < least) {
+      if ((++spins & 63u) == 0u) {
+        if (commkit::aborted(rec)) return false;
+        const uint64_t now = commkit::globaltimer_ns();
+        if (now < start) start = now;
+        if (timeout_ns != 0 && now - start > timeout_ns) {
+          commkit::report_timeout(rec, op, rank, peer, int64_t(least), int64_t(seen), now - start);
+          return false;
+        }
+      }
+      const uint64_t again = gin.readSignal(static_cast<ncclGinSignal_t>(sig));
+      if (again != seen) start = commkit::globaltimer_ns();  // progress restarts the deadline
+      seen = again;
+    }
+    return true;
+  }
+  __device__ __forceinline__ void get(int peer, uint64_t dst, uint64_t src, uint64_t bytes, int lane) const {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 30, 0)
+    ncclGin gin(comm, context);
+    gin.get(ncclTeamWorld(comm), peer, window, src, window, dst, bytes, ncclCoopWarp{});
+#else
+    (void)peer, (void)dst, (void)src, (void)bytes;
+#endif
+    (void)lane;
+  }
+};
+
+}  // namespace elastic_ep
