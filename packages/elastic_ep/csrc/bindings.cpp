@@ -279,6 +279,8 @@ void bind_runtime(py::module_& m) {
   });
   m.def("destroy_nccl_comm", &destroy_nccl_comm);
   m.def("nccl_comm_rank_size", &nccl_comm_rank_size);
+  m.def("nccl_comm_gin_properties", &comm_gin_properties, py::arg("comm"),
+        "(ginType, railedGinType, nLsaTeams) from ncclCommQueryProperties, or None below NCCL 2.29.");
 
   py::class_<RuntimeOptions>(m, "RuntimeOptions", "Host-side settings of a Runtime (read by Python's _env.py).")
       .def(py::init<>())

@@ -64,6 +64,21 @@ int devcomm_create(void* nccl_comm, void** out_devcomm, int* out_lsa_rank, int* 
   return int(ncclSuccess);
 }
 
+int nccl_comm_gin_properties(void* nccl_comm, int* out_gin_type, int* out_railed_gin_type, int* out_num_lsa_teams) {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
+  ncclCommProperties_t props = NCCL_COMM_PROPERTIES_INITIALIZER;
+  const ncclResult_t res = ncclCommQueryProperties(static_cast<ncclComm_t>(nccl_comm), &props);
+  if (res != ncclSuccess) return int(res);
+  *out_gin_type = int(props.ginType);
+  *out_railed_gin_type = int(props.railedGinType);
+  *out_num_lsa_teams = props.nLsaTeams;
+  return int(ncclSuccess);
+#else
+  (void)nccl_comm, (void)out_gin_type, (void)out_railed_gin_type, (void)out_num_lsa_teams;
+  return -1;  // these headers predate ncclCommQueryProperties
+#endif
+}
+
 void devcomm_destroy(void* nccl_comm, void* devcomm) {
   auto* dc = static_cast<ncclDevComm*>(devcomm);
   ncclDevCommDestroy(static_cast<ncclComm_t>(nccl_comm), dc);

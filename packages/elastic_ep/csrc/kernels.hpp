@@ -144,6 +144,9 @@ struct PpParams {
 #if COMMKIT_WITH_CUDA
 // NCCL device communicator (LSA only, GIN never requested). Return ncclResult_t codes; never throw.
 int devcomm_create(void* nccl_comm, void** out_devcomm, int* out_lsa_rank, int* out_lsa_size);
+// ncclCommQueryProperties (NCCL >= 2.29): GIN types (ncclGinType_t) and LSA team count; returns the
+// ncclResult_t, or -1 when the headers the package was built with predate the call.
+int nccl_comm_gin_properties(void* nccl_comm, int* out_gin_type, int* out_railed_gin_type, int* out_num_lsa_teams);
 void devcomm_destroy(void* nccl_comm, void* devcomm);
 void launch_resolve_peers(void* window, int num_ranks, void** out_peer_bases, int* out_info, void* stream);
 void launch_barrier(const CommView& c, void* stream);

@@ -100,6 +100,15 @@ std::tuple<int, int> nccl_comm_rank_size(int64_t comm) {
   return {rank, size};
 }
 
+std::optional<std::tuple<int, int, int>> comm_gin_properties(int64_t comm) {
+  CK_CHECK_ARG(comm != 0, "null NCCL communicator");
+  int gin = -1, railed = -1, lsa_teams = -1;
+  const int res = elastic_ep::nccl_comm_gin_properties(reinterpret_cast<void*>(comm), &gin, &railed, &lsa_teams);
+  if (res == -1) return std::nullopt;
+  CK_CHECK(res == int(ncclSuccess), "ncclCommQueryProperties failed: ", ncclGetErrorString(ncclResult_t(res)));
+  return std::make_tuple(gin, railed, lsa_teams);
+}
+
 uint64_t Runtime::begin_setup(int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs,
                               const RuntimeOptions& options) {
   CK_CHECK_ARG(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks must be in [1, ", kMaxRanks, "], got ",

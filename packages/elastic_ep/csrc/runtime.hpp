@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <string>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -31,6 +32,9 @@ std::string get_local_nccl_unique_id();
 int64_t create_nccl_comm(const std::string& unique_id, int num_ranks, int rank);
 void destroy_nccl_comm(int64_t comm);
 std::tuple<int, int> nccl_comm_rank_size(int64_t comm);
+// (ginType, railedGinType, nLsaTeams) of a communicator from ncclCommQueryProperties, or nullopt when
+// the NCCL headers the package was built with predate it (< 2.29).
+std::optional<std::tuple<int, int, int>> comm_gin_properties(int64_t comm);
 
 // "No stream" for the optional stream arguments below: 0 is a real stream (the legacy default stream,
 // which is torch's default stream).

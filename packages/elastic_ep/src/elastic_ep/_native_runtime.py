@@ -42,7 +42,7 @@ from ._native_agrs_pp import NativeAgrsPp
 from ._native_engram import NativeEngram
 from ._nccl import (all_ok, check_nccl_version, comm_arg, create_nccl_comm, destroy_nccl_comm,  # noqa: F401
                     get_local_nccl_unique_id, get_logical_domain_size, get_physical_domain_size, nccl_version,
-                    need_cuda, new_nccl_comm, torch_nccl_comm)
+                    need_cuda, new_nccl_comm, railed_gin_type, torch_nccl_comm)  # noqa: F401 (buffer.py)
 from ._runtime import CombineArgs, DispatchArgs, DispatchResult, Runtime
 
 __all__ = ["NativeRuntime", "OverlapConfig", "topk_idx_t", "get_local_nccl_unique_id", "create_nccl_comm",

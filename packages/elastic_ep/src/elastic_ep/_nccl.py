@@ -2,15 +2,15 @@
 of the loaded NCCL, unique ids, creating and aborting communicators, torch's own communicator of a group."""
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import _C, _env
+from . import _C, _domains, _env
 from ._checks import INT64_MAX, int_arg
 
-__all__ = ["need_cuda", "nccl_version", "check_nccl_version", "get_local_nccl_unique_id", "create_nccl_comm",
+__all__ = ["need_cuda", "nccl_version", "railed_gin_type", "check_nccl_version", "get_local_nccl_unique_id", "create_nccl_comm",
            "destroy_nccl_comm", "comm_arg", "get_physical_domain_size", "get_logical_domain_size", "torch_nccl_comm",
            "new_nccl_comm", "all_ok"]
 
@@ -87,17 +87,25 @@ def destroy_nccl_comm(nccl_comm: int) -> None:
 
 
 def get_physical_domain_size(nccl_comm: int) -> Tuple[int, int]:
-    """``(num_rdma_ranks, num_nvl_ranks)`` of a communicator: ``(1, num_ranks)`` (a communicator that
-    spans several NVLink domains is refused when a runtime is created on it)."""
+    """``(num_rdma_ranks, num_nvl_ranks)`` of a communicator: from NCCL's count of LSA (NVLink) teams
+    (``ncclCommQueryProperties``, NCCL >= 2.29), else ``(1, num_ranks)`` (the native runtime then checks
+    the LSA team of its device communicator when it is created, and refuses a smaller one)."""
     nccl_comm = comm_arg(nccl_comm)
     need_cuda("get_physical_domain_size")
     _, size = _C.nccl_comm_rank_size(nccl_comm)
+    props = _C.nccl_comm_gin_properties(nccl_comm)
+    if props is not None and int(props[2]) > 0:
+        return _domains.physical_from_lsa(int(size), int(size) // int(props[2]))
     return 1, int(size)
 
 
 def get_logical_domain_size(nccl_comm: int, allow_hybrid_mode: bool = True) -> Tuple[int, int]:
-    """``(num_scaleout_ranks, num_scaleup_ranks)``: ``(1, num_ranks)`` in direct mode."""
-    return get_physical_domain_size(nccl_comm)
+    """``(num_scaleout_ranks, num_scaleup_ranks)``: DeepEP's rule on ``get_physical_domain_size``, or
+    ``ELASTIC_EP_NUM_SCALEUP_RANKS`` (``_domains``)."""
+    physical = get_physical_domain_size(nccl_comm)
+    S, U, _ = _domains.logical_domains(physical[0] * physical[1], physical, bool(allow_hybrid_mode),
+                                       _env.num_scaleup_ranks())
+    return S, U
 
 
 def all_ok(group: dist.ProcessGroup, ok: bool) -> bool:
@@ -112,6 +120,15 @@ def torch_nccl_comm(group: dist.ProcessGroup) -> int:
         return int(group._get_backend(torch.device("cuda"))._comm_ptr())
     except Exception:  # noqa: BLE001 - private API: absent or different in this torch
         return 0
+
+
+def railed_gin_type(group: dist.ProcessGroup) -> Optional[int]:
+    """The ``ncclGinType_t`` NCCL reports for rail connections of torch's communicator of ``group``
+    (0: no GIN network), or None when it cannot tell (NCCL headers below 2.29, or torch's communicator
+    out of reach)."""
+    comm = torch_nccl_comm(group)
+    props = _C.nccl_comm_gin_properties(comm) if comm else None
+    return None if props is None else int(props[1])
 
 
 def new_nccl_comm(group: dist.ProcessGroup) -> int:

@@ -289,7 +289,9 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
             self.domains = _domains.make_domains(self.num_ranks, self.rank, physical, allow_hybrid_mode,
                                                  self._settings.num_scaleup_ranks)
             if backend == "native" and (self.domains.hybrid or self.domains.num_rdma_ranks > 1):
-                transport = _domains.scaleout_backend(self.domains, None)
+                # Several NVLink domains need GIN (say what is missing); the override needs none.
+                gin = native.railed_gin_type(group) if self.domains.num_rdma_ranks > 1 and not ipc else None
+                transport = _domains.scaleout_backend(self.domains, gin, native.nccl_version())
                 raise RuntimeError(f"hybrid mode ({self.domains.num_scaleout_ranks} scale-out x "
                                    f"{self.domains.num_scaleup_ranks} scale-up ranks, scale-out transport {transport}) "
                                    "is not implemented by the native runtime yet; backend='torch' runs it")

@@ -1,0 +1,103 @@
+"""The domain arithmetic of ``elastic_ep._domains`` for the node shapes of real clusters (1x8, 2x8, 4x8,
+8x8 H200) and for the one-node override, worked out by hand: physical domains from per-rank node keys
+and from NCCL's LSA team size, DeepEP's logical rule, the override's refusals, the scale-out backend
+choice (and its errors), the GIN requirements and QP counts (DeepEP: 17 / 65 / 129;
+``16 * sms + 1`` or ``min(sms, 9)``), and the buffer sizes the logical domains call for."""
+import pytest
+
+from tests.elastic_ep._common import import_elastic_ep
+
+ep = import_elastic_ep()
+from elastic_ep import _domains as dm  # noqa: E402
+
+SHAPES = [(1, 8), (2, 8), (4, 8), (8, 8)]  # (nodes, GPUs per node)
+
+
+def _keys(nodes, per_node):
+    return [f"node{n}" for n in range(nodes) for _ in range(per_node)]
+
+
+@pytest.mark.parametrize("nodes,per_node", SHAPES, ids=[f"{a}x{b}" for a, b in SHAPES])
+def test_node_shapes(nodes, per_node):
+    R = nodes * per_node
+    assert dm.physical_from_nodes(_keys(nodes, per_node)) == (nodes, per_node)
+    assert dm.physical_from_lsa(R, per_node) == (nodes, per_node)
+    for rank in (0, R - 1, R // 2 + 1):
+        d = dm.make_domains(R, rank, (nodes, per_node), True, None)
+        assert d.logical == ((nodes, per_node) if nodes > 1 else (1, R))
+        assert (d.scaleout_rank_idx, d.scaleup_rank_idx) == ((rank // per_node, rank % per_node) if nodes > 1
+                                                             else (0, rank))
+        assert d.hybrid == (nodes > 1)
+        direct = dm.make_domains(R, rank, (nodes, per_node), False, None)
+        assert direct.logical == (1, R) and not direct.hybrid
+        # a multi-node group needs GIN; one node runs direct mode
+        if nodes == 1:
+            assert dm.scaleout_backend(d, None) == "none"
+        else:
+            assert dm.scaleout_backend(d, 3) == "gin"
+            with pytest.raises(RuntimeError, match="NCCL >= 2.29"):
+                dm.scaleout_backend(d, None, 22809)
+            with pytest.raises(RuntimeError, match="no GIN-capable network"):
+                dm.scaleout_backend(d, 0)
+            with pytest.raises(RuntimeError, match="allow_hybrid_mode=True"):
+                dm.scaleout_backend(direct, 3)
+        req = dm.gin_requirements(d, 129, 3)
+        assert req == {"ginContextCount": 129, "ginExclusiveContexts": True, "ginQueueDepth": 1024,
+                       "ginTrafficClass": 3, "ginSignalCount": R + 4,
+                       "ginConnectionType": "rail" if nodes > 1 else "full"}
+
+
+def test_override_splits_one_node():
+    d = dm.make_domains(8, 5, (1, 8), True, 2)
+    assert d.logical == (4, 2) and d.physical == (1, 8) and d.overridden and d.hybrid
+    assert (d.scaleout_rank_idx, d.scaleup_rank_idx, d.rdma_rank_idx, d.nvl_rank_idx) == (2, 1, 0, 5)
+    assert dm.scaleout_backend(d, None) == "nvlink-emulated"
+    assert dm.make_domains(8, 0, (1, 8), True, 8).logical == (1, 8)  # N = R: direct mode
+    assert dm.make_domains(16, 9, (2, 8), True, 4).logical == (4, 4)  # inside each NVLink domain
+    with pytest.raises(ValueError, match="divisor of the NVLink domain size 8"):
+        dm.make_domains(16, 0, (2, 8), True, 16)  # a scale-up domain across two nodes
+    with pytest.raises(ValueError, match="divisor"):
+        dm.make_domains(8, 0, (1, 8), True, 3)
+    with pytest.raises(ValueError, match="allow_hybrid_mode=False"):
+        dm.make_domains(8, 0, (1, 8), False, 4)
+    assert dm.make_domains(8, 0, (1, 8), False, 8).logical == (1, 8)
+
+
+def test_physical_domains_refused_when_not_deepep_layout():
+    with pytest.raises(ValueError, match="not consecutive"):
+        dm.physical_from_nodes(["a", "a", "b", "b", "a", "a"])
+    with pytest.raises(ValueError, match="different sizes"):
+        dm.physical_from_nodes(["a", "a", "a", "b"])
+    with pytest.raises(ValueError, match="LSA"):
+        dm.physical_from_lsa(12, 5)
+    assert dm.physical_from_nodes(["only"]) == (1, 1)
+
+
+def test_qp_counts_as_deepep():
+    assert dm.num_allocated_qps(True, 0) == 129
+    assert dm.num_allocated_qps(True, 0, fast_rdma_atomics=True) == 65
+    assert dm.num_allocated_qps(False, 0) == 17
+    assert dm.num_allocated_qps(True, 33) == 33
+    assert [dm.theoretical_num_qps(True, s, 129) for s in (1, 4, 8, 20)] == [17, 65, 129, 129]
+    assert [dm.theoretical_num_qps(False, s, 17) for s in (1, 9, 20)] == [1, 9, 9]
+
+
+def test_local_scaleup_guess_of_the_size_hint():
+    assert dm.local_scaleup_ranks(16, True, None, 8) == 8          # torchrun's LOCAL_WORLD_SIZE
+    assert dm.local_scaleup_ranks(16, False, None, 8) == 16        # direct mode: every rank
+    assert dm.local_scaleup_ranks(16, True, 4, 8) == 4             # the override wins
+    assert dm.local_scaleup_ranks(8, True, None, 8) == 8
+    assert dm.local_scaleup_ranks(12, True, None, 5) == 12         # not a divisor: ignored
+    assert dm.local_scaleup_ranks(8, True, None, None) == 8
+
+
+@pytest.mark.parametrize("nodes,per_node", SHAPES, ids=[f"{a}x{b}" for a, b in SHAPES])
+def test_buffer_sizes_follow_the_logical_domains(nodes, per_node):
+    """The size a hybrid buffer gets is DeepEP's hybrid layout for (nodes x per_node); one node keeps
+    the direct layout (checked by hand for these shapes in test_sizing.py)."""
+    R, M, H, K = nodes * per_node, 4096, 7168, 8
+    S, U = dm.make_domains(R, 0, (nodes, per_node), True, None).logical
+    got = ep.calculate_elastic_buffer_size(R, M, H, K, num_nvl_ranks=U)
+    assert got == ep.calculate_elastic_buffer_size(R, M, H, K, num_nvl_ranks=per_node)
+    if nodes > 1:
+        assert got != ep.calculate_elastic_buffer_size(R, M, H, K, allow_hybrid_mode=False)
