@@ -54,6 +54,10 @@ recv_topk_idx, recv_topk_weights)`` per token) and a combined row ``hidden * 2 +
 * ``e2e_gbps_*``: over the end-to-end time.
 
 Writes ``bench_elastic_ep.json``, ``bench_elastic_ep.md`` (table) and ``bench_elastic_ep.png`` into --out.
+
+``--hybrid N`` runs, instead, hybrid mode against direct mode on CPU ranks (EMULATED: the torch backend
+over gloo, logical domains of N ranks): rows and bytes crossing scale-out domains, and times that are
+not GPU figures (tools/_bench_ep_hybrid.py); it needs no GPU.
 """
 from __future__ import annotations
 
@@ -588,8 +592,19 @@ def main() -> int:
                          "Engram fetch against a host gather + copy (tools/_bench_ep_p2p.py)")
     ap.add_argument("--align", default="gemm", choices=("gemm", "barrier"),
                     help="how each iteration starts on every rank (see the module docstring)")
+    ap.add_argument("--hybrid", type=int, default=0, metavar="N",
+                    help="instead: hybrid mode (logical scale-up domains of N ranks) against direct mode, EMULATED "
+                         "on --world CPU ranks (default 4) over gloo with the torch backend; --tokens defaults to "
+                         "512 there (tools/_bench_ep_hybrid.py)")
     args = ap.parse_args()
     args.out = out_dir(args.out)
+    if args.hybrid:
+        from _bench_ep_hybrid import run as run_hybrid
+
+        tokens = args.tokens if "--tokens" in sys.argv else 512
+        run_hybrid(args.out, args.world or 4, args.hybrid, tokens, 2 if args.quick else 10, SRC, " ".join(sys.argv),
+                   git_revision())
+        return 0
     if not torch.cuda.is_available():
         print("bench_elastic_ep: no CUDA device, nothing to measure")
         return 0

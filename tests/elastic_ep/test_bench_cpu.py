@@ -87,3 +87,28 @@ def test_agrs_pp_table_and_bandwidth():
     table = p2p.markdown([r, n])
     assert "| all_gather | 16 | 50.0 | 335.5 | 80.0 | 209.7 | yes |" in table
     assert p2p.markdown([]) == ""
+
+
+def test_hybrid_bench_emulated_on_cpu(tmp_path):
+    """``bench_elastic_ep.py --hybrid 2`` (CPU ranks, torch backend): hybrid outputs bitwise direct mode's,
+    the table marked emulated, and hybrid dispatch crossing domains once per (token, remote domain): at
+    2 x 2 with top-8 of 256 nearly every token reaches the other domain, so about one row per token
+    against about two (its remote ranks) in direct mode."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests._tools import ROOT
+
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_elastic_ep.py"), "--out", str(out), "--hybrid", "2",
+                    "--quick", "--tokens", "64", "--world", "4"], check=True, timeout=600)
+    data = json.loads((out / "bench_elastic_ep_hybrid.json").read_text())
+    assert data["meta"]["emulated"] and data["meta"]["bitwise_equal"] and data["meta"]["layout"] == "2x2"
+    rows = {(t["op"], t["mode"].split(" ")[0]): t["scaleout_rows"] for t in data["table"]}
+    assert 56 <= rows[("dispatch", "hybrid")] <= 64  # a token crosses at most once (64 tokens)
+    assert rows[("dispatch", "direct")] > 1.5 * rows[("dispatch", "hybrid")]
+    assert rows[("combine", "hybrid")] == rows[("combine", "direct")]  # partials forwarded unreduced
+    assert rows[("combine", "deepep_per_domain_reduction")] == rows[("dispatch", "hybrid")]
+    assert "EMULATED" in (out / "bench_elastic_ep_hybrid.md").read_text()
