@@ -33,9 +33,12 @@ from typing import Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
+from ._env import num_scaleup_ranks
+
 __all__ = ["Domains", "physical_from_nodes", "physical_from_lsa", "logical_domains", "make_domains",
            "scaleout_backend", "num_allocated_qps", "theoretical_num_qps", "gin_requirements", "node_key",
-           "expected_distinct", "theoretical_num_sms", "local_scaleup_ranks", "GIN_TYPE_NAMES", "NIC_GBS"]
+           "expected_distinct", "theoretical_num_sms", "local_scaleup_ranks", "detect", "get_physical_domain_size",
+           "get_logical_domain_size", "GIN_TYPE_NAMES", "NIC_GBS"]
 
 #: Scale-out GB/s per GPU assumed when ``rdma_gbs=0`` over a real network: one 400 Gb/s NIC per GPU at
 #: 90 % (DeepEP reads the NIC's rate from ``ibstat``; this package has no NIC to ask).
@@ -269,3 +272,35 @@ def theoretical_num_sms(d: Domains, num_experts: int, num_topk: int, num_scaleou
     seconds_per_token = max(k_out * (1 - 1 / S) / rdma_gbs, k * (1 - 1 / U) / nvlink_gbs if U > 1 else 0.0)
     tokens = 1 / seconds_per_token
     return max(tokens * (1 + k_out) / sm_read_gbs, tokens * (k_out + k) / sm_write_gbs)
+
+
+def detect(group: dist.ProcessGroup, allow_hybrid_mode: bool, num_scaleup_override: Optional[int]) -> Domains:
+    """This rank's ``Domains`` in ``group`` (collective: the nodes of every rank).
+
+    Raises:
+        ValueError: see ``physical_from_nodes`` and ``logical_domains``.
+    """
+    R = dist.get_world_size(group)
+    return make_domains(R, dist.get_rank(group), physical_from_nodes(node_key(group)), bool(allow_hybrid_mode),
+                        num_scaleup_override)
+
+
+def get_physical_domain_size(group: dist.ProcessGroup) -> Tuple[int, int]:
+    """``(num_rdma_ranks, num_nvlink_ranks)`` of ``group`` (DeepEP's module function): the ranks' nodes
+    (collective: every rank's host name is gathered), each node one NVLink domain.
+
+    Raises:
+        ValueError: nodes with different rank counts, or a node whose ranks are not consecutive.
+    """
+    return physical_from_nodes(node_key(group))
+
+
+def get_logical_domain_size(group: dist.ProcessGroup, allow_hybrid_mode: bool = True) -> Tuple[int, int]:
+    """``(num_scaleout_ranks, num_scaleup_ranks)`` of ``group`` (DeepEP's module function; collective):
+    ``(1, R)`` in direct mode; the physical domains in hybrid mode; ``(R / N, N)`` with
+    ``ELASTIC_EP_NUM_SCALEUP_RANKS=N``.
+
+    Raises:
+        ValueError: see ``get_physical_domain_size``; an override that does not divide the NVLink domain.
+    """
+    return detect(group, allow_hybrid_mode, num_scaleup_ranks()).logical

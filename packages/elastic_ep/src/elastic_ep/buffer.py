@@ -41,6 +41,7 @@ import torch.distributed as dist
 from . import _C, _checks, _domains, _env, _nvml
 from . import _ops_agrs_pp_engram as _ops
 from ._checks import int_arg
+from ._domains import get_logical_domain_size, get_physical_domain_size
 from ._events import EventHandle, EventOverlap
 from ._handle import EPHandle
 
@@ -127,30 +128,6 @@ def calculate_elastic_buffer_size(num_ranks: int, num_max_tokens_per_rank: int, 
 def get_elastic_buffer_alignment() -> int:
     """The alignment every buffer size has: 2 MiB (``ALIGNMENT_BYTES``), as DeepEP's."""
     return ALIGNMENT_BYTES
-
-
-def get_physical_domain_size(group: dist.ProcessGroup) -> Tuple[int, int]:
-    """``(num_rdma_ranks, num_nvlink_ranks)`` of ``group`` (DeepEP's module function): the ranks' nodes
-    (collective: every rank's host name is gathered), each node one NVLink domain (``_domains``).
-
-    Raises:
-        ValueError: nodes with different rank counts, or a node whose ranks are not consecutive.
-    """
-    return _domains.physical_from_nodes(_domains.node_key(group))
-
-
-def get_logical_domain_size(group: dist.ProcessGroup, allow_hybrid_mode: bool = True) -> Tuple[int, int]:
-    """``(num_scaleout_ranks, num_scaleup_ranks)`` of ``group`` (DeepEP's module function; collective):
-    ``(1, R)`` in direct mode; the physical domains in hybrid mode; ``(R / N, N)`` with
-    ``ELASTIC_EP_NUM_SCALEUP_RANKS=N`` (``_domains``).
-
-    Raises:
-        ValueError: see ``get_physical_domain_size``; an override that does not divide the NVLink domain.
-    """
-    R = dist.get_world_size(group)
-    S, U, _ = _domains.logical_domains(R, get_physical_domain_size(group), bool(allow_hybrid_mode),
-                                       _env.num_scaleup_ranks())
-    return S, U
 
 
 def _release_native(runtime: Any, destroy_comm: Any, comm: int) -> None:
@@ -285,9 +262,7 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
         _checks.raise_if_any_rank_failed(group, err, "ElasticBuffer: creating the buffer")
         # The domains (collective: every rank's node), then the size they call for.
         try:
-            physical = _domains.physical_from_nodes(_domains.node_key(group))
-            self.domains = _domains.make_domains(self.num_ranks, self.rank, physical, allow_hybrid_mode,
-                                                 self._settings.num_scaleup_ranks)
+            self.domains = _domains.detect(group, allow_hybrid_mode, self._settings.num_scaleup_ranks)
             if backend == "native" and (self.domains.hybrid or self.domains.num_rdma_ranks > 1):
                 # Several NVLink domains need GIN (say what is missing); the override needs none.
                 gin = native.railed_gin_type(group) if self.domains.num_rdma_ranks > 1 and not ipc else None
