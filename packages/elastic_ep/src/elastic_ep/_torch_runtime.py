@@ -29,6 +29,12 @@ combine
     expand mode), then rounds to BF16 once. Weights are not multiplied: they are routed back, lane
     ``k`` taken from the rank that owns expert ``topk_idx[t, k]`` (0 for masked lanes).
 
+hybrid mode
+    With more than one logical scale-out domain (``_domains``) the two exchanges above run as the
+    two-hop routing of ``_torch_hybrid`` (over rail peers, then inside the scale-up domain); it delivers
+    the same rows in the same order, so everything else here is unchanged and the outputs are bitwise
+    direct mode's. The handle also carries the forwarders' metadata.
+
 Differences from the native runtime (by design): it always synchronises with the CPU (split sizes are
 host values), so it cannot be captured in a CUDA graph (``do_cpu_sync=False`` still returns worst-case
 outputs); it runs on the caller's current stream (after waiting for ``previous_event``), the returned
