@@ -24,6 +24,8 @@
 //   recording anything (a sticky "this operation already failed" mark: the waiter leaves at once
 //   instead of waiting out its deadline for a peer that will never come; the caller tells the
 //   two apart by reading *stop).
+//   wait_ge_load(load, expected, ...)     wait_ge on a value `load()` returns (a source that is not a
+//                                         plain word, e.g. a GIN signal); the same arguments after it.
 //   aborted(rec)                          true once any waiter recorded a timeout.
 //   report_timeout(rec, ...)              claim and fill the record directly.
 #pragma once
@@ -75,13 +77,14 @@ __device__ __forceinline__ bool reached(T seen, T expected) {
   }
 }
 
-template <Cmp kCmp, typename T>
-__device__ __forceinline__ bool wait_impl(const T* ptr, T expected, uint64_t timeout_ns,
+// `load()` returns the current value (an acquire load of a word, or another source such as a GIN signal).
+template <Cmp kCmp, typename T, typename Load>
+__device__ __forceinline__ bool wait_impl(Load load, T expected, uint64_t timeout_ns,
                                           TimeoutRecord* rec, uint32_t op, int rank, int peer,
                                           uint32_t poll_log2, uint32_t sleep_ns, const uint64_t* stop) {
   // poll_log2 >= 32 means "every 2^32 spins" (a shift by 32 or more is undefined).
   const uint32_t poll_mask = poll_log2 >= 32u ? 0xffffffffu : (1u << poll_log2) - 1u;
-  T seen = ld_acquire(ptr);
+  T seen = load();
   uint64_t start = globaltimer_ns();
   uint32_t spins = 0;
   while (!reached<kCmp>(seen, expected)) {
@@ -99,7 +102,7 @@ __device__ __forceinline__ bool wait_impl(const T* ptr, T expected, uint64_t tim
       }
     }
     if (sleep_ns != 0u) __nanosleep(sleep_ns);
-    T next = ld_acquire(ptr);
+    T next = load();
     if (next != seen) {
       seen = next;
       start = globaltimer_ns();
@@ -114,8 +117,9 @@ __device__ __forceinline__ bool wait_ge(const T* ptr, T expected, uint64_t timeo
                                         TimeoutRecord* rec, uint32_t op, int rank, int peer,
                                         uint32_t poll_log2 = 6, uint32_t sleep_ns = 0,
                                         const uint64_t* stop = nullptr) {
-  return deadline_detail::wait_impl<deadline_detail::Cmp::kGe>(ptr, expected, timeout_ns, rec, op, rank, peer,
-                                                               poll_log2, sleep_ns, stop);
+  return deadline_detail::wait_impl<deadline_detail::Cmp::kGe>([ptr] { return ld_acquire(ptr); }, expected,
+                                                               timeout_ns, rec, op, rank, peer, poll_log2, sleep_ns,
+                                                               stop);
 }
 
 template <typename T>
@@ -123,8 +127,9 @@ __device__ __forceinline__ bool wait_eq(const T* ptr, T expected, uint64_t timeo
                                         TimeoutRecord* rec, uint32_t op, int rank, int peer,
                                         uint32_t poll_log2 = 6, uint32_t sleep_ns = 0,
                                         const uint64_t* stop = nullptr) {
-  return deadline_detail::wait_impl<deadline_detail::Cmp::kEq>(ptr, expected, timeout_ns, rec, op, rank, peer,
-                                                               poll_log2, sleep_ns, stop);
+  return deadline_detail::wait_impl<deadline_detail::Cmp::kEq>([ptr] { return ld_acquire(ptr); }, expected,
+                                                               timeout_ns, rec, op, rank, peer, poll_log2, sleep_ns,
+                                                               stop);
 }
 
 // `tag` is compared with the word's high 32 bits; a timeout record reports the tag as expected and
@@ -133,8 +138,19 @@ __device__ __forceinline__ bool wait_tag_ge(const uint64_t* ptr, uint32_t tag, u
                                             TimeoutRecord* rec, uint32_t op, int rank, int peer,
                                             uint32_t poll_log2 = 6, uint32_t sleep_ns = 0,
                                             const uint64_t* stop = nullptr) {
-  return deadline_detail::wait_impl<deadline_detail::Cmp::kTagGe>(ptr, uint64_t{tag}, timeout_ns, rec, op, rank,
-                                                                  peer, poll_log2, sleep_ns, stop);
+  return deadline_detail::wait_impl<deadline_detail::Cmp::kTagGe>([ptr] { return ld_acquire(ptr); }, uint64_t{tag},
+                                                                  timeout_ns, rec, op, rank, peer, poll_log2,
+                                                                  sleep_ns, stop);
+}
+
+// wait_ge on a value that is not a plain memory word: `load()` returns it (e.g. a GIN signal read).
+template <typename T, typename Load>
+__device__ __forceinline__ bool wait_ge_load(Load load, T expected, uint64_t timeout_ns,
+                                             TimeoutRecord* rec, uint32_t op, int rank, int peer,
+                                             uint32_t poll_log2 = 6, uint32_t sleep_ns = 0,
+                                             const uint64_t* stop = nullptr) {
+  return deadline_detail::wait_impl<deadline_detail::Cmp::kGe>(load, expected, timeout_ns, rec, op, rank, peer,
+                                                               poll_log2, sleep_ns, stop);
 }
 
 }  // namespace commkit

@@ -3,8 +3,8 @@
 // Needs a device communicator created with GIN contexts (one per QP: `context`) and R + 4 signals, and
 // the symmetric window every offset refers to. Peers are addressed as world ranks (ncclTeamWorld);
 // with RAIL connections (hybrid mode) only rail peers are connected, which is all hybrid mode talks to.
-// Signal waits poll readSignal under the package's device deadline instead of NCCL's unbounded
-// waitSignal, so an unresponsive scale-out peer becomes a TimeoutRecord, never a hang.
+// Signal waits poll readSignal under commkit's device deadline (wait_ge_load) instead of NCCL's
+// unbounded waitSignal, so an unresponsive scale-out peer becomes a TimeoutRecord, never a hang.
 // API across NCCL versions: put / signal / flush / readSignal / putValue exist from 2.28.9 (the
 // headers this package supports); strong signals are spelled ncclGin_StrongSignalAdd from 2.30 and
 // ncclGin_SignalAdd before; get exists from 2.30.
@@ -68,24 +68,8 @@ struct GinScaleout {
   __device__ __forceinline__ bool wait_signal(int sig, uint64_t least, uint64_t timeout_ns,
                                               commkit::TimeoutRecord* rec, uint32_t op, int peer) const {
     ncclGin gin(comm, context);
-    uint64_t seen = gin.readSignal(static_cast<ncclGinSignal_t>(sig));
-    uint64_t start = commkit::globaltimer_ns();
-    uint32_t spins = 0;
-    while (seen < least) {
-      if ((++spins & 63u) == 0u) {
-        if (commkit::aborted(rec)) return false;
-        const uint64_t now = commkit::globaltimer_ns();
-        if (now < start) start = now;
-        if (timeout_ns != 0 && now - start > timeout_ns) {
-          commkit::report_timeout(rec, op, rank, peer, int64_t(least), int64_t(seen), now - start);
-          return false;
-        }
-      }
-      const uint64_t again = gin.readSignal(static_cast<ncclGinSignal_t>(sig));
-      if (again != seen) start = commkit::globaltimer_ns();  // progress restarts the deadline
-      seen = again;
-    }
-    return true;
+    return commkit::wait_ge_load([&] { return gin.readSignal(static_cast<ncclGinSignal_t>(sig)); }, least,
+                                 timeout_ns, rec, op, rank, peer);
   }
   __device__ __forceinline__ void get(int peer, uint64_t dst, uint64_t src, uint64_t bytes, int lane) const {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 30, 0)

@@ -75,7 +75,7 @@ class Settings:
             combine_push_blocks=_int("ELASTIC_EP_COMBINE_PUSH_BLOCKS", None),
             host_wait_yield_us=max(0, _int("ELASTIC_EP_HOST_WAIT_YIELD_US", 20000)),
             test_notify_atomics=_is("ELASTIC_EP_TEST_NOTIFY_ATOMICS", "1"),
-            num_scaleup_ranks=_int("ELASTIC_EP_NUM_SCALEUP_RANKS", None),
+            num_scaleup_ranks=num_scaleup_ranks(),
         )
 
 

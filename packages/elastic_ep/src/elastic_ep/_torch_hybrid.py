@@ -43,7 +43,7 @@ import torch
 
 from ._domains import Domains
 
-__all__ = ["HybridExchange", "ForwardMetadata"]
+__all__ = ["HybridExchange", "ForwardMetadata", "as_bytes", "from_bytes"]
 
 _EXTRA = 16  # bytes appended to each row in flight: two int64 (see each stage)
 
@@ -53,25 +53,40 @@ AllToAll = Callable[[torch.Tensor, List[int], str, Optional[Tuple[int, int]], in
 ForwardMetadata = Tuple[torch.Tensor, torch.Tensor]  # (token_metadata_at_forward, channel_linked_list)
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D contiguous tensor viewed as ``[rows, row_bytes]`` uint8."""
+    t = t.contiguous()
+    row_bytes = t.element_size()
+    for d in t.shape[1:]:
+        row_bytes *= d
+    if t.numel() == 0:  # e.g. no tokens: an empty tensor may keep strides (0) that view() refuses
+        return torch.empty((t.shape[0], row_bytes), dtype=torch.uint8, device=t.device)
+    return t.view(torch.uint8).reshape(t.shape[0], row_bytes)
+
+
+def from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
+    """Columns of a ``[rows, bytes]`` uint8 tensor read as ``dtype`` (``[rows, cols]``)."""
+    # A fresh copy unless the view is safe: one row's slice counts as contiguous but may keep an odd
+    # row stride or a misaligned offset, which view() refuses.
+    if not (b.is_contiguous() and b.stride(0) == b.shape[1] and b.storage_offset() % dtype.itemsize == 0):
+        b = b.clone(memory_format=torch.contiguous_format)
+    return b.view(dtype).reshape(b.shape[0], cols)
+
+
 def _i64_cols(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``[n, 16]`` uint8: two int64 columns."""
-    return torch.stack([a, b], 1).to(torch.int64).contiguous().view(torch.uint8).reshape(-1, _EXTRA)
-
-
-def _i64(cols: torch.Tensor) -> torch.Tensor:
-    """``[n, 8 m]`` uint8 columns read as ``[n, m]`` int64 (a copy, so that any column offset works)."""
-    return cols.clone(memory_format=torch.contiguous_format).view(torch.int64).reshape(cols.shape[0], cols.shape[1] // 8)
+    return as_bytes(torch.stack([a, b], 1).to(torch.int64))
 
 
 def _split(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(payload, first int64, second int64)`` of rows carrying ``_i64_cols``."""
-    tail = _i64(rows[:, -_EXTRA:])
+    tail = from_bytes(rows[:, -_EXTRA:], torch.int64, 2)
     return rows[:, :-_EXTRA], tail[:, 0], tail[:, 1]
 
 
 def _token(payload: torch.Tensor) -> torch.Tensor:
     """The source token index of dispatch records (their last int64)."""
-    return _i64(payload[:, -8:]).reshape(-1)
+    return from_bytes(payload[:, -8:], torch.int64, 1).reshape(-1)
 
 
 class HybridExchange:

@@ -56,30 +56,10 @@ from ._events import EventHandle
 from ._engram import check_same_shards, gather_scales
 from ._domains import Domains
 from ._handle import EPHandle
-from ._torch_hybrid import HybridExchange
+from ._torch_hybrid import HybridExchange, as_bytes as _as_bytes, from_bytes as _from_bytes
 from ._runtime import AllGatherArgs, CombineArgs, DispatchArgs, DispatchResult, Runtime
 
 __all__ = ["TorchRuntime"]
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A 2-D contiguous tensor viewed as ``[rows, row_bytes]`` uint8."""
-    t = t.contiguous()
-    row_bytes = t.element_size()
-    for d in t.shape[1:]:
-        row_bytes *= d
-    if t.numel() == 0:  # e.g. no tokens: an empty tensor may keep strides (0) that view() refuses
-        return torch.empty((t.shape[0], row_bytes), dtype=torch.uint8, device=t.device)
-    return t.view(torch.uint8).reshape(t.shape[0], row_bytes)
-
-
-def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
-    """Columns of a ``[rows, bytes]`` uint8 tensor read as ``dtype`` (``[rows, cols]``)."""
-    # A fresh copy unless the view is safe: one row's slice counts as contiguous but may keep an odd
-    # row stride or a misaligned offset, which view() refuses.
-    if not (b.is_contiguous() and b.stride(0) == b.shape[1] and b.storage_offset() % dtype.itemsize == 0):
-        b = b.clone(memory_format=torch.contiguous_format)
-    return b.view(dtype).reshape(b.shape[0], cols)
 
 
 class TorchRuntime(Runtime):
