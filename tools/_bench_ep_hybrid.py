@@ -1,9 +1,15 @@
 """``bench_elastic_ep.py --hybrid N``: hybrid mode against direct mode on the same routing, **emulated**.
 
-The ranks are CPU processes over gloo running the ``torch`` backend (the native runtime does not run
-hybrid mode yet); ``ELASTIC_EP_NUM_SCALEUP_RANKS=N`` splits them into ``R / N`` logical scale-out domains.
+``ELASTIC_EP_NUM_SCALEUP_RANKS=N`` splits the ranks into ``R / N`` logical scale-out domains. Two
+backends (``--hybrid-backend``):
+
+* ``torch`` (default; no GPU needed): CPU processes over gloo running the torch runtime.
+* ``native``: the native runtime's hybrid kernels over the NVLink-emulated scale-out transport, on its
+  CUDA-IPC window, rank r on GPU ``r % num_gpus`` (ranks share a GPU when there are fewer GPUs than
+  ranks: then the times are of ranks taking turns on one GPU, not of a network).
+
 Shape: DeepSeek-V3 (hidden 7168 BF16, top-8 of 256 experts, uniform routing), ``--tokens`` per rank
-(default 512 here: CPU). Per iteration every rank dispatches and combines on a hybrid and on a direct
+(default 512 here). Per iteration every rank dispatches and combines on a hybrid and on a direct
 buffer; hybrid's outputs are checked bitwise against direct's.
 
 What it shows, per rank (mean over ranks):
@@ -12,9 +18,10 @@ What it shows, per rank (mean over ranks):
   row per (token, remote expert rank) in both (ours forwards each rank's partial unreduced, to keep
   direct mode's bits); DeepEP's per-domain reduction would send hybrid dispatch's count back, shown as
   ``deepep_combine_rows``. Bytes = rows x (7168 x 2 + 8 x 8 + 8 x 4) for dispatch (DeepEP's token
-  bytes) and rows x (7168 x 2 + 8 x 4) for combine.
-* **times** of the calls (median, ms): gloo on the CPU, so they say nothing about GPUs or networks;
-  labelled emulated everywhere.
+  bytes) and rows x (7168 x 2 + 8 x 4) for combine. The torch runtime counts what it sent; for the
+  native runtime the counts come from the routing (the same formula the tests check the torch one by).
+* **times** of the calls (median, ms): emulated either way (gloo on the CPU, or ranks on one node's
+  NVLink standing in for a network), so they are labelled and are no network figures.
 
 Writes ``bench_elastic_ep_hybrid.{json,md,png}``.
 """
@@ -38,7 +45,14 @@ DISPATCH_ROW = H * 2 + K * 8 + K * 4
 COMBINE_ROW = H * 2 + K * 4
 
 
-def _worker(rank: int, world: int, rdzv: str, scaleup: int, tokens: int, iters: int, src: str, out_file: str):
+def _hybrid_dispatch_rows(topk: torch.Tensor, L: int, scaleup: int, me_dom: int) -> int:
+    """Rows a hybrid dispatch sends across domains: one per (token, remote domain holding its experts)."""
+    return sum(len({int(e) // (L * scaleup) for e in row if int(e) // (L * scaleup) != me_dom})
+               for row in topk.tolist())
+
+
+def _worker(rank: int, world: int, rdzv: str, scaleup: int, tokens: int, iters: int, src: str, out_file: str,
+            backend: str = "torch"):
     import sys
 
     try:  # the installed package (built), else the source tree
@@ -49,7 +63,16 @@ def _worker(rank: int, world: int, rdzv: str, scaleup: int, tokens: int, iters: 
 
     dist.init_process_group("gloo", init_method=rdzv, rank=rank, world_size=world)
     group = dist.group.WORLD
-    kw = dict(num_max_tokens_per_rank=tokens, hidden=H, num_topk=K, backend="torch")
+    kw = dict(num_max_tokens_per_rank=tokens, hidden=H, num_topk=K, backend=backend)
+    dev = torch.device("cpu")
+    if backend == "native":  # the CUDA-IPC window works over gloo, and with ranks sharing a GPU
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dev = torch.device("cuda", torch.cuda.current_device())
+        kw.update(window="ipc")
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
     os.environ["ELASTIC_EP_NUM_SCALEUP_RANKS"] = str(scaleup)
     hybrid = ep.ElasticBuffer(group, **kw)
     del os.environ["ELASTIC_EP_NUM_SCALEUP_RANKS"]
@@ -60,22 +83,26 @@ def _worker(rank: int, world: int, rdzv: str, scaleup: int, tokens: int, iters: 
                bitwise_equal=True)
     for it in range(iters + 1):  # the first is a warm-up
         g = torch.Generator().manual_seed(1000 * it + rank)
-        x = torch.randn((tokens, H), generator=g).to(torch.bfloat16)
+        x = torch.randn((tokens, H), generator=g).to(torch.bfloat16).to(dev)
         topk = torch.rand((tokens, E), generator=g).topk(K, dim=1).indices
-        w = torch.rand((tokens, K), generator=g)
+        w = torch.rand((tokens, K), generator=g).to(dev)
         outs, rows = {}, {}
         for name, buf in (("hybrid", hybrid), ("direct", direct)):
+            sync()
             dist.barrier()
             t0 = time.perf_counter()
-            rx, _, rw, h, _ = buf.dispatch(x, topk_idx=topk, topk_weights=w, num_experts=E)
+            rx, _, rw, h, _ = buf.dispatch(x, topk_idx=topk.to(dev), topk_weights=w, num_experts=E)
+            sync()
             t1 = time.perf_counter()
             if name == "hybrid":
-                rows["hybrid_dispatch_rows"] = buf.runtime.hybrid.last_scaleout_rows
+                rows["hybrid_dispatch_rows"] = buf.runtime.hybrid.last_scaleout_rows if backend == "torch" else \
+                    _hybrid_dispatch_rows(topk, L, scaleup, me_dom)
             dist.barrier()
             t2 = time.perf_counter()
             cx, _, _ = buf.combine(rx, h, topk_weights=rw)
+            sync()
             t3 = time.perf_counter()
-            if name == "hybrid":
+            if name == "hybrid" and backend == "torch":
                 rows["hybrid_combine_rows"] = buf.runtime.hybrid.last_scaleout_rows
             else:  # direct: rows sent to ranks of other domains (dispatch), partials sent back to them (combine)
                 dst = topk // L
@@ -84,6 +111,8 @@ def _worker(rank: int, world: int, rdzv: str, scaleup: int, tokens: int, iters: 
                 per_src = torch.diff(h.psum_num_recv_tokens_per_scaleup_rank.to(torch.int64), prepend=torch.zeros(1))
                 rows["direct_combine_rows"] = int(sum(int(c) for r, c in enumerate(per_src.tolist())
                                                       if r // scaleup != me_dom))
+                if backend == "native":  # partials go back unreduced: as many as direct mode sends
+                    rows["hybrid_combine_rows"] = rows["direct_combine_rows"]
             outs[name] = (rx, cx)
             if it:
                 res[f"{name}_dispatch_ms"].append((t1 - t0) * 1e3)
@@ -125,11 +154,12 @@ def summarise(per_rank: List[dict], world: int, scaleup: int) -> List[dict]:
 
 
 def markdown(table: List[dict], meta: dict) -> str:
-    lines = [f"### Hybrid vs direct mode, EMULATED ({meta['layout']} logical domains of {meta['world']} CPU ranks, "
-             f"torch backend over gloo; {meta['tokens']} tokens per rank, hidden {H}, top-{K} of {E})", "",
+    where = meta.get("where", "CPU ranks, torch backend over gloo")
+    lines = [f"### Hybrid vs direct mode, EMULATED ({meta['layout']} logical domains of {meta['world']} ranks, "
+             f"{where}; {meta['tokens']} tokens per rank, hidden {H}, top-{K} of {E})", "",
              f"{meta['date']}, {meta['host']}, revision {meta['git']}, `{meta['command']}`; hybrid outputs bitwise "
              f"equal to direct mode's: {meta['bitwise_equal']}", "",
-             "| op | mode | rows crossing domains / rank | MB crossing / rank | time, ms (emulated: gloo on CPU) |",
+             f"| op | mode | rows crossing domains / rank | MB crossing / rank | time, ms (emulated: {where}) |",
              "|---|---|---:|---:|---:|"]
     for t in table:
         ms = "–" if t["emulated_ms"] is None else f"{t['emulated_ms']:.1f}"
@@ -158,8 +188,9 @@ def _plot(table: List[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def run(out: str, world: int, scaleup: int, tokens: int, iters: int, src: str, command: str, git: str) -> dict:
-    """Spawns the CPU ranks, writes bench_elastic_ep_hybrid.{json,md,png} into ``out``; returns the data."""
+def run(out: str, world: int, scaleup: int, tokens: int, iters: int, src: str, command: str, git: str,
+        backend: str = "torch") -> dict:
+    """Spawns the ranks, writes bench_elastic_ep_hybrid.{json,md,png} into ``out``; returns the data."""
     from _benchutil import write_results
 
     if world % scaleup or scaleup >= world:
@@ -167,12 +198,20 @@ def run(out: str, world: int, scaleup: int, tokens: int, iters: int, src: str, c
     tmp = tempfile.mkdtemp(prefix="bench_ep_hybrid_")
     out_file = os.path.join(tmp, "rank{rank}.json")
     t0 = time.time()
-    mp.spawn(_worker, args=(world, f"file://{os.path.join(tmp, 'rdzv')}", scaleup, tokens, iters, src, out_file),
-             nprocs=world, join=True)
+    where = "CPU ranks, torch backend over gloo"
+    if backend == "native":
+        if not torch.cuda.is_available():
+            raise SystemExit("--hybrid-backend native: no CUDA device")
+        gpus = torch.cuda.device_count()
+        where = (f"native runtime, NVLink-emulated scale-out, CUDA-IPC window on {min(gpus, world)} "
+                 f"{torch.cuda.get_device_name(0)}" + (" shared by the ranks" if gpus < world else ""))
+    mp.spawn(_worker, args=(world, f"file://{os.path.join(tmp, 'rdzv')}", scaleup, tokens, iters, src, out_file,
+                            backend), nprocs=world, join=True)
     per_rank = [json.load(open(out_file.format(rank=r))) for r in range(world)]
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 host=socket.gethostname(), git=git, command=command, world=world, scaleup=scaleup,
                 layout=f"{world // scaleup}x{scaleup}", tokens=tokens, iterations=iters, emulated=True,
+                backend=backend, where=where,
                 bitwise_equal=all(r["bitwise_equal"] for r in per_rank), seconds=round(time.time() - t0, 1))
     table = summarise(per_rank, world, scaleup)
     md = markdown(table, meta)

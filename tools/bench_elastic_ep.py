@@ -596,14 +596,19 @@ def main() -> int:
                     help="instead: hybrid mode (logical scale-up domains of N ranks) against direct mode, EMULATED "
                          "on --world CPU ranks (default 4) over gloo with the torch backend; --tokens defaults to "
                          "512 there (tools/_bench_ep_hybrid.py)")
+    ap.add_argument("--hybrid-backend", default="torch", choices=("torch", "native"),
+                    help="--hybrid on the torch runtime (CPU ranks over gloo) or on the native one (its hybrid "
+                         "kernels over the NVLink-emulated scale-out, ranks sharing the GPUs there are)")
     args = ap.parse_args()
     args.out = out_dir(args.out)
     if args.hybrid:
         from _bench_ep_hybrid import run as run_hybrid
 
         tokens = args.tokens if "--tokens" in sys.argv else 512
+        if args.hybrid_backend == "native":
+            apply_env()  # tools/env.sh (NVLink multicast off), inherited by the worker processes
         run_hybrid(args.out, args.world or 4, args.hybrid, tokens, 2 if args.quick else 10, SRC, " ".join(sys.argv),
-                   git_revision())
+                   git_revision(), args.hybrid_backend)
         return 0
     if not torch.cuda.is_available():
         print("bench_elastic_ep: no CUDA device, nothing to measure")

@@ -568,6 +568,9 @@ def matrix_worker(rank: int, world: int, rdzv: str, cfg: dict):
 
     ``cfg['window'] == 'ipc'``: the native buffer on its CUDA-IPC window, over a gloo group when the
     ranks share a GPU (then only the oracle can check it: the torch backend needs NCCL for GPU tensors).
+    ``cfg['compare_torch']``: a torch-backend reference buffer; ``cfg['compare_direct']``: a direct-mode
+    buffer of the same backend and window (for ``cfg['num_scaleup_ranks']``, hybrid mode's reference).
+    ``cfg['cases']``: the cases (default ``case_matrix(cfg['kind'])``).
     """
     from tests._dist import init_gloo
 
@@ -597,7 +600,11 @@ def matrix_worker(rank: int, world: int, rdzv: str, cfg: dict):
                   f"logical domains {buf.get_logical_domain_size()}")
         if cfg.get("shuffle") and buf.backend == "torch":  # emulate the native kernels' row order
             buf.runtime.shuffle_generator = torch.Generator().manual_seed(1000 + rank)
-        ref = ep.ElasticBuffer(group, nbytes, backend="torch", **kw) if cfg.get("compare_torch") else None
+        ref = None
+        if cfg.get("compare_torch"):
+            ref = ep.ElasticBuffer(group, nbytes, backend="torch", **kw)
+        elif cfg.get("compare_direct"):  # the same backend and window in direct mode
+            ref = ep.ElasticBuffer(group, nbytes, backend=cfg["backend"], window=window, **kw)
         for i, case in enumerate(cfg.get("cases") or case_matrix(cfg["kind"])):
             run_case(buf, ref, group, rank, world, case, shape, seed=cfg.get("seed", 0) * 100 + i,
                      with_oracle=cfg.get("oracle", True))
@@ -608,6 +615,74 @@ def matrix_worker(rank: int, world: int, rdzv: str, cfg: dict):
     dist.destroy_process_group()
     raise_failures(rank)
     return done
+
+
+def soak_worker(rank, world, rdzv, iters, window="auto", seed_epoch=0, num_scaleup_ranks=None):
+    """Random cases of the native buffer against the oracle, and also against the torch backend (except
+    window="ipc": the ranks may share a GPU, where the group is gloo, which the torch backend cannot use
+    for GPU tensors). seed_epoch: start as if that many operations had run (the 32-bit tags of the count
+    words wrap at 2^32 operations; the kernels' u64 epoch must carry on across it). num_scaleup_ranks:
+    the buffer in hybrid mode (logical domains of that size), checked against a direct-mode buffer of
+    the same window as well."""
+    import random
+
+    ep = import_elastic_ep()
+    group = init_ep_group(rank, world, rdzv, window)
+    shape = dict(hidden=256, topk=4, experts=16, max_tokens=64)
+    kw = dict(num_max_tokens_per_rank=64, hidden=256, num_topk=4, use_fp8_dispatch=True)
+    with scaleup_override(num_scaleup_ranks):
+        buf = ep.ElasticBuffer(group, backend="native", window=window, **kw)
+    if num_scaleup_ranks:  # hybrid mode: direct mode on the same window is the reference too
+        ref = ep.ElasticBuffer(group, backend="native", window=window, **kw)
+    else:
+        ref = None if window == "ipc" else ep.ElasticBuffer(group, backend="torch", **kw)
+    if seed_epoch:
+        buf.runtime._rt.debug_seed_epoch(seed_epoch)
+        group.barrier()  # every rank seeded before any kernel of the next operation runs
+    rng = random.Random(1234)  # same sequence of cases on every rank
+    for it in range(iters):
+        tokens = [rng.randint(0, 64) for _ in range(world)]
+        expand = rng.random() < 0.5
+        case = dict(dtype=rng.choice(["bf16", "fp8"]), expand=expand, cpu_sync=rng.random() < 0.7,
+                    alignment=rng.choice([1, 4, 128]), zero_padding=expand and rng.random() < 0.5,
+                    num_bias=rng.randint(0, 2), cached=rng.random() < 0.2, tma_sf=False, sf_strided_input=False,
+                    stream_opt=rng.choice(["sync", "async"]), handle_copy=True)
+        run_case(buf, ref, group, rank, world, case, dict(shape, tokens=tokens[rank]), seed=10_000 + it,
+                 with_oracle=True)
+    buf.destroy()
+    if ref is not None:
+        ref.destroy()
+    raise_failures(rank)
+    return iters
+
+
+def check_forward_metadata(handle, everyone, rank: int, world: int, U: int, num_experts: int, M: int) -> int:
+    """A hybrid dispatch handle's ``token_metadata_at_forward`` / ``channel_linked_list`` against an
+    independent derivation from every rank's routing (``everyone``: ``gather_inputs``). The tokens a
+    rank relays come from its rail (same scale-up index), in source-domain then token order, when one
+    of their experts lives in its domain; the mask names those ranks. Returns the relayed count."""
+    meta, linked = handle.token_metadata_at_forward, handle.channel_linked_list
+    L, s_me, u_me = num_experts // world, rank // U, rank % U
+    want = []
+    for s in range(world // U):
+        src = s * U + u_me
+        for t, row in enumerate(everyone[src]["topk_idx"].tolist()):
+            mask = 0
+            for e in row:
+                if e >= 0 and (e // L) // U == s_me:
+                    mask |= 1 << ((e // L) % U)
+            if mask:
+                want.append((src * M + t, mask))
+    got = [(int(a), int(b)) for a, b in meta[:, :2].tolist()]
+    assert got == want, f"rank {rank}: relayed {got}, expected {want}"
+    for b in range(U):
+        rows = [i for i, (_, mask) in enumerate(want) if mask >> b & 1]
+        listed = [int(v) for v in linked[b].tolist() if v >= 0]
+        assert listed == rows, f"rank {rank}: linked list to scale-up rank {b}: {listed}, expected {rows}"
+        assert [int(meta[i, 2 + b]) for i in rows] == list(range(len(rows)))
+        others = [i for i in range(len(want)) if i not in rows]
+        assert all(int(meta[i, 2 + b]) == -1 for i in others)
+    return len(want)
 
 
 def expect_timeout(buf, stage, call, rank=0, peer=1):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests._dist import run_workers
-from tests.elastic_ep._common import expect_timeout, matrix_worker
+from tests.elastic_ep._common import expect_timeout, matrix_worker, soak_worker
 
 SMALL = dict(hidden=512, topk=8, experts=32, max_tokens=96, tokens=[96, 0, 61, 7])
 BUFFERS = [dict(allow_multiple_reduction=True, deterministic=False),
@@ -424,42 +424,6 @@ def test_native_on_torch_communicator(tmp_path):
     res = run_workers(reuse_worker, world, tmp_path=tmp_path, timeout=90, env={"EP_REUSE_NCCL_COMM": "1"})
     print(f"communicator used by the native buffer: {res}")
     assert res == ["torch"] * world, res
-
-
-def soak_worker(rank, world, rdzv, iters, window="auto", seed_epoch=0):
-    """Random cases against the oracle, and also against the torch backend (except window="ipc": the
-    ranks may share a GPU, where the group is gloo, which the torch backend cannot use for GPU tensors).
-    seed_epoch: start as if that many operations had run (the 32-bit tags of the count words wrap at
-    2^32 operations; the kernels' u64 epoch must carry on across it)."""
-    import random
-
-    from tests.elastic_ep._common import import_elastic_ep, init_ep_group, raise_failures, run_case
-
-    ep = import_elastic_ep()
-    group = init_ep_group(rank, world, rdzv, window)
-    shape = dict(hidden=256, topk=4, experts=16, max_tokens=64)
-    buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=64, hidden=256, num_topk=4, use_fp8_dispatch=True,
-                           backend="native", window=window)
-    ref = None if window == "ipc" else ep.ElasticBuffer(group, num_max_tokens_per_rank=64, hidden=256, num_topk=4,
-                                                         use_fp8_dispatch=True, backend="torch")
-    if seed_epoch:
-        buf.runtime._rt.debug_seed_epoch(seed_epoch)
-        group.barrier()  # every rank seeded before any kernel of the next operation runs
-    rng = random.Random(1234)  # same sequence of cases on every rank
-    for it in range(iters):
-        tokens = [rng.randint(0, 64) for _ in range(world)]
-        expand = rng.random() < 0.5
-        case = dict(dtype=rng.choice(["bf16", "fp8"]), expand=expand, cpu_sync=rng.random() < 0.7,
-                    alignment=rng.choice([1, 4, 128]), zero_padding=expand and rng.random() < 0.5,
-                    num_bias=rng.randint(0, 2), cached=rng.random() < 0.2, tma_sf=False, sf_strided_input=False,
-                    stream_opt=rng.choice(["sync", "async"]), handle_copy=True)
-        run_case(buf, ref, group, rank, world, case, dict(shape, tokens=tokens[rank]), seed=10_000 + it,
-                 with_oracle=True)
-    buf.destroy()
-    if ref is not None:
-        ref.destroy()
-    raise_failures(rank)
-    return iters
 
 
 @pytest.mark.multigpu(2)

@@ -119,47 +119,26 @@ def _forward_worker(rank, world, rdzv, cfg):
     import torch.distributed as dist
 
     from tests._dist import init_gloo
-    from tests.elastic_ep._common import gather_inputs, import_elastic_ep, make_inputs, scaleup_override
+    from tests.elastic_ep._common import (check_forward_metadata, gather_inputs, import_elastic_ep, make_inputs,
+                                          scaleup_override)
 
     ep = import_elastic_ep()
     group = init_gloo(rank, world, rdzv)
     U, H, K, E, M = cfg["scaleup"], 64, 4, 24, 20
-    L = E // world
     with scaleup_override(U):
         buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, num_topk=K, backend="torch")
     inp = make_inputs(rank, [20, 7, 0, 13, 20, 3][rank], H, K, E, "bf16", seed=3, device="cpu")
     everyone = gather_inputs(inp, group)
     _, _, _, handle, _ = buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"],
                                       num_experts=E)
-    meta, linked = handle.token_metadata_at_forward, handle.channel_linked_list
-    s_me, u_me = rank // U, rank % U
-    # Independent: the tokens this rank relays come from its rail (same scale-up index), in source-domain
-    # then token order, when one of their experts lives in this rank's domain; the mask names those ranks.
-    want = []
-    for s in range(world // U):
-        src = s * U + u_me
-        for t, row in enumerate(everyone[src]["topk_idx"].tolist()):
-            mask = 0
-            for e in row:
-                if e >= 0 and (e // L) // U == s_me:
-                    mask |= 1 << ((e // L) % U)
-            if mask:
-                want.append((src * M + t, mask))
-    got = [(int(a), int(b)) for a, b in meta[:, :2].tolist()]
-    assert got == want, f"rank {rank}: relayed {got}, expected {want}"
-    for b in range(U):
-        rows = [i for i, (_, mask) in enumerate(want) if mask >> b & 1]
-        listed = [int(v) for v in linked[b].tolist() if v >= 0]
-        assert listed == rows, f"rank {rank}: linked list to scale-up rank {b}: {listed}, expected {rows}"
-        assert [int(meta[i, 2 + b]) for i in rows] == list(range(len(rows)))
-        others = [i for i in range(len(want)) if i not in rows]
-        assert all(int(meta[i, 2 + b]) == -1 for i in others)
+    relayed = check_forward_metadata(handle, everyone, rank, world, U, E, M)
+    linked = handle.channel_linked_list
     # The deterministic sort accepts the handle's own list (DeepEP's argument) and refuses another.
     with pytest.raises(ValueError, match="channel_linked_list"):
         handle.deterministic_sort(True, False, torch.zeros(0, H), None, None, None, linked.clone())
     buf.destroy()
     dist.destroy_process_group()
-    return len(want)
+    return relayed
 
 
 @pytest.mark.parametrize("world,scaleup", [(4, 2), (6, 3), (6, 2)], ids=["2x2", "2x3", "3x2"])

@@ -73,23 +73,3 @@ def _timeout_worker(rank, world, rdzv):
 @pytest.mark.multigpu(2, shared_ok=True)
 def test_nvlink_emulated_scaleout_peer_never_puts(tmp_path):
     assert run_workers(_timeout_worker, 2, tmp_path=tmp_path, timeout=60)[1] == "timeout"
-
-
-def _refusal_worker(rank, world, rdzv):
-    from tests.elastic_ep._common import scaleup_override
-
-    group = init_ep_group(rank, world, rdzv, "ipc")
-    with scaleup_override(1):
-        try:
-            ep.ElasticBuffer(group, num_bytes=MiB2, backend="native", window="ipc")
-        except RuntimeError as e:
-            assert "nvlink-emulated" in str(e) and "backend='torch'" in str(e), str(e)
-            return "refused"
-    return "created"
-
-
-@pytest.mark.multigpu(2, shared_ok=True)
-def test_native_refuses_hybrid_mode_on_every_rank(tmp_path):
-    """The override asks for hybrid mode, which the native runtime does not run yet: every rank raises,
-    naming the scale-out transport it would use, and nobody hangs."""
-    assert run_workers(_refusal_worker, 2, tmp_path=tmp_path, timeout=60) == ["refused"] * 2

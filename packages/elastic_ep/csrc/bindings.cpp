@@ -238,7 +238,9 @@ void bind_params(py::module_& m) {
       .def_readwrite("overlap", &DispatchParams::overlap)
       .def_readwrite("concurrent_notify", &DispatchParams::concurrent_notify)
       .def_readwrite("zero_copy", &DispatchParams::zero_copy)
-      .def_readwrite("zero_copy_x_offset", &DispatchParams::zero_copy_x_offset);
+      .def_readwrite("zero_copy_x_offset", &DispatchParams::zero_copy_x_offset)
+      .def_readwrite("num_scaleup_ranks", &DispatchParams::num_scaleup_ranks)
+      .def_readwrite("test_drop_scaleout_signals", &DispatchParams::test_drop_scaleout_signals);
   py::class_<EpilogueParams>(m, "EpilogueParams", "Scalars of a dispatch's copy-epilogue launch (kernels.hpp).")
       .def(py::init([] { return EpilogueParams{}; }))
       .def_readwrite("sf_token_stride", &EpilogueParams::sf_token_stride)
@@ -254,7 +256,8 @@ void bind_params(py::module_& m) {
       .def_readwrite("do_zero_padding", &EpilogueParams::do_zero_padding)
       .def_readwrite("num_sms", &EpilogueParams::num_sms)
       .def_readwrite("overlap", &EpilogueParams::overlap)
-      .def_readwrite("zero_copy", &EpilogueParams::zero_copy);
+      .def_readwrite("zero_copy", &EpilogueParams::zero_copy)
+      .def_readwrite("num_scaleup_ranks", &EpilogueParams::num_scaleup_ranks);
   py::class_<CombineParams>(m, "CombineParams", "Scalars of a combine's launches (kernels.hpp).")
       .def(py::init([] { return CombineParams{}; }))
       .def_readwrite("num_combined_tokens", &CombineParams::num_combined_tokens)
@@ -265,7 +268,8 @@ void bind_params(py::module_& m) {
       .def_readwrite("use_expanded_layout", &CombineParams::use_expanded_layout)
       .def_readwrite("allow_multiple_reduction", &CombineParams::allow_multiple_reduction)
       .def_readwrite("num_sms", &CombineParams::num_sms)
-      .def_readwrite("overlap_push_blocks", &CombineParams::overlap_push_blocks);
+      .def_readwrite("overlap_push_blocks", &CombineParams::overlap_push_blocks)
+      .def_readwrite("num_scaleup_ranks", &CombineParams::num_scaleup_ranks);
 }
 
 #if COMMKIT_WITH_CUDA
@@ -373,9 +377,10 @@ void bind_runtime(py::module_& m) {
           [](Runtime& r, const DispatchParams& plan, uintptr_t x, uintptr_t sf, uintptr_t topk_idx,
              uintptr_t topk_weights, uintptr_t copied_topk_idx, uintptr_t cumulative_stats, uintptr_t psum_rank,
              uintptr_t psum_expert, uintptr_t unaligned_expert, uintptr_t slot_idx, int64_t stream,
-             int64_t wait_stream, uintptr_t direct_base) {
+             int64_t wait_stream, uintptr_t direct_base, uintptr_t forward_dense) {
             DispatchParams p = plan;
             p.direct_base = ptr<int>(direct_base);
+            p.forward_dense = ptr<int>(forward_dense);
             p.x = ptr<const void>(x);
             p.sf = ptr<const void>(sf);
             p.topk_idx = ptr<const int64_t>(topk_idx);
@@ -391,7 +396,7 @@ void bind_runtime(py::module_& m) {
           py::arg("params"), py::arg("x"), py::arg("sf"), py::arg("topk_idx"), py::arg("topk_weights"),
           py::arg("copied_topk_idx"), py::arg("cumulative_stats"), py::arg("psum_rank"), py::arg("psum_expert"),
           py::arg("unaligned_expert"), py::arg("slot_idx"), py::arg("stream"), py::arg("wait_stream") = kNoStream,
-          py::arg("direct_base") = 0,
+          py::arg("direct_base") = 0, py::arg("forward_dense") = 0,
           "Notify (or, cached, the entry barrier) and the push; tensor arguments are data pointers (0: none).")
       .def(
           "pp_transfer",
@@ -425,8 +430,9 @@ void bind_runtime(py::module_& m) {
           [](Runtime& r, const EpilogueParams& plan, uintptr_t x, uintptr_t sf, uintptr_t recv_x, uintptr_t recv_sf,
              int64_t recv_sf_token_stride, int64_t recv_sf_hidden_stride, uintptr_t recv_topk_idx,
              uintptr_t recv_topk_weights, uintptr_t recv_src_metadata, uintptr_t psum_rank, uintptr_t psum_expert,
-             uintptr_t unaligned_expert, int64_t stream, int64_t join_stream) {
+             uintptr_t unaligned_expert, int64_t stream, int64_t join_stream, uintptr_t forward_dense) {
             EpilogueParams p = plan;
+            p.forward_dense = ptr<int>(forward_dense);
             p.x = ptr<const void>(x);
             p.sf = ptr<const void>(sf);
             p.recv_x = ptr<void>(recv_x);
@@ -445,7 +451,8 @@ void bind_runtime(py::module_& m) {
           py::arg("recv_sf_token_stride"), py::arg("recv_sf_hidden_stride"), py::arg("recv_topk_idx"),
           py::arg("recv_topk_weights"), py::arg("recv_src_metadata"), py::arg("psum_rank"), py::arg("psum_expert"),
           py::arg("unaligned_expert"), py::arg("stream"), py::arg("join_stream") = kNoStream,
-          "The copy epilogue; tensor arguments are data pointers (0: none).")
+          py::arg("forward_dense") = 0,
+          "The copy epilogue (hybrid mode: the forward kernel first); tensor arguments are data pointers (0: none).")
       .def(
           "combine",
           [](Runtime& r, const CombineParams& plan, uintptr_t x, uintptr_t topk_weights, uintptr_t src_metadata,

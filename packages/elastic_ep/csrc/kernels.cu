@@ -1,7 +1,7 @@
 // elastic_ep/csrc/kernels.cu -- direct-mode (one NVLink domain) dispatch, combine, barrier, PP and AGRS
 // kernels: the one CUDA translation unit. The kernels live one family per header in kernels/
 // (device_common, barrier, dispatch_notify, dispatch_push, dispatch_epilogue, combine, pp, agrs, engram,
-// scaleout_probe); this
+// scaleout_probe, hybrid); this
 // file holds the device communicator set-up and the launchers declared in kernels.hpp.
 //
 // Every operation (barrier, dispatch, combine) has an epoch E = 1 + the epoch stored in this rank's
@@ -24,11 +24,13 @@
 #include "kernels/agrs.cuh"
 #include "kernels/engram.cuh"
 #include "kernels/scaleout_probe.cuh"
+#include "kernels/hybrid.cuh"
 
 namespace elastic_ep {
 namespace {
 
 int grid_of(int num_sms) { return num_sms > 0 ? num_sms : 1; }
+bool hybrid_on(int num_scaleup_ranks, int num_ranks) { return num_scaleup_ranks > 0 && num_scaleup_ranks < num_ranks; }
 
 // Zero the GIN requests where the headers have them (compile-time detection across NCCL versions).
 template <typename Req>
@@ -137,11 +139,17 @@ void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream, v
 }
 
 void launch_dispatch_epilogue(const CommView& c, const EpilogueParams& p, void* stream) {
-  dispatch_epilogue_kernel<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p);
+  auto s = static_cast<cudaStream_t>(stream);
+  if (hybrid_on(p.num_scaleup_ranks, c.num_ranks)) hybrid_dispatch_forward_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
+  dispatch_epilogue_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
 }
 
+// Hybrid mode: the forward kernel follows the push here, before any event the runtime makes the
+// stream wait for: that event gates the reduce only (the forward writes no output of the caller's).
 void launch_combine_push(const CommView& c, const CombineParams& p, void* stream) {
-  combine_push_kernel<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p);
+  auto s = static_cast<cudaStream_t>(stream);
+  combine_push_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
+  if (hybrid_on(p.num_scaleup_ranks, c.num_ranks)) hybrid_combine_forward_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
 }
 
 void launch_combine_reduce(const CommView& c, const CombineParams& p, void* stream) {

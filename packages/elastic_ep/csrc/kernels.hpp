@@ -31,6 +31,12 @@ enum OpCode : uint32_t {
   kOpAllGather = 8,
   kOpAgrsSession = 9,
   kOpScaleoutProbe = 10,
+  // Hybrid mode (kernels/hybrid.cuh): the forwarder's wait for a rail peer's tokens (dispatch), the
+  // forwarder's wait for its domain's partials (combine), the origin's wait for a rail peer's
+  // forwarded partials (combine).
+  kOpDispatchScaleout = 11,
+  kOpCombineScaleup = 12,
+  kOpCombineScaleout = 13,
 };
 const char* op_name(uint32_t op);
 
@@ -78,6 +84,15 @@ struct DispatchParams {
   int64_t zero_copy_x_offset;
   int* direct_base;            // [R] this rank's first receive row at each destination rank (that rank's
                                // psum_rank[this rank - 1]); written by notify, kept in the handle
+  // Hybrid mode (sizing.hpp, kernels/hybrid.cuh): U < R ranks per logical scale-out domain (0 or R:
+  // direct mode). The push sends its own domain's rows directly and stages one record per token and
+  // other domain for that domain's rail peer (no overlap, zero-copy or concurrent notify here).
+  int num_scaleup_ranks;
+  int* forward_dense;          // [S * M, 2] int32 (may be null: cached): the push writes row
+                               // [own domain][t] = (rank * M + t, mask of the own domain's ranks t goes to)
+  // Tests only (ELASTIC_EP_TEST_DROP_SCALEOUT_SIGNALS=1): the push raises no scale-out signal, so the
+  // rail peers' forwarders time out naming the scale-out stage.
+  int test_drop_scaleout_signals;
 };
 
 struct EpilogueParams {
@@ -106,6 +121,10 @@ struct EpilogueParams {
   // Zero-copy dispatch: recv_x is the dense area the push wrote (DispatchParams::zero_copy); the
   // epilogue copies no hidden bytes (recv_x is ignored) and reads records without them.
   int zero_copy;
+  // Hybrid mode: the forward kernel runs first (relays the rail peers' records into this domain's
+  // receive areas and writes rows [other domain][t] of forward_dense, as DispatchParams).
+  int num_scaleup_ranks;
+  int* forward_dense;
 };
 
 struct CombineParams {
@@ -127,6 +146,9 @@ struct CombineParams {
   // others reduce each token chunk as soon as its rows have landed (overlap_fits must hold,
   // 0 < overlap_push_blocks < num_sms, and no event may gate the reduce).
   int overlap_push_blocks;
+  // Hybrid mode: rows for another domain's origin go to this domain's rail peer of the origin (its
+  // stage area), which forwards them over the scale-out transport (no overlapped combine here).
+  int num_scaleup_ranks;
 };
 
 // One PP send or receive (pp.cuh): `x` goes into / comes out of slot seq % num_max_inflight of the
@@ -155,9 +177,11 @@ void launch_barrier(const CommView& c, void* stream);
 // without concurrent_notify) recorded between the two, so an overlapped epilogue on another stream
 // can start with the push.
 void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream, void* notify_done_event = nullptr);
+// Hybrid mode (num_scaleup_ranks < R): the forward kernel, then the epilogue.
 void launch_dispatch_epilogue(const CommView& c, const EpilogueParams& p, void* stream);
 // Combine = push (rows back to their origins) then reduce (the epilogue); the runtime may make the
 // stream wait for an event between the two (previous_event_before_epilogue).
+// Hybrid mode: the push, then the forward kernel (this domain's partials to the rail peers).
 void launch_combine_push(const CommView& c, const CombineParams& p, void* stream);
 void launch_combine_reduce(const CommView& c, const CombineParams& p, void* stream);
 // The overlapped combine (p.overlap_push_blocks > 0): push and reduce in one kernel.

@@ -56,6 +56,12 @@ const char* op_name(uint32_t op) {
     case kOpAllGather: return "elastic_ep all_gather (waiting for a peer's data)";
     case kOpAgrsSession: return "elastic_ep destroy_agrs_session (waiting for a peer to end the session)";
     case kOpScaleoutProbe: return "elastic_ep scale-out probe (waiting for the previous rail peer's put)";
+    case kOpDispatchScaleout:
+      return "elastic_ep hybrid dispatch scale-out stage (the forwarder waiting for a rail peer's tokens)";
+    case kOpCombineScaleup:
+      return "elastic_ep hybrid combine scale-up stage (the forwarder waiting for a domain peer's partials)";
+    case kOpCombineScaleout:
+      return "elastic_ep hybrid combine scale-out stage (waiting for a rail peer's forwarded partials)";
     default: return "elastic_ep operation";
   }
 }
@@ -173,7 +179,8 @@ void Runtime::setup_nccl_window(uint64_t total) {
   setup_failed_everywhere_ = lsa_size_ != num_ranks || lsa_rank != rank;  // the same on every rank
   CK_CHECK(lsa_size_ == num_ranks && lsa_rank == rank, "direct mode needs all ", num_ranks,
            " ranks in one NVLink (LSA) domain, but NCCL reports an LSA team of ", lsa_size_,
-           " with this rank at ", lsa_rank, "; hybrid scale-out mode is not implemented yet");
+           " with this rank at ", lsa_rank, " (hybrid mode over NCCL GIN is not wired yet: the emulated "
+           "scale-out of ELASTIC_EP_NUM_SCALEUP_RANKS runs inside one NVLink domain)");
 
   CK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&peer_bases_), sizeof(void*) * num_ranks));
   int* info = nullptr;
@@ -485,6 +492,12 @@ int Runtime::poll_host(Pred&& pred, Progress&& progress) {
                                  commkit::Backoff(host_wait_yield_ns_)));
 }
 
+bool Runtime::hybrid(int num_scaleup_ranks) const {
+  CK_CHECK(num_scaleup_ranks == 0 || (num_scaleup_ranks > 0 && num_ranks_ % num_scaleup_ranks == 0),
+           "num_scaleup_ranks (", num_scaleup_ranks, ") must divide the ", num_ranks_, " ranks");
+  return num_scaleup_ranks > 0 && num_scaleup_ranks < num_ranks_;
+}
+
 void Runtime::dispatch(const DispatchParams& p, int64_t stream, int64_t wait_stream) {
   // Health (timeouts, destroyed) is checked by the Python layer before the call (pending_health).
   set_device();
@@ -498,6 +511,16 @@ void Runtime::dispatch(const DispatchParams& p, int64_t stream, int64_t wait_str
   // The overlapped dispatch's epilogue starts after notify's event and counts on a push that pushes
   // nothing when notify refused: its push follows notify.
   if (q.overlap) q.concurrent_notify = 0;
+  if (hybrid(q.num_scaleup_ranks)) {
+    // The Python layer plans hybrid dispatches this way; a bad plan must not write past the buffer.
+    CK_CHECK(!q.overlap && !q.zero_copy, "dispatch: hybrid mode runs neither overlapped nor zero-copy");
+    const auto hl = hybrid_dispatch_layout(dispatch_token_layout(q.hidden_bytes, 1, q.num_sf_packs, q.num_topk).bytes,
+                                           q.num_topk, num_ranks_, num_ranks_ / q.num_scaleup_ranks,
+                                           q.num_max_tokens_per_rank);
+    CK_CHECK(hl.bytes <= num_buffer_bytes_, "dispatch: hybrid mode needs ", hl.bytes, " bytes of buffer, this one has ",
+             num_buffer_bytes_);
+    q.concurrent_notify = 0;  // the push stages records in the buffer notify's barrier makes free
+  }
   if (q.zero_copy) {
     // The Python layer checked the layout (zero_copy_layout); a bad plan must not write past the buffer.
     CK_CHECK(q.direct_base != nullptr, "dispatch: zero_copy needs direct_base");
@@ -613,6 +636,7 @@ std::pair<int64_t, int64_t> Runtime::take_masked_ids() {
 
 void Runtime::dispatch_epilogue(const EpilogueParams& p, int64_t stream, int64_t join_stream) {
   CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
+  CK_CHECK(!hybrid(p.num_scaleup_ranks) || !p.overlap, "dispatch epilogue: hybrid mode runs no overlapped epilogue");
   set_device();
   if (p.overlap) {
     // Beside the push (still running on `stream`): start once notify finished, then join back.
@@ -710,6 +734,14 @@ void Runtime::combine(const CombineParams& p, int64_t stream, uint64_t wait_even
   stream_wait(stream, wait_stream, event_in_);
   auto* s = reinterpret_cast<void*>(stream);
   entered_ = true;
+  if (hybrid(p.num_scaleup_ranks)) {
+    CK_CHECK(p.overlap_push_blocks == 0, "combine: hybrid mode has no overlapped combine");
+    const int slots = combine_num_slots(num_ranks_, p.num_topk, p.allow_multiple_reduction != 0);
+    const auto hc = hybrid_combine_layout(combine_token_layout(p.hidden, 2, p.num_topk).bytes, slots,
+                                          num_ranks_ / p.num_scaleup_ranks, p.num_max_tokens_per_rank);
+    CK_CHECK(hc.bytes <= num_buffer_bytes_, "combine: hybrid mode needs ", hc.bytes, " bytes of buffer, this one has ",
+             num_buffer_bytes_);
+  }
   if (p.overlap_push_blocks > 0) {
     CK_CHECK(wait_event == 0, "combine: previous_event_before_epilogue cannot gate an overlapped reduce");
     CK_CHECK(p.overlap_push_blocks < p.num_sms, "combine: overlap_push_blocks (", p.overlap_push_blocks,

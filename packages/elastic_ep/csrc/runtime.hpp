@@ -162,6 +162,8 @@ class Runtime {
 
  private:
   CommView view() const;
+  // Hybrid mode's plan (kernels.hpp num_scaleup_ranks): U ranks per domain, 0 < U < R, U dividing R.
+  bool hybrid(int num_scaleup_ranks) const;
   void set_device() const;
   // Argument checks, device, SM count, workspace size; returns the window's bytes. Both windows.
   uint64_t begin_setup(int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs,

@@ -158,10 +158,9 @@ CK_HD constexpr bool combine_slot_per_rank(int num_ranks, int num_topk, bool all
   return allow_multiple_reduction && num_ranks <= num_topk;
 }
 
-// Channels of DeepEP V2's hybrid (scale-out + scale-up) kernels, kNumMaxChannelsPerSM x kNumMaxSMs. Only
-// the size hints use it: hybrid mode is not implemented here, but its sizes are pure arithmetic, so
-// they follow DeepEP rather than silently returning direct-mode figures (a caller sizing a buffer
-// for a later hybrid runtime would get one that is too small).
+// Channels of DeepEP V2's hybrid (scale-out + scale-up) kernels, kNumMaxChannelsPerSM x kNumMaxSMs. The
+// size hints follow DeepEP's formulas (a buffer sized for DeepEP fits ours); our hybrid kernels use
+// the hybrid_*_layout below, which the runtime checks against the buffer it got.
 constexpr int64_t kHybridNumMaxChannels = int64_t(8) * 160;
 
 // DeepEP V2's get_dispatch_buffer_size.
@@ -211,6 +210,69 @@ CK_HD constexpr int64_t combine_buffer_size(int64_t num_max_tokens_per_rank, int
                  buffer_layout_bytes(tok, out_slots, num_max_tokens_per_rank)),
              buffer_layout_bytes(tok, allow_multiple_reduction ? 1 : num_topk,
                                  mul(num_scaleout_ranks, add(num_max_tokens_per_rank, kHybridNumMaxChannels))));
+}
+
+// Hybrid mode (S > 1 logical scale-out domains of U ranks; rank r is in domain r / U on rail r % U).
+// Rows cross domains only between rail peers, through the scale-out transport (scaleout.cuh); the
+// kernels keep direct mode's receive areas, so the epilogue and the reduce are direct mode's own.
+// Dispatch, in the buffer:
+//   recv     [R][M][record]              direct mode's receive area (the epilogue reads it)
+//   send     [M][record | route]         this rank's tokens bound for other domains, staged in the
+//                                        window (a scale-out put reads its source from there)
+//   relay    [S][M][record | route]      tokens from the rail peer of each domain (slot of this
+//                                        rank's own domain unused), forwarded from here to the ranks
+//                                        of this domain
+// route = [ K int32: the slot at the owner of each top-k lane's expert | pad to 8 | u64 stamp ], so
+// the forwarder writes each record where direct mode's push would have; the stamp (hybrid_stamp, in
+// kernels/device_common.cuh: the epoch and the entry's position) tells this dispatch's records from
+// anything else in those bytes -- the forwarder scans the M entries of each source domain.
+// Combine, in the buffer:
+//   recv     [M][slots][record]          direct mode's receive area (the reduce reads it)
+//   stage    [S][M][slots][record]       partials of this domain for the tokens of the rail peer in
+//                                        each other domain, at the offsets they take in its recv area
+//   tags     [S][M][slots] u64           the stamp of the combine that filled each staged slot (the
+//                                        forwarder sends exactly those)
+// The stamps matter because every region aliases others' (dispatch, combine, PP and AGRS all use the
+// buffer): a 32-bit epoch alone could be matched by a row's bytes.
+CK_HD constexpr int64_t hybrid_route_stamp_offset(int64_t num_topk) {
+  return int64_t(align_up(uint64_t(sizing_detail::mul(num_topk, 4)), 8));
+}
+CK_HD constexpr int64_t hybrid_route_bytes(int64_t num_topk) {
+  return int64_t(align_up(uint64_t(sizing_detail::add(hybrid_route_stamp_offset(num_topk), 8)), 16));
+}
+struct HybridDispatchLayout {
+  int64_t staged_bytes;  // record + route
+  int64_t send, relay;   // offsets in the buffer (recv starts at 0)
+  int64_t bytes;         // total (kSizeOverflow on the host when it exceeds int64)
+};
+CK_HD constexpr HybridDispatchLayout hybrid_dispatch_layout(uint64_t record_bytes, int64_t num_topk, int64_t num_ranks,
+                                                            int64_t num_scaleout_ranks,
+                                                            int64_t num_max_tokens_per_rank) {
+  using sizing_detail::add;
+  using sizing_detail::mul;
+  HybridDispatchLayout h{};
+  h.staged_bytes = add(sizing_detail::from_u64(record_bytes), hybrid_route_bytes(num_topk));
+  h.send = sizing_detail::from_u64(align_up(uint64_t(buffer_layout_bytes(record_bytes, num_ranks,
+                                                                         num_max_tokens_per_rank)), 128));
+  h.relay = add(h.send, sizing_detail::from_u64(align_up(uint64_t(mul(h.staged_bytes, num_max_tokens_per_rank)), 128)));
+  h.bytes = add(h.relay, mul(mul(h.staged_bytes, num_scaleout_ranks), num_max_tokens_per_rank));
+  return h;
+}
+struct HybridCombineLayout {
+  int64_t stage, tags;  // offsets in the buffer (recv starts at 0)
+  int64_t bytes;
+};
+CK_HD constexpr HybridCombineLayout hybrid_combine_layout(uint64_t record_bytes, int64_t num_slots,
+                                                          int64_t num_scaleout_ranks,
+                                                          int64_t num_max_tokens_per_rank) {
+  using sizing_detail::add;
+  using sizing_detail::mul;
+  HybridCombineLayout h{};
+  const int64_t area = buffer_layout_bytes(record_bytes, num_slots, num_max_tokens_per_rank);
+  h.stage = sizing_detail::from_u64(align_up(uint64_t(area), 128));
+  h.tags = add(h.stage, sizing_detail::from_u64(align_up(uint64_t(mul(area, num_scaleout_ranks)), 128)));
+  h.bytes = add(h.tags, mul(mul(mul(num_scaleout_ranks, num_max_tokens_per_rank), num_slots), 8));
+  return h;
 }
 
 // Approximate SF pack count used for sizing: one 4 B pack per 32 elements is the worst case
@@ -295,6 +357,9 @@ struct WorkspaceLayout {
   Region agrs_local;       // u64[2]             local: [0] all-gathers issued, [1] sessions ended
   // Scale-out transport (scaleout.cuh), NVLink-emulated backend: monotonic signals raised by the peers.
   Region scaleout_signal;  // u64[kMaxRanks + kScaleoutExtraSignals]
+  Region scaleout_seen;    // u64[kMaxRanks]     local: the count of each scale-out signal this rank's
+                           //                    hybrid kernels have consumed (each hybrid operation
+                           //                    raises every rail peer's signal by one)
   uint64_t bytes;          // total, 2 MiB aligned
 };
 
@@ -322,6 +387,7 @@ CK_HD constexpr WorkspaceLayout workspace_layout() {
   w.agrs_ended = l.add(8ull * kMaxRanks, 128);
   w.agrs_local = l.add(16, 128);
   w.scaleout_signal = l.add(8ull * (kMaxRanks + kScaleoutExtraSignals), 128);
+  w.scaleout_seen = l.add(8ull * kMaxRanks, 128);
   w.bytes = l.total(uint64_t(kBufferAlignmentBytes));
   return w;
 }
@@ -407,6 +473,10 @@ CK_HD constexpr int64_t pp_buffer_bytes(int64_t num_ranks, int64_t num_max_tenso
 }
 
 // Compile-time checks of the invariants the kernels rely on.
+static_assert(hybrid_route_bytes(8) == 48 && hybrid_route_bytes(1) == 16 && hybrid_route_stamp_offset(3) == 16,
+              "route: K slots, then an 8 B aligned stamp, 16 B aligned");
+static_assert(hybrid_dispatch_layout(7200, 8, 4, 2, 4096).bytes ==
+                  int64_t(7200) * 4 * 4096 + int64_t(7248) * 4096 * 3, "hybrid dispatch: recv, send, relay");
 static_assert(notify_split(0).blocks == 1 && notify_split(4096).blocks == 4 && notify_split(4096).span == 1024, "");
 static_assert(notify_split(4097).blocks == 5 && notify_split(32768).blocks == 32, "one block per chunk up to 32");
 static_assert(notify_split(32769).blocks == 17 && notify_split(32769).span == 2048, "then two chunks per block");

@@ -66,10 +66,30 @@ __device__ __forceinline__ int4 to_bf16x8(const float (&acc)[8]) {
   return v;
 }
 
+// Where one received row's slots go: its origin's receive area, or in hybrid mode, for an origin in
+// another domain, the stage area of this domain's rail peer of the origin (same offsets inside the
+// area of the origin's domain), with each filled slot's stamp (hybrid_stamp) set for this combine.
+struct PushTarget {
+  int peer;
+  uint64_t base;  // the token's first slot
+  uint64_t tags;  // hybrid stage: the token's first slot stamp (u64 each); 0: none
+  uint64_t cell;  // hybrid stage: the index of the token's first slot in the stage area
+  bool own;       // the origin is this rank: slots hold the row's index in x (see combine_reduce_token)
+};
+__device__ __forceinline__ PushTarget push_target(const Ctx& cx, const CombineParams& p, const CombineGeom& g,
+                                                  const HybridDomains& hd, int s, int t) {
+  if (!hd.on || hd.local(s))
+    return PushTarget{s, cx.buf + uint64_t(t) * g.slots * g.tl.bytes, 0, 0, s == cx.tr.rank};
+  const HybridCombineLayout hc = hybrid_combine_layout(g.tl.bytes, g.slots, hd.S, p.num_max_tokens_per_rank);
+  const uint64_t cell = (uint64_t(s / hd.U) * p.num_max_tokens_per_rank + t) * g.slots;
+  return PushTarget{hd.dom * hd.U + s % hd.U, cx.buf + uint64_t(hc.stage) + cell * g.tl.bytes,
+                    cx.buf + uint64_t(hc.tags) + 8ull * cell, cell, false};
+}
+
 // Pushes received row i (one warp) into its origin's slot; returns the origin token (t) of the row.
 // `s_out`: the origin rank.
-__device__ __forceinline__ int combine_push_row(const Ctx& cx, const CombineParams& p, const CombineGeom& g, int i,
-                                                int& s_out) {
+__device__ __forceinline__ int combine_push_row(const Ctx& cx, const CombineParams& p, const CombineGeom& g,
+                                                const HybridDomains& hd, uint64_t E, int i, int& s_out) {
   const int rank = cx.tr.rank, K = p.num_topk, lane = lane_id();
   const int M = K + 2;
   const char* xb = static_cast<const char*>(p.x);
@@ -80,23 +100,31 @@ __device__ __forceinline__ int combine_push_row(const Ctx& cx, const CombinePara
   const int m = meta[1] % K;
   const int row_k = lane < K ? meta[2 + lane] : -1;
   const unsigned lanes = __ballot_sync(kFull, row_k >= 0);
-  const uint64_t base = cx.buf + uint64_t(t) * g.slots * tl.bytes;
+  const PushTarget to = push_target(cx, p, g, hd, s, t);
+  const int peer = to.peer;
+  const uint64_t base = to.base;
+  auto tag = [&](int slot) {
+    if (to.tags != 0) cx.tr.put_u64(peer, to.tags + 8ull * slot, hybrid_stamp(E, to.cell + slot));
+  };
   s_out = s;
   if (!p.use_expanded_layout) {
-    const uint64_t dst = base + uint64_t(g.per_rank ? rank : m) * tl.bytes;
-    if (s != rank)
-      cx.tr.put_warp(s, dst + tl.x.offset, xb + int64_t(i) * g.row_bytes, g.row_bytes, lane);
+    const int slot = g.per_rank ? rank : m;
+    const uint64_t dst = base + uint64_t(slot) * tl.bytes;
+    if (!to.own)
+      cx.tr.put_warp(peer, dst + tl.x.offset, xb + int64_t(i) * g.row_bytes, g.row_bytes, lane);
     else if (lane == 0)  // own row: the reduce reads it from x; the slot holds its index
-      cx.tr.put_u32(s, dst + tl.x.offset, uint32_t(i));
+      cx.tr.put_u32(peer, dst + tl.x.offset, uint32_t(i));
     if (lane < K) {
       const float w = p.topk_weights != nullptr ? p.topk_weights[int64_t(i) * K + lane] : 0.f;
-      cx.tr.put_u32(s, dst + tl.topk_weights.offset + 4ull * lane, __float_as_uint(w));
+      cx.tr.put_u32(peer, dst + tl.topk_weights.offset + 4ull * lane, __float_as_uint(w));
     }
+    if (lane == 0) tag(slot);
   } else if (p.allow_multiple_reduction) {
-    const uint64_t dst = base + uint64_t(g.per_rank ? rank : m) * tl.bytes;
+    const int slot = g.per_rank ? rank : m;
+    const uint64_t dst = base + uint64_t(slot) * tl.bytes;
     if (__popc(lanes) == 1) {
       const int r0 = __shfl_sync(kFull, row_k, __ffs(lanes) - 1);
-      cx.tr.put_warp(s, dst + tl.x.offset, xb + int64_t(r0) * g.row_bytes, g.row_bytes, lane);
+      cx.tr.put_warp(peer, dst + tl.x.offset, xb + int64_t(r0) * g.row_bytes, g.row_bytes, lane);
     } else {
       // Every lane runs every round so the shuffles see the whole warp.
       for (int q0 = 0; q0 < g.n16; q0 += 32) {
@@ -106,25 +134,27 @@ __device__ __forceinline__ int combine_push_row(const Ctx& cx, const CombinePara
           const int rk = __shfl_sync(kFull, row_k, __ffs(d) - 1);
           if (q < g.n16) add_bf16x8(acc, ld_nc_v4(reinterpret_cast<const int4*>(xb + int64_t(rk) * g.row_bytes) + q));
         }
-        if (q < g.n16) cx.tr.put_v4(s, dst + tl.x.offset + 16ull * q, to_bf16x8(acc));
+        if (q < g.n16) cx.tr.put_v4(peer, dst + tl.x.offset + 16ull * q, to_bf16x8(acc));
       }
     }
     if (lane < K) {
       const float w = (p.topk_weights != nullptr && row_k >= 0) ? p.topk_weights[row_k] : 0.f;
-      cx.tr.put_u32(s, dst + tl.topk_weights.offset + 4ull * lane, __float_as_uint(w));
+      cx.tr.put_u32(peer, dst + tl.topk_weights.offset + 4ull * lane, __float_as_uint(w));
     }
+    if (lane == 0) tag(slot);
   } else {
     for (unsigned d = lanes; d; d &= d - 1) {
       const int k = __ffs(d) - 1;
       const int rk = __shfl_sync(kFull, row_k, k);
       const uint64_t dst = base + uint64_t(k) * tl.bytes;
-      if (s != rank)
-        cx.tr.put_warp(s, dst + tl.x.offset, xb + int64_t(rk) * g.row_bytes, g.row_bytes, lane);
+      if (!to.own)
+        cx.tr.put_warp(peer, dst + tl.x.offset, xb + int64_t(rk) * g.row_bytes, g.row_bytes, lane);
       else if (lane == k)
-        cx.tr.put_u32(s, dst + tl.x.offset, uint32_t(rk));
+        cx.tr.put_u32(peer, dst + tl.x.offset, uint32_t(rk));
       if (lane == k) {
         const float w = p.topk_weights != nullptr ? p.topk_weights[rk] : 0.f;
-        cx.tr.put_u32(s, dst + tl.topk_weights.offset + 4ull * k, __float_as_uint(w));
+        cx.tr.put_u32(peer, dst + tl.topk_weights.offset + 4ull * k, __float_as_uint(w));
+        tag(k);
       }
     }
   }
@@ -249,14 +279,18 @@ __global__ void __launch_bounds__(kThreads, 1) combine_push_kernel(CommView c, C
   const int R = c.num_ranks, rank = c.rank;
   if (!entry_barrier(cx, E, kOpCombine, blockIdx.x == 0)) return;
   const CombineGeom g(p, R);
+  const HybridDomains hd(p.num_scaleup_ranks, R, rank);
   const int N = p.psum_rank[R - 1];
   const int gw = blockIdx.x * kWarps + threadIdx.x / 32, nw = gridDim.x * kWarps;
   for (int i = gw; i < N; i += nw) {
     int s;
-    combine_push_row(cx, p, g, i, s);
+    combine_push_row(cx, p, g, hd, E, i, s);
   }
+  // Hybrid mode: the own domain's ranks hold every row this rank pushed (origins there, stage areas
+  // of the forwarders), so they are the ones told.
   grid_finish(cx, kCtrCombinePush, [&] {
-    for (int r = 0; r < R; ++r) cx.tr.signal(r, cx.ws.combine_done.offset + 8ull * rank, E);
+    for (int r = hd.dom * hd.U; r < (hd.dom + 1) * hd.U; ++r)
+      cx.tr.signal(r, cx.ws.combine_done.offset + 8ull * rank, E);
   });
 }
 
@@ -266,15 +300,23 @@ __global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c,
   const int R = c.num_ranks, rank = c.rank, T = p.num_combined_tokens;
   const int tid = threadIdx.x;
   bool ok = true;
-  if (tid < R)
+  // Hybrid mode: the own domain's rows come straight from its ranks, the other domains' from their
+  // rail peers of this rank (one scale-out signal each, after the combine forward kernels there).
+  const HybridDomains hd(p.num_scaleup_ranks, R, rank);
+  if (tid < R && hd.local(tid))
     ok = commkit::wait_ge(cx.local_u64(cx.ws.combine_done, tid), E, cx.timeout_ns, cx.rec, kOpCombineReduce, rank,
                           tid);
+  else if (tid < R && tid % hd.U == hd.rail)
+    ok = wait_rail_signal(cx, scaleout_of(cx), tid, kOpCombineScaleout, cx.arrival_timeout());
   if (__syncthreads_or(!ok)) return;
   const CombineGeom g(p, R);
   __shared__ int scratch[kWarps][64];  // [warp]: see combine_reduce_token
   const int gw = blockIdx.x * kWarps + tid / 32, nw = gridDim.x * kWarps;
   for (int t = gw; t < T; t += nw) combine_reduce_token<false>(cx, p, g, t, scratch[tid / 32]);
-  grid_finish(cx, kCtrCombineReduce, [&] { cx.end_epoch(E); });
+  grid_finish(cx, kCtrCombineReduce, [&] {
+    count_rail_signals(cx, hd);
+    cx.end_epoch(E);
+  });
 }
 
 // The overlapped combine. Roles go by the order in which blocks start (a ticket), not blockIdx: the
@@ -319,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_overlapped_kernel(CommVie
         const int first = s > 0 ? psum[s - 1] : 0;
         if (slot >= psum[s] - first) continue;  // warp-uniform
         int origin;
-        const int t = combine_push_row(cx, p, g, first + slot, origin);
+        const int t = combine_push_row(cx, p, g, HybridDomains(0, R, rank), E, first + slot, origin);
         __syncwarp();  // the warp's stores before lane 0's release (see commkit::red_add_release)
         if (lane == 0)
           commkit::red_add_release(reinterpret_cast<uint32_t*>(cx.tr.remote(

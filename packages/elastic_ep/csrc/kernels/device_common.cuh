@@ -13,6 +13,7 @@
 #include "kernels.hpp"
 #include "sizing.hpp"
 #include "transport.cuh"
+#include "scaleout.cuh"
 
 namespace elastic_ep {
 namespace {
@@ -37,7 +38,7 @@ constexpr unsigned kFull = 0xffffffffu;
 enum CounterSlot { kCtrDispatchPush = 0, kCtrDispatchEpilogue = 1, kCtrCombinePush = 2, kCtrCombineReduce = 3,
                    kCtrDispatchPushFailed = 4, kCtrDispatchNotify = 5, kCtrCombineTicket = 6,
                    kCtrCombineOverlapDone = 7, kCtrEpoch = kGridCounterEpochSlot, kCtrDispatchReady = 10,
-                   kCtrDispatchOutcome = 12 };
+                   kCtrDispatchOutcome = 12, kCtrHybridForward = 14 };
 enum NotifyStatus : uint64_t { kNotifyOk = 0, kNotifyFailed = 1, kNotifyRefused = 2 };
 static_assert(kCtrEpoch % 2 == 0 && kCtrDispatchReady % 2 == 0 && kCtrDispatchOutcome % 2 == 0,
               "each u64 word needs an 8-byte aligned pair of slots");
@@ -74,6 +75,50 @@ struct Ctx {
 };
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+
+// Hybrid mode's domains (sizing.hpp): rank = dom * U + rail; `on` false in direct mode (U = 0 or R).
+struct HybridDomains {
+  int U, S, dom, rail;
+  bool on;
+  __device__ HybridDomains(int num_scaleup_ranks, int R, int rank)
+      : U(num_scaleup_ranks > 0 && num_scaleup_ranks < R ? num_scaleup_ranks : R),
+        S(R / U),
+        dom(rank / U),
+        rail(rank % U),
+        on(U < R) {}
+  __device__ bool local(int r) const { return r / U == dom; }
+  __device__ int rail_peer(int domain) const { return domain * U + rail; }  // of this rank, in `domain`
+};
+
+// The stamp of a hybrid relay or stage entry (sizing.hpp): the operation's epoch and the entry's
+// position, so neither a stale entry nor other bytes in the aliased buffer pass for this one.
+__device__ __forceinline__ uint64_t hybrid_stamp(uint64_t E, uint64_t where) {
+  return (uint64_t(uint32_t(where) ^ 0x9e3779b9u) << 32) | uint64_t(uint32_t(E));
+}
+
+// The scale-out transport of this build's hybrid kernels: the NVLink emulation (every window mapped).
+// GIN (scaleout/gin.cuh) would take its place where NCCL reports a GIN network; its device
+// communicator is not requested yet (devcomm_create), so the runtime refuses hybrid mode there.
+__device__ __forceinline__ NvlinkEmulatedScaleout scaleout_of(const Ctx& cx) {
+  return NvlinkEmulatedScaleout{cx.tr.peer_bases, cx.ws.scaleout_signal.offset, cx.tr.rank, cx.tr.num_ranks};
+}
+
+// Scale-out signals between rail peers: every hybrid operation raises each rail peer's signal
+// [sender] once, and scaleout_seen counts the raises this rank consumed. A kernel's blocks each wait
+// (one thread per peer) for the next raise; its last block counts them (count_rail_signals), so no
+// block sees another's count change under it.
+__device__ bool wait_rail_signal(const Ctx& cx, const NvlinkEmulatedScaleout& so, int src, uint32_t op,
+                                 uint64_t timeout_ns) {
+  const uint64_t want = commkit::ld_relaxed(cx.local_u64(cx.ws.scaleout_seen, src)) + 1u;
+  return so.wait_signal(src, want, timeout_ns, cx.rec, op, src);
+}
+__device__ void count_rail_signals(const Ctx& cx, const HybridDomains& hd) {
+  for (int d = 0; hd.on && d < hd.S; ++d)
+    if (d != hd.dom) {
+      uint64_t* seen = cx.local_u64(cx.ws.scaleout_seen, hd.rail_peer(d));
+      commkit::st_relaxed(seen, commkit::ld_relaxed(seen) + 1u);
+    }
+}
 
 // Entry barrier of an operation. Block 0 publishes the epoch to every peer; every block waits until all
 // peers published theirs. Returns false (in every thread) when a deadline expired.

@@ -22,6 +22,49 @@ namespace {
 //     arrival counters must not count rows of a dispatch that has no epilogue).
 // Flags come from device memory: reading the host-mapped timeout flag instead cost ~4.5 ms per
 // dispatch at 132 SMs when every thread read it, and still grew by ~1 us per block when one thread did.
+//
+// Hybrid mode (p.num_scaleup_ranks < R; always after notify, never overlapped or zero-copy): the rows
+// for this rank's own domain go as above; a token with experts in other domains is staged once in
+// this rank's send area with its route (the slot at each lane's owner) and put once per such domain
+// into the relay area of this rank's rail peer there, whose forward kernel (kernels/hybrid.cuh)
+// writes it where this push would have. The last block signals dispatch_done to the own domain only
+// and raises each rail peer's scale-out signal (behind every put: the grid's fence, and for GIN the
+// warps' flushes on the one context).
+__device__ __forceinline__ void hybrid_stage_token(const Ctx& cx, const DispatchParams& p, const HybridDomains& hd,
+                                                   const DispatchTokenLayout& tl, const HybridDispatchLayout& hl,
+                                                   const NvlinkEmulatedScaleout& so, uint64_t E, int t, int64_t e,
+                                                   int owner, int slot, float w, unsigned remote) {
+  const int lane = lane_id(), K = p.num_topk, rank = cx.tr.rank, M = p.num_max_tokens_per_rank;
+  const uint64_t send = cx.buf + uint64_t(hl.send) + uint64_t(t) * uint64_t(hl.staged_bytes);
+  char* st = cx.tr.local(send);
+  warp_copy_v4<4, true>(reinterpret_cast<int4*>(st + tl.x.offset),
+                        reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + int64_t(t) * p.hidden_bytes),
+                        p.hidden_bytes / 16, lane);
+  for (int j = lane; j < p.num_sf_packs; j += 32)
+    reinterpret_cast<uint32_t*>(st + tl.sf.offset)[j] =
+        static_cast<const uint32_t*>(p.sf)[int64_t(t) * p.sf_token_stride + int64_t(j) * p.sf_hidden_stride];
+  int32_t* route = reinterpret_cast<int32_t*>(st + tl.bytes);
+  if (lane < K) {
+    reinterpret_cast<int32_t*>(st + tl.topk_idx.offset)[lane] = int32_t(owner >= 0 ? e : -1);
+    reinterpret_cast<float*>(st + tl.topk_weights.offset)[lane] = w;
+    route[lane] = owner >= 0 ? slot : -1;
+  }
+  if (lane == 0) {
+    *reinterpret_cast<uint32_t*>(st + tl.src_meta.offset) = uint32_t(rank * M + t);
+    *reinterpret_cast<uint64_t*>(st + tl.bytes + hybrid_route_stamp_offset(K)) =
+        hybrid_stamp(E, uint64_t(hd.dom) * M + t);  // its position in the forwarders' relay areas
+  }
+  __syncwarp();  // the staged record, written by the whole warp, is the puts' source
+  // One put per destination domain (the first remote lane of each domain).
+  const bool rem = (remote >> lane) & 1u;
+  const unsigned firsts = __ballot_sync(kFull, is_master_lane(rem ? owner / hd.U : -1, K));
+  for (unsigned d = firsts; d; d &= d - 1) {
+    const int dom = __shfl_sync(kFull, owner, __ffs(d) - 1) / hd.U;
+    so.put(hd.rail_peer(dom), cx.buf + uint64_t(hl.relay) + (uint64_t(hd.dom) * M + t) * uint64_t(hl.staged_bytes),
+           send, uint64_t(hl.staged_bytes), lane);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, DispatchParams p) {
   Ctx cx(c);
   const uint64_t E = cx.epoch();
@@ -31,6 +74,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
   // Zero-copy: records without the hidden bytes, which go to the dense area (sizing.hpp).
   const auto tl = dispatch_token_layout(p.zero_copy ? 0 : p.hidden_bytes, 1, p.num_sf_packs, K);
   const int n16 = p.hidden_bytes / 16;
+  const HybridDomains hd(p.num_scaleup_ranks, R, rank);
+  const HybridDispatchLayout hl = hybrid_dispatch_layout(tl.bytes, K, R, hd.S, p.num_max_tokens_per_rank);
+  const NvlinkEmulatedScaleout so = scaleout_of(cx);
   __shared__ int block_skip;  // after notify: its status; beside it: 1 when this block's waits failed
   if (!p.concurrent_notify) {
     if (tid == 0) {
@@ -74,7 +120,20 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
         p.slot_idx[int64_t(t) * K + lane] = slot;
       }
       const bool master = is_master_lane(owner, K);
-      const unsigned dests = __ballot_sync(kFull, master);
+      unsigned dests = __ballot_sync(kFull, master);
+      if (hd.on) {
+        // This domain's ranks directly; the other domains through their rail peers of this rank.
+        const bool here = master && hd.local(owner);
+        const unsigned remote = dests & ~__ballot_sync(kFull, here);
+        dests &= ~remote;
+        const unsigned mask = __reduce_or_sync(kFull, here ? 1u << (owner - hd.dom * hd.U) : 0u);
+        if (p.forward_dense != nullptr && lane == 0 && mask != 0u) {
+          int* row = p.forward_dense + 2 * (int64_t(hd.dom) * p.num_max_tokens_per_rank + t);
+          row[0] = rank * p.num_max_tokens_per_rank + t;
+          row[1] = int(mask);
+        }
+        if (remote != 0u) hybrid_stage_token(cx, p, hd, tl, hl, so, E, t, e, owner, slot, w, remote);
+      }
       if (dests == 0) continue;
       // The row itself only goes to other ranks: the epilogue reads this rank's own tokens straight
       // from x (one HBM round trip less; at EP 1 the push then moves no hidden bytes at all). Zero-copy:
@@ -136,6 +195,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
         }
       }
     }
+    if (hd.on) so.flush(lane);  // GIN: this warp's puts have left before the last block signals
   }
   grid_finish(cx, kCtrDispatchPush, [&] {
     const bool push_failed = commkit::ld_relaxed(&cx.counters[kCtrDispatchPushFailed]) != 0u;
@@ -159,7 +219,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
     // in its epilogue instead of returning rows this rank never wrote.
     if (status != kNotifyOk || push_failed) return;
     if (p.overlap) return;  // the epilogues wait for arrival counts, not for dispatch_done
-    for (int r = 0; r < R; ++r) cx.tr.signal(r, cx.ws.dispatch_done.offset + 8ull * rank, E);
+    for (int r = hd.dom * hd.U; r < (hd.dom + 1) * hd.U; ++r)
+      cx.tr.signal(r, cx.ws.dispatch_done.offset + 8ull * rank, E);
+    for (int d = 0; hd.on && !p.test_drop_scaleout_signals && d < hd.S; ++d)
+      if (d != hd.dom) so.signal(hd.rail_peer(d), rank, 1u);
   });
 }
 

@@ -52,6 +52,7 @@ class Settings:
     host_wait_yield_us: int = 20000
     #: ELASTIC_EP_TEST_NOTIFY_ATOMICS=1: notify's shared-atomics path (the one above 32 ranks), for tests.
     test_notify_atomics: bool = False
+    test_drop_scaleout_signals: bool = False
     #: ELASTIC_EP_NUM_SCALEUP_RANKS=N: logical scale-up domains of N ranks (hybrid mode inside one node).
     num_scaleup_ranks: Optional[int] = None
 
@@ -75,6 +76,7 @@ class Settings:
             combine_push_blocks=_int("ELASTIC_EP_COMBINE_PUSH_BLOCKS", None),
             host_wait_yield_us=max(0, _int("ELASTIC_EP_HOST_WAIT_YIELD_US", 20000)),
             test_notify_atomics=_is("ELASTIC_EP_TEST_NOTIFY_ATOMICS", "1"),
+            test_drop_scaleout_signals=_is("ELASTIC_EP_TEST_DROP_SCALEOUT_SIGNALS", "1"),
             num_scaleup_ranks=num_scaleup_ranks(),
         )
 

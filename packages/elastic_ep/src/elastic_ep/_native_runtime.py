@@ -44,6 +44,7 @@ from ._nccl import (all_ok, check_nccl_version, comm_arg, create_nccl_comm, dest
                     get_local_nccl_unique_id, get_logical_domain_size, get_physical_domain_size, nccl_version,
                     need_cuda, new_nccl_comm, railed_gin_type, torch_nccl_comm)  # noqa: F401 (buffer.py)
 from ._runtime import CombineArgs, DispatchArgs, DispatchResult, Runtime
+from ._torch_hybrid import forward_metadata
 
 __all__ = ["NativeRuntime", "OverlapConfig", "topk_idx_t", "get_local_nccl_unique_id", "create_nccl_comm",
            "destroy_nccl_comm", "get_elastic_buffer_alignment", "get_physical_domain_size", "get_logical_domain_size",
@@ -89,6 +90,19 @@ def _stream_wait(dst: torch.cuda.Stream, src: Any) -> None:
 def _current_raw_stream(device: int) -> int:
     """The current stream's ``cudaStream_t`` (without building a Stream object: a few microseconds)."""
     return torch._C._cuda_getCurrentRawStream(device)
+
+
+def _forward_metadata_of(forward_dense: torch.Tensor, num_scaleup_ranks: int,
+                         stream: torch.cuda.Stream) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A hybrid dispatch's ``(token_metadata_at_forward, channel_linked_list)`` from the kernels' dense
+    ``[S * M, 2]`` record (rows with an empty mask relayed nothing), in the torch runtime's layout.
+    Compacting it synchronises ``stream`` once (the row count); the current stream then waits for it."""
+    with torch.cuda.stream(stream):
+        valid = forward_dense[:, 1] != 0
+        rows = forward_dense[valid]
+        forward = forward_metadata(rows[:, 0], rows[:, 1], num_scaleup_ranks)
+    torch.cuda.current_stream().wait_stream(stream)
+    return forward
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
@@ -194,6 +208,10 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
         self.dispatch_pdl = settings.dispatch_pdl
         self._refuse_bad_ids = not settings.skip_index_check
         self._notify_atomics = int(settings.test_notify_atomics)
+        self._drop_scaleout_signals = int(settings.test_drop_scaleout_signals)
+        #: Hybrid mode: ranks per logical scale-out domain (set by the buffer from its domains before the
+        #: first operation); 0: direct mode.
+        self.num_scaleup_ranks = 0
         self._plans: dict = {}
         self._buffer_u8: Optional[torch.Tensor] = None
         self._pp_slot_bytes = self._pp_inflight = 0  # pp_set_config
@@ -509,10 +527,10 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
         p.cached, p.num_sms, p.refuse_bad_ids, p.overlap = int(cached), num_sms, int(refuse), int(overlap)
         p.concurrent_notify, p.notify_atomic_masks = int(concurrent), self._notify_atomics
         p.zero_copy, p.zero_copy_x_offset = int(zero_copy_x_offset >= 0), max(zero_copy_x_offset, 0)
+        p.num_scaleup_ranks, p.test_drop_scaleout_signals = self.num_scaleup_ranks, self._drop_scaleout_signals
         return p
 
-    @staticmethod
-    def _epilogue_params(M: int, hidden_bytes: int, packs: int, sf_ts: int, sf_hs: int, E: int, K: int, A: int,
+    def _epilogue_params(self, M: int, hidden_bytes: int, packs: int, sf_ts: int, sf_hs: int, E: int, K: int, A: int,
                          do_expand: bool, cached: bool, zero_padding: bool, num_sms: int, overlap: bool,
                          zero_copy: bool) -> Any:
         p = _C.EpilogueParams()
@@ -521,15 +539,16 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
         p.do_expand, p.cached, p.do_zero_padding, p.num_sms, p.overlap = (int(do_expand), int(cached),
                                                                           int(zero_padding), num_sms, int(overlap))
         p.zero_copy = int(zero_copy)
+        p.num_scaleup_ranks = self.num_scaleup_ranks
         return p
 
-    @staticmethod
-    def _combine_params(T: int, M: int, hidden: int, E: int, K: int, expanded: bool, multi: bool, num_sms: int,
+    def _combine_params(self, T: int, M: int, hidden: int, E: int, K: int, expanded: bool, multi: bool, num_sms: int,
                         push_blocks: int) -> Any:
         p = _C.CombineParams()
         p.num_combined_tokens, p.num_max_tokens_per_rank, p.hidden, p.num_experts, p.num_topk = T, M, hidden, E, K
         p.use_expanded_layout, p.allow_multiple_reduction = int(expanded), int(multi)
         p.num_sms, p.overlap_push_blocks = num_sms, push_blocks
+        p.num_scaleup_ranks = self.num_scaleup_ranks
         return p
 
     # ------------------------------------------------------------------ dispatch
@@ -552,8 +571,12 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
         # Overlapped dispatch: the push gets `push_sms` blocks, the epilogue (on the runtime's second
         # stream, beside the push) the rest. Not when an event must gate the epilogue, nor with a grid
         # larger than the GPU: the epilogue's blocks wait for the push's, so both must fit at once.
+        hybrid = self.num_scaleup_ranks > 0
+        if hybrid and a.zero_copy:
+            raise ValueError("zero_copy: not available in hybrid mode (the forwarders write records, not the "
+                             "dense receive area); call dispatch with zero_copy=False")
         push_sms = 0
-        if a.previous_event_before_epilogue is None and num_sms <= self.num_device_sms:
+        if a.previous_event_before_epilogue is None and num_sms <= self.num_device_sms and not hybrid:
             push_sms = _overlap_push_blocks(self.dispatch_overlap, R, num_sms, M)
         overlap = push_sms > 0
         epilogue_sms = num_sms - push_sms if overlap else num_sms
@@ -592,7 +615,11 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
                 slot_idx = slot_idx.view(T, K)
                 direct_base = direct_base if zero_copy else None
                 copied = torch.empty_like(topk_idx) if a.do_handle_copy and topk_idx is a.topk_idx else None
-            concurrent = self.dispatch_pdl and not overlap
+            # Hybrid mode: [S * M, 2] (source token, mask of this domain's destinations), by source domain
+            # and token, written by this rank's push (own domain) and forward kernel (the others).
+            forward_dense = torch.zeros((R * M // self.num_scaleup_ranks, 2), dtype=torch.int32, device=dev) \
+                if hybrid and not cached else None
+            concurrent = self.dispatch_pdl and not overlap and not hybrid
             params = self._plan(("d", T, M, hidden_bytes, packs, sf_ts, sf_hs, E, K, A, cached,
                                  push_sms if overlap else num_sms, refuse, overlap, concurrent,
                                  a.zero_copy_x_offset if zero_copy else -1), self._notify_params)
@@ -602,7 +629,7 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
             self._rt.dispatch(params, x.data_ptr(), _ptr(sf), topk_idx.data_ptr(), _ptr(w), _ptr(copied),
                               0 if cached else _ptr(a.cumulative_local_expert_recv_stats), psum_rank.data_ptr(),
                               _ptr(psum_expert_full), unaligned.data_ptr(), slot_idx.data_ptr(), self._comm_raw,
-                              compute_raw, _ptr(direct_base))
+                              compute_raw, _ptr(direct_base), _ptr(forward_dense))
             if cached:
                 num_recv, num_expanded, per_expert = h.num_recv_tokens, h.num_expanded_tokens, \
                     h.num_recv_tokens_per_expert_list
@@ -663,7 +690,8 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
             self._rt.dispatch_epilogue(params, x.data_ptr(), _ptr(sf), recv_x.data_ptr(), _ptr(recv_sf), rsf_ts,
                                        rsf_hs, _ptr(recv_topk_idx), _ptr(recv_w), meta.data_ptr(),
                                        psum_rank.data_ptr(), 0 if cached else psum_expert_full.data_ptr(),
-                                       unaligned.data_ptr(), self._comm_raw, compute_raw)
+                                       unaligned.data_ptr(), self._comm_raw, compute_raw,
+                                       forward_dense=_ptr(forward_dense))
             stage = _ALL_QUEUED
             event = None
             if not fast:
@@ -677,8 +705,11 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
             self._abandon("dispatch", e, stage, compute_stream, a.allocate_on_comm_stream)
             raise
         if not cached:
+            forward = (None, None)
+            if forward_dense is not None and not torch.cuda.is_current_stream_capturing():
+                forward = _forward_metadata_of(forward_dense, self.num_scaleup_ranks, self.comm_stream)
             h = EPHandle(a.do_expand, E, A, M, num_sms, copied if copied is not None else topk_idx, num_recv,
-                         num_expanded, per_expert, psum_rank, psum_expert, unaligned, meta, slot_idx,
+                         num_expanded, per_expert, psum_rank, psum_expert, unaligned, meta, slot_idx, *forward,
                          buffer_id=self.buffer_id, direct_base=direct_base)
         return DispatchResult(recv_x, recv_sf, recv_topk_idx, recv_w, h, event)
 
@@ -711,7 +742,8 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
             pe = a.previous_event_before_epilogue
             if pe is not None and pe.event is not None:
                 wait_event = int(pe.event.cuda_event)
-            push_blocks = 0 if wait_event else _overlap_push_blocks(self.combine_overlap, self.num_ranks, a.num_sms, M)
+            push_blocks = 0 if wait_event or self.num_scaleup_ranks else \
+                _overlap_push_blocks(self.combine_overlap, self.num_ranks, a.num_sms, M)
             params = self._plan(("c", T, M, hidden, h.num_experts, K, h.do_expand, self.allow_multiple_reduction,
                                  a.num_sms, push_blocks), self._combine_params)
             meta, psum = h.backend_recv_src_metadata, h.psum_num_recv_tokens_per_scaleup_rank

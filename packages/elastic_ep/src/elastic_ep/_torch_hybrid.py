@@ -43,7 +43,7 @@ import torch
 
 from ._domains import Domains
 
-__all__ = ["HybridExchange", "ForwardMetadata", "as_bytes", "from_bytes"]
+__all__ = ["HybridExchange", "ForwardMetadata", "forward_metadata", "as_bytes", "from_bytes"]
 
 _EXTRA = 16  # bytes appended to each row in flight: two int64 (see each stage)
 
@@ -87,6 +87,35 @@ def _split(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def _token(payload: torch.Tensor) -> torch.Tensor:
     """The source token index of dispatch records (their last int64)."""
     return from_bytes(payload[:, -8:], torch.int64, 1).reshape(-1)
+
+
+def forward_metadata(src_global: torch.Tensor, mask: torch.Tensor, num_scaleup_ranks: int) -> ForwardMetadata:
+    """The handle's forwarder metadata (layout: the module docstring) from what a forwarder relayed.
+
+    Arguments:
+        src_global: ``[F]`` ``src_rank * num_max_tokens_per_rank + token`` of each relayed token, in
+            arrival order (by source rank, then token).
+        mask: ``[F]`` the scale-up ranks of this domain each one went to (bit ``b``: rank ``b``).
+        num_scaleup_ranks: ``U``.
+
+    Returns:
+        ``(token_metadata_at_forward [F, 2 + U], channel_linked_list [U, width])`` int32.
+    """
+    U, dev, F = num_scaleup_ranks, mask.device, mask.numel()
+    bits = ((mask.view(-1, 1).to(torch.int64) >> torch.arange(U, device=dev).view(1, -1)) & 1).bool()  # [F, U]
+    fi, fb = torch.nonzero(bits.t(), as_tuple=True)  # destination-major, arrival order inside
+    meta = torch.full((F, 2 + U), -1, dtype=torch.int32, device=dev)
+    meta[:, 0] = src_global.to(torch.int32)
+    meta[:, 1] = mask.to(torch.int32)
+    # position of each (row, b) in the stream to b
+    per_b = bits.sum(0)
+    start = torch.cumsum(per_b, 0) - per_b  # [U]
+    pos = torch.arange(fi.numel(), device=dev) - start[fi]
+    meta[fb, 2 + fi] = pos.to(torch.int32)
+    width = int(per_b.max()) if F else 0
+    linked = torch.full((U, width), -1, dtype=torch.int32, device=dev)
+    linked[fi, pos] = fb.to(torch.int32)
+    return meta, linked
 
 
 class HybridExchange:
@@ -146,7 +175,7 @@ class HybridExchange:
         for b in range(U):
             counts2[s_me * U + b] = int(per_b[b])
         recv2, _ = self._a2a(recv1[fb], counts2, "dispatch scale-up stage", None, num_experts)
-        forward = self._forward_metadata(recv1, src1, mask1, bits, fi, fb, M, U)
+        forward = forward_metadata(src1 * M + _token(_split(recv1)[0]), mask1, U)
 
         # 3. Direct mode's order: by source rank, then source token (the record's last int64).
         payload, src, _ = _split(recv2)
@@ -154,23 +183,6 @@ class HybridExchange:
         order = torch.argsort(src * M + tok, stable=True)
         recv_counts = torch.bincount(src, minlength=R).tolist() if recv2.shape[0] else [0] * R
         return payload[order], [int(c) for c in recv_counts], forward
-
-    @staticmethod
-    def _forward_metadata(recv1: torch.Tensor, src1: torch.Tensor, mask1: torch.Tensor, bits: torch.Tensor,
-                          fi: torch.Tensor, fb: torch.Tensor, M: int, U: int) -> ForwardMetadata:
-        dev, F = recv1.device, recv1.shape[0]
-        tok1 = _token(_split(recv1)[0])
-        meta = torch.full((F, 2 + U), -1, dtype=torch.int32, device=dev)
-        meta[:, 0] = (src1 * M + tok1).to(torch.int32)
-        meta[:, 1] = mask1.to(torch.int32)
-        # position of each (row, b) in the stream to b
-        start = torch.cumsum(bits.sum(0), 0) - bits.sum(0)  # [U]
-        pos = torch.arange(fi.numel(), device=dev) - start[fi]
-        meta[fb, 2 + fi] = pos.to(torch.int32)
-        width = int(bits.sum(0).max()) if F else 0
-        linked = torch.full((U, width), -1, dtype=torch.int32, device=dev)
-        linked[fi, pos] = fb.to(torch.int32)
-        return meta, linked
 
     # ------------------------------------------------------------------ combine
     def combine(self, send: torch.Tensor, send_counts: List[int]) -> Tuple[torch.Tensor, List[int]]:

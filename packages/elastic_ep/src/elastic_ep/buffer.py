@@ -151,7 +151,8 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
         num_max_tokens_per_rank: most tokens a rank dispatches at once (required when ``num_bytes`` is None).
         hidden, num_topk (0: sized for 32), use_fp8_dispatch: what the buffer is sized for.
         deterministic: sort received rows by source token (see the module docstring).
-        allow_hybrid_mode: accepted; only direct mode (one NVLink domain) exists.
+        allow_hybrid_mode: hybrid mode (scale-out + scale-up, see the README's "Domains and hybrid mode")
+            where the group spans several domains or ``ELASTIC_EP_NUM_SCALEUP_RANKS`` splits it.
         allow_multiple_reduction: combine reduces per rank before sending (fewer bytes, rounding once more).
         prefer_overlap_with_compute: as in DeepEP, changes ``get_theoretical_num_sms`` (at least 64 SMs
             when False), the SM count of calls with ``num_sms=0``.
@@ -267,9 +268,11 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
                 # Several NVLink domains need GIN (say what is missing); the override needs none.
                 gin = native.railed_gin_type(group) if self.domains.num_rdma_ranks > 1 and not ipc else None
                 transport = _domains.scaleout_backend(self.domains, gin, native.nccl_version())
-                raise RuntimeError(f"hybrid mode ({self.domains.num_scaleout_ranks} scale-out x "
-                                   f"{self.domains.num_scaleup_ranks} scale-up ranks, scale-out transport {transport}) "
-                                   "is not implemented by the native runtime yet; backend='torch' runs it")
+                if transport != "nvlink-emulated":
+                    raise RuntimeError(f"hybrid mode ({self.domains.num_scaleout_ranks} scale-out x "
+                                       f"{self.domains.num_scaleup_ranks} scale-up ranks) over scale-out transport "
+                                       f"{transport} is not wired in the native runtime yet (its kernels run over the "
+                                       "NVLink emulation of ELASTIC_EP_NUM_SCALEUP_RANKS); backend='torch' runs it")
             if num_bytes is None:
                 num_bytes = calculate_elastic_buffer_size(self.num_ranks, num_max_tokens_per_rank, hidden, num_topk,
                                                           use_fp8_dispatch, allow_hybrid_mode,
@@ -314,6 +317,8 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
                 self._comm_finalizer = weakref.finalize(self, _release_native, self.runtime, native.destroy_nccl_comm,
                                                         self._owned_comm)
                 self._comm_finalizer.atexit = False
+            if self.domains.hybrid:
+                self.runtime.num_scaleup_ranks = self.domains.num_scaleup_ranks
             if num_cpu_bytes:
                 self.runtime.open_engram(group, num_cpu_bytes)
         else:
