@@ -108,7 +108,7 @@ def _worker(rank: int, world: int, rdzv: str, scaleup: int, tokens: int, iters: 
                 dst = topk // L
                 rows["direct_dispatch_rows"] = sum(len({int(r) for r in row if r // scaleup != me_dom})
                                                    for row in dst.tolist())
-                per_src = torch.diff(h.psum_num_recv_tokens_per_scaleup_rank.to(torch.int64), prepend=torch.zeros(1))
+                per_src = torch.diff(h.psum_num_recv_tokens_per_scaleup_rank.to(torch.int64).cpu(), prepend=torch.zeros(1))
                 rows["direct_combine_rows"] = int(sum(int(c) for r, c in enumerate(per_src.tolist())
                                                       if r // scaleup != me_dom))
                 if backend == "native":  # partials go back unreduced: as many as direct mode sends

@@ -736,8 +736,10 @@ void Runtime::combine(const CombineParams& p, int64_t stream, uint64_t wait_even
   entered_ = true;
   if (hybrid(p.num_scaleup_ranks)) {
     CK_CHECK(p.overlap_push_blocks == 0, "combine: hybrid mode has no overlapped combine");
-    const int slots = combine_num_slots(num_ranks_, p.num_topk, p.allow_multiple_reduction != 0);
-    const auto hc = hybrid_combine_layout(combine_token_layout(p.hidden, 2, p.num_topk).bytes, slots,
+    const bool multi = p.allow_multiple_reduction != 0;
+    const auto hc = hybrid_combine_layout(combine_token_layout(p.hidden, 2, p.num_topk).bytes,
+                                          combine_num_slots(num_ranks_, p.num_topk, multi),
+                                          hybrid_stage_slots(num_ranks_, p.num_scaleup_ranks, p.num_topk, multi),
                                           num_ranks_ / p.num_scaleup_ranks, p.num_max_tokens_per_rank);
     CK_CHECK(hc.bytes <= num_buffer_bytes_, "combine: hybrid mode needs ", hc.bytes, " bytes of buffer, this one has ",
              num_buffer_bytes_);

@@ -219,8 +219,8 @@ CK_HD constexpr int64_t combine_buffer_size(int64_t num_max_tokens_per_rank, int
 //   recv     [R][M][record]              direct mode's receive area (the epilogue reads it)
 //   send     [M][record | route]         this rank's tokens bound for other domains, staged in the
 //                                        window (a scale-out put reads its source from there)
-//   relay    [S][M][record | route]      tokens from the rail peer of each domain (slot of this
-//                                        rank's own domain unused), forwarded from here to the ranks
+//   relay    [S-1][M][record | route]    tokens from the rail peer of each other domain (domain d at
+//                                        index d - (d > own domain)), forwarded from here to the ranks
 //                                        of this domain
 // route = [ K int32: the slot at the owner of each top-k lane's expert | pad to 8 | u64 stamp ], so
 // the forwarder writes each record where direct mode's push would have; the stamp (hybrid_stamp, in
@@ -228,10 +228,15 @@ CK_HD constexpr int64_t combine_buffer_size(int64_t num_max_tokens_per_rank, int
 // anything else in those bytes -- the forwarder scans the M entries of each source domain.
 // Combine, in the buffer:
 //   recv     [M][slots][record]          direct mode's receive area (the reduce reads it)
-//   stage    [S][M][slots][record]       partials of this domain for the tokens of the rail peer in
-//                                        each other domain, at the offsets they take in its recv area
-//   tags     [S][M][slots] u64           the stamp of the combine that filled each staged slot (the
+//   stage    [S-1][M][stage_slots][record]  partials of this domain for the tokens of the rail peer in
+//                                        each other domain (indexed as relay), by the slot they take
+//                                        in its recv area; with one slot per rank (combine_slot_per_rank)
+//                                        only this domain's U slots are staged (slot - domain * U),
+//                                        else all of them
+//   tags     [S-1][M][stage_slots] u64   the stamp of the combine that filled each staged slot (the
 //                                        forwarder sends exactly those)
+// Both fit the buffer DeepEP's formulas size (calculate_buffer_size) for the usual shapes; the runtime
+// checks and names the bytes it needs otherwise.
 // The stamps matter because every region aliases others' (dispatch, combine, PP and AGRS all use the
 // buffer): a 32-bit epoch alone could be matched by a row's bytes.
 CK_HD constexpr int64_t hybrid_route_stamp_offset(int64_t num_topk) {
@@ -255,23 +260,31 @@ CK_HD constexpr HybridDispatchLayout hybrid_dispatch_layout(uint64_t record_byte
   h.send = sizing_detail::from_u64(align_up(uint64_t(buffer_layout_bytes(record_bytes, num_ranks,
                                                                          num_max_tokens_per_rank)), 128));
   h.relay = add(h.send, sizing_detail::from_u64(align_up(uint64_t(mul(h.staged_bytes, num_max_tokens_per_rank)), 128)));
-  h.bytes = add(h.relay, mul(mul(h.staged_bytes, num_scaleout_ranks), num_max_tokens_per_rank));
+  h.bytes = add(h.relay, mul(mul(h.staged_bytes, num_scaleout_ranks - 1), num_max_tokens_per_rank));
   return h;
 }
 struct HybridCombineLayout {
   int64_t stage, tags;  // offsets in the buffer (recv starts at 0)
   int64_t bytes;
 };
+CK_HD constexpr int64_t hybrid_stage_slots(int64_t num_ranks, int64_t num_scaleup_ranks, int64_t num_topk,
+                                           bool allow_multiple_reduction) {
+  return combine_slot_per_rank(int(num_ranks), int(num_topk), allow_multiple_reduction)
+             ? num_scaleup_ranks
+             : combine_num_slots(int(num_ranks), int(num_topk), allow_multiple_reduction);
+}
 CK_HD constexpr HybridCombineLayout hybrid_combine_layout(uint64_t record_bytes, int64_t num_slots,
-                                                          int64_t num_scaleout_ranks,
+                                                          int64_t num_stage_slots, int64_t num_scaleout_ranks,
                                                           int64_t num_max_tokens_per_rank) {
   using sizing_detail::add;
   using sizing_detail::mul;
   HybridCombineLayout h{};
-  const int64_t area = buffer_layout_bytes(record_bytes, num_slots, num_max_tokens_per_rank);
-  h.stage = sizing_detail::from_u64(align_up(uint64_t(area), 128));
-  h.tags = add(h.stage, sizing_detail::from_u64(align_up(uint64_t(mul(area, num_scaleout_ranks)), 128)));
-  h.bytes = add(h.tags, mul(mul(mul(num_scaleout_ranks, num_max_tokens_per_rank), num_slots), 8));
+  const int64_t stage_entries = mul(mul(num_scaleout_ranks - 1, num_max_tokens_per_rank), num_stage_slots);
+  h.stage = sizing_detail::from_u64(align_up(uint64_t(buffer_layout_bytes(record_bytes, num_slots,
+                                                                          num_max_tokens_per_rank)), 128));
+  h.tags = add(h.stage, sizing_detail::from_u64(align_up(uint64_t(mul(sizing_detail::from_u64(record_bytes),
+                                                                      stage_entries)), 128)));
+  h.bytes = add(h.tags, mul(stage_entries, 8));
   return h;
 }
 
@@ -476,7 +489,19 @@ CK_HD constexpr int64_t pp_buffer_bytes(int64_t num_ranks, int64_t num_max_tenso
 static_assert(hybrid_route_bytes(8) == 48 && hybrid_route_bytes(1) == 16 && hybrid_route_stamp_offset(3) == 16,
               "route: K slots, then an 8 B aligned stamp, 16 B aligned");
 static_assert(hybrid_dispatch_layout(7200, 8, 4, 2, 4096).bytes ==
-                  int64_t(7200) * 4 * 4096 + int64_t(7248) * 4096 * 3, "hybrid dispatch: recv, send, relay");
+                  int64_t(7200) * 4 * 4096 + int64_t(7248) * 4096 * 2, "hybrid dispatch: recv, send, relay");
+static_assert(hybrid_stage_slots(8, 4, 8, true) == 4 && hybrid_stage_slots(16, 4, 8, true) == 8 &&
+                  hybrid_stage_slots(8, 4, 8, false) == 8, "stage: the domain's U slots, else every slot");
+// DeepSeek-V3 shapes (hidden 7168, top-8, 4096 tokens) in DeepEP's buffer size, at 2x4, 2x8 and 8x8.
+static_assert(hybrid_combine_layout(combine_token_layout(7168, 2, 8).bytes, 8, 4, 2, 4096).bytes <=
+                  calculate_buffer_size(4096, 7168, 8, false, 2, 4, true, true) &&
+              hybrid_combine_layout(combine_token_layout(7168, 2, 8).bytes, 8, 8, 2, 4096).bytes <=
+                  calculate_buffer_size(4096, 7168, 8, false, 2, 8, true, true) &&
+              hybrid_combine_layout(combine_token_layout(7168, 2, 8).bytes, 8, 8, 8, 4096).bytes <=
+                  calculate_buffer_size(4096, 7168, 8, false, 8, 8, true, true) &&
+              hybrid_dispatch_layout(dispatch_token_layout(7168, 2, 0, 8).bytes, 8, 64, 8, 4096).bytes <=
+                  calculate_buffer_size(4096, 7168, 8, false, 8, 8, true, true),
+              "hybrid layouts fit DeepEP's buffer size");
 static_assert(notify_split(0).blocks == 1 && notify_split(4096).blocks == 4 && notify_split(4096).span == 1024, "");
 static_assert(notify_split(4097).blocks == 5 && notify_split(32768).blocks == 32, "one block per chunk up to 32");
 static_assert(notify_split(32769).blocks == 17 && notify_split(32769).span == 2048, "then two chunks per block");

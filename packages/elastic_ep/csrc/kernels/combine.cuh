@@ -71,19 +71,23 @@ __device__ __forceinline__ int4 to_bf16x8(const float (&acc)[8]) {
 // area of the origin's domain), with each filled slot's stamp (hybrid_stamp) set for this combine.
 struct PushTarget {
   int peer;
-  uint64_t base;  // the token's first slot
-  uint64_t tags;  // hybrid stage: the token's first slot stamp (u64 each); 0: none
-  uint64_t cell;  // hybrid stage: the index of the token's first slot in the stage area
-  bool own;       // the origin is this rank: slots hold the row's index in x (see combine_reduce_token)
+  uint64_t base;   // the token's first slot
+  uint64_t tags;   // hybrid stage: the token's first slot stamp (u64 each); 0: none
+  uint64_t cell;   // hybrid stage: the index of the token's first slot in the stage area
+  int slot_base;   // subtracted from a slot: the stage keeps only this domain's per-rank slots
+  bool own;        // the origin is this rank: slots hold the row's index in x (see combine_reduce_token)
 };
 __device__ __forceinline__ PushTarget push_target(const Ctx& cx, const CombineParams& p, const CombineGeom& g,
                                                   const HybridDomains& hd, int s, int t) {
   if (!hd.on || hd.local(s))
-    return PushTarget{s, cx.buf + uint64_t(t) * g.slots * g.tl.bytes, 0, 0, s == cx.tr.rank};
-  const HybridCombineLayout hc = hybrid_combine_layout(g.tl.bytes, g.slots, hd.S, p.num_max_tokens_per_rank);
-  const uint64_t cell = (uint64_t(s / hd.U) * p.num_max_tokens_per_rank + t) * g.slots;
+    return PushTarget{s, cx.buf + uint64_t(t) * g.slots * g.tl.bytes, 0, 0, 0, s == cx.tr.rank};
+  const int stage_slots = g.per_rank ? hd.U : g.slots;  // sizing.hpp hybrid_stage_slots
+  const HybridCombineLayout hc = hybrid_combine_layout(g.tl.bytes, g.slots, stage_slots, hd.S,
+                                                       p.num_max_tokens_per_rank);
+  const uint64_t cell =
+      (uint64_t(HybridDomains::other_index(s / hd.U, hd.dom)) * p.num_max_tokens_per_rank + t) * stage_slots;
   return PushTarget{hd.dom * hd.U + s % hd.U, cx.buf + uint64_t(hc.stage) + cell * g.tl.bytes,
-                    cx.buf + uint64_t(hc.tags) + 8ull * cell, cell, false};
+                    cx.buf + uint64_t(hc.tags) + 8ull * cell, cell, g.per_rank ? hd.dom * hd.U : 0, false};
 }
 
 // Pushes received row i (one warp) into its origin's slot; returns the origin token (t) of the row.
@@ -108,7 +112,7 @@ __device__ __forceinline__ int combine_push_row(const Ctx& cx, const CombinePara
   };
   s_out = s;
   if (!p.use_expanded_layout) {
-    const int slot = g.per_rank ? rank : m;
+    const int slot = (g.per_rank ? rank : m) - to.slot_base;
     const uint64_t dst = base + uint64_t(slot) * tl.bytes;
     if (!to.own)
       cx.tr.put_warp(peer, dst + tl.x.offset, xb + int64_t(i) * g.row_bytes, g.row_bytes, lane);
@@ -120,7 +124,7 @@ __device__ __forceinline__ int combine_push_row(const Ctx& cx, const CombinePara
     }
     if (lane == 0) tag(slot);
   } else if (p.allow_multiple_reduction) {
-    const int slot = g.per_rank ? rank : m;
+    const int slot = (g.per_rank ? rank : m) - to.slot_base;
     const uint64_t dst = base + uint64_t(slot) * tl.bytes;
     if (__popc(lanes) == 1) {
       const int r0 = __shfl_sync(kFull, row_k, __ffs(lanes) - 1);

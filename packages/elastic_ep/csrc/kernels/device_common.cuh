@@ -88,6 +88,9 @@ struct HybridDomains {
         on(U < R) {}
   __device__ bool local(int r) const { return r / U == dom; }
   __device__ int rail_peer(int domain) const { return domain * U + rail; }  // of this rank, in `domain`
+  // The relay / stage areas hold the S - 1 other domains of `own`: domain d at index d - (d > own).
+  __device__ static int other_index(int d, int own) { return d - (d > own ? 1 : 0); }
+  __device__ int other_domain(int i) const { return i + (i >= dom ? 1 : 0); }
 };
 
 // The stamp of a hybrid relay or stage entry (sizing.hpp): the operation's epoch and the entry's

@@ -52,7 +52,7 @@ __device__ __forceinline__ void hybrid_stage_token(const Ctx& cx, const Dispatch
   if (lane == 0) {
     *reinterpret_cast<uint32_t*>(st + tl.src_meta.offset) = uint32_t(rank * M + t);
     *reinterpret_cast<uint64_t*>(st + tl.bytes + hybrid_route_stamp_offset(K)) =
-        hybrid_stamp(E, uint64_t(hd.dom) * M + t);  // its position in the forwarders' relay areas
+        hybrid_stamp(E, uint64_t(hd.dom) * M + t);  // the same at every forwarder: by source domain
   }
   __syncwarp();  // the staged record, written by the whole warp, is the puts' source
   // One put per destination domain (the first remote lane of each domain).
@@ -60,8 +60,9 @@ __device__ __forceinline__ void hybrid_stage_token(const Ctx& cx, const Dispatch
   const unsigned firsts = __ballot_sync(kFull, is_master_lane(rem ? owner / hd.U : -1, K));
   for (unsigned d = firsts; d; d &= d - 1) {
     const int dom = __shfl_sync(kFull, owner, __ffs(d) - 1) / hd.U;
-    so.put(hd.rail_peer(dom), cx.buf + uint64_t(hl.relay) + (uint64_t(hd.dom) * M + t) * uint64_t(hl.staged_bytes),
-           send, uint64_t(hl.staged_bytes), lane);
+    const uint64_t at = uint64_t(HybridDomains::other_index(hd.dom, dom)) * M + t;  // in that forwarder's relay
+    so.put(hd.rail_peer(dom), cx.buf + uint64_t(hl.relay) + at * uint64_t(hl.staged_bytes), send,
+           uint64_t(hl.staged_bytes), lane);
   }
 }
 

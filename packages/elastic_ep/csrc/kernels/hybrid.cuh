@@ -10,7 +10,7 @@
 // Dispatch (notify -> push -> forward -> epilogue, one stream):
 //   push     own domain: records straight into the destinations' receive areas [src][slot]; other
 //            domains: one staged record per (token, domain) put into the relay area of the rail peer
-//            there, [src domain][token], with its route (the slot at each lane's owner) and the
+//            there, [src domain (of the S - 1 others)][token], with its route (the slot at each lane's owner) and the
 //            epoch tag; then the rail peers' scale-out signals
 //   forward  (here) waits for each rail peer's signal, scans its relay area for records tagged with
 //            this dispatch, writes each to the ranks of this domain that own its experts, at the slot
@@ -54,16 +54,15 @@ __global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_forward_kernel(Co
   if (tid < hd.S && tid != hd.dom) ok = wait_rail_signal(cx, so, hd.rail_peer(tid), kOpDispatchScaleout, cx.timeout_ns);
   if (__syncthreads_or(!ok)) return;
   const int gw = blockIdx.x * kWarps + tid / 32, nw = gridDim.x * kWarps;
-  for (int64_t v = gw; v < int64_t(hd.S) * M; v += nw) {
-    const int d = int(v / M), t = int(v % M);
-    if (d == hd.dom) continue;
+  for (int64_t v = gw; v < int64_t(hd.S - 1) * M; v += nw) {
+    const int d = hd.other_domain(int(v / M)), t = int(v % M);
     const uint64_t off = cx.buf + uint64_t(hl.relay) + uint64_t(v) * uint64_t(hl.staged_bytes);
     const char* rec = cx.tr.local(off);
     const int32_t* route = reinterpret_cast<const int32_t*>(rec + tl.bytes);
     uint64_t stamp = 0;
     if (lane == 0)
       stamp = __ldcg(reinterpret_cast<const unsigned long long*>(rec + tl.bytes + hybrid_route_stamp_offset(K)));
-    if (__shfl_sync(kFull, stamp, 0) != hybrid_stamp(E, uint64_t(v))) continue;  // no record of this dispatch
+    if (__shfl_sync(kFull, stamp, 0) != hybrid_stamp(E, uint64_t(d) * M + t)) continue;  // none of this dispatch
     const int src = hd.rail_peer(d);
     int owner = -1, slot = -1;
     if (lane < K) {
@@ -82,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_forward_kernel(Co
     }
     const unsigned mask = __reduce_or_sync(kFull, owner >= 0 ? 1u << (owner - hd.dom * hd.U) : 0u);
     if (p.forward_dense != nullptr && lane == 0) {
-      int* row = p.forward_dense + 2 * v;
+      int* row = p.forward_dense + 2 * (int64_t(d) * M + t);
       row[0] = src * M + t;
       row[1] = int(mask);
     }
@@ -107,7 +106,8 @@ __global__ void __launch_bounds__(kThreads, 1) hybrid_combine_forward_kernel(Com
   const HybridDomains hd(p.num_scaleup_ranks, R, rank);
   const NvlinkEmulatedScaleout so = scaleout_of(cx);
   const CombineGeom g(p, R);
-  const HybridCombineLayout hc = hybrid_combine_layout(g.tl.bytes, g.slots, hd.S, M);
+  const int stage_slots = g.per_rank ? hd.U : g.slots;  // sizing.hpp hybrid_stage_slots
+  const HybridCombineLayout hc = hybrid_combine_layout(g.tl.bytes, g.slots, stage_slots, hd.S, M);
   bool ok = true;
   if (tid < hd.U) {
     const int r = hd.dom * hd.U + tid;
@@ -116,19 +116,17 @@ __global__ void __launch_bounds__(kThreads, 1) hybrid_combine_forward_kernel(Com
   if (__syncthreads_or(!ok)) return;
   const unsigned long long* tags = reinterpret_cast<const unsigned long long*>(cx.tr.local(cx.buf + uint64_t(hc.tags)));
   const int gw = blockIdx.x * kWarps + tid / 32, nw = gridDim.x * kWarps;
-  for (int64_t v = gw; v < int64_t(hd.S) * M; v += nw) {
-    const int d = int(v / M), t = int(v % M);
-    if (d == hd.dom) continue;
-    const int origin = hd.rail_peer(d);
-    for (int q0 = 0; q0 < g.slots; q0 += 32) {
+  for (int64_t v = gw; v < int64_t(hd.S - 1) * M; v += nw) {
+    const int origin = hd.rail_peer(hd.other_domain(int(v / M))), t = int(v % M);
+    for (int q0 = 0; q0 < stage_slots; q0 += 32) {
       const int q = q0 + lane;
-      const uint64_t cell = uint64_t(v) * g.slots + q;
-      const bool filled = q < g.slots && __ldcg(tags + cell) == hybrid_stamp(E, cell);
+      const uint64_t cell = uint64_t(v) * stage_slots + q;
+      const bool filled = q < stage_slots && __ldcg(tags + cell) == hybrid_stamp(E, cell);
       for (unsigned m = __ballot_sync(kFull, filled); m; m &= m - 1) {
-        const int sl = q0 + __ffs(m) - 1;
-        const uint64_t at = (uint64_t(t) * g.slots + sl) * g.tl.bytes;
-        so.put(origin, cx.buf + at, cx.buf + uint64_t(hc.stage) + uint64_t(d) * M * g.slots * g.tl.bytes + at,
-               g.tl.bytes, lane);
+        const int sq = q0 + __ffs(m) - 1;
+        const int sl = g.per_rank ? hd.dom * hd.U + sq : sq;  // the slot in the origin's recv area
+        so.put(origin, cx.buf + (uint64_t(t) * g.slots + sl) * g.tl.bytes,
+               cx.buf + uint64_t(hc.stage) + (uint64_t(v) * stage_slots + sq) * g.tl.bytes, g.tl.bytes, lane);
       }
     }
   }
