@@ -55,9 +55,10 @@ recv_topk_idx, recv_topk_weights)`` per token) and a combined row ``hidden * 2 +
 
 Writes ``bench_elastic_ep.json``, ``bench_elastic_ep.md`` (table) and ``bench_elastic_ep.png`` into --out.
 
-``--hybrid N`` runs, instead, hybrid mode against direct mode on CPU ranks (EMULATED: the torch backend
-over gloo, logical domains of N ranks): rows and bytes crossing scale-out domains, and times that are
-not GPU figures (tools/_bench_ep_hybrid.py); it needs no GPU.
+``--hybrid N`` runs, instead, hybrid mode against direct mode (EMULATED, logical domains of N ranks): on
+CPU ranks over gloo with the torch backend (no GPU needed), or with ``--hybrid-backend native`` the native
+kernels over the NVLink-emulated scale-out; rows and bytes crossing scale-out domains, and times that are
+no network figures (tools/_bench_ep_hybrid.py).
 """
 from __future__ import annotations
 

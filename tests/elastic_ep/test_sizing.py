@@ -192,8 +192,8 @@ def test_largest_size_below_int64_is_exact():
 
 
 def test_hybrid_layouts_are_larger_than_direct():
-    # Hybrid mode is not implemented by the runtime, but its size hints follow DeepEP's formulas: a
-    # direct-mode figure for the same 8 ranks would undersize a hybrid buffer. 2 x 4 ranks, 128 tokens,
+    # Hybrid mode's size hints follow DeepEP's formulas (our hybrid layouts fit them; sizing.hpp checks
+    # that at compile time): a direct-mode figure for the same 8 ranks would undersize a hybrid buffer. 2 x 4 ranks, 128 tokens,
     # hidden 1024 bf16, top-8: dispatch 2128 x (4*2*128 + 128 + 2*(128 + 1280)) = 2128 x 3968.
     assert C.get_dispatch_buffer_size(128, 1024, 0, 8, 2, 2, 4, True) == 2128 * 3968
     assert C.get_dispatch_buffer_size(128, 1024, 0, 8, 2, 1, 8, True) == 2128 * 8 * 128

@@ -1,4 +1,4 @@
-// elastic_ep/csrc/kernels.cu -- direct-mode (one NVLink domain) dispatch, combine, barrier, PP and AGRS
+// elastic_ep/csrc/kernels.cu -- dispatch, combine (direct and hybrid mode), barrier, PP and AGRS
 // kernels: the one CUDA translation unit. The kernels live one family per header in kernels/
 // (device_common, barrier, dispatch_notify, dispatch_push, dispatch_epilogue, combine, pp, agrs, engram,
 // scaleout_probe, hybrid); this

@@ -1,4 +1,4 @@
-// elastic_ep/csrc/kernels.hpp -- parameter blocks and launchers of the direct-mode kernels.
+// elastic_ep/csrc/kernels.hpp -- parameter blocks and launchers of the kernels (direct and hybrid mode).
 // Torch-free and CUDA-free: pointers are void*/int*, streams are cudaStream_t passed as void*. The
 // parameter blocks are bound to Python in every build (bindings.cpp): the native runtime keeps one per
 // shape (its scalar fields) and passes the tensors' pointers to each launch as typed arguments.

@@ -1,5 +1,5 @@
 """The native runtime: elastic_ep's C++/CUDA kernels (``elastic_ep._C``), the Python mirror of DeepEP V2's
-C++ ``ElasticBuffer`` (direct mode: every rank in one NVLink domain).
+C++ ``ElasticBuffer`` (every rank in one NVLink domain: direct mode, and hybrid mode over logical domains).
 
 The window ``[workspace | buffer]`` is an NCCL symmetric window (``ncclMemAlloc`` +
 ``ncclCommWindowRegister``; peers' addresses from the device communicator) or, with ``window="ipc"``,
@@ -21,6 +21,11 @@ combine
      into the origin's combine area ``[token][slot]``;
   2. reduce: DeepEP's order in fp32 (the biases, then the partials lane by lane), one rounding to bf16;
      the weights are routed back, never multiplied.
+hybrid mode (``num_scaleup_ranks``, set by the buffer from its logical domains; csrc/kernels/hybrid.cuh)
+  the pushes reach other domains only through rail peers, whose forward kernels (before the epilogue,
+  after the combine push) relay into direct mode's receive areas; no overlap, no zero-copy, no push
+  beside notify. The forwarders' record becomes the handle's ``token_metadata_at_forward`` /
+  ``channel_linked_list`` (``_forward_metadata_of``).
 
 The runtime takes validated arguments (``DispatchArgs`` / ``CombineArgs``, see ``_checks``); per shape it
 keeps the kernels' parameter blocks (``_C.DispatchParams`` ...) and passes each call's tensors as
@@ -157,7 +162,8 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
         rank_idx, num_ranks: this rank and the rank count (all in one NVLink domain).
         nccl_comm: ``ncclComm_t`` as an int (``create_nccl_comm`` or torch's); ignored with ``window="ipc"``.
         cpu_comm, num_cpu_buffer_bytes, allow_hybrid_mode, prefer_overlap_with_compute, sl_idx,
-        num_allocated_qps: DeepEP's; no effect here (no CPU segment, RDMA or hybrid mode).
+        num_allocated_qps: DeepEP's; no effect here (no CPU segment or RDMA; hybrid mode follows the
+            buffer's domains, ``num_scaleup_ranks``).
         num_buffer_bytes: buffer bytes, a positive multiple of 2 MiB.
         allow_multiple_reduction: combine reduces per rank when R <= K.
         num_cpu_timeout_secs: the host's waits (dispatch CPU sync); num_gpu_timeout_secs: device waits
