@@ -1,7 +1,7 @@
 """The domain arithmetic of ``elastic_ep._domains`` for the node shapes of real clusters (1x8, 2x8, 4x8,
 8x8 H200) and for the one-node override, worked out by hand: physical domains from per-rank node keys
 and from NCCL's LSA team size, DeepEP's logical rule, the override's refusals, the scale-out backend
-choice (and its errors), the GIN requirements and QP counts (DeepEP: 17 / 65 / 129;
+choice (and its errors), the GIN requirements (and NCCL's struct filled from them) and QP counts (DeepEP: 17 / 65 / 129;
 ``16 * sms + 1`` or ``min(sms, 9)``), and the buffer sizes the logical domains call for."""
 import pytest
 
@@ -45,6 +45,25 @@ def test_node_shapes(nodes, per_node):
         assert req == {"ginContextCount": 129, "ginExclusiveContexts": True, "ginQueueDepth": 1024,
                        "ginTrafficClass": 3, "ginSignalCount": R + 4,
                        "ginConnectionType": "rail" if nodes > 1 else "full"}
+        _check_devcomm_request(req)
+
+
+def _check_devcomm_request(req):
+    """The C++ side fills NCCL's ncclDevCommRequirements from the request (kernels.cu fill_gin): read back
+    from the struct of the headers the package was built with, every field carries the request; a field
+    those headers lack (NCCL 2.28.x has fewer) reads -1 and is then simply not sent."""
+    from elastic_ep import _C
+
+    if not hasattr(_C, "gin_devcomm_request"):
+        pytest.skip("a host-only build of elastic_ep (no CUDA, no NCCL device headers)")
+    got = _C.gin_devcomm_request(req["ginContextCount"], req["ginSignalCount"], req["ginQueueDepth"],
+                                 req["ginTrafficClass"], req["ginConnectionType"], req["ginExclusiveContexts"])
+    want = dict(req, ginConnectionType={"full": 1, "rail": 2}[req["ginConnectionType"]],
+                ginExclusiveContexts=int(req["ginExclusiveContexts"]), ginCounterCount=0)
+    newer = _C.nccl_build_version() >= 22900  # headers with every field (ncclGinConnectionType_t and the rest)
+    for k, v in want.items():
+        optional = k not in ("ginContextCount", "ginSignalCount", "ginCounterCount") and not newer
+        assert got[k] == v or (optional and got[k] == -1), f"{k}: {got[k]} in NCCL's struct, requested {v}"
 
 
 def test_override_splits_one_node():

@@ -285,6 +285,30 @@ void bind_runtime(py::module_& m) {
   m.def("nccl_comm_rank_size", &nccl_comm_rank_size);
   m.def("nccl_comm_gin_properties", &comm_gin_properties, py::arg("comm"),
         "(ginType, railedGinType, nLsaTeams) from ncclCommQueryProperties, or None below NCCL 2.29.");
+  m.def(
+      "gin_devcomm_request",
+      [](int contexts, int signals, int queue_depth, int traffic_class, const std::string& connection,
+         bool exclusive) {
+        CK_CHECK_ARG(connection == "rail" || connection == "full" || connection == "none",
+                     "connection: expected 'rail', 'full' or 'none', got '", connection, "'");
+        const int conn = connection == "rail" ? kGinRail : connection == "full" ? kGinFull : kGinNone;
+        const GinRequestApplied a =
+            gin_request_applied(GinRequest{contexts, signals, 0, queue_depth, traffic_class, conn, int(exclusive)});
+        py::dict d;
+        d["ginContextCount"] = a.contexts;
+        d["ginSignalCount"] = a.signals;
+        d["ginCounterCount"] = a.counters;
+        d["ginQueueDepth"] = a.queue_depth;
+        d["ginTrafficClass"] = a.traffic_class;
+        d["ginConnectionType"] = a.connection;
+        d["ginExclusiveContexts"] = a.exclusive;
+        return d;
+      },
+      py::arg("contexts"), py::arg("signals"), py::arg("queue_depth"), py::arg("traffic_class"),
+      py::arg("connection"), py::arg("exclusive"),
+      "The GIN fields of ncclDevCommRequirements a device communicator would be created with for this "
+      "request, as read back from the struct (-1: the headers the package was built with lack the field; "
+      "connection: 0 none, 1 full, 2 rail). Host only: no NCCL call.");
 
   py::class_<RuntimeOptions>(m, "RuntimeOptions", "Host-side settings of a Runtime (read by Python's _env.py).")
       .def(py::init<>())

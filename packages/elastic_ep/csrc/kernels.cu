@@ -31,21 +31,45 @@ namespace {
 
 int grid_of(int num_sms) { return num_sms > 0 ? num_sms : 1; }
 bool hybrid_on(int num_scaleup_ranks, int num_ranks) { return num_scaleup_ranks > 0 && num_scaleup_ranks < num_ranks; }
+// The scale-out transport the hybrid kernels run over: the NVLink emulation (every window mapped).
+NvlinkEmulatedScaleout emulated_scaleout(const CommView& c) {
+  return NvlinkEmulatedScaleout{c.peer_bases, workspace_layout().scaleout_signal.offset, c.rank, c.num_ranks};
+}
 
-// Zero the GIN requests where the headers have them (compile-time detection across NCCL versions).
+// GIN fields of ncclDevCommRequirements differ across NCCL versions (2.28.x has fewer): each is set
+// and read back only where the headers have it (compile-time detection; -1 when absent).
+#define EP_GIN_FIELD(name, field, type)                                                                 \
+  template <typename Req>                                                                              \
+  auto gin_set_##name(Req& r, int v, int) -> decltype(r.field = type(v), void()) { r.field = type(v); } \
+  template <typename Req>                                                                              \
+  void gin_set_##name(Req&, int, long) {}                                                               \
+  template <typename Req>                                                                              \
+  auto gin_get_##name(const Req& r, int) -> decltype(int(r.field)) { return int(r.field); }            \
+  template <typename Req>                                                                              \
+  int gin_get_##name(const Req&, long) { return -1; }
+EP_GIN_FIELD(contexts, ginContextCount, int)
+EP_GIN_FIELD(signals, ginSignalCount, int)
+EP_GIN_FIELD(counters, ginCounterCount, int)
+EP_GIN_FIELD(queue_depth, ginQueueDepth, int)
+EP_GIN_FIELD(traffic_class, ginTrafficClass, int)
+EP_GIN_FIELD(exclusive, ginExclusiveContexts, bool)
+#undef EP_GIN_FIELD
+// The connection type is an enum only newer headers define.
 template <typename Req>
-auto disable_gin(Req& r, int) -> decltype(r.ginContextCount = 0, r.ginSignalCount = 0, r.ginCounterCount = 0,
-                                          void()) {
-  r.ginContextCount = 0;
-  r.ginSignalCount = 0;
-  r.ginCounterCount = 0;
+auto gin_set_connection(Req& r, int v, int) -> decltype(r.ginConnectionType = decltype(r.ginConnectionType)(v), void()) {
+  static_assert(int(NCCL_GIN_CONNECTION_NONE) == kGinNone && int(NCCL_GIN_CONNECTION_FULL) == kGinFull &&
+                    int(NCCL_GIN_CONNECTION_RAIL) == kGinRail,
+                "GinConnection follows ncclGinConnectionType_t");
+  r.ginConnectionType = decltype(r.ginConnectionType)(v);
 }
 template <typename Req>
-void disable_gin(Req&, long) {}
+void gin_set_connection(Req&, int, long) {}
+template <typename Req>
+auto gin_get_connection(const Req& r, int) -> decltype(int(r.ginConnectionType)) { return int(r.ginConnectionType); }
+template <typename Req>
+int gin_get_connection(const Req&, long) { return -1; }
 
-}  // namespace
-
-int devcomm_create(void* nccl_comm, void** out_devcomm, int* out_lsa_rank, int* out_lsa_size) {
+ncclDevCommRequirements base_requirements() {
 #ifdef NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER
   ncclDevCommRequirements reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
 #else
@@ -53,7 +77,37 @@ int devcomm_create(void* nccl_comm, void** out_devcomm, int* out_lsa_rank, int* 
   ncclDevCommRequirements reqs;
   memset(static_cast<void*>(&reqs), 0, sizeof(reqs));
 #endif
-  disable_gin(reqs, 0);
+  return reqs;
+}
+
+// LSA only (gin null: every GIN count zero, so it works on machines without a NIC), or DeepEP's GIN
+// request.
+void fill_gin(ncclDevCommRequirements& r, const GinRequest* gin) {
+  const GinRequest none{0, 0, 0, 0, 0, kGinNone, 0};
+  const GinRequest& g = gin != nullptr ? *gin : none;
+  gin_set_contexts(r, g.contexts, 0);
+  gin_set_signals(r, g.signals, 0);
+  gin_set_counters(r, g.counters, 0);
+  if (gin == nullptr) return;  // the initializer's defaults for the rest
+  gin_set_queue_depth(r, g.queue_depth, 0);
+  gin_set_traffic_class(r, g.traffic_class, 0);
+  gin_set_exclusive(r, g.exclusive, 0);
+  gin_set_connection(r, g.connection, 0);
+}
+
+}  // namespace
+
+GinRequestApplied gin_request_applied(const GinRequest& gin) {
+  ncclDevCommRequirements r = base_requirements();
+  fill_gin(r, &gin);
+  return GinRequestApplied{gin_get_contexts(r, 0),      gin_get_signals(r, 0),   gin_get_counters(r, 0),
+                           gin_get_queue_depth(r, 0),   gin_get_traffic_class(r, 0), gin_get_connection(r, 0),
+                           gin_get_exclusive(r, 0)};
+}
+
+int devcomm_create(void* nccl_comm, const GinRequest* gin, void** out_devcomm, int* out_lsa_rank, int* out_lsa_size) {
+  ncclDevCommRequirements reqs = base_requirements();
+  fill_gin(reqs, gin);
   auto* dc = new ncclDevComm();
   const ncclResult_t res = ncclDevCommCreate(static_cast<ncclComm_t>(nccl_comm), &reqs, dc);
   if (res != ncclSuccess) {
@@ -93,9 +147,8 @@ void launch_resolve_peers(void* window, int num_ranks, void** out_peer_bases, in
 }
 
 void launch_scaleout_probe(const CommView& c, const ScaleoutProbeParams& p, void* stream) {
-  const NvlinkEmulatedScaleout tr{c.peer_bases, workspace_layout().scaleout_signal.offset, c.rank, c.num_ranks};
   auto* rec = host_workspace_layout().timeout.at<commkit::TimeoutRecord>(c.host_workspace);
-  scaleout_probe_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(tr, p, rec, c.timeout_ns);
+  scaleout_probe_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(emulated_scaleout(c), p, rec, c.timeout_ns);
 }
 
 void launch_barrier(const CommView& c, void* stream) {
@@ -118,8 +171,9 @@ void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream, v
   notify<<<p.cached ? 1 : notify_split(p.num_tokens).blocks, kThreads, smem, s>>>(c, p);
   if (notify_done_event != nullptr && cudaEventRecord(static_cast<cudaEvent_t>(notify_done_event), s) != cudaSuccess)
     return;  // the caller's cudaGetLastError() reports it
+  const NvlinkEmulatedScaleout so = emulated_scaleout(c);
   if (!p.concurrent_notify) {
-    dispatch_push_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
+    dispatch_push_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p, so);
     return;
   }
   // Programmatic dependent launch: the push starts once every notify block has started (notify's
@@ -135,12 +189,14 @@ void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream, v
   cfg.stream = s;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  (void)cudaLaunchKernelEx(&cfg, dispatch_push_kernel, c, p);  // errors: the caller's cudaGetLastError()
+  (void)cudaLaunchKernelEx(&cfg, dispatch_push_kernel<NvlinkEmulatedScaleout>, c, p,
+                           so);  // errors: the caller's cudaGetLastError()
 }
 
 void launch_dispatch_epilogue(const CommView& c, const EpilogueParams& p, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
-  if (hybrid_on(p.num_scaleup_ranks, c.num_ranks)) hybrid_dispatch_forward_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
+  if (hybrid_on(p.num_scaleup_ranks, c.num_ranks))
+    hybrid_dispatch_forward_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p, emulated_scaleout(c));
   dispatch_epilogue_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
 }
 
@@ -149,11 +205,13 @@ void launch_dispatch_epilogue(const CommView& c, const EpilogueParams& p, void* 
 void launch_combine_push(const CommView& c, const CombineParams& p, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   combine_push_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
-  if (hybrid_on(p.num_scaleup_ranks, c.num_ranks)) hybrid_combine_forward_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
+  if (hybrid_on(p.num_scaleup_ranks, c.num_ranks))
+    hybrid_combine_forward_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p, emulated_scaleout(c));
 }
 
 void launch_combine_reduce(const CommView& c, const CombineParams& p, void* stream) {
-  combine_reduce_kernel<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p);
+  combine_reduce_kernel<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p,
+                                                                                                emulated_scaleout(c));
 }
 
 void launch_combine_overlapped(const CommView& c, const CombineParams& p, void* stream) {

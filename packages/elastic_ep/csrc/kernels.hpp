@@ -163,9 +163,28 @@ struct PpParams {
   int num_sms;
 };
 
+// What a device communicator asks NCCL's GIN for (DeepEP V2's request; Python's
+// _domains.gin_requirements computes it): contexts (one per QP), signals (R + 4), exclusive contexts,
+// queue depth, traffic class (sl_idx), connections (kGinRail in hybrid mode: only rail peers talk).
+enum GinConnection : int { kGinNone = 0, kGinFull = 1, kGinRail = 2 };
+struct GinRequest {
+  int contexts, signals, counters, queue_depth, traffic_class;
+  int connection;  // GinConnection
+  int exclusive;
+};
+// The fields of NCCL's ncclDevCommRequirements that gin_fill sets, as read back (-1: the installed
+// headers have no such field, so the request goes without it).
+struct GinRequestApplied {
+  int contexts, signals, counters, queue_depth, traffic_class, connection, exclusive;
+};
+
 #if COMMKIT_WITH_CUDA
-// NCCL device communicator (LSA only, GIN never requested). Return ncclResult_t codes; never throw.
-int devcomm_create(void* nccl_comm, void** out_devcomm, int* out_lsa_rank, int* out_lsa_size);
+// NCCL device communicator: LSA, plus GIN when `gin` is given (not yet by the runtime: see
+// kernels/hybrid.cuh). Return ncclResult_t codes; never throw.
+int devcomm_create(void* nccl_comm, const GinRequest* gin, void** out_devcomm, int* out_lsa_rank, int* out_lsa_size);
+// The requirements devcomm_create would pass for `gin`, read back (host only: no NCCL call), so the CPU
+// suite checks the request against the headers the package was built with.
+GinRequestApplied gin_request_applied(const GinRequest& gin);
 // ncclCommQueryProperties (NCCL >= 2.29): GIN types (ncclGinType_t) and LSA team count; returns the
 // ncclResult_t, or -1 when the headers the package was built with predate the call.
 int nccl_comm_gin_properties(void* nccl_comm, int* out_gin_type, int* out_railed_gin_type, int* out_num_lsa_teams);

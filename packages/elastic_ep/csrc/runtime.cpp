@@ -169,7 +169,7 @@ void Runtime::setup_nccl_window(uint64_t total) {
   // Device communicator: LSA only (no GIN requested, so it works on machines without a NIC).
   EP_DEBUG("rank %d: ncclDevCommCreate (NCCL headers %d)\n", rank, NCCL_VERSION_CODE);
   int lsa_rank = -1;
-  const int res = devcomm_create(comm_, &devcomm_, &lsa_rank, &lsa_size_);
+  const int res = devcomm_create(comm_, nullptr, &devcomm_, &lsa_rank, &lsa_size_);
   if (res != int(ncclSuccess)) {
     setup_failed_everywhere_ = true;  // every rank of the same job gets the same answer
     CK_THROW("ncclDevCommCreate failed: ", ncclGetErrorString(ncclResult_t(res)),

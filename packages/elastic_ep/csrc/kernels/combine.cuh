@@ -298,7 +298,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_push_kernel(CommView c, C
   });
 }
 
-__global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c, CombineParams p) {
+template <class SO>
+__global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c, CombineParams p,
+                                                                     SO so) {  // scale-out transport (hybrid)
   Ctx cx(c);
   const uint64_t E = cx.epoch();
   const int R = c.num_ranks, rank = c.rank, T = p.num_combined_tokens;
@@ -311,7 +313,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c,
     ok = commkit::wait_ge(cx.local_u64(cx.ws.combine_done, tid), E, cx.timeout_ns, cx.rec, kOpCombineReduce, rank,
                           tid);
   else if (tid < R && tid % hd.U == hd.rail)
-    ok = wait_rail_signal(cx, scaleout_of(cx), tid, kOpCombineScaleout, cx.arrival_timeout());
+    ok = wait_rail_signal(cx, so, tid, kOpCombineScaleout, cx.arrival_timeout());
   if (__syncthreads_or(!ok)) return;
   const CombineGeom g(p, R);
   __shared__ int scratch[kWarps][64];  // [warp]: see combine_reduce_token

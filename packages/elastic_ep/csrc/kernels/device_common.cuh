@@ -99,19 +99,13 @@ __device__ __forceinline__ uint64_t hybrid_stamp(uint64_t E, uint64_t where) {
   return (uint64_t(uint32_t(where) ^ 0x9e3779b9u) << 32) | uint64_t(uint32_t(E));
 }
 
-// The scale-out transport of this build's hybrid kernels: the NVLink emulation (every window mapped).
-// GIN (scaleout/gin.cuh) would take its place where NCCL reports a GIN network; its device
-// communicator is not requested yet (devcomm_create), so the runtime refuses hybrid mode there.
-__device__ __forceinline__ NvlinkEmulatedScaleout scaleout_of(const Ctx& cx) {
-  return NvlinkEmulatedScaleout{cx.tr.peer_bases, cx.ws.scaleout_signal.offset, cx.tr.rank, cx.tr.num_ranks};
-}
-
 // Scale-out signals between rail peers: every hybrid operation raises each rail peer's signal
 // [sender] once, and scaleout_seen counts the raises this rank consumed. A kernel's blocks each wait
 // (one thread per peer) for the next raise; its last block counts them (count_rail_signals), so no
-// block sees another's count change under it.
-__device__ bool wait_rail_signal(const Ctx& cx, const NvlinkEmulatedScaleout& so, int src, uint32_t op,
-                                 uint64_t timeout_ns) {
+// block sees another's count change under it. SO: the scale-out transport (scaleout.cuh), which the
+// hybrid kernels take as a parameter: the NVLink emulation runs; GIN compiles (kernels.cu).
+template <class SO>
+__device__ bool wait_rail_signal(const Ctx& cx, const SO& so, int src, uint32_t op, uint64_t timeout_ns) {
   const uint64_t want = commkit::ld_relaxed(cx.local_u64(cx.ws.scaleout_seen, src)) + 1u;
   return so.wait_signal(src, want, timeout_ns, cx.rec, op, src);
 }

@@ -30,9 +30,10 @@ namespace {
 // writes it where this push would have. The last block signals dispatch_done to the own domain only
 // and raises each rail peer's scale-out signal (behind every put: the grid's fence, and for GIN the
 // warps' flushes on the one context).
+template <class SO>
 __device__ __forceinline__ void hybrid_stage_token(const Ctx& cx, const DispatchParams& p, const HybridDomains& hd,
                                                    const DispatchTokenLayout& tl, const HybridDispatchLayout& hl,
-                                                   const NvlinkEmulatedScaleout& so, uint64_t E, int t, int64_t e,
+                                                   const SO& so, uint64_t E, int t, int64_t e,
                                                    int owner, int slot, float w, unsigned remote) {
   const int lane = lane_id(), K = p.num_topk, rank = cx.tr.rank, M = p.num_max_tokens_per_rank;
   const uint64_t send = cx.buf + uint64_t(hl.send) + uint64_t(t) * uint64_t(hl.staged_bytes);
@@ -66,7 +67,9 @@ __device__ __forceinline__ void hybrid_stage_token(const Ctx& cx, const Dispatch
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, DispatchParams p) {
+template <class SO>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, DispatchParams p,
+                                                                    SO so) {  // scale-out transport (hybrid)
   Ctx cx(c);
   const uint64_t E = cx.epoch();
   const int R = c.num_ranks, rank = c.rank, K = p.num_topk, T = p.num_tokens;
@@ -77,7 +80,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
   const int n16 = p.hidden_bytes / 16;
   const HybridDomains hd(p.num_scaleup_ranks, R, rank);
   const HybridDispatchLayout hl = hybrid_dispatch_layout(tl.bytes, K, R, hd.S, p.num_max_tokens_per_rank);
-  const NvlinkEmulatedScaleout so = scaleout_of(cx);
   __shared__ int block_skip;  // after notify: its status; beside it: 1 when this block's waits failed
   if (!p.concurrent_notify) {
     if (tid == 0) {

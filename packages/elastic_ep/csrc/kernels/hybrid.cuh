@@ -39,14 +39,15 @@ namespace elastic_ep {
 namespace {
 
 // Dispatch forward: the rail peers' staged records into this domain's receive areas.
-__global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_forward_kernel(CommView c, EpilogueParams p) {
+template <class SO>
+__global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_forward_kernel(CommView c, EpilogueParams p,
+                                                                              SO so) {  // scale-out transport
   Ctx cx(c);
   const uint64_t E = cx.epoch();
   const int R = c.num_ranks, rank = c.rank, K = p.num_topk, M = p.num_max_tokens_per_rank;
   const int L = p.num_experts / R;
   const int tid = threadIdx.x, lane = lane_id();
   const HybridDomains hd(p.num_scaleup_ranks, R, rank);
-  const NvlinkEmulatedScaleout so = scaleout_of(cx);
   const auto tl = dispatch_token_layout(p.hidden_bytes, 1, p.num_sf_packs, K);
   const HybridDispatchLayout hl = hybrid_dispatch_layout(tl.bytes, K, R, hd.S, M);
   // Every block waits for the rail peers' pushes (one thread per domain).
@@ -98,13 +99,14 @@ __global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_forward_kernel(Co
 }
 
 // Combine forward: this domain's partials for each rail peer's tokens, over the scale-out transport.
-__global__ void __launch_bounds__(kThreads, 1) hybrid_combine_forward_kernel(CommView c, CombineParams p) {
+template <class SO>
+__global__ void __launch_bounds__(kThreads, 1) hybrid_combine_forward_kernel(CommView c, CombineParams p,
+                                                                             SO so) {  // scale-out transport
   Ctx cx(c);
   const uint64_t E = cx.epoch();
   const int R = c.num_ranks, rank = c.rank, M = p.num_max_tokens_per_rank;
   const int tid = threadIdx.x, lane = lane_id();
   const HybridDomains hd(p.num_scaleup_ranks, R, rank);
-  const NvlinkEmulatedScaleout so = scaleout_of(cx);
   const CombineGeom g(p, R);
   const int stage_slots = g.per_rank ? hd.U : g.slots;  // sizing.hpp hybrid_stage_slots
   const HybridCombineLayout hc = hybrid_combine_layout(g.tl.bytes, g.slots, stage_slots, hd.S, M);
@@ -136,6 +138,15 @@ __global__ void __launch_bounds__(kThreads, 1) hybrid_combine_forward_kernel(Com
       if (d != hd.dom) so.signal(hd.rail_peer(d), rank, 1u);
   });
 }
+
+// The GIN scale-out transport: the hybrid kernels compile over it for every architecture this package
+// builds (CI: sm_90a), against the installed NCCL. Not launched: the device communicator requests no
+// GIN contexts yet, and notify's counts and the entry barriers still reach every rank through the
+// window's LSA mapping, which ranks on other nodes do not have.
+template __global__ void dispatch_push_kernel<GinScaleout>(CommView, DispatchParams, GinScaleout);
+template __global__ void hybrid_dispatch_forward_kernel<GinScaleout>(CommView, EpilogueParams, GinScaleout);
+template __global__ void hybrid_combine_forward_kernel<GinScaleout>(CommView, CombineParams, GinScaleout);
+template __global__ void combine_reduce_kernel<GinScaleout>(CommView, CombineParams, GinScaleout);
 
 }  // namespace
 }  // namespace elastic_ep
