@@ -57,11 +57,13 @@ EP_GIN_FIELD(exclusive, ginExclusiveContexts, bool)
 // The connection type is an enum only newer headers define.
 template <typename Req>
 auto gin_set_connection(Req& r, int v, int) -> decltype(r.ginConnectionType = decltype(r.ginConnectionType)(v), void()) {
-  static_assert(int(NCCL_GIN_CONNECTION_NONE) == kGinNone && int(NCCL_GIN_CONNECTION_FULL) == kGinFull &&
-                    int(NCCL_GIN_CONNECTION_RAIL) == kGinRail,
-                "GinConnection follows ncclGinConnectionType_t");
   r.ginConnectionType = decltype(r.ginConnectionType)(v);
 }
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)  // 2.28.9 has neither the enum nor the field
+static_assert(int(NCCL_GIN_CONNECTION_NONE) == kGinNone && int(NCCL_GIN_CONNECTION_FULL) == kGinFull &&
+                  int(NCCL_GIN_CONNECTION_RAIL) == kGinRail,
+              "GinConnection follows ncclGinConnectionType_t");
+#endif
 template <typename Req>
 void gin_set_connection(Req&, int, long) {}
 template <typename Req>
