@@ -67,8 +67,9 @@ __device__ __forceinline__ int4 to_bf16x8(const float (&acc)[8]) {
 }
 
 // Where one received row's slots go: its origin's receive area, or in hybrid mode, for an origin in
-// another domain, the stage area of this domain's rail peer of the origin (same offsets inside the
-// area of the origin's domain), with each filled slot's stamp (hybrid_stamp) set for this combine.
+// another domain, the stage area of this domain's rail peer of the origin (the origin domain's part,
+// by the origin's slot; per-rank slots less this domain's first rank, see sizing.hpp), with each
+// filled slot's stamp (hybrid_stamp) set for this combine.
 struct PushTarget {
   int peer;
   uint64_t base;   // the token's first slot
@@ -107,7 +108,7 @@ __device__ __forceinline__ int combine_push_row(const Ctx& cx, const CombinePara
   const PushTarget to = push_target(cx, p, g, hd, s, t);
   const int peer = to.peer;
   const uint64_t base = to.base;
-  auto tag = [&](int slot) {
+  auto stamp = [&](int slot) {
     if (to.tags != 0) cx.tr.put_u64(peer, to.tags + 8ull * slot, hybrid_stamp(E, to.cell + slot));
   };
   s_out = s;
@@ -122,7 +123,7 @@ __device__ __forceinline__ int combine_push_row(const Ctx& cx, const CombinePara
       const float w = p.topk_weights != nullptr ? p.topk_weights[int64_t(i) * K + lane] : 0.f;
       cx.tr.put_u32(peer, dst + tl.topk_weights.offset + 4ull * lane, __float_as_uint(w));
     }
-    if (lane == 0) tag(slot);
+    if (lane == 0) stamp(slot);
   } else if (p.allow_multiple_reduction) {
     const int slot = (g.per_rank ? rank : m) - to.slot_base;
     const uint64_t dst = base + uint64_t(slot) * tl.bytes;
@@ -145,7 +146,7 @@ __device__ __forceinline__ int combine_push_row(const Ctx& cx, const CombinePara
       const float w = (p.topk_weights != nullptr && row_k >= 0) ? p.topk_weights[row_k] : 0.f;
       cx.tr.put_u32(peer, dst + tl.topk_weights.offset + 4ull * lane, __float_as_uint(w));
     }
-    if (lane == 0) tag(slot);
+    if (lane == 0) stamp(slot);
   } else {
     for (unsigned d = lanes; d; d &= d - 1) {
       const int k = __ffs(d) - 1;
@@ -158,7 +159,7 @@ __device__ __forceinline__ int combine_push_row(const Ctx& cx, const CombinePara
       if (lane == k) {
         const float w = p.topk_weights != nullptr ? p.topk_weights[rk] : 0.f;
         cx.tr.put_u32(peer, dst + tl.topk_weights.offset + 4ull * k, __float_as_uint(w));
-        tag(k);
+        stamp(k);
       }
     }
   }

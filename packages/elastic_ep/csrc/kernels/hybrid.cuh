@@ -9,10 +9,11 @@
 //
 // Dispatch (notify -> push -> forward -> epilogue, one stream):
 //   push     own domain: records straight into the destinations' receive areas [src][slot]; other
-//            domains: one staged record per (token, domain) put into the relay area of the rail peer
-//            there, [src domain (of the S - 1 others)][token], with its route (the slot at each lane's owner) and the
-//            epoch tag; then the rail peers' scale-out signals
-//   forward  (here) waits for each rail peer's signal, scans its relay area for records tagged with
+//            domains: one staged record per (token, domain), with its route (the slot at each lane's
+//            owner) and its stamp (hybrid_stamp: epoch, source domain, token), put into the relay area
+//            of the rail peer there, [index of the source domain among the S - 1 others][token]; then
+//            the rail peers' scale-out signals
+//   forward  (here) waits for each rail peer's signal, scans its relay area for records stamped for
 //            this dispatch, writes each to the ranks of this domain that own its experts, at the slot
 //            of the route ([src][slot], as the source's own push would have), and signals their
 //            dispatch_done for that source; records what it relayed in forward_dense [S][M]
@@ -22,14 +23,16 @@
 //
 // Combine (push -> forward -> reduce):
 //   push     rows for the own domain's origins straight into their receive areas; rows for another
-//            domain's origin into the stage area of this domain's rail peer of the origin, at the
-//            offsets of the origin's receive area, each filled slot tagged with the epoch; then
+//            domain's origin into the stage area of this domain's rail peer of the origin, by the
+//            slot they take at the origin (per-rank slots: only this domain's U), each stamped; then
 //            combine_done to the own domain
-//   forward  (here) waits for its domain's combine_done, puts every tagged slot of each rail peer's
+//   forward  (here) waits for its domain's combine_done, puts every stamped slot of each rail peer's
 //            stage area into that peer's receive area over the scale-out transport (the partials
 //            unreduced: the reduce sums them in direct mode's order), then raises the peers' signals
 //   reduce   waits for the own domain's combine_done and one signal per rail peer, then direct mode's
 //
+// The forward kernels take the scale-out transport (SO, scaleout.cuh) as a parameter: kernels.cu launches
+// them over the NVLink emulation; the GIN instantiations at the end only compile.
 // Grid: num_sms blocks of kThreads; one warp per (source domain, token). Included once, by kernels.cu.
 #pragma once
 
@@ -40,8 +43,10 @@ namespace {
 
 // Dispatch forward: the rail peers' staged records into this domain's receive areas.
 template <class SO>
-__global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_forward_kernel(CommView c, EpilogueParams p,
-                                                                              SO so) {  // scale-out transport
+__global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_forward_kernel(
+    CommView c,        // the window; relay area [S-1][M][record | route] in this rank's buffer
+    EpilogueParams p,  // shape (M, hidden bytes, packs, K, experts, U); forward_dense [S * M, 2] or null
+    SO so) {           // scale-out transport: the rail peers' signals
   Ctx cx(c);
   const uint64_t E = cx.epoch();
   const int R = c.num_ranks, rank = c.rank, K = p.num_topk, M = p.num_max_tokens_per_rank;
@@ -100,8 +105,10 @@ __global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_forward_kernel(Co
 
 // Combine forward: this domain's partials for each rail peer's tokens, over the scale-out transport.
 template <class SO>
-__global__ void __launch_bounds__(kThreads, 1) hybrid_combine_forward_kernel(CommView c, CombineParams p,
-                                                                             SO so) {  // scale-out transport
+__global__ void __launch_bounds__(kThreads, 1) hybrid_combine_forward_kernel(
+    CommView c,       // the window; stage area [S-1][M][stage slots][record] and stamps in this rank's buffer
+    CombineParams p,  // shape (M, hidden, K, multiple reduction, U)
+    SO so) {          // scale-out transport: puts into the rail peers' receive areas [M][slots][record]
   Ctx cx(c);
   const uint64_t E = cx.epoch();
   const int R = c.num_ranks, rank = c.rank, M = p.num_max_tokens_per_rank;
