@@ -2,8 +2,9 @@
 ``ELASTIC_EP_NUM_SCALEUP_RANKS``, checked against direct mode on the same routing and the oracle.
 
 * The mode matrix (bf16 / FP8 with both scale kinds, expand with alignment and zero padding, CPU sync
-  on/off, cached, 0/1/2 biases, single and multiple reduction, deterministic) at R = 2 (2x1) and
-  R = 4 (2x2 and 4x1): canonical outputs bitwise equal to a direct-mode buffer's and to the oracle.
+  on/off, cached, 0/1/2 biases, single and multiple reduction, deterministic) at R = 2 (1x2, which is
+  direct mode, and 2x1) and R = 4 (2x2 and 4x1): canonical outputs bitwise equal to a direct-mode
+  buffer's and to the oracle.
 * A soak of 500 dispatch/combine rounds with random routing at 2x2: every output bitwise equal to
   direct mode's in its raw row order; the rows that crossed domains counted against the routing
   (a token crosses once per remote domain its experts live in, not once per rank).
@@ -28,7 +29,7 @@ BUFFERS = [dict(allow_multiple_reduction=True, deterministic=False),
            dict(allow_multiple_reduction=False, deterministic=True)]
 
 
-@pytest.mark.parametrize("world,scaleup", [(2, 1), (4, 2), (4, 1)], ids=["2x1", "2x2", "4x1"])
+@pytest.mark.parametrize("world,scaleup", [(2, 2), (2, 1), (4, 2), (4, 1)], ids=["1x2", "2x1", "2x2", "4x1"])
 def test_hybrid_matrix_matches_direct_and_oracle(tmp_path, world, scaleup):
     cfg = dict(device="cpu", backend="torch", kind="cpu", shape=dict(SMALL), buffers=BUFFERS, seed=10 + world,
                compare_torch=True, num_scaleup_ranks=scaleup)

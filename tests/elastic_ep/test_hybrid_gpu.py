@@ -4,8 +4,8 @@ window (ranks share one GPU where fewer GPUs are lent).
 
 * The mode matrix (bf16 / FP8 with both scale kinds, expand with alignment and zero padding, CPU sync
   on/off, cached, 0/1/2 biases, the four stream options, single and multiple reduction, deterministic)
-  at R = 2 (2x1) and R = 4 (2x2, 4x1): canonical outputs bitwise equal to a direct-mode buffer on the
-  same window and to the oracle. (1x2 is direct mode: the direct-mode suites cover it.)
+  at R = 2 (1x2: the override naming every rank, i.e. direct mode; 2x1) and R = 4 (2x2, 4x1): canonical
+  outputs bitwise equal to a direct-mode buffer on the same window and to the oracle.
 * A soak of 500 random cases at 2x2, each against direct mode and the oracle.
 * The forwarders' metadata against an independent derivation from the routing; zero-copy refused.
 * A rank whose scale-out signals never arrive: its rail peer's forwarder times out naming the
@@ -26,7 +26,7 @@ BUFFERS = [dict(allow_multiple_reduction=True, deterministic=False),
 
 
 @pytest.mark.multigpu(2, shared_ok=True)
-@pytest.mark.parametrize("world,scaleup", [(2, 1), (4, 2), (4, 1)], ids=["2x1", "2x2", "4x1"])
+@pytest.mark.parametrize("world,scaleup", [(2, 2), (2, 1), (4, 2), (4, 1)], ids=["1x2", "2x1", "2x2", "4x1"])
 def test_native_hybrid_matrix_matches_direct_and_oracle(tmp_path, world, scaleup):
     cases = [dict(c, zero_copy=False) for c in case_matrix("gpu")]  # hybrid mode refuses zero-copy
     cfg = dict(device="cuda", backend="native", kind="gpu", shape=SMALL, buffers=BUFFERS, seed=20 + world,

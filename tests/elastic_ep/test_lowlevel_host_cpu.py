@@ -86,8 +86,8 @@ class FakeRuntime:
 
     def dispatch(self, params, *pointers):
         # x, sf, topk_idx, weights, copied, stats, psum_rank, psum_expert, unaligned, slot_idx, stream,
-        # wait_stream, direct_base: the binding's positional arguments
-        assert isinstance(params, _C.DispatchParams) and len(pointers) == 13
+        # wait_stream, direct_base, forward_dense: the binding's positional arguments
+        assert isinstance(params, _C.DispatchParams) and len(pointers) == 14
         self._call("dispatch", params, pointers)
 
     def wait_dispatch_counts(self, num_local_experts):
@@ -104,7 +104,7 @@ class FakeRuntime:
         return [0], 1, E + 3
 
     def dispatch_epilogue(self, params, *pointers):
-        assert isinstance(params, _C.EpilogueParams) and len(pointers) == 14
+        assert isinstance(params, _C.EpilogueParams) and len(pointers) == 15  # ..., join_stream, forward_dense
         self._call("dispatch_epilogue", params, pointers)
 
     def combine(self, params, *pointers):

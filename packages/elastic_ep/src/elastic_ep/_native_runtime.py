@@ -180,6 +180,10 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
 
     backend = "native"
     dispatch_pdl: bool = True
+    #: Hybrid mode: ranks per logical scale-out domain (set by the buffer from its domains before the
+    #: first operation); 0: direct mode.
+    num_scaleup_ranks: int = 0
+    _drop_scaleout_signals: int = 0  # ELASTIC_EP_TEST_DROP_SCALEOUT_SIGNALS (tests)
 
     def __init__(self, rank_idx: int, num_ranks: int, nccl_comm: int, cpu_comm: Any = None,
                  num_buffer_bytes: int = 0, num_cpu_buffer_bytes: int = 0, allow_hybrid_mode: bool = True,
@@ -215,9 +219,6 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
         self._refuse_bad_ids = not settings.skip_index_check
         self._notify_atomics = int(settings.test_notify_atomics)
         self._drop_scaleout_signals = int(settings.test_drop_scaleout_signals)
-        #: Hybrid mode: ranks per logical scale-out domain (set by the buffer from its domains before the
-        #: first operation); 0: direct mode.
-        self.num_scaleup_ranks = 0
         self._plans: dict = {}
         self._buffer_u8: Optional[torch.Tensor] = None
         self._pp_slot_bytes = self._pp_inflight = 0  # pp_set_config
@@ -696,8 +697,7 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
             self._rt.dispatch_epilogue(params, x.data_ptr(), _ptr(sf), recv_x.data_ptr(), _ptr(recv_sf), rsf_ts,
                                        rsf_hs, _ptr(recv_topk_idx), _ptr(recv_w), meta.data_ptr(),
                                        psum_rank.data_ptr(), 0 if cached else psum_expert_full.data_ptr(),
-                                       unaligned.data_ptr(), self._comm_raw, compute_raw,
-                                       forward_dense=_ptr(forward_dense))
+                                       unaligned.data_ptr(), self._comm_raw, compute_raw, _ptr(forward_dense))
             stage = _ALL_QUEUED
             event = None
             if not fast:
