@@ -82,7 +82,8 @@ __device__ __forceinline__ PushTarget push_target(const Ctx& cx, const CombinePa
                                                   const HybridDomains& hd, int s, int t) {
   if (!hd.on || hd.local(s))
     return PushTarget{s, cx.buf + uint64_t(t) * g.slots * g.tl.bytes, 0, 0, 0, s == cx.tr.rank};
-  const int stage_slots = g.per_rank ? hd.U : g.slots;  // sizing.hpp hybrid_stage_slots
+  const int stage_slots =
+      int(hybrid_stage_slots(cx.tr.num_ranks, hd.U, p.num_topk, p.allow_multiple_reduction != 0));
   const HybridCombineLayout hc = hybrid_combine_layout(g.tl.bytes, g.slots, stage_slots, hd.S,
                                                        p.num_max_tokens_per_rank);
   const uint64_t cell =

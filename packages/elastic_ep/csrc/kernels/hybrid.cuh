@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(kThreads, 1) hybrid_combine_forward_kernel(
   const int tid = threadIdx.x, lane = lane_id();
   const HybridDomains hd(p.num_scaleup_ranks, R, rank);
   const CombineGeom g(p, R);
-  const int stage_slots = g.per_rank ? hd.U : g.slots;  // sizing.hpp hybrid_stage_slots
+  const int stage_slots = int(hybrid_stage_slots(R, hd.U, p.num_topk, p.allow_multiple_reduction != 0));
   const HybridCombineLayout hc = hybrid_combine_layout(g.tl.bytes, g.slots, stage_slots, hd.S, M);
   bool ok = true;
   if (tid < hd.U) {
