@@ -89,7 +89,17 @@ def _token(payload: torch.Tensor) -> torch.Tensor:
     return from_bytes(payload[:, -8:], torch.int64, 1).reshape(-1)
 
 
-def forward_metadata(src_global: torch.Tensor, mask: torch.Tensor, num_scaleup_ranks: int) -> ForwardMetadata:
+def _fanout(mask: torch.Tensor, num_scaleup_ranks: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(bits [F, U], fi, fb)``: which scale-up ranks each relayed row goes to, and the (rank, row) pairs
+    destination-major, arrival order inside."""
+    bits = ((mask.view(-1, 1).to(torch.int64) >> torch.arange(num_scaleup_ranks, device=mask.device).view(1, -1))
+            & 1).bool()
+    fi, fb = torch.nonzero(bits.t(), as_tuple=True)
+    return bits, fi, fb
+
+
+def forward_metadata(src_global: torch.Tensor, mask: torch.Tensor, num_scaleup_ranks: int,
+                     fanout: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> ForwardMetadata:
     """The handle's forwarder metadata (layout: the module docstring) from what a forwarder relayed.
 
     Arguments:
@@ -97,13 +107,13 @@ def forward_metadata(src_global: torch.Tensor, mask: torch.Tensor, num_scaleup_r
             arrival order (by source rank, then token).
         mask: ``[F]`` the scale-up ranks of this domain each one went to (bit ``b``: rank ``b``).
         num_scaleup_ranks: ``U``.
+        fanout: ``_fanout(mask, U)`` when the caller has it already.
 
     Returns:
         ``(token_metadata_at_forward [F, 2 + U], channel_linked_list [U, width])`` int32.
     """
     U, dev, F = num_scaleup_ranks, mask.device, mask.numel()
-    bits = ((mask.view(-1, 1).to(torch.int64) >> torch.arange(U, device=dev).view(1, -1)) & 1).bool()  # [F, U]
-    fi, fb = torch.nonzero(bits.t(), as_tuple=True)  # destination-major, arrival order inside
+    bits, fi, fb = fanout if fanout is not None else _fanout(mask, U)
     meta = torch.full((F, 2 + U), -1, dtype=torch.int32, device=dev)
     meta[:, 0] = src_global.to(torch.int32)
     meta[:, 1] = mask.to(torch.int32)
@@ -166,16 +176,15 @@ class HybridExchange:
         recv1, _ = self._a2a(rows, counts1, "dispatch scale-out stage", bad_ids, num_experts)
 
         # 2. Forward each relayed row to the ranks of this domain its mask names, in arrival order.
-        _, src1, mask1 = _split(recv1)
+        payload1, src1, mask1 = _split(recv1)
         F = recv1.shape[0]
-        bits = ((mask1.view(-1, 1) >> torch.arange(U, device=dev).view(1, -1)) & 1).bool()  # [F, U]
-        fi, fb = torch.nonzero(bits.t(), as_tuple=True)  # destination-major, arrival order inside
+        _, fi, fb = fanout = _fanout(mask1, U)
         counts2 = [0] * R
         per_b = torch.bincount(fi, minlength=U).tolist() if F else [0] * U
         for b in range(U):
             counts2[s_me * U + b] = int(per_b[b])
         recv2, _ = self._a2a(recv1[fb], counts2, "dispatch scale-up stage", None, num_experts)
-        forward = forward_metadata(src1 * M + _token(_split(recv1)[0]), mask1, U)
+        forward = forward_metadata(src1 * M + _token(payload1), mask1, U, fanout)
 
         # 3. Direct mode's order: by source rank, then source token (the record's last int64).
         payload, src, _ = _split(recv2)
