@@ -66,6 +66,54 @@ def _check_devcomm_request(req):
         assert got[k] == v or (optional and got[k] == -1), f"{k}: {got[k]} in NCCL's struct, requested {v}"
 
 
+@pytest.mark.parametrize("nodes,per_node", SHAPES, ids=[f"{a}x{b}" for a, b in SHAPES])
+def test_native_gin_request(nodes, per_node):
+    """What the buffer hands the native runtime: the GIN request exactly when the group spans NVLink
+    domains in hybrid mode (one context per allocated QP, R + 4 signals, rail connections), nothing on
+    one node; IPC windows, Engram and the override across nodes refused with the reason."""
+    R = nodes * per_node
+    d = dm.make_domains(R, R - 1, (nodes, per_node), True, None)
+    req = dm.native_gin_request(d, False, 3, 23007, 129, 5, 0)
+    if nodes == 1:
+        assert req is None
+        assert dm.native_gin_request(d, True, None, None, 129, 5, 1 << 20) is None  # IPC and Engram: one node
+        return
+    assert req == {"ginContextCount": 129, "ginExclusiveContexts": True, "ginQueueDepth": 1024,
+                   "ginTrafficClass": 5, "ginSignalCount": R + 4, "ginConnectionType": "rail"}
+    assert dm.native_gin_request(d, False, 3, 23007, 65, 0, 0)["ginContextCount"] == 65
+    with pytest.raises(RuntimeError, match="window='ipc'.*needs one node"):
+        dm.native_gin_request(d, True, None, None, 129, 5, 0)
+    with pytest.raises(ValueError, match="num_cpu_bytes: Engram"):
+        dm.native_gin_request(d, False, 3, 23007, 129, 5, 1 << 20)
+    with pytest.raises(RuntimeError, match="no GIN-capable network"):
+        dm.native_gin_request(d, False, 0, 23007, 129, 5, 0)
+    split = dm.make_domains(R, 0, (nodes, per_node), True, per_node // 2)
+    with pytest.raises(RuntimeError, match="splits an NVLink domain"):
+        dm.native_gin_request(split, False, 3, 23007, 129, 5, 0)
+    _check_runtime_options(req, per_node)
+
+
+def _check_runtime_options(req, per_node):
+    """The request reaches the C++ runtime's options as given (RuntimeOptions.set_gin: what
+    devcomm_create passes to NCCL), and bad requests are refused by name."""
+    from elastic_ep import _C
+
+    if not hasattr(_C, "RuntimeOptions"):
+        pytest.skip("a host-only build of elastic_ep (no CUDA runtime)")
+    o = _C.RuntimeOptions()
+    assert (o.num_scaleup_ranks, o.use_gin) == (0, False)
+    o.num_scaleup_ranks = per_node
+    o.set_gin(contexts=req["ginContextCount"], signals=req["ginSignalCount"], queue_depth=req["ginQueueDepth"],
+              traffic_class=req["ginTrafficClass"], connection=req["ginConnectionType"],
+              exclusive=req["ginExclusiveContexts"])
+    assert o.use_gin and o.num_scaleup_ranks == per_node
+    assert o.gin == (req["ginContextCount"], req["ginSignalCount"], 1024, req["ginTrafficClass"], 2, True)
+    with pytest.raises(ValueError, match="connection: expected 'rail', 'full' or 'none'"):
+        o.set_gin(contexts=1, signals=1, queue_depth=1, traffic_class=0, connection="ring", exclusive=True)
+    with pytest.raises(ValueError, match="positive contexts"):
+        o.set_gin(contexts=0, signals=1, queue_depth=1, traffic_class=0, connection="rail", exclusive=True)
+
+
 def test_override_splits_one_node():
     d = dm.make_domains(8, 5, (1, 8), True, 2)
     assert d.logical == (4, 2) and d.physical == (1, 8) and d.overridden and d.hybrid

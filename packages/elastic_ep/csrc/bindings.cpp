@@ -74,6 +74,18 @@ int64_t buffer_size_for_domain_checked(int num_max_tokens_per_rank, int hidden, 
 }
 
 #if COMMKIT_WITH_CUDA
+// A GIN device-communicator request from Python's arguments (_domains.gin_requirements).
+GinRequest gin_request_of(int contexts, int signals, int queue_depth, int traffic_class, const std::string& connection,
+                          bool exclusive) {
+  CK_CHECK_ARG(connection == "rail" || connection == "full" || connection == "none",
+               "connection: expected 'rail', 'full' or 'none', got '", connection, "'");
+  CK_CHECK_ARG(contexts > 0 && signals > 0 && queue_depth > 0 && traffic_class >= 0,
+               "a GIN request needs positive contexts, signals and queue depth and a traffic class >= 0, got ",
+               contexts, ", ", signals, ", ", queue_depth, ", ", traffic_class);
+  const int conn = connection == "rail" ? kGinRail : connection == "full" ? kGinFull : kGinNone;
+  return GinRequest{contexts, signals, 0, queue_depth, traffic_class, conn, int(exclusive)};
+}
+
 template <typename T>
 T* ptr(uintptr_t p) {
   return reinterpret_cast<T*>(p);
@@ -239,7 +251,6 @@ void bind_params(py::module_& m) {
       .def_readwrite("concurrent_notify", &DispatchParams::concurrent_notify)
       .def_readwrite("zero_copy", &DispatchParams::zero_copy)
       .def_readwrite("zero_copy_x_offset", &DispatchParams::zero_copy_x_offset)
-      .def_readwrite("num_scaleup_ranks", &DispatchParams::num_scaleup_ranks)
       .def_readwrite("test_drop_scaleout_signals", &DispatchParams::test_drop_scaleout_signals);
   py::class_<EpilogueParams>(m, "EpilogueParams", "Scalars of a dispatch's copy-epilogue launch (kernels.hpp).")
       .def(py::init([] { return EpilogueParams{}; }))
@@ -257,7 +268,7 @@ void bind_params(py::module_& m) {
       .def_readwrite("num_sms", &EpilogueParams::num_sms)
       .def_readwrite("overlap", &EpilogueParams::overlap)
       .def_readwrite("zero_copy", &EpilogueParams::zero_copy)
-      .def_readwrite("num_scaleup_ranks", &EpilogueParams::num_scaleup_ranks);
+      ;
   py::class_<CombineParams>(m, "CombineParams", "Scalars of a combine's launches (kernels.hpp).")
       .def(py::init([] { return CombineParams{}; }))
       .def_readwrite("num_combined_tokens", &CombineParams::num_combined_tokens)
@@ -269,7 +280,7 @@ void bind_params(py::module_& m) {
       .def_readwrite("allow_multiple_reduction", &CombineParams::allow_multiple_reduction)
       .def_readwrite("num_sms", &CombineParams::num_sms)
       .def_readwrite("overlap_push_blocks", &CombineParams::overlap_push_blocks)
-      .def_readwrite("num_scaleup_ranks", &CombineParams::num_scaleup_ranks);
+      ;
 }
 
 #if COMMKIT_WITH_CUDA
@@ -289,11 +300,8 @@ void bind_runtime(py::module_& m) {
       "gin_devcomm_request",
       [](int contexts, int signals, int queue_depth, int traffic_class, const std::string& connection,
          bool exclusive) {
-        CK_CHECK_ARG(connection == "rail" || connection == "full" || connection == "none",
-                     "connection: expected 'rail', 'full' or 'none', got '", connection, "'");
-        const int conn = connection == "rail" ? kGinRail : connection == "full" ? kGinFull : kGinNone;
         const GinRequestApplied a =
-            gin_request_applied(GinRequest{contexts, signals, 0, queue_depth, traffic_class, conn, int(exclusive)});
+            gin_request_applied(gin_request_of(contexts, signals, queue_depth, traffic_class, connection, exclusive));
         py::dict d;
         d["ginContextCount"] = a.contexts;
         d["ginSignalCount"] = a.signals;
@@ -313,7 +321,24 @@ void bind_runtime(py::module_& m) {
   py::class_<RuntimeOptions>(m, "RuntimeOptions", "Host-side settings of a Runtime (read by Python's _env.py).")
       .def(py::init<>())
       .def_readwrite("host_wait_yield_us", &RuntimeOptions::host_wait_yield_us)
-      .def_readwrite("debug", &RuntimeOptions::debug);
+      .def_readwrite("debug", &RuntimeOptions::debug)
+      .def_readwrite("num_scaleup_ranks", &RuntimeOptions::num_scaleup_ranks)
+      .def_readonly("use_gin", &RuntimeOptions::use_gin)
+      .def(
+          "set_gin",
+          [](RuntimeOptions& o, int contexts, int signals, int queue_depth, int traffic_class,
+             const std::string& connection, bool exclusive) {
+            o.gin = gin_request_of(contexts, signals, queue_depth, traffic_class, connection, exclusive);
+            o.use_gin = true;
+          },
+          py::arg("contexts"), py::arg("signals"), py::arg("queue_depth"), py::arg("traffic_class"),
+          py::arg("connection"), py::arg("exclusive"),
+          "The scale-out transport is NCCL GIN with this device-communicator request (hybrid mode across "
+          "NVLink domains; arguments as gin_devcomm_request).")
+      .def_property_readonly("gin", [](const RuntimeOptions& o) {
+        const GinRequest& g = o.gin;
+        return py::make_tuple(g.contexts, g.signals, g.queue_depth, g.traffic_class, g.connection, bool(g.exclusive));
+      }, "(contexts, signals, queue_depth, traffic_class, connection 0 none / 1 full / 2 rail, exclusive)");
   py::class_<DispatchCounts>(m, "DispatchCounts", "What Runtime.wait_dispatch_counts found (runtime.hpp).")
       .def_readonly("status", &DispatchCounts::status)
       .def_readonly("num_recv_tokens", &DispatchCounts::num_recv_tokens)
@@ -379,6 +404,8 @@ void bind_runtime(py::module_& m) {
       .def_property_readonly("rank", &Runtime::rank)
       .def_property_readonly("num_ranks", &Runtime::num_ranks)
       .def_property_readonly("lsa_size", &Runtime::lsa_size)
+      .def_property_readonly("num_scaleup_ranks", &Runtime::num_scaleup_ranks)
+      .def_property_readonly("gin", &Runtime::gin)
       .def_property_readonly("device", &Runtime::device)
       .def_property_readonly("num_device_sms", &Runtime::num_device_sms)
       .def_property_readonly("num_buffer_bytes", &Runtime::num_buffer_bytes)

@@ -30,10 +30,20 @@ namespace elastic_ep {
 namespace {
 
 int grid_of(int num_sms) { return num_sms > 0 ? num_sms : 1; }
-bool hybrid_on(int num_scaleup_ranks, int num_ranks) { return num_scaleup_ranks > 0 && num_scaleup_ranks < num_ranks; }
-// The scale-out transport the hybrid kernels run over: the NVLink emulation (every window mapped).
-NvlinkEmulatedScaleout emulated_scaleout(const CommView& c) {
-  return NvlinkEmulatedScaleout{c.peer_bases, workspace_layout().scaleout_signal.offset, c.rank, c.num_ranks};
+bool hybrid_on(const CommView& c) { return c.num_scaleup_ranks > 0 && c.num_scaleup_ranks < c.num_ranks; }
+// Calls f with the runtime's scale-out transport (scaleout.cuh): GIN when the device communicator has
+// GIN contexts, else the NVLink emulation over every rank's mapped window. Every kernel that may talk to
+// another domain is instantiated for both; in direct mode neither is used. One context (QP) per peer
+// carries an operation's puts and its signal: a strong signal settles the puts before it on its own
+// context only.
+template <class F>
+void with_scaleout(const CommView& c, F&& f) {
+  if (c.gin_devcomm != nullptr)
+    f(GinScaleout{*static_cast<const ncclDevComm*>(c.gin_devcomm), static_cast<ncclWindow_t>(c.gin_window), 0, c.rank,
+                  c.num_ranks});
+  else
+    f(NvlinkEmulatedScaleout{c.scaleout_peer_bases != nullptr ? c.scaleout_peer_bases : c.peer_bases,
+                             workspace_layout().scaleout_signal.offset, c.rank, c.num_ranks});
 }
 
 // GIN fields of ncclDevCommRequirements differ across NCCL versions (2.28.x has fewer): each is set
@@ -143,37 +153,37 @@ void devcomm_destroy(void* nccl_comm, void* devcomm) {
   delete dc;
 }
 
-void launch_resolve_peers(void* window, int num_ranks, void** out_peer_bases, int* out_info, void* stream) {
+void launch_resolve_peers(void* window, int first, int lsa_size, void** out_peer_bases, void* stream) {
   resolve_peers_kernel<<<1, kMaxRanks, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<ncclWindow_t>(window),
-                                                                               num_ranks, out_peer_bases, out_info);
+                                                                               first, lsa_size, out_peer_bases);
 }
 
 void launch_scaleout_probe(const CommView& c, const ScaleoutProbeParams& p, void* stream) {
   auto* rec = host_workspace_layout().timeout.at<commkit::TimeoutRecord>(c.host_workspace);
-  scaleout_probe_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(emulated_scaleout(c), p, rec, c.timeout_ns);
+  with_scaleout(c, [&](auto so) {
+    scaleout_probe_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(so, p, rec, c.timeout_ns);
+  });
 }
 
 void launch_barrier(const CommView& c, void* stream) {
-  barrier_kernel<<<1, kMaxRanks, 0, static_cast<cudaStream_t>(stream)>>>(c);
+  with_scaleout(c, [&](auto so) { barrier_kernel<<<1, kMaxRanks, 0, static_cast<cudaStream_t>(stream)>>>(c, so); });
 }
 
-void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream, void* notify_done_event) {
-  auto s = static_cast<cudaStream_t>(stream);
-  static_assert(kMaxTopk == 32, "the notify instantiations below cover num_topk up to 32");
-  // notify's per-warp rank masks and slot bases live in dynamic shared memory sized by the rank count
-  // (64 KiB at 256 ranks, beyond the 48 KiB a kernel gets without opting in).
-  const size_t smem = size_t(2) * kWarps * c.num_ranks * sizeof(uint32_t);
-  auto notify = p.num_topk <= 8 ? dispatch_notify_kernel<8>
-              : p.num_topk <= 16 ? dispatch_notify_kernel<16> : dispatch_notify_kernel<32>;
+namespace {
+// Notify then push over the scale-out transport SO (see launch_dispatch).
+template <class SO>
+void launch_dispatch_with(const CommView& c, const DispatchParams& p, cudaStream_t s, size_t smem,
+                          void* notify_done_event, const SO& so) {
+  auto notify = p.num_topk <= 8 ? dispatch_notify_kernel<8, SO>
+              : p.num_topk <= 16 ? dispatch_notify_kernel<16, SO> : dispatch_notify_kernel<32, SO>;
   if (smem > 32 * 1024) {
     // Opting in is per device context, and cheap: done on each such launch rather than once.
     const cudaError_t err = cudaFuncSetAttribute(notify, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (err != cudaSuccess) return;  // the caller's cudaGetLastError() reports it
   }
-  notify<<<p.cached ? 1 : notify_split(p.num_tokens).blocks, kThreads, smem, s>>>(c, p);
+  notify<<<p.cached ? 1 : notify_split(p.num_tokens).blocks, kThreads, smem, s>>>(c, p, so);
   if (notify_done_event != nullptr && cudaEventRecord(static_cast<cudaEvent_t>(notify_done_event), s) != cudaSuccess)
     return;  // the caller's cudaGetLastError() reports it
-  const NvlinkEmulatedScaleout so = emulated_scaleout(c);
   if (!p.concurrent_notify) {
     dispatch_push_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p, so);
     return;
@@ -191,14 +201,23 @@ void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream, v
   cfg.stream = s;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  (void)cudaLaunchKernelEx(&cfg, dispatch_push_kernel<NvlinkEmulatedScaleout>, c, p,
-                           so);  // errors: the caller's cudaGetLastError()
+  (void)cudaLaunchKernelEx(&cfg, dispatch_push_kernel<SO>, c, p, so);  // errors: the caller's cudaGetLastError()
+}
+}  // namespace
+
+void launch_dispatch(const CommView& c, const DispatchParams& p, void* stream, void* notify_done_event) {
+  auto s = static_cast<cudaStream_t>(stream);
+  static_assert(kMaxTopk == 32, "launch_dispatch_with's notify instantiations cover num_topk up to 32");
+  // notify's per-warp rank masks and slot bases live in dynamic shared memory sized by the rank count
+  // (64 KiB at 256 ranks, beyond the 48 KiB a kernel gets without opting in).
+  const size_t smem = size_t(2) * kWarps * c.num_ranks * sizeof(uint32_t);
+  with_scaleout(c, [&](auto so) { launch_dispatch_with(c, p, s, smem, notify_done_event, so); });
 }
 
 void launch_dispatch_epilogue(const CommView& c, const EpilogueParams& p, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
-  if (hybrid_on(p.num_scaleup_ranks, c.num_ranks))
-    hybrid_dispatch_forward_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p, emulated_scaleout(c));
+  if (hybrid_on(c))
+    with_scaleout(c, [&](auto so) { hybrid_dispatch_forward_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p, so); });
   dispatch_epilogue_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
 }
 
@@ -206,14 +225,16 @@ void launch_dispatch_epilogue(const CommView& c, const EpilogueParams& p, void* 
 // stream wait for: that event gates the reduce only (the forward writes no output of the caller's).
 void launch_combine_push(const CommView& c, const CombineParams& p, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
-  combine_push_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p);
-  if (hybrid_on(p.num_scaleup_ranks, c.num_ranks))
-    hybrid_combine_forward_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p, emulated_scaleout(c));
+  with_scaleout(c, [&](auto so) {
+    combine_push_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p, so);
+    if (hybrid_on(c)) hybrid_combine_forward_kernel<<<grid_of(p.num_sms), kThreads, 0, s>>>(c, p, so);
+  });
 }
 
 void launch_combine_reduce(const CommView& c, const CombineParams& p, void* stream) {
-  combine_reduce_kernel<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p,
-                                                                                                emulated_scaleout(c));
+  with_scaleout(c, [&](auto so) {
+    combine_reduce_kernel<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p, so);
+  });
 }
 
 void launch_combine_overlapped(const CommView& c, const CombineParams& p, void* stream) {

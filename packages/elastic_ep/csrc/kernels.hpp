@@ -10,13 +10,22 @@ namespace elastic_ep {
 
 // Where the kernels find the window and the per-rank state (built once by Runtime).
 struct CommView {
-  void* const* peer_bases;  // device array [num_ranks]: LSA address of each rank's window base
+  void* const* peer_bases;  // device array [num_ranks]: LSA address of each rank's window base; in
+                            // hybrid mode null outside this rank's scale-up domain (dispatch, combine and
+                            // barrier reach other domains only through the scale-out transport)
   void* window_base;        // this rank's window base (== peer_bases[rank])
   uint64_t buffer_offset;   // offset of the buffer inside the window (after the workspace)
   void* host_workspace;     // device alias of the host-mapped workspace (HostWorkspaceLayout)
   int rank;
   int num_ranks;
   uint64_t timeout_ns;      // device deadline without progress; 0 disables
+  // Hybrid mode: U ranks per logical scale-out domain, 0 < U < R (0: direct mode). The buffer's
+  // domains, fixed when the runtime is created (RuntimeOptions::num_scaleup_ranks).
+  int num_scaleup_ranks;
+  // The scale-out transport (scaleout.cuh) of hybrid mode, one of:
+  void* const* scaleout_peer_bases;  // NVLink emulation: device array [num_ranks], every rank's window
+  void* gin_devcomm;                 // GIN: host copy of the ncclDevComm with GIN contexts (by value
+  void* gin_window;                  // into the kernels), and the ncclWindow_t the offsets refer to
 };
 
 // Operation codes recorded in the TimeoutRecord.
@@ -84,10 +93,9 @@ struct DispatchParams {
   int64_t zero_copy_x_offset;
   int* direct_base;            // [R] this rank's first receive row at each destination rank (that rank's
                                // psum_rank[this rank - 1]); written by notify, kept in the handle
-  // Hybrid mode (sizing.hpp, kernels/hybrid.cuh): U < R ranks per logical scale-out domain (0 or R:
-  // direct mode). The push sends its own domain's rows directly and stages one record per token and
-  // other domain for that domain's rail peer (no overlap, zero-copy or concurrent notify here).
-  int num_scaleup_ranks;
+  // Hybrid mode (CommView::num_scaleup_ranks; sizing.hpp, kernels/hybrid.cuh): the push sends its own
+  // domain's rows directly and stages one record per token and other domain for that domain's rail
+  // peer (no overlap, zero-copy or concurrent notify here).
   int* forward_dense;          // [S * M, 2] int32 (may be null: cached): the push writes row
                                // [own domain][t] = (rank * M + t, mask of the own domain's ranks t goes to)
   // Tests only (ELASTIC_EP_TEST_DROP_SCALEOUT_SIGNALS=1): the push raises no scale-out signal, so the
@@ -123,7 +131,6 @@ struct EpilogueParams {
   int zero_copy;
   // Hybrid mode: the forward kernel runs first (relays the rail peers' records into this domain's
   // receive areas and writes rows [other domain][t] of forward_dense, as DispatchParams).
-  int num_scaleup_ranks;
   int* forward_dense;
 };
 
@@ -148,7 +155,6 @@ struct CombineParams {
   int overlap_push_blocks;
   // Hybrid mode: rows for another domain's origin go to this domain's rail peer of the origin (its
   // stage area), which forwards them over the scale-out transport (no overlapped combine here).
-  int num_scaleup_ranks;
 };
 
 // One PP send or receive (pp.cuh): `x` goes into / comes out of slot seq % num_max_inflight of the
@@ -179,8 +185,8 @@ struct GinRequestApplied {
 };
 
 #if COMMKIT_WITH_CUDA
-// NCCL device communicator: LSA, plus GIN when `gin` is given (not yet by the runtime: see
-// kernels/hybrid.cuh). Return ncclResult_t codes; never throw.
+// NCCL device communicator: LSA, plus GIN when `gin` is given (the runtime's hybrid mode across NVLink
+// domains). Return ncclResult_t codes; never throw.
 int devcomm_create(void* nccl_comm, const GinRequest* gin, void** out_devcomm, int* out_lsa_rank, int* out_lsa_size);
 // The requirements devcomm_create would pass for `gin`, read back (host only: no NCCL call), so the CPU
 // suite checks the request against the headers the package was built with.
@@ -189,7 +195,9 @@ GinRequestApplied gin_request_applied(const GinRequest& gin);
 // ncclResult_t, or -1 when the headers the package was built with predate the call.
 int nccl_comm_gin_properties(void* nccl_comm, int* out_gin_type, int* out_railed_gin_type, int* out_num_lsa_teams);
 void devcomm_destroy(void* nccl_comm, void* devcomm);
-void launch_resolve_peers(void* window, int num_ranks, void** out_peer_bases, int* out_info, void* stream);
+// out_peer_bases[first + p] = the LSA address of LSA peer p's window, p < lsa_size (the caller zeroes the
+// rest: ranks of other NVLink domains have none).
+void launch_resolve_peers(void* window, int first, int lsa_size, void** out_peer_bases, void* stream);
 void launch_barrier(const CommView& c, void* stream);
 // Notify then push on `stream`: the push as notify's programmatic dependent when p.concurrent_notify
 // (it runs beside notify), else after it; with `notify_done_event` (a cudaEvent_t, may be null; only
@@ -211,7 +219,7 @@ void launch_pp_send(const CommView& c, const PpParams& p, void* stream);
 void launch_pp_recv(const CommView& c, const PpParams& p, void* stream);
 // AGRS (agrs.cuh), one block each, after the copy engine's copies: count the gather, signal every
 // peer, wait for every peer's copies; end a session (count it, signal, wait for every peer's end).
-// Scale-out transport probe (kernels/scaleout_probe.cuh), NVLink-emulated backend.
+// Scale-out transport probe (kernels/scaleout_probe.cuh), over the runtime's scale-out transport.
 struct ScaleoutProbeParams {
   int next, prev;        // the rail peer this rank puts to, the one it waits for
   uint64_t src, dst;     // byte offsets in the window (this rank's source, the next peer's destination)

@@ -127,6 +127,14 @@ uint64_t Runtime::begin_setup(int rank, int num_ranks, int64_t num_buffer_bytes,
   // How long a host wait yields before it sleeps (see poll_host; ELASTIC_EP_HOST_WAIT_YIELD_US).
   host_wait_yield_ns_ = uint64_t(std::max<int64_t>(0, options.host_wait_yield_us)) * 1000ull;
   debug_ = options.debug;
+  const int U = options.num_scaleup_ranks;
+  CK_CHECK_ARG(U == 0 || (U > 0 && U <= num_ranks && num_ranks % U == 0), "num_scaleup_ranks must be 0 (direct "
+               "mode) or a divisor of the ", num_ranks, " ranks, got ", U);
+  scaleup_ = U == num_ranks ? 0 : U;
+  CK_CHECK_ARG(!options.use_gin || scaleup_ > 0, "the GIN scale-out transport is for hybrid mode: num_scaleup_ranks "
+               "must be a proper divisor of the ", num_ranks, " ranks, got ", U);
+  gin_ = options.use_gin;
+  gin_request_ = options.gin;
   CK_CUDA_CHECK(cudaGetDevice(&device_));
   CK_CUDA_CHECK(cudaDeviceGetAttribute(&num_device_sms_, cudaDevAttrMultiProcessorCount, device_));
   workspace_bytes_ = workspace_layout().bytes;
@@ -166,38 +174,53 @@ void Runtime::setup_nccl_window(uint64_t total) {
   CK_NCCL_CHECK(ncclCommWindowRegister(comm, sym_ptr_, total, &win, NCCL_WIN_COLL_SYMMETRIC));
   window_ = win;
 
-  // Device communicator: LSA only (no GIN requested, so it works on machines without a NIC).
-  EP_DEBUG("rank %d: ncclDevCommCreate (NCCL headers %d)\n", rank, NCCL_VERSION_CODE);
+  // Device communicator: LSA only (no GIN requested, so it works on machines without a NIC), or with
+  // the GIN contexts of hybrid mode across NVLink domains.
+  EP_DEBUG("rank %d: ncclDevCommCreate (NCCL headers %d, GIN %d)\n", rank, NCCL_VERSION_CODE, int(gin_));
   int lsa_rank = -1;
-  const int res = devcomm_create(comm_, nullptr, &devcomm_, &lsa_rank, &lsa_size_);
+  const int res = devcomm_create(comm_, gin_ ? &gin_request_ : nullptr, &devcomm_, &lsa_rank, &lsa_size_);
   if (res != int(ncclSuccess)) {
     setup_failed_everywhere_ = true;  // every rank of the same job gets the same answer
     CK_THROW("ncclDevCommCreate failed: ", ncclGetErrorString(ncclResult_t(res)),
-             " (direct mode needs every rank in one NVLink/LSA domain with CUDA P2P)");
+             gin_ ? " (hybrid mode asked for GIN contexts: it needs a GIN-capable network, InfiniBand/RoCE with "
+                    "GPUDirect RDMA, on every node)"
+                  : " (direct mode needs every rank in one NVLink/LSA domain with CUDA P2P)");
   }
   EP_DEBUG("rank %d: devcomm lsaRank %d lsaSize %d\n", rank, lsa_rank, lsa_size_);
-  setup_failed_everywhere_ = lsa_size_ != num_ranks || lsa_rank != rank;  // the same on every rank
-  CK_CHECK(lsa_size_ == num_ranks && lsa_rank == rank, "direct mode needs all ", num_ranks,
-           " ranks in one NVLink (LSA) domain, but NCCL reports an LSA team of ", lsa_size_,
-           " with this rank at ", lsa_rank, " (hybrid mode over NCCL GIN is not wired yet: the emulated "
-           "scale-out of ELASTIC_EP_NUM_SCALEUP_RANKS runs inside one NVLink domain)");
+  // Over GIN, NCCL's LSA team is this rank's node = its scale-up domain of U ranks (ranks numbered
+  // node by node); otherwise every rank shares one.
+  const int team = gin_ ? scaleup_ : num_ranks, first = gin_ ? rank - rank % scaleup_ : 0;
+  setup_failed_everywhere_ = lsa_size_ != team || lsa_rank != rank - first;  // the same on every rank
+  CK_CHECK(lsa_size_ == team && lsa_rank == rank - first,
+           gin_ ? "hybrid mode over GIN needs NCCL's LSA team (the ranks sharing NVLink) to be this rank's scale-up "
+                  "domain of "
+                : "direct mode needs all ",
+           team, " ranks, node by node, but NCCL reports an LSA team of ", lsa_size_, " with this rank at ", lsa_rank,
+           gin_ ? "" : " (several NVLink domains run in hybrid mode: allow_hybrid_mode=True)");
 
   CK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&peer_bases_), sizeof(void*) * num_ranks));
-  int* info = nullptr;
-  CK_CUDA_CHECK(cudaMalloc(&info, sizeof(int) * 4));
-  launch_resolve_peers(window_, num_ranks, peer_bases_, info, nullptr);
+  CK_CUDA_CHECK(cudaMemset(peer_bases_, 0, sizeof(void*) * num_ranks));  // other NVLink domains: none
+  launch_resolve_peers(window_, first, lsa_size_, peer_bases_, nullptr);
   CK_CUDA_CHECK(cudaGetLastError());
   CK_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<void*> bases(num_ranks);
   CK_CUDA_CHECK(cudaMemcpy(bases.data(), peer_bases_, sizeof(void*) * num_ranks, cudaMemcpyDeviceToHost));
-  CK_CUDA_CHECK(cudaFree(info));
   for (int p = 0; p < num_ranks; ++p) EP_DEBUG("rank %d: peer %d window at %p\n", rank, p, bases[p]);
   // NCCL maps every rank's window, this one included, into one flat LSA range; the kernels address
   // their own window through that mapping too (lsa_base_), the ncclMemAlloc pointer aliases it.
   lsa_base_ = bases[rank];
   CK_CHECK(lsa_base_ != nullptr, "ncclGetLsaPointer returned null for this rank");
   for (void* b : bases) host_peer_bases_.push_back(static_cast<char*>(b));
+  make_domain_view();
   finish_setup();
+}
+
+void Runtime::make_domain_view() {
+  if (!hybrid()) return;
+  std::vector<void*> dom(size_t(num_ranks_), nullptr);
+  for (int r = rank_ - rank_ % scaleup_; r < rank_ - rank_ % scaleup_ + scaleup_; ++r) dom[r] = host_peer_bases_[r];
+  CK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&domain_peer_bases_), sizeof(void*) * num_ranks_));
+  CK_CUDA_CHECK(cudaMemcpy(domain_peer_bases_, dom.data(), sizeof(void*) * num_ranks_, cudaMemcpyHostToDevice));
 }
 
 void Runtime::abandon_setup() noexcept {
@@ -210,6 +233,8 @@ void Runtime::abandon_setup() noexcept {
   epi_stream_ = nullptr;
   if (peer_bases_ != nullptr) cudaFree(peer_bases_);
   peer_bases_ = nullptr;
+  if (domain_peer_bases_ != nullptr) cudaFree(domain_peer_bases_);
+  domain_peer_bases_ = nullptr;
   if (host_ws_ != nullptr) cudaFreeHost(host_ws_);
   host_ws_ = nullptr;
   if (ipc_) {
@@ -242,6 +267,7 @@ Runtime::Runtime(Ipc, int rank, int num_ranks, int64_t num_buffer_bytes, int num
       gpu_timeout_ns_(uint64_t(num_gpu_timeout_secs > 0 ? num_gpu_timeout_secs : 0) * 1000000000ull),
       ipc_(true) {
   const uint64_t total = begin_setup(rank, num_ranks, num_buffer_bytes, num_cpu_timeout_secs, options);
+  CK_CHECK_ARG(!gin_, "the CUDA-IPC window is one node's: its hybrid mode runs over the NVLink emulation, not GIN");
   EP_DEBUG("rank %d/%d: device %d, IPC window of %llu bytes\n", rank, num_ranks, device_, (unsigned long long)total);
   // cudaMalloc, not the caching allocator: an IPC handle exports a whole allocation.
   CK_CUDA_CHECK(cudaMalloc(&sym_ptr_, total));
@@ -296,6 +322,7 @@ void Runtime::open_ipc_peers(const std::vector<std::string>& handles) {
   CK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&dev), sizeof(void*) * num_ranks_));
   CK_CUDA_CHECK(cudaMemcpy(dev, bases.data(), sizeof(void*) * num_ranks_, cudaMemcpyHostToDevice));
   peer_bases_ = dev;
+  make_domain_view();
   broken_ = false;
   broken_reason_.clear();
   EP_DEBUG("rank %d: IPC peers open\n", rank_);
@@ -406,6 +433,8 @@ void Runtime::destroy() {
   }
   if (peer_bases_ != nullptr) cudaFree(peer_bases_);
   peer_bases_ = nullptr;
+  if (domain_peer_bases_ != nullptr) cudaFree(domain_peer_bases_);
+  domain_peer_bases_ = nullptr;
   if (host_ws_ != nullptr) cudaFreeHost(host_ws_);
   host_ws_ = nullptr;
 }
@@ -415,6 +444,12 @@ uint64_t Runtime::buffer_ptr() const {
 }
 
 CommView Runtime::view() const {
+  CommView c = view_all();
+  if (hybrid()) c.peer_bases = domain_peer_bases_;
+  return c;
+}
+
+CommView Runtime::view_all() const {
   CommView c{};
   c.peer_bases = peer_bases_;
   c.window_base = lsa_base_;
@@ -423,6 +458,10 @@ CommView Runtime::view() const {
   c.rank = rank_;
   c.num_ranks = num_ranks_;
   c.timeout_ns = gpu_timeout_ns_;
+  c.num_scaleup_ranks = scaleup_;
+  c.scaleout_peer_bases = gin_ ? nullptr : peer_bases_;
+  c.gin_devcomm = gin_ ? devcomm_ : nullptr;
+  c.gin_window = gin_ ? window_ : nullptr;
   return c;
 }
 
@@ -463,6 +502,9 @@ void Runtime::debug_seed_epoch(uint64_t last_epoch) {
   CK_CUDA_CHECK(cudaMemcpy(base + ws.rank_count.offset, words.data(), 8ull * kMaxRanks, cudaMemcpyHostToDevice));
   CK_CUDA_CHECK(
       cudaMemcpy(base + ws.expert_count.offset, words.data(), 8ull * kMaxExperts, cudaMemcpyHostToDevice));
+  for (int half = 0; half < 2; ++half)  // hybrid notify's relayed words carry the tag too
+    CK_CUDA_CHECK(cudaMemcpy(base + ws.count_relay.offset + half * 8ull * kMaxRanks, words.data(),
+                             half == 0 ? 8ull * kMaxRanks : 8ull * kMaxExperts, cudaMemcpyHostToDevice));
 }
 
 int Runtime::pending_health() const {
@@ -492,12 +534,6 @@ int Runtime::poll_host(Pred&& pred, Progress&& progress) {
                                  commkit::Backoff(host_wait_yield_ns_)));
 }
 
-bool Runtime::hybrid(int num_scaleup_ranks) const {
-  CK_CHECK(num_scaleup_ranks == 0 || (num_scaleup_ranks > 0 && num_ranks_ % num_scaleup_ranks == 0),
-           "num_scaleup_ranks (", num_scaleup_ranks, ") must divide the ", num_ranks_, " ranks");
-  return num_scaleup_ranks > 0 && num_scaleup_ranks < num_ranks_;
-}
-
 void Runtime::dispatch(const DispatchParams& p, int64_t stream, int64_t wait_stream) {
   // Health (timeouts, destroyed) is checked by the Python layer before the call (pending_health).
   set_device();
@@ -511,11 +547,11 @@ void Runtime::dispatch(const DispatchParams& p, int64_t stream, int64_t wait_str
   // The overlapped dispatch's epilogue starts after notify's event and counts on a push that pushes
   // nothing when notify refused: its push follows notify.
   if (q.overlap) q.concurrent_notify = 0;
-  if (hybrid(q.num_scaleup_ranks)) {
+  if (hybrid()) {
     // The Python layer plans hybrid dispatches this way; a bad plan must not write past the buffer.
     CK_CHECK(!q.overlap && !q.zero_copy, "dispatch: hybrid mode runs neither overlapped nor zero-copy");
     const auto hl = hybrid_dispatch_layout(dispatch_token_layout(q.hidden_bytes, 1, q.num_sf_packs, q.num_topk).bytes,
-                                           q.num_topk, num_ranks_, num_ranks_ / q.num_scaleup_ranks,
+                                           q.num_topk, num_ranks_, num_ranks_ / scaleup_,
                                            q.num_max_tokens_per_rank);
     CK_CHECK(hl.bytes <= num_buffer_bytes_, "dispatch: hybrid mode needs ", hl.bytes, " bytes of buffer, this one has ",
              num_buffer_bytes_);
@@ -636,7 +672,7 @@ std::pair<int64_t, int64_t> Runtime::take_masked_ids() {
 
 void Runtime::dispatch_epilogue(const EpilogueParams& p, int64_t stream, int64_t join_stream) {
   CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
-  CK_CHECK(!hybrid(p.num_scaleup_ranks) || !p.overlap, "dispatch epilogue: hybrid mode runs no overlapped epilogue");
+  CK_CHECK(!hybrid() || !p.overlap, "dispatch epilogue: hybrid mode runs no overlapped epilogue");
   set_device();
   if (p.overlap) {
     // Beside the push (still running on `stream`): start once notify finished, then join back.
@@ -660,8 +696,11 @@ void Runtime::pp_transfer(const PpParams& p, bool send, int64_t stream) {
                p.num_max_inflight > 0 &&
                int64_t(num_ranks_) * p.num_max_inflight * p.slot_bytes <= num_buffer_bytes_,
            op, ": bad parameters (peer ", p.peer, ", ", p.nbytes, " bytes, slots of ", p.slot_bytes, ")");
+  // Over GIN another node's window is not mapped, and PP has no GIN kernels (DeepEP's PP uses GIN).
+  CK_CHECK(host_peer_bases_.empty() || host_peer_bases_[p.peer] != nullptr, op, ": rank ", p.peer,
+           " is in another NVLink domain; PP over the GIN scale-out transport is not supported");
   set_device();
-  (send ? launch_pp_send : launch_pp_recv)(view(), p, reinterpret_cast<void*>(stream));
+  (send ? launch_pp_send : launch_pp_recv)(view_all(), p, reinterpret_cast<void*>(stream));
   CK_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -674,7 +713,7 @@ void Runtime::scaleout_probe(const ScaleoutProbeParams& p, int64_t stream) {
            "scaleout_probe: bad parameters (next ", p.next, ", prev ", p.prev, ", ", p.bytes, " bytes from ", p.src,
            " to ", p.dst, ")");
   set_device();
-  launch_scaleout_probe(view(), p, reinterpret_cast<void*>(stream));
+  launch_scaleout_probe(view_all(), p, reinterpret_cast<void*>(stream));
   CK_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -684,6 +723,8 @@ void Runtime::agrs_all_gather(const std::vector<uint64_t>& srcs, const std::vect
   CK_CHECK(srcs.size() == nbytes.size() && srcs.size() == offsets.size() && !srcs.empty(),
            "all_gather: one source, size and offset per tensor");
   CK_CHECK(int(host_peer_bases_.size()) == num_ranks_, "all_gather: the peers' windows are not open");
+  CK_CHECK(!gin_, "all_gather: AGRS copies into every rank's window over NVLink; this buffer spans NVLink domains "
+           "(GIN), so it has no AGRS");
   for (size_t i = 0; i < srcs.size(); ++i)
     CK_CHECK(nbytes[i] >= 0 && offsets[i] >= 0 && offsets[i] + num_ranks_ * nbytes[i] <= num_buffer_bytes_,
              "all_gather: tensor ", i, " (", nbytes[i], " bytes at ", offsets[i], ") exceeds the buffer");
@@ -701,7 +742,7 @@ void Runtime::agrs_all_gather(const std::vector<uint64_t>& srcs, const std::vect
       CK_CUDA_CHECK(cudaMemcpyAsync(dst, src, size_t(nbytes[i]), cudaMemcpyDeviceToDevice, s));
     }
   }
-  launch_agrs_gather_done(view(), s);
+  launch_agrs_gather_done(view_all(), s);
   CK_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -723,7 +764,7 @@ std::vector<int64_t> Runtime::pp_unreceived() {
 void Runtime::agrs_session_end(int64_t stream) {
   CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
   set_device();
-  launch_agrs_session_end(view(), reinterpret_cast<void*>(stream));
+  launch_agrs_session_end(view_all(), reinterpret_cast<void*>(stream));
   CK_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -734,13 +775,13 @@ void Runtime::combine(const CombineParams& p, int64_t stream, uint64_t wait_even
   stream_wait(stream, wait_stream, event_in_);
   auto* s = reinterpret_cast<void*>(stream);
   entered_ = true;
-  if (hybrid(p.num_scaleup_ranks)) {
+  if (hybrid()) {
     CK_CHECK(p.overlap_push_blocks == 0, "combine: hybrid mode has no overlapped combine");
     const bool multi = p.allow_multiple_reduction != 0;
     const auto hc = hybrid_combine_layout(combine_token_layout(p.hidden, 2, p.num_topk).bytes,
                                           combine_num_slots(num_ranks_, p.num_topk, multi),
-                                          hybrid_stage_slots(num_ranks_, p.num_scaleup_ranks, p.num_topk, multi),
-                                          num_ranks_ / p.num_scaleup_ranks, p.num_max_tokens_per_rank);
+                                          hybrid_stage_slots(num_ranks_, scaleup_, p.num_topk, multi),
+                                          num_ranks_ / scaleup_, p.num_max_tokens_per_rank);
     CK_CHECK(hc.bytes <= num_buffer_bytes_, "combine: hybrid mode needs ", hc.bytes, " bytes of buffer, this one has ",
              num_buffer_bytes_);
   }

@@ -44,6 +44,15 @@ constexpr int64_t kNoStream = -1;
 struct RuntimeOptions {
   int64_t host_wait_yield_us = 20000;  // poll_host: yield this long, then sleep
   bool debug = false;                  // print the set-up and teardown trace to stderr
+  // Hybrid mode: U ranks per logical scale-out domain (0 < U < R, U dividing R; 0: direct mode). The
+  // dispatch, combine and barrier kernels then reach another domain only through the scale-out
+  // transport: the window's LSA pointers of those ranks are left null.
+  int num_scaleup_ranks = 0;
+  // The scale-out transport: NCCL GIN with this request (hybrid mode across NVLink domains, NCCL
+  // window only: NCCL's LSA team must then be this rank's domain of U ranks), else the NVLink
+  // emulation (every rank's window mapped: one NVLink domain, logical domains from the override).
+  bool use_gin = false;
+  GinRequest gin{};
 };
 
 // What wait_dispatch_counts found: status 0 = ready, 1 = a device wait expired (see take_timeout),
@@ -82,6 +91,8 @@ class Runtime {
   int rank() const { return rank_; }
   int num_ranks() const { return num_ranks_; }
   int lsa_size() const { return lsa_size_; }
+  int num_scaleup_ranks() const { return scaleup_; }
+  bool gin() const { return gin_; }
   int device() const { return device_; }
   int num_device_sms() const { return num_device_sms_; }
   int64_t num_buffer_bytes() const { return num_buffer_bytes_; }
@@ -161,9 +172,13 @@ class Runtime {
                int64_t join_stream = kNoStream);
 
  private:
+  // What dispatch, combine and barrier kernels get: in hybrid mode the LSA pointers of the own domain
+  // only. view_all(): every mapped window (PP, AGRS, the scale-out probe).
   CommView view() const;
-  // Hybrid mode's plan (kernels.hpp num_scaleup_ranks): U ranks per domain, 0 < U < R, U dividing R.
-  bool hybrid(int num_scaleup_ranks) const;
+  CommView view_all() const;
+  bool hybrid() const { return scaleup_ > 0 && scaleup_ < num_ranks_; }
+  // peer_bases_ -> domain_peer_bases_ (hybrid mode; after the peers' windows are known).
+  void make_domain_view();
   void set_device() const;
   // Argument checks, device, SM count, workspace size; returns the window's bytes. Both windows.
   uint64_t begin_setup(int rank, int num_ranks, int64_t num_buffer_bytes, int num_cpu_timeout_secs,
@@ -187,6 +202,9 @@ class Runtime {
   int device_ = -1;
   int num_device_sms_ = 0;
   int lsa_size_ = 0;
+  int scaleup_ = 0;               // RuntimeOptions::num_scaleup_ranks
+  bool gin_ = false;              // the scale-out transport is GIN (RuntimeOptions::use_gin)
+  GinRequest gin_request_{};
   int64_t num_buffer_bytes_;
   uint64_t workspace_bytes_ = 0;
   int num_cpu_timeout_secs_;
@@ -202,7 +220,8 @@ class Runtime {
   std::vector<void*> ipc_peers_;  // IPC: opened peer windows (nullptr for this rank)
   std::vector<char*> host_peer_bases_;  // every rank's window base as this process addresses it (AGRS copies)
   void* lsa_base_ = nullptr;      // the same memory in NCCL's flat LSA mapping (what kernels use)
-  void** peer_bases_ = nullptr;   // device [num_ranks]
+  void** peer_bases_ = nullptr;   // device [num_ranks] (GIN: null outside the own NVLink domain)
+  void** domain_peer_bases_ = nullptr;  // hybrid mode: device [num_ranks], null outside the own domain
   void* host_ws_ = nullptr;       // cudaHostAlloc mapped
   void* host_ws_dev_ = nullptr;
   uint32_t host_tag_ = 0;

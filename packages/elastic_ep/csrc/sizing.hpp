@@ -288,6 +288,19 @@ CK_HD constexpr HybridCombineLayout hybrid_combine_layout(uint64_t record_bytes,
   return h;
 }
 
+// Hybrid notify's count relay (WorkspaceLayout::count_relay of the forwarder). A rank sends the count
+// words for the U ranks of each other domain to its rail peer there, which passes them on to its
+// domain (the only ranks a rail peer reaches over the scale-out transport): block i (the source's
+// domain among the forwarder's S - 1 others, as the relay area) = [U rank words | U * L expert words,
+// domain-local expert order], (epoch<<32)|count each, self-validating like direct mode's words.
+// (S - 1) * U * (1 + L) <= R + E words, which the region holds for every R <= kMaxRanks, E <= kMaxExperts.
+CK_HD constexpr int64_t hybrid_count_block_words(int64_t num_scaleup_ranks, int64_t num_local_experts) {
+  return num_scaleup_ranks * (1 + num_local_experts);
+}
+static_assert(hybrid_count_block_words(8, kMaxExperts / kMaxRanks) * (kMaxRanks / 8 - 1) <= kMaxRanks + kMaxExperts &&
+                  hybrid_count_block_words(1, kMaxExperts / kMaxRanks) * (kMaxRanks - 1) <= kMaxRanks + kMaxExperts,
+              "the count relay holds every other domain's block (the largest shapes: 32 x 8 and 256 x 1 ranks)");
+
 // Approximate SF pack count used for sizing: one 4 B pack per 32 elements is the worst case
 // (UE8M0 per 32 elements packed 4 per int, or FP32 per 128 elements, both need fewer).
 CK_HD constexpr int64_t sizing_num_sf_packs(int64_t hidden, bool use_fp8_dispatch) {
@@ -373,6 +386,9 @@ struct WorkspaceLayout {
   Region scaleout_seen;    // u64[kMaxRanks]     local: the count of each scale-out signal this rank's
                            //                    hybrid kernels have consumed (each hybrid operation
                            //                    raises every rail peer's signal by one)
+  Region count_relay;      // u64[kMaxRanks + kMaxExperts] hybrid notify: the counts each rail peer sends
+                           //                    this rank's domain, (epoch<<32)|tokens, which this rank
+                           //                    passes on (hybrid_count_relay; written by the rail peers)
   uint64_t bytes;          // total, 2 MiB aligned
 };
 
@@ -401,6 +417,7 @@ CK_HD constexpr WorkspaceLayout workspace_layout() {
   w.agrs_local = l.add(16, 128);
   w.scaleout_signal = l.add(8ull * (kMaxRanks + kScaleoutExtraSignals), 128);
   w.scaleout_seen = l.add(8ull * kMaxRanks, 128);
+  w.count_relay = l.add(8ull * (kMaxRanks + kMaxExperts), 128);
   w.bytes = l.total(uint64_t(kBufferAlignmentBytes));
   return w;
 }

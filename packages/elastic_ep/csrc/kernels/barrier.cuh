@@ -8,16 +8,19 @@ namespace elastic_ep {
 namespace {
 
 // --------------------------------------------------------------------------------------- set-up
-__global__ void resolve_peers_kernel(ncclWindow_t win, int n, void** out, int* info) {
+// out[first + p] = LSA peer p's window (p < lsa_size): the ranks of this rank's NVLink domain.
+__global__ void resolve_peers_kernel(ncclWindow_t win, int first, int lsa_size, void** out) {
   const int p = threadIdx.x + blockIdx.x * blockDim.x;
-  if (p < n) out[p] = ncclGetLsaPointer(win, 0, p);
+  if (p < lsa_size) out[first + p] = ncclGetLsaPointer(win, 0, p);
 }
 
 // -------------------------------------------------------------------------------------- barrier
-__global__ void __launch_bounds__(kMaxRanks) barrier_kernel(CommView c) {
+// With every rank that writes into this one's window (hybrid mode: its domain and its rail peers).
+template <class SO>
+__global__ void __launch_bounds__(kMaxRanks) barrier_kernel(CommView c, SO so) {
   Ctx cx(c);
   const uint64_t E = cx.epoch();
-  if (!entry_barrier(cx, E, kOpBarrier, true)) return;
+  if (!entry_barrier(cx, so, E, kOpBarrier, true)) return;
   if (threadIdx.x == 0) cx.end_epoch(E);
 }
 

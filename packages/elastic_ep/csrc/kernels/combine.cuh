@@ -279,13 +279,15 @@ __device__ __forceinline__ void combine_reduce_token(const Ctx& cx, const Combin
   __syncwarp();  // the scratch is rewritten by the warp's next token
 }
 
-__global__ void __launch_bounds__(kThreads, 1) combine_push_kernel(CommView c, CombineParams p) {
+template <class SO>
+__global__ void __launch_bounds__(kThreads, 1) combine_push_kernel(CommView c, CombineParams p,
+                                                                   SO so) {  // scale-out transport (hybrid: the entry)
   Ctx cx(c);
   const uint64_t E = cx.epoch();
   const int R = c.num_ranks, rank = c.rank;
-  if (!entry_barrier(cx, E, kOpCombine, blockIdx.x == 0)) return;
+  if (!entry_barrier(cx, so, E, kOpCombine, blockIdx.x == 0)) return;
   const CombineGeom g(p, R);
-  const HybridDomains hd(p.num_scaleup_ranks, R, rank);
+  const HybridDomains& hd = cx.hd;
   const int N = p.psum_rank[R - 1];
   const int gw = blockIdx.x * kWarps + threadIdx.x / 32, nw = gridDim.x * kWarps;
   for (int i = gw; i < N; i += nw) {
@@ -310,7 +312,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c,
   bool ok = true;
   // Hybrid mode: the own domain's rows come straight from its ranks, the other domains' from their
   // rail peers of this rank (one scale-out signal each, after the combine forward kernels there).
-  const HybridDomains hd(p.num_scaleup_ranks, R, rank);
+  const HybridDomains& hd = cx.hd;
   if (tid < R && hd.local(tid))
     ok = commkit::wait_ge(cx.local_u64(cx.ws.combine_done, tid), E, cx.timeout_ns, cx.rec, kOpCombineReduce, rank,
                           tid);
@@ -355,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_overlapped_kernel(CommVie
   const int ticket = s_ticket;
   const CombineGeom g(p, R);
   if (ticket < P) {
-    if (entry_barrier(cx, E, kOpCombine, ticket == 0)) {
+    if (entry_barrier(cx, NoScaleout{}, E, kOpCombine, ticket == 0)) {  // direct mode only
       for (int s = tid; s < R; s += kThreads) psum[s] = p.psum_rank[s];
       __syncthreads();
       for (int s = tid; s < R; s += kThreads) atomicMax(&s_max_rows, psum[s] - (s > 0 ? psum[s - 1] : 0));

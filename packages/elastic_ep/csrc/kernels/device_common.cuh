@@ -43,8 +43,31 @@ enum NotifyStatus : uint64_t { kNotifyOk = 0, kNotifyFailed = 1, kNotifyRefused 
 static_assert(kCtrEpoch % 2 == 0 && kCtrDispatchReady % 2 == 0 && kCtrDispatchOutcome % 2 == 0,
               "each u64 word needs an 8-byte aligned pair of slots");
 
+// Hybrid mode's domains (sizing.hpp): rank = dom * U + rail; `on` false in direct mode (U = 0 or R).
+struct HybridDomains {
+  int U, S, dom, rail;
+  bool on;
+  __device__ HybridDomains(int num_scaleup_ranks, int R, int rank)
+      : U(num_scaleup_ranks > 0 && num_scaleup_ranks < R ? num_scaleup_ranks : R),
+        S(R / U),
+        dom(rank / U),
+        rail(rank % U),
+        on(U < R) {}
+  __device__ bool local(int r) const { return r / U == dom; }
+  __device__ int rail_peer(int domain) const { return domain * U + rail; }  // of this rank, in `domain`
+  // The relay / stage areas hold the S - 1 other domains of `own`: domain d at index d - (d > own).
+  __device__ static int other_index(int d, int own) { return d - (d > own ? 1 : 0); }
+  __device__ int other_domain(int i) const { return i + (i >= dom ? 1 : 0); }
+  // The ranks whose kernels write into this rank's window, and whose entry into an operation this rank
+  // waits for: every rank in direct mode; in hybrid mode its own domain (over NVLink) and its rail
+  // peers (over the scale-out transport).
+  __device__ bool hears_from(int r) const { return !on || local(r) || r % U == rail; }
+};
+
+
 struct Ctx {
   LsaTransport tr;
+  HybridDomains hd;  // CommView::num_scaleup_ranks
   WorkspaceLayout ws;
   uint64_t buf;  // offset of the buffer in the window
   commkit::TimeoutRecord* rec;
@@ -52,6 +75,7 @@ struct Ctx {
   uint64_t timeout_ns;
   __device__ Ctx(const CommView& c)
       : tr{c.peer_bases, c.rank, c.num_ranks},
+        hd(c.num_scaleup_ranks, c.num_ranks, c.rank),
         ws(workspace_layout()),
         buf(c.buffer_offset),
         rec(host_workspace_layout().timeout.at<commkit::TimeoutRecord>(c.host_workspace)),
@@ -76,22 +100,6 @@ struct Ctx {
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 
-// Hybrid mode's domains (sizing.hpp): rank = dom * U + rail; `on` false in direct mode (U = 0 or R).
-struct HybridDomains {
-  int U, S, dom, rail;
-  bool on;
-  __device__ HybridDomains(int num_scaleup_ranks, int R, int rank)
-      : U(num_scaleup_ranks > 0 && num_scaleup_ranks < R ? num_scaleup_ranks : R),
-        S(R / U),
-        dom(rank / U),
-        rail(rank % U),
-        on(U < R) {}
-  __device__ bool local(int r) const { return r / U == dom; }
-  __device__ int rail_peer(int domain) const { return domain * U + rail; }  // of this rank, in `domain`
-  // The relay / stage areas hold the S - 1 other domains of `own`: domain d at index d - (d > own).
-  __device__ static int other_index(int d, int own) { return d - (d > own ? 1 : 0); }
-  __device__ int other_domain(int i) const { return i + (i >= dom ? 1 : 0); }
-};
 
 // The stamp of a hybrid relay or stage entry (sizing.hpp): the operation's epoch and the entry's
 // position, so neither a stale entry nor other bytes in the aliased buffer pass for this one.
@@ -117,15 +125,35 @@ __device__ void count_rail_signals(const Ctx& cx, const HybridDomains& hd) {
     }
 }
 
-// Entry barrier of an operation. Block 0 publishes the epoch to every peer; every block waits until all
-// peers published theirs. Returns false (in every thread) when a deadline expired.
-__device__ bool entry_barrier(const Ctx& cx, uint64_t E, uint32_t op, bool publish) {
-  const int R = cx.tr.num_ranks;
-  bool ok = true;
-  if (publish && int(threadIdx.x) < R) cx.tr.signal(threadIdx.x, cx.ws.barrier_signal.offset + 8ull * cx.tr.rank, E);
-  if (int(threadIdx.x) < R)
-    ok = commkit::wait_ge(cx.local_u64(cx.ws.barrier_signal, threadIdx.x), E, cx.timeout_ns, cx.rec, op, cx.tr.rank,
-                          int(threadIdx.x));
+// The scale-out transport of a kernel that runs in direct mode only (the overlapped combine).
+struct NoScaleout {
+  __device__ void put_value(int, uint64_t, uint64_t) const {}
+};
+
+// "Entered epoch E" to rank r (one thread per peer): a store over NVLink, or in hybrid mode to a rail
+// peer a value put over the scale-out transport (the word needs no ordering: it says this rank's
+// earlier kernels, which the stream ordered before this one, finished with the buffer).
+template <class SO>
+__device__ void publish_entry(const Ctx& cx, const SO& so, int r, uint64_t E) {
+  const uint64_t at = cx.ws.barrier_signal.offset + 8ull * cx.tr.rank;
+  if (!cx.hd.on || cx.hd.local(r))
+    cx.tr.signal(r, at, E);
+  else if (cx.hd.hears_from(r))
+    so.put_value(r, at, E);
+}
+// Waits (thread r) until rank r entered epoch E, for every rank this one hears from.
+__device__ bool wait_entry(const Ctx& cx, int r, uint64_t E, uint32_t op) {
+  if (r >= cx.tr.num_ranks || !cx.hd.hears_from(r)) return true;
+  return commkit::wait_ge(cx.local_u64(cx.ws.barrier_signal, r), E, cx.timeout_ns, cx.rec, op, cx.tr.rank, r);
+}
+
+// Entry barrier of an operation. Block 0 publishes the epoch to every peer this rank writes to; every
+// block waits until every peer that writes to this rank published theirs (hybrid mode: the own domain
+// and the rail peers). Returns false (in every thread) when a deadline expired.
+template <class SO>
+__device__ bool entry_barrier(const Ctx& cx, const SO& so, uint64_t E, uint32_t op, bool publish) {
+  if (publish && int(threadIdx.x) < cx.tr.num_ranks) publish_entry(cx, so, threadIdx.x, E);
+  const bool ok = wait_entry(cx, threadIdx.x, E, op);
   return !__syncthreads_or(!ok);
 }
 

@@ -9,6 +9,33 @@ namespace elastic_ep {
 namespace {
 
 // ------------------------------------------------------------------------------ dispatch: notify
+// Hybrid mode: window offset of word w of the block that this rank's rail peer in domain d relays
+// for this rank's domain (sizing.hpp hybrid_count_block_words: [U rank words | U * L expert words]).
+__device__ __forceinline__ uint64_t count_relay_offset(const Ctx& cx, int L, int d, int w) {
+  const int64_t words = hybrid_count_block_words(cx.hd.U, L);
+  return cx.ws.count_relay.offset + 8ull * uint64_t(HybridDomains::other_index(cx.hd.dom, d) * words + w);
+}
+
+// Hybrid mode (every thread of notify's last block): the count words each rail peer sent for this
+// domain, passed on to the ranks here as the rail peer's own words (direct mode's places, tags
+// unchanged). False (this thread) when a rail peer's words did not come within the deadline.
+__device__ bool relay_counts(const Ctx& cx, int L, uint64_t E) {
+  const HybridDomains& hd = cx.hd;
+  const int W = int(hybrid_count_block_words(hd.U, L));
+  for (int j = threadIdx.x; j < (hd.S - 1) * W; j += kThreads) {
+    const int src = hd.rail_peer(hd.other_domain(j / W)), w = j % W;
+    uint64_t* word = cx.local_u64(cx.ws.count_relay, j);
+    if (!commkit::wait_tag_ge(word, uint32_t(E), cx.timeout_ns, cx.rec, kOpDispatchNotify, cx.tr.rank, src))
+      return false;
+    const uint64_t v = commkit::ld_relaxed(word);
+    const int u = w < hd.U ? w : (w - hd.U) / L;
+    const uint64_t at = w < hd.U ? cx.ws.rank_count.offset + 8ull * src
+                                 : cx.ws.expert_count.offset + 8ull * (uint64_t(src) * L + (w - hd.U) % L);
+    cx.tr.put_u64(hd.dom * hd.U + u, at, v);
+  }
+  return true;
+}
+
 // Notify's last block ends with its outcome (every thread of the block calls this, once).
 __device__ void notify_outcome(const Ctx& cx, uint64_t E, NotifyStatus status) {
   __syncthreads();  // the block's stores (prefix sums, host counts) precede the release below
@@ -25,8 +52,11 @@ __device__ void notify_outcome(const Ctx& cx, uint64_t E, NotifyStatus status) {
 // tokens x top-8.)
 // KB: compile-time bound on num_topk (8, 16 or 32), so the per-element arrays below live in registers.
 // Dynamic shared memory: two [kWarps][R] u32 arrays, 256 * R bytes (sized in launch_dispatch).
-template <int KB>
-__global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c, DispatchParams p) {
+// Hybrid mode: counts for another domain's ranks go to the rail peer there, which passes them on
+// (relay_counts); the entry goes to the own domain and the rail peers (entry_barrier).
+// SO: the scale-out transport (scaleout.cuh), used in hybrid mode only.
+template <int KB, class SO>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c, DispatchParams p, SO so) {
   __shared__ int expert_cnt[kMaxExperts];
   __shared__ uint8_t owner_tab[kMaxExperts];  // owner rank of each expert (a division per id otherwise)
   __shared__ int running[kMaxRanks];
@@ -45,7 +75,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
   int* wpre = reinterpret_cast<int*>(notify_dyn + kWarps * R);
 
   // Publish "entered E" first so peers can start while we count.
-  if (blockIdx.x == 0 && tid < R) cx.tr.signal(tid, cx.ws.barrier_signal.offset + 8ull * rank, E);
+  if (blockIdx.x == 0 && tid < R) publish_entry(cx, so, tid, E);
   // The push may be this grid's programmatic dependent (launch_dispatch): it may launch once every
   // block of this grid has started, and then waits for kCtrDispatchReady itself.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -226,11 +256,21 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
     // the stores are local; over NVLink it saves one system fence per word).
     const uint64_t refuse_bit = (p.refuse_bad_ids && s_bad_total != 0ull) ? kRefusedBit : 0ull;
     const uint64_t tag = uint64_t(uint32_t(E)) << 32;
-    for (int r = tid; r < R; r += kThreads)
-      cx.tr.put_u64(r, cx.ws.rank_count.offset + 8ull * rank, tag | refuse_bit | uint64_t(running[r]));
+    const HybridDomains& hd = cx.hd;
+    for (int r = tid; r < R; r += kThreads) {
+      const uint64_t w = tag | refuse_bit | uint64_t(running[r]);
+      if (hd.local(r))
+        cx.tr.put_u64(r, cx.ws.rank_count.offset + 8ull * rank, w);
+      else
+        so.put_value(hd.rail_peer(r / hd.U), count_relay_offset(cx, L, r / hd.U, r % hd.U), w);
+    }
     for (int e = tid; e < p.num_experts; e += kThreads) {
       const int r = e / L, l = e % L;
-      cx.tr.put_u64(r, cx.ws.expert_count.offset + 8ull * (rank * L + l), tag | uint64_t(expert_cnt[e]));
+      const uint64_t w = tag | uint64_t(expert_cnt[e]);
+      if (hd.local(r))
+        cx.tr.put_u64(r, cx.ws.expert_count.offset + 8ull * (rank * L + l), w);
+      else
+        so.put_value(hd.rail_peer(r / hd.U), count_relay_offset(cx, L, r / hd.U, hd.U + e - (r / hd.U) * hd.U * L), w);
     }
     // Zero-copy: a sender's rows start at the receiver's psum_rank[sender - 1], the tokens every
     // lower-ranked sender sends there. Each rank's row of counts goes to the higher-ranked peers,
@@ -245,10 +285,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
   // Wait for every peer: entry barrier, then (non-cached) its counts. The push kernel learns the
   // outcome from kCtrDispatchOutcome (one host-flag read here instead of one per push block).
   bool ok = tid != 0 || !commkit::aborted(cx.rec);
-  if (tid < R && ok)
-    ok = commkit::wait_ge(cx.local_u64(cx.ws.barrier_signal, tid), E, cx.timeout_ns, cx.rec, kOpDispatchNotify,
-                          rank, tid);
+  if (ok) ok = wait_entry(cx, tid, E, kOpDispatchNotify);
   bool failed = __syncthreads_or(!ok);
+  if (!failed && !p.cached && cx.hd.on) failed = __syncthreads_or(!relay_counts(cx, L, E));
   if (failed || p.cached) {
     notify_outcome(cx, E, failed ? kNotifyFailed : kNotifyOk);
     return;

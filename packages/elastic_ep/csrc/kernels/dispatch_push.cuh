@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
   // Zero-copy: records without the hidden bytes, which go to the dense area (sizing.hpp).
   const auto tl = dispatch_token_layout(p.zero_copy ? 0 : p.hidden_bytes, 1, p.num_sf_packs, K);
   const int n16 = p.hidden_bytes / 16;
-  const HybridDomains hd(p.num_scaleup_ranks, R, rank);
+  const HybridDomains& hd = cx.hd;
   const HybridDispatchLayout hl = hybrid_dispatch_layout(tl.bytes, K, R, hd.S, p.num_max_tokens_per_rank);
   __shared__ int block_skip;  // after notify: its status; beside it: 1 when this block's waits failed
   if (!p.concurrent_notify) {
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
       ready = commkit::wait_ge(cx.counter_u64(kCtrDispatchReady), E, cx.arrival_timeout(), cx.rec, kOpDispatchNotify,
                                rank, rank);
     // (Block-uniform short circuit: the entry barrier runs in every thread or in none.)
-    const bool failed = __syncthreads_or(!ready) || !entry_barrier(cx, E, kOpDispatchNotify, false);
+    const bool failed = __syncthreads_or(!ready) || !entry_barrier(cx, so, E, kOpDispatchNotify, false);
     if (tid == 0) {
       block_skip = failed ? 1 : 0;
       if (failed) commkit::st_relaxed(&cx.counters[kCtrDispatchPushFailed], 1u);

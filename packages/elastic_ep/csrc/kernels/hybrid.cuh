@@ -32,7 +32,10 @@
 //   reduce   waits for the own domain's combine_done and one signal per rail peer, then direct mode's
 //
 // The forward kernels take the scale-out transport (SO, scaleout.cuh) as a parameter: kernels.cu launches
-// them over the NVLink emulation; the GIN instantiations at the end only compile.
+// them over the runtime's (GIN across NVLink domains, else the NVLink emulation). Notify and the entry
+// barriers reach other domains through it too (the rail peers), so nothing of hybrid mode's dispatch,
+// combine or barrier touches another domain's window directly: the runtime leaves those ranks' LSA
+// pointers null (CommView::peer_bases), on the emulation as over GIN.
 // Grid: num_sms blocks of kThreads; one warp per (source domain, token). Included once, by kernels.cu.
 #pragma once
 
@@ -45,14 +48,14 @@ namespace {
 template <class SO>
 __global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_forward_kernel(
     CommView c,        // the window; relay area [S-1][M][record | route] in this rank's buffer
-    EpilogueParams p,  // shape (M, hidden bytes, packs, K, experts, U); forward_dense [S * M, 2] or null
+    EpilogueParams p,  // shape (M, hidden bytes, packs, K, experts); forward_dense [S * M, 2] or null
     SO so) {           // scale-out transport: the rail peers' signals
   Ctx cx(c);
   const uint64_t E = cx.epoch();
-  const int R = c.num_ranks, rank = c.rank, K = p.num_topk, M = p.num_max_tokens_per_rank;
+  const int R = c.num_ranks, K = p.num_topk, M = p.num_max_tokens_per_rank;
   const int L = p.num_experts / R;
   const int tid = threadIdx.x, lane = lane_id();
-  const HybridDomains hd(p.num_scaleup_ranks, R, rank);
+  const HybridDomains& hd = cx.hd;
   const auto tl = dispatch_token_layout(p.hidden_bytes, 1, p.num_sf_packs, K);
   const HybridDispatchLayout hl = hybrid_dispatch_layout(tl.bytes, K, R, hd.S, M);
   // Every block waits for the rail peers' pushes (one thread per domain).
@@ -107,13 +110,13 @@ __global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_forward_kernel(
 template <class SO>
 __global__ void __launch_bounds__(kThreads, 1) hybrid_combine_forward_kernel(
     CommView c,       // the window; stage area [S-1][M][stage slots][record] and stamps in this rank's buffer
-    CombineParams p,  // shape (M, hidden, K, multiple reduction, U)
+    CombineParams p,  // shape (M, hidden, K, multiple reduction)
     SO so) {          // scale-out transport: puts into the rail peers' receive areas [M][slots][record]
   Ctx cx(c);
   const uint64_t E = cx.epoch();
   const int R = c.num_ranks, rank = c.rank, M = p.num_max_tokens_per_rank;
   const int tid = threadIdx.x, lane = lane_id();
-  const HybridDomains hd(p.num_scaleup_ranks, R, rank);
+  const HybridDomains& hd = cx.hd;
   const CombineGeom g(p, R);
   const int stage_slots = int(hybrid_stage_slots(R, hd.U, p.num_topk, p.allow_multiple_reduction != 0));
   const HybridCombineLayout hc = hybrid_combine_layout(g.tl.bytes, g.slots, stage_slots, hd.S, M);
@@ -145,15 +148,6 @@ __global__ void __launch_bounds__(kThreads, 1) hybrid_combine_forward_kernel(
       if (d != hd.dom) so.signal(hd.rail_peer(d), rank, 1u);
   });
 }
-
-// The GIN scale-out transport: the hybrid kernels compile over it for every architecture this package
-// builds (CI: sm_90a), against the installed NCCL. Not launched: the device communicator requests no
-// GIN contexts yet, and notify's counts and the entry barriers still reach every rank through the
-// window's LSA mapping, which ranks on other nodes do not have.
-template __global__ void dispatch_push_kernel<GinScaleout>(CommView, DispatchParams, GinScaleout);
-template __global__ void hybrid_dispatch_forward_kernel<GinScaleout>(CommView, EpilogueParams, GinScaleout);
-template __global__ void hybrid_combine_forward_kernel<GinScaleout>(CommView, CombineParams, GinScaleout);
-template __global__ void combine_reduce_kernel<GinScaleout>(CommView, CombineParams, GinScaleout);
 
 }  // namespace
 }  // namespace elastic_ep

@@ -2,8 +2,8 @@
 // every rank puts `bytes` from its window at `src` into the next rail peer's window at `dst` and raises
 // that peer's signal[rank] by 1 behind the data, then waits until signal[prev] >= round (the previous
 // peer's put of this round has landed). It exercises put_signal / wait_signal of a backend end to end:
-// the NVLink-emulated one runs on one node (ranks may share a GPU over the CUDA-IPC window); the GIN
-// instantiation below only compiles here (it needs RDMA NICs).
+// the NVLink-emulated one runs on one node (ranks may share a GPU over the CUDA-IPC window); the GIN one
+// runs where the runtime has GIN contexts (RDMA NICs; it compiles everywhere, launched by kernels.cu).
 // Included once, by kernels.cu (the package's one CUDA translation unit).
 #pragma once
 
@@ -23,11 +23,6 @@ __global__ void __launch_bounds__(32, 1) scaleout_probe_kernel(Scaleout tr,
   tr.flush(lane);
   if (lane == 0) tr.wait_signal(p.prev, p.round, timeout_ns, rec, kOpScaleoutProbe, p.prev);
 }
-
-// The GIN backend compiles for every architecture this package builds (CI: sm_90a) against the
-// installed NCCL; it is launched only where NCCL reports a GIN network.
-template __global__ void scaleout_probe_kernel<GinScaleout>(GinScaleout, ScaleoutProbeParams,
-                                                            commkit::TimeoutRecord*, uint64_t);
 
 }  // namespace
 }  // namespace elastic_ep

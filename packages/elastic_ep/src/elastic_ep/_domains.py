@@ -36,7 +36,7 @@ import torch.distributed as dist
 from ._env import num_scaleup_ranks
 
 __all__ = ["Domains", "physical_from_nodes", "physical_from_lsa", "logical_domains", "make_domains",
-           "scaleout_backend", "num_allocated_qps", "theoretical_num_qps", "gin_requirements", "node_key",
+           "scaleout_backend", "native_gin_request", "num_allocated_qps", "theoretical_num_qps", "gin_requirements", "node_key",
            "expected_distinct", "theoretical_num_sms", "local_scaleup_ranks", "detect", "get_physical_domain_size",
            "get_logical_domain_size", "GIN_TYPE_NAMES", "NIC_GBS"]
 
@@ -193,6 +193,41 @@ def scaleout_backend(d: Domains, gin_type: Optional[int], nccl_version: Optional
                                "with GPUDirect RDMA (GDAKI) or NCCL_GIN_TYPE naming a proxy/plugin GIN")
         return "gin"
     return "nvlink-emulated" if d.hybrid else "none"
+
+
+def native_gin_request(d: Domains, ipc: bool, gin_type: Optional[int], nccl_version: Optional[int], num_qps: int,
+                       sl_idx: int, num_cpu_bytes: int) -> Optional[dict]:
+    """The GIN request of a native runtime over ``d`` (``gin_requirements``), or None when its scale-out
+    transport needs none (direct mode, or the NVLink emulation of the override).
+
+    Arguments:
+        d: the group's domains.
+        ipc: the buffer's window is CUDA IPC (``window="ipc"``: one node only).
+        gin_type, nccl_version: as ``scaleout_backend``'s (None for an IPC window).
+        num_qps: the buffer's ``num_allocated_qps`` (one GIN context per QP, as DeepEP).
+        sl_idx: the buffer's service level (the GIN traffic class).
+        num_cpu_bytes: the buffer's Engram segment size.
+
+    Raises:
+        RuntimeError: an IPC window over several NVLink domains, or ``scaleout_backend``'s errors.
+        ValueError: Engram (``num_cpu_bytes``) over several NVLink domains (its host segments are this
+            node's shared memory; DeepEP reads them with GIN gets, which this package does not have).
+    """
+    if not d.hybrid and d.num_rdma_ranks == 1:
+        return None
+    if ipc and d.num_rdma_ranks > 1:
+        raise RuntimeError(f"window='ipc' maps every rank's window over CUDA IPC, which needs one node, but the "
+                           f"group spans {d.num_rdma_ranks} NVLink domains: use window='nccl'")
+    if scaleout_backend(d, gin_type, nccl_version) != "gin":
+        return None
+    if d.num_scaleup_ranks != d.num_nvl_ranks:
+        raise RuntimeError(f"ELASTIC_EP_NUM_SCALEUP_RANKS={d.num_scaleup_ranks} splits an NVLink domain, but this "
+                           f"group spans {d.num_rdma_ranks} NVLink domains of {d.num_nvl_ranks} ranks, joined by GIN, "
+                           "whose scale-up domains are the NVLink domains: unset it")
+    if num_cpu_bytes:
+        raise ValueError(f"num_cpu_bytes: Engram maps every rank's host segment through this node's shared memory, "
+                         f"so it needs one node, but the group spans {d.num_rdma_ranks} NVLink domains")
+    return gin_requirements(d, num_qps, sl_idx)
 
 
 def num_allocated_qps(allow_hybrid_mode: bool, requested: int, fast_rdma_atomics: bool = False) -> int:

@@ -34,7 +34,7 @@ pointers. Launch one process per GPU; every rank calls every operation in the sa
 from __future__ import annotations
 
 import collections.abc
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -173,6 +173,11 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
             every rank's ``get_local_ipc_handle()``, then a process-group barrier).
         settings: the environment's settings (``_env.Settings``; default: read now).
         buffer_id: the serial number the handles of this runtime carry (``ElasticBuffer``'s).
+        num_scaleup_ranks: hybrid mode's ranks per logical scale-out domain (a proper divisor of
+            ``num_ranks``; 0: direct mode). Fixed for the runtime's life.
+        gin: hybrid mode across NVLink domains: the GIN device-communicator request
+            (``_domains.gin_requirements``); the scale-out transport is then NCCL GIN (NCCL window only),
+            else the NVLink emulation.
 
     ``dispatch_pdl`` (``ELASTIC_EP_DISPATCH_PDL``; may be changed between calls): the dispatch push is
     launched as notify's programmatic dependent and runs beside notify's count exchange.
@@ -180,9 +185,10 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
 
     backend = "native"
     dispatch_pdl: bool = True
-    #: Hybrid mode: ranks per logical scale-out domain (set by the buffer from its domains before the
-    #: first operation); 0: direct mode.
+    #: Hybrid mode: ranks per logical scale-out domain (the constructor's); 0: direct mode.
     num_scaleup_ranks: int = 0
+    #: Hybrid mode's scale-out transport: "gin", "nvlink-emulated", or None in direct mode.
+    scaleout_transport: Optional[str] = None
     _drop_scaleout_signals: int = 0  # ELASTIC_EP_TEST_DROP_SCALEOUT_SIGNALS (tests)
 
     def __init__(self, rank_idx: int, num_ranks: int, nccl_comm: int, cpu_comm: Any = None,
@@ -190,7 +196,8 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
                  allow_multiple_reduction: bool = True, prefer_overlap_with_compute: bool = True, sl_idx: int = 3,
                  num_allocated_qps: int = 0, num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100,
                  explicitly_destroy: bool = False, *, window: str = "nccl",
-                 settings: Optional[_env.Settings] = None, buffer_id: int = 0) -> None:
+                 settings: Optional[_env.Settings] = None, buffer_id: int = 0, num_scaleup_ranks: int = 0,
+                 gin: Optional[Dict[str, Any]] = None) -> None:
         if window not in ("nccl", "ipc"):
             raise ValueError(f"window must be 'nccl' or 'ipc', got {window!r}")
         self._destroyed = False
@@ -206,6 +213,11 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
         self.window = window
         opts = _C.RuntimeOptions()
         opts.host_wait_yield_us, opts.debug = settings.host_wait_yield_us, settings.buffer_debug
+        opts.num_scaleup_ranks = num_scaleup_ranks
+        if gin is not None:
+            opts.set_gin(contexts=gin["ginContextCount"], signals=gin["ginSignalCount"],
+                         queue_depth=gin["ginQueueDepth"], traffic_class=gin["ginTrafficClass"],
+                         connection=gin["ginConnectionType"], exclusive=gin["ginExclusiveContexts"])
         if window == "ipc":
             self._rt = _C.Runtime.create_ipc(rank_idx, num_ranks, num_buffer_bytes, num_cpu_timeout_secs,
                                              num_gpu_timeout_secs, opts)
@@ -213,6 +225,8 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
             self._rt = _C.Runtime(rank_idx, num_ranks, comm_arg(nccl_comm), num_buffer_bytes, num_cpu_timeout_secs,
                                   num_gpu_timeout_secs, opts)
         self.num_device_sms = int(self._rt.num_device_sms)
+        self.num_scaleup_ranks = int(self._rt.num_scaleup_ranks)
+        self.scaleout_transport = "gin" if gin is not None else ("nvlink-emulated" if self.num_scaleup_ranks else None)
         self.dispatch_overlap = OverlapConfig(settings.dispatch_overlap, settings.dispatch_push_blocks)
         self.combine_overlap = OverlapConfig(settings.combine_overlap, settings.combine_push_blocks)
         self.dispatch_pdl = settings.dispatch_pdl
@@ -230,10 +244,12 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
     @classmethod
     def create(cls, group: dist.ProcessGroup, num_buffer_bytes: int, allow_multiple_reduction: bool,
                num_cpu_timeout_secs: int, num_gpu_timeout_secs: int, explicitly_destroy: bool, window: str,
-               settings: _env.Settings, buffer_id: int) -> Tuple["NativeRuntime", int, int, str]:
+               settings: _env.Settings, buffer_id: int, num_scaleup_ranks: int = 0,
+               gin: Optional[Dict[str, Any]] = None) -> Tuple["NativeRuntime", int, int, str]:
         """A runtime over ``group`` (collective; every rank takes the same path): on a CUDA-IPC window
         (handles exchanged over ``group``), or on torch's NCCL communicator when that works on every rank
         (``EP_REUSE_NCCL_COMM`` not 0), else on a communicator of its own (unique-id exchange).
+        ``num_scaleup_ranks`` and ``gin``: the constructor's (hybrid mode).
 
         Returns:
             ``(runtime, nccl_comm or 0, the communicator the caller must abort when done or 0, how the
@@ -242,7 +258,8 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
         rank, R = dist.get_rank(group), dist.get_world_size(group)
         kw = dict(num_buffer_bytes=num_buffer_bytes, allow_multiple_reduction=allow_multiple_reduction,
                   num_cpu_timeout_secs=num_cpu_timeout_secs, num_gpu_timeout_secs=num_gpu_timeout_secs,
-                  explicitly_destroy=explicitly_destroy, settings=settings, buffer_id=buffer_id)
+                  explicitly_destroy=explicitly_destroy, settings=settings, buffer_id=buffer_id,
+                  num_scaleup_ranks=num_scaleup_ranks, gin=gin)
         if window == "ipc":
             rt = cls(rank, R, 0, window="ipc", **kw)
             handles: List[Any] = [None] * R
@@ -534,7 +551,7 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
         p.cached, p.num_sms, p.refuse_bad_ids, p.overlap = int(cached), num_sms, int(refuse), int(overlap)
         p.concurrent_notify, p.notify_atomic_masks = int(concurrent), self._notify_atomics
         p.zero_copy, p.zero_copy_x_offset = int(zero_copy_x_offset >= 0), max(zero_copy_x_offset, 0)
-        p.num_scaleup_ranks, p.test_drop_scaleout_signals = self.num_scaleup_ranks, self._drop_scaleout_signals
+        p.test_drop_scaleout_signals = self._drop_scaleout_signals
         return p
 
     def _epilogue_params(self, M: int, hidden_bytes: int, packs: int, sf_ts: int, sf_hs: int, E: int, K: int, A: int,
@@ -546,7 +563,6 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
         p.do_expand, p.cached, p.do_zero_padding, p.num_sms, p.overlap = (int(do_expand), int(cached),
                                                                           int(zero_padding), num_sms, int(overlap))
         p.zero_copy = int(zero_copy)
-        p.num_scaleup_ranks = self.num_scaleup_ranks
         return p
 
     def _combine_params(self, T: int, M: int, hidden: int, E: int, K: int, expanded: bool, multi: bool, num_sms: int,
@@ -555,7 +571,6 @@ class NativeRuntime(NativeAgrsPp, NativeEngram, Runtime):
         p.num_combined_tokens, p.num_max_tokens_per_rank, p.hidden, p.num_experts, p.num_topk = T, M, hidden, E, K
         p.use_expanded_layout, p.allow_multiple_reduction = int(expanded), int(multi)
         p.num_sms, p.overlap_push_blocks = num_sms, push_blocks
-        p.num_scaleup_ranks = self.num_scaleup_ranks
         return p
 
     # ------------------------------------------------------------------ dispatch

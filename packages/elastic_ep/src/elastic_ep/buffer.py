@@ -156,8 +156,9 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
         allow_multiple_reduction: combine reduces per rank before sending (fewer bytes, rounding once more).
         prefer_overlap_with_compute: as in DeepEP, changes ``get_theoretical_num_sms`` (at least 64 SMs
             when False), the SM count of calls with ``num_sms=0``.
-        sl_idx, num_allocated_qps: RDMA settings, accepted (no RDMA here); ``num_allocated_qps`` (0:
-            DeepEP's automatic 129 with hybrid mode allowed, else 17) bounds ``num_qps`` as in DeepEP.
+        sl_idx, num_allocated_qps: RDMA settings: in hybrid mode across NVLink domains the GIN traffic
+            class and context count of the device communicator; ``num_allocated_qps`` (0: DeepEP's
+            automatic 129 with hybrid mode allowed, else 17) also bounds ``num_qps`` as in DeepEP.
         num_cpu_timeout_secs: how long the host waits (counts, barriers) before raising ``TimeoutError``.
         num_gpu_timeout_secs: how long a kernel waits for a peer before recording a timeout.
         explicitly_destroy: require an explicit ``destroy()`` (else the buffer is freed with the object).
@@ -264,15 +265,16 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
         # The domains (collective: every rank's node), then the size they call for.
         try:
             self.domains = _domains.detect(group, allow_hybrid_mode, self._settings.num_scaleup_ranks)
-            if backend == "native" and (self.domains.hybrid or self.domains.num_rdma_ranks > 1):
+            # DeepEP's automatic count (hybrid allowed: 129, or 65 with MT4131 NICs, which a machine without
+            # RDMA lacks; direct: 17): the GIN contexts of hybrid mode across nodes, and what
+            # get_theoretical_num_qps and the num_qps bound read.
+            self.num_allocated_qps = _domains.num_allocated_qps(allow_hybrid_mode, num_allocated_qps)
+            gin_request = None
+            if backend == "native":
                 # Several NVLink domains need GIN (say what is missing); the override needs none.
                 gin = native.railed_gin_type(group) if self.domains.num_rdma_ranks > 1 and not ipc else None
-                transport = _domains.scaleout_backend(self.domains, gin, native.nccl_version())
-                if transport != "nvlink-emulated":
-                    raise RuntimeError(f"hybrid mode ({self.domains.num_scaleout_ranks} scale-out x "
-                                       f"{self.domains.num_scaleup_ranks} scale-up ranks) over scale-out transport "
-                                       f"{transport} is not wired in the native runtime yet (its kernels run over the "
-                                       "NVLink emulation of ELASTIC_EP_NUM_SCALEUP_RANKS); backend='torch' runs it")
+                gin_request = _domains.native_gin_request(self.domains, ipc, gin, native.nccl_version(),
+                                                          self.num_allocated_qps, sl_idx, num_cpu_bytes)
             if num_bytes is None:
                 num_bytes = calculate_elastic_buffer_size(self.num_ranks, num_max_tokens_per_rank, hidden, num_topk,
                                                           use_fp8_dispatch, allow_hybrid_mode,
@@ -286,10 +288,6 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
         self.allow_hybrid_mode, self.allow_multiple_reduction = allow_hybrid_mode, allow_multiple_reduction
         self.prefer_overlap_with_compute, self.explicitly_destroy = prefer_overlap_with_compute, explicitly_destroy
         self.num_cpu_timeout_secs, self.num_gpu_timeout_secs = num_cpu_timeout_secs, num_gpu_timeout_secs
-        # DeepEP's automatic count (hybrid allowed: 129, or 65 with MT4131 NICs, which a machine without
-        # RDMA lacks; direct: 17). Unused without RDMA, but get_theoretical_num_qps and the num_qps bound
-        # read it, so they give DeepEP's values.
-        self.num_allocated_qps = _domains.num_allocated_qps(allow_hybrid_mode, num_allocated_qps)
         if self._settings.buffer_debug:  # DeepEP's switch for the same report
             print(f"elastic_ep: rank {self.rank}/{self.num_ranks}: buffer of {self.num_bytes} bytes, "
                   f"backend {self.backend}", flush=True)
@@ -310,15 +308,14 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
         if self.backend == "native":
             self.runtime, self.nccl_comm, self._owned_comm, self.comm_source = native.NativeRuntime.create(
                 group, self.num_bytes, allow_multiple_reduction, num_cpu_timeout_secs, num_gpu_timeout_secs,
-                explicitly_destroy, self.window, self._settings, self._serial)
+                explicitly_destroy, self.window, self._settings, self._serial,
+                num_scaleup_ranks=self.domains.num_scaleup_ranks if self.domains.hybrid else 0, gin=gin_request)
             if self._owned_comm and not explicitly_destroy:
                 # Freed with the object, as promised: the runtime's window, then the communicator under it
                 # (never at interpreter exit: peers may be gone by then, and the exit releases both).
                 self._comm_finalizer = weakref.finalize(self, _release_native, self.runtime, native.destroy_nccl_comm,
                                                         self._owned_comm)
                 self._comm_finalizer.atexit = False
-            if self.domains.hybrid:
-                self.runtime.num_scaleup_ranks = self.domains.num_scaleup_ranks
             if num_cpu_bytes:
                 self.runtime.open_engram(group, num_cpu_bytes)
         else:
