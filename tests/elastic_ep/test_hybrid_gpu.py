@@ -39,6 +39,13 @@ def test_native_hybrid_soak_500_against_direct_and_oracle(tmp_path):
     assert run_workers(soak_worker, 4, 500, "ipc", 0, 2, tmp_path=tmp_path, timeout=540) == [500] * 4
 
 
+@pytest.mark.multigpu(2, shared_ok=True)
+def test_native_hybrid_epoch_wrap(tmp_path):
+    """Across the 32-bit wrap of the count words' tags, the relayed ones (hybrid notify's count_relay)
+    included: seeded 6 operations before 2^32."""
+    assert run_workers(soak_worker, 4, 12, "ipc", 2**32 - 6, 2, tmp_path=tmp_path, timeout=240) == [12] * 4
+
+
 def _forward_worker(rank, world, rdzv, cfg):
     from tests.elastic_ep._common import (check_forward_metadata, gather_inputs, import_elastic_ep, init_ep_group,
                                           make_inputs, scaleup_override)
