@@ -15,12 +15,24 @@ __global__ void resolve_peers_kernel(ncclWindow_t win, int first, int lsa_size, 
 }
 
 // -------------------------------------------------------------------------------------- barrier
-// With every rank that writes into this one's window (hybrid mode: its domain and its rail peers).
+// A barrier of all ranks. In hybrid mode the entry barrier covers the own domain and the rail peers
+// only (nobody else is reachable); a second round inside the domain, each rank saying it has seen its
+// rail peers, completes it: after it every rank (d, u) knows that each (d, v) saw every (d', v).
+// The second round's words are combine_done's: epochs only grow, so a barrier's epoch there never
+// satisfies a later combine's wait.
 template <class SO>
 __global__ void __launch_bounds__(kMaxRanks) barrier_kernel(CommView c, SO so) {
   Ctx cx(c);
   const uint64_t E = cx.epoch();
   if (!entry_barrier(cx, so, E, kOpBarrier, true)) return;
+  if (cx.hd.on) {
+    const int r = threadIdx.x;
+    const bool mine = r < c.num_ranks && cx.hd.local(r);
+    if (mine) cx.tr.signal(r, cx.ws.combine_done.offset + 8ull * c.rank, E);
+    const bool ok = !mine || commkit::wait_ge(cx.local_u64(cx.ws.combine_done, r), E, cx.timeout_ns, cx.rec,
+                                              kOpBarrier, c.rank, r);
+    if (__syncthreads_or(!ok)) return;
+  }
   if (threadIdx.x == 0) cx.end_epoch(E);
 }
 
