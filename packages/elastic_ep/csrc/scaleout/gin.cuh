@@ -1,8 +1,10 @@
 // elastic_ep/csrc/scaleout/gin.cuh -- the scale-out transport over NCCL GIN (see ../scaleout.cuh).
 //
 // Needs a device communicator created with GIN contexts (one per QP: `context`) and R + 4 signals, and
-// the symmetric window every offset refers to. Peers are addressed as world ranks (ncclTeamWorld);
-// with RAIL connections (hybrid mode) only rail peers are connected, which is all hybrid mode talks to.
+// the symmetric window every offset refers to. Hybrid mode talks over it to rail peers only (world rank
+// d * U + u for this rank's u), and the communicator has RAIL connections (DeepEP's request): a peer is
+// addressed in NCCL's rail team (ncclTeamRail: the ranks of this LSA index, node by node), at its node
+// index. The contract's `peer` stays a world rank.
 // Signal waits poll readSignal under commkit's device deadline (wait_ge_load) instead of NCCL's
 // unbounded waitSignal, so an unresponsive scale-out peer becomes a TimeoutRecord, never a hang.
 // API across NCCL versions: put / signal / flush / readSignal / putValue exist from 2.28.9 (the
@@ -35,26 +37,29 @@ struct GinScaleout {
   int rank;
   int num_ranks;
 
+  __device__ __forceinline__ ncclTeam team() const { return ncclTeamRail(comm); }
+  __device__ __forceinline__ int at(int peer) const { return peer / comm.lsaSize; }  // rail team rank
+
   __device__ __forceinline__ void put(int peer, uint64_t dst, uint64_t src, uint64_t bytes, int lane) const {
     ncclGin gin(comm, context);
-    gin.put(ncclTeamWorld(comm), peer, window, dst, window, src, bytes, ncclGin_None{}, ncclGin_None{},
+    gin.put(team(), at(peer), window, dst, window, src, bytes, ncclGin_None{}, ncclGin_None{},
             ncclCoopWarp{});
     (void)lane;
   }
   __device__ __forceinline__ void put_signal(int peer, uint64_t dst, uint64_t src, uint64_t bytes, int lane, int sig,
                                              uint64_t add) const {
     ncclGin gin(comm, context);
-    gin.put(ncclTeamWorld(comm), peer, window, dst, window, src, bytes,
+    gin.put(team(), at(peer), window, dst, window, src, bytes,
             GinSignalAdd{static_cast<ncclGinSignal_t>(sig), add}, ncclGin_None{}, ncclCoopWarp{});
     (void)lane;
   }
   __device__ __forceinline__ void put_value(int peer, uint64_t dst, uint64_t v) const {
     ncclGin gin(comm, context);
-    gin.putValue(ncclTeamWorld(comm), peer, window, dst, v);
+    gin.putValue(team(), at(peer), window, dst, v);
   }
   __device__ __forceinline__ void signal(int peer, int sig, uint64_t add) const {
     ncclGin gin(comm, context);
-    gin.signal(ncclTeamWorld(comm), peer, GinSignalAdd{static_cast<ncclGinSignal_t>(sig), add});
+    gin.signal(team(), at(peer), GinSignalAdd{static_cast<ncclGinSignal_t>(sig), add});
   }
   __device__ __forceinline__ void flush(int lane) const {
     ncclGin gin(comm, context);
@@ -74,7 +79,7 @@ struct GinScaleout {
   __device__ __forceinline__ void get(int peer, uint64_t dst, uint64_t src, uint64_t bytes, int lane) const {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 30, 0)
     ncclGin gin(comm, context);
-    gin.get(ncclTeamWorld(comm), peer, window, src, window, dst, bytes, ncclCoopWarp{});
+    gin.get(team(), at(peer), window, src, window, dst, bytes, ncclCoopWarp{});
 #else
     (void)peer, (void)dst, (void)src, (void)bytes;
 #endif
