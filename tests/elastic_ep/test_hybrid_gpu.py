@@ -10,6 +10,8 @@ window (ranks share one GPU where fewer GPUs are lent).
 * The forwarders' metadata against an independent derivation from the routing; zero-copy refused.
 * A rank whose scale-out signals never arrive: its rail peer's forwarder times out naming the
   dispatch's scale-out stage, the rank and the peer, and CUDA stays usable.
+* ``barrier()`` in hybrid mode waits for every rank, also those a rank never talks to (neither its
+  domain nor a rail peer), and the epoch wrap of the count words holds for the relayed ones.
 """
 import os
 import time
@@ -109,3 +111,30 @@ def _timeout_worker(rank, world, rdzv):
 @pytest.mark.multigpu(2, shared_ok=True)
 def test_native_hybrid_scaleout_peer_never_signals_times_out(tmp_path):
     assert run_workers(_timeout_worker, 4, tmp_path=tmp_path, timeout=90)[2] == "timeout"
+
+
+def _barrier_worker(rank, world, rdzv):
+    from tests.elastic_ep._common import import_elastic_ep, init_ep_group, scaleup_override
+
+    ep = import_elastic_ep()
+    group = init_ep_group(rank, world, rdzv, "ipc")
+    with scaleup_override(2):
+        buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=8, hidden=64, num_topk=2, backend="native",
+                               window="ipc")
+    buf.barrier(with_cpu_sync=True)  # every rank's kernels are loaded and its window in use
+    group.barrier()
+    t0 = time.monotonic()
+    if rank == 3:  # neither in rank 0's domain nor its rail peer
+        time.sleep(2.0)
+    buf.barrier(with_cpu_sync=True)
+    waited = time.monotonic() - t0
+    buf.destroy()
+    return waited
+
+
+@pytest.mark.multigpu(2, shared_ok=True)
+def test_native_hybrid_barrier_waits_for_every_rank(tmp_path):
+    """At 2x2 rank 0 hears from ranks 1 (its domain) and 2 (its rail peer) only; its barrier still ends
+    after rank 3 arrived 2 s late (the second round inside the domain)."""
+    waited = run_workers(_barrier_worker, 4, tmp_path=tmp_path, timeout=120)
+    assert min(waited) >= 1.5, f"a rank left the barrier before rank 3 arrived: {waited}"
