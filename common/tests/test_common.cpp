@@ -80,9 +80,8 @@ constexpr uint64_t three_region_total() {
 }
 static_assert(three_region_total() == (2u << 20), "total rounds to the requested alignment");
 
-}  // namespace
-
-int main() {
+// ---- CK_* macros, exceptions and str()
+void check_tests() {
   run("check: CK_CHECK_ARG throws ValueError with file:line", [] {
     auto e = expect_throw<commkit::ValueError>([] { CK_CHECK_ARG(1 + 1 == 3, "bad value ", 42); });
     std::string what = e.what();
@@ -127,6 +126,10 @@ int main() {
     EXPECT(commkit::str(p) == "0x1000");
     EXPECT(commkit::str() == "");
   });
+}
+
+// ---- progress deadlines, poll_until / wait_until and Backoff
+void deadline_tests() {
   run("deadline: expires without progress", [] {
     commkit::ProgressDeadline d(20);
     EXPECT(!d.expired(uint64_t(1)));
@@ -207,6 +210,18 @@ int main() {
                                commkit::Backoff(uint64_t(1) << 40)) == commkit::PollResult::kReady);
     t.join();
   });
+  run("deadline: Backoff sleeps of a second or more really sleep", [] {
+    // tv_nsec >= 1e9 made nanosleep fail at once: a busy spin instead of a sleep.
+    commkit::Backoff b(0, 1000000000L);
+    for (int i = 0; i < 64; ++i) b.pause();
+    const uint64_t t0 = commkit::monotonic_ns();
+    b.pause();
+    EXPECT(commkit::monotonic_ns() - t0 >= 1000000000ull);
+  });
+}
+
+// ---- atomics across threads and processes
+void atomics_tests() {
   run("atomics: cas returns old value, exactly one winner among threads", [] {
     uint32_t word = 0;
     std::atomic<int> winners{0};
@@ -254,6 +269,10 @@ int main() {
     producer.join();
     EXPECT(commkit::exchange(&msg.ready, 5u) == 1u && msg.ready == 5u);
   });
+}
+
+// ---- layouts and saturating arithmetic
+void layout_tests() {
   run("layout: regions are aligned, ordered and disjoint", [] {
     commkit::Layout l(0);
     commkit::Region a = l.add(1000, 16), b = l.add(24, 128), c = l.add_array<double>(3), d = l.add(0, 64);
@@ -307,6 +326,10 @@ int main() {
     EXPECT(commkit::sat_cast<int64_t>(uint64_t(kI)) == kI && commkit::sat_cast<int64_t>(uint64_t(kI) + 1) == kI);
     EXPECT(commkit::sat_cast<int32_t>(uint64_t(1) << 40) == INT32_MAX && commkit::sat_cast<int32_t>(uint64_t(77)) == 77);
   });
+}
+
+// ---- IPC handle checks and shared-memory segments
+void ipc_and_shm_tests() {
   run("ipc handle: a rank outside the world is refused before it indexes the handles", [] {
     const commkit::IpcHandleFormat fmt{{'t', 'e', 's', 't', 'f', 'm', 't', 1}, "test", "slots of", ""};
     const std::string raw(commkit::kIpcHandleBytes, 'h');
@@ -334,14 +357,10 @@ int main() {
     s.close();  // the creator unlinks
     EXPECT(::shm_open(name.c_str(), O_RDWR, 0) < 0 && errno == ENOENT);
   });
-  run("deadline: Backoff sleeps of a second or more really sleep", [] {
-    // tv_nsec >= 1e9 made nanosleep fail at once: a busy spin instead of a sleep.
-    commkit::Backoff b(0, 1000000000L);
-    for (int i = 0; i < 64; ++i) b.pause();
-    const uint64_t t0 = commkit::monotonic_ns();
-    b.pause();
-    EXPECT(commkit::monotonic_ns() - t0 >= 1000000000ull);
-  });
+}
+
+// ---- timeout records
+void timeout_record_tests() {
   run("timeout record: a record still being written (flag 2) is left alone", [] {
     commkit::TimeoutRecord rec{};
     commkit::clear_timeout_record(&rec);
@@ -368,6 +387,17 @@ int main() {
     EXPECT(std::string(e.what()).find("3000 ms") != std::string::npos);
     EXPECT(rec.flag == 0u);
   });
+}
+
+}  // namespace
+
+int main() {
+  check_tests();
+  deadline_tests();
+  atomics_tests();
+  layout_tests();
+  ipc_and_shm_tests();
+  timeout_record_tests();
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

@@ -2,9 +2,12 @@
 
 * the C++ suite ``common/tests/test_common.cpp`` (errors, deadlines, atomics across threads and
   processes, layouts, timeout records) is compiled with the host compiler and run;
-* ``common/tests/test_device_headers.cu`` is compiled for sm_90a when nvcc exists (nothing runs);
-* a throwaway pybind11 module checks that commkit exceptions reach Python as the documented types
-  with their attributes (rank, peer, operation, expected, observed).
+* ``common/tests/test_device_headers.cu`` is compiled for sm_90a when nvcc exists (nothing runs), and
+  its PTX shows the exact vector loads and stores of ``commkit/ptx.cuh``;
+* throwaway pybind11 modules check that commkit exceptions reach Python as the documented types
+  with their attributes (rank, peer, operation, expected, observed), and what ``commkit/gil.hpp``
+  promises: the GIL released, values returned, exceptions rethrown with the GIL back, and a daemon
+  thread inside a gated call at interpreter exit.
 """
 from __future__ import annotations
 
@@ -65,6 +68,19 @@ def test_headers_compile_standalone(tmp_path):
         subprocess.run([CXX, "-std=c++17", "-Wall", "-Werror", "-fsyntax-only", "-I", INC, str(src)], check=True)
 
 
+def test_binding_headers_compile_standalone(tmp_path):
+    # The pybind11-only headers, each on its own, with and without hidden visibility (the extensions
+    # build with it, the probes here without).
+    pybind11 = pytest.importorskip("pybind11")
+    inc = ["-I", INC, "-I", pybind11.get_include(), "-I", sysconfig.get_paths()["include"]]
+    for h in ["gil.hpp", "python_errors.hpp"]:
+        src = tmp_path / f"inc_{h}.cpp"
+        src.write_text(f'#include "commkit/{h}"\n')
+        for vis in ([], ["-fvisibility=hidden"]):
+            subprocess.run([CXX, "-std=c++17", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", *vis, *inc, str(src)],
+                           check=True)
+
+
 def test_device_headers_compile_for_sm90a(tmp_path):
     nvcc = _nvcc()
     if nvcc is None:
@@ -73,6 +89,22 @@ def test_device_headers_compile_for_sm90a(tmp_path):
                     os.path.join(ROOT, "common", "tests", "test_device_headers.cu"),
                     "-o", str(tmp_path / "dev.o")], check=True)
     assert (tmp_path / "dev.o").stat().st_size > 0
+
+
+def test_ptx_loads_and_stores_are_the_documented_instructions(tmp_path):
+    # ptx.cuh promises these exact instructions (the kernels' cache behaviour depends on them);
+    # the PTX carries the inline asm verbatim.
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    ptx = tmp_path / "dev.ptx"
+    subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-I", INC, "-ptx",
+                    os.path.join(ROOT, "common", "tests", "test_device_headers.cu"), "-o", str(ptx)], check=True)
+    text = ptx.read_text()
+    body = text[text.index(".entry _Z12exercise_ptxPK4int4PS_"):]
+    for insn in ("ld.global.nc.L1::no_allocate.v4.s32", "ld.global.v4.s32", "ld.global.cg.v4.s32",
+                 "st.global.L1::no_allocate.v4.s32"):
+        assert insn in body, insn
 
 
 _ERR_MODULE = r"""
@@ -234,3 +266,110 @@ def test_described_ipc_handles(tmp_path):
         mod.check(False, hs[::-1], 2, 1, 4096, 8192)
     with pytest.raises(ValueError, match="a CUDA IPC handle has 64 bytes"):
         mod.describe(False, 2, 0, 1, 1, b"short")
+
+
+_GIL_MODULE = r"""
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include "commkit/gil.hpp"
+#include "commkit/python_errors.hpp"
+namespace py = pybind11;
+PYBIND11_MODULE(ck_gil_probe, m) {
+  commkit::register_python_errors(m);
+  commkit::install_exit_gate();
+  // (value, whether the GIL was held inside f)
+  m.def("value", [] {
+    bool held = true;
+    const int v = commkit::without_gil([&] { held = PyGILState_Check() != 0; return 42; });
+    return py::make_tuple(v, held);
+  });
+  m.def("move_only", [] {
+    auto p = commkit::without_gil([] { return std::make_unique<std::string>("moved"); });
+    return *p;
+  });
+  m.def("void_call", [] {
+    bool held = true;
+    commkit::without_gil([&] { held = PyGILState_Check() != 0; });
+    return held;
+  });
+  m.def("gated_value", [] { return commkit::without_gil<commkit::GatedGilRelease>([] { return 7; }); });
+  // The exception leaves without_gil with the GIL held again: the translator can build the Python error.
+  m.def("raise_inside", [] { commkit::without_gil([]() -> int { CK_THROW_ARG("bad argument inside"); }); });
+  m.def("raise_error_inside", [] { commkit::without_gil([] { CK_CHECK_RANK(false, 1, 2, "peer gone"); }); });
+  m.def("held_under_guard", [] { return PyGILState_Check() != 0; }, py::call_guard<commkit::GilRelease>());
+  m.def("held_under_gated_guard", [] { return PyGILState_Check() != 0; },
+        py::call_guard<commkit::GatedGilRelease>());
+  m.def("gate_closed", &commkit::exit_gate_closed);
+  m.def("gated_acquire_held", [] {
+    return commkit::without_gil([] { commkit::GatedGilAcquire gil; return gil.held() && PyGILState_Check() != 0; });
+  });
+  m.def("python_finalizing", &commkit::python_finalizing);
+  // Blocks (GIL released) for `ms` milliseconds, asking for the GIL back every millisecond through a
+  // gated acquire, as a native wait with an interrupt hook does; returns once the time is up.
+  m.def("block", [](int ms) {
+    commkit::GatedGilRelease nogil;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+    while (std::chrono::steady_clock::now() < until) {
+      { commkit::GatedGilAcquire gil; }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def gil_probe(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gil")
+    return _build_probe(d, "ck_gil_probe", _GIL_MODULE, src_name="gil_probe.cpp"), d
+
+
+def test_without_gil_releases_and_returns(gil_probe):
+    mod, _ = gil_probe
+    assert mod.value() == (42, False)
+    assert mod.move_only() == "moved"
+    assert mod.void_call() is False
+    assert mod.gated_value() == 7
+
+
+def test_without_gil_rethrows_with_the_gil_back(gil_probe):
+    mod, _ = gil_probe
+    with pytest.raises(ValueError, match="bad argument inside"):
+        mod.raise_inside()
+    with pytest.raises(RuntimeError, match="peer gone") as ei:
+        mod.raise_error_inside()
+    assert isinstance(ei.value, mod.CommError) and (ei.value.rank, ei.value.peer) == (1, 2)
+
+
+def test_call_guards_release_the_gil(gil_probe):
+    mod, _ = gil_probe
+    assert mod.held_under_guard() is False
+    assert mod.held_under_gated_guard() is False
+
+
+def test_exit_gate_is_open_while_the_interpreter_runs(gil_probe):
+    mod, _ = gil_probe
+    assert mod.gate_closed() is False
+    assert mod.python_finalizing() is False
+    assert mod.gated_acquire_held() is True
+
+
+def test_daemon_threads_in_gated_calls_do_not_abort_the_exit(gil_probe):
+    # Daemon threads blocked in a gated native call, asking for the GIL every millisecond, while the
+    # interpreter exits: they park or leave, and the process exits with its own status (CPython before
+    # 3.14 would end them with pthread_exit while they wait for the GIL, which aborts the process).
+    _, d = gil_probe
+    code = ("import sys, threading, time\n"
+            f"sys.path.insert(0, {str(d)!r})\n"
+            "import ck_gil_probe as m\n"
+            "for _ in range(4):\n"
+            "    threading.Thread(target=m.block, args=(3000,), daemon=True).start()\n"
+            "time.sleep(0.2)\n"
+            "print('exiting', flush=True)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "exiting" in res.stdout

@@ -1,6 +1,6 @@
 """Extension code must not use iostreams.
 
-On the GPU machine (torch 2.11.0), a ``std::ostream`` insertion inside our extensions after
+On an H200 host with torch 2.11.0, a ``std::ostream`` insertion inside our extensions after
 ``import torch`` crashed the process with SIGSEGV (in the num_put facet), so every C++ message goes
 through ``commkit::str`` / the CK_* macros. This scan keeps it that way.
 """

@@ -19,7 +19,7 @@ def _assert_delivery(res):
 @pytest.mark.smoke
 @pytest.mark.gpu
 def test_gpu_tp1(tmp_path):
-    # Copy streams 1 (the seed's), 2 (the default) and 4: a batch's copies spread over streams.
+    # Copy streams 1 (KTransformers' design), 2 (the default) and 4: a batch's copies spread over streams.
     res = run_workers(W.delivery, 1, str(tmp_path), (2, 4), (1, 7, 12), False, "cuda", (1, 2, 4),
                       tmp_path=tmp_path, timeout=240)
     _assert_delivery(res)
@@ -47,13 +47,13 @@ def test_gpu_tp4_two_ranks_per_gpu(tmp_path):
 
 @pytest.mark.smoke
 @pytest.mark.multigpu(2, shared_ok=True)  # no NCCL between ranks: they may share a GPU
-def test_gpu_seed_mode_and_default(tmp_path):
-    res = run_workers(W.legacy_vs_default, 2, str(tmp_path), "cuda", tmp_path=tmp_path, timeout=240)
+def test_gpu_ktransformers_design_and_default(tmp_path):
+    res = run_workers(W.ktransformers_vs_default, 2, str(tmp_path), "cuda", tmp_path=tmp_path, timeout=240)
     for rows in res:
-        seed, default = rows
-        assert seed["bad"] == [] and default["bad"] == []
-        assert seed["bytes"] == seed["want"] == default["bytes"]
-        assert seed["copies"] == 4 * 16 and default["copies"] <= seed["copies"]
+        ktransformers, default = rows
+        assert ktransformers["bad"] == [] and default["bad"] == []
+        assert ktransformers["bytes"] == ktransformers["want"] == default["bytes"]
+        assert ktransformers["copies"] == 4 * 16 and default["copies"] <= ktransformers["copies"]
 
 
 @pytest.mark.smoke

@@ -30,7 +30,7 @@ def test_start_time_is_field_22_for_this_process_and_a_child():
     try:
         child = _C.process_start_time(p.pid)
         assert child == _stat(p.pid)[2] and child >= me, (child, me)
-        assert F.transport._proc_start_time(p.pid) == child
+        assert F.exchange._proc_start_time(p.pid) == child
     finally:
         _stop(p)
 
@@ -57,7 +57,7 @@ def test_zombie_and_dead_processes_give_0():
         poll(lambda: _stat(p.pid)[1] == "Z", what=f"process {p.pid} becoming a zombie")  # exited, not reaped
         assert _stat(p.pid)[2] > 0  # its /proc entry still has a start time ...
         assert _C.process_start_time(p.pid) == 0  # ... but a zombie counts as gone
-        assert F.transport._proc_start_time(p.pid) is None
+        assert F.exchange._proc_start_time(p.pid) is None
     finally:
         p.wait(30)
     assert not os.path.exists(f"/proc/{p.pid}")
@@ -67,7 +67,7 @@ def test_zombie_and_dead_processes_give_0():
     for pid in (0, pid_max + 1, 2**63, 2**64 - 1):  # no such process can exist
         assert _C.process_start_time(pid) == 0, pid
     for bad in (-1, None):  # what a corrupt or incomplete leader.json gives
-        assert F.transport._proc_start_time(bad) is None
+        assert F.exchange._proc_start_time(bad) is None
 
 
 # ---- FileExchange: the session leader's liveness ----------------------------------------------

@@ -6,11 +6,12 @@ import pytest
 import fp8_layerwise as F
 from tests._dist import run_workers
 from tests.fp8_layerwise import _shm
+from tests.fp8_layerwise import _fault_workers as FW
 from tests.fp8_layerwise import _workers as W
 from tests.fp8_layerwise._timing import fast_bound
 
-#: A dead peer is noticed by the liveness check (every W.LIVENESS_MS), not by the timeout.
-PEER_DEATH_BOUND_S = fast_bound(W.LIVENESS_MS / 1000, W.DEAD_PEER_TIMEOUT_MS / 1000)
+#: A dead peer is noticed by the liveness check (every FW.LIVENESS_MS), not by the timeout.
+PEER_DEATH_BOUND_S = fast_bound(FW.LIVENESS_MS / 1000, FW.DEAD_PEER_TIMEOUT_MS / 1000)
 
 
 @pytest.mark.parametrize("tp,slots,use_gloo", [(2, (2, 3), True), (4, (4,), False), (8, (2, 8), False)])
@@ -51,7 +52,7 @@ def test_delivery_byte_exact_small_kinds(tmp_path, tp, slots, batch):
 
 
 def test_sigkill_consumer_detected_fast(tmp_path):
-    res = run_workers(W.kill_consumer, 3, str(tmp_path), tmp_path=tmp_path, timeout=120, expect_dead={2})
+    res = run_workers(FW.kill_consumer, 3, str(tmp_path), tmp_path=tmp_path, timeout=120, expect_dead={2})
     r0, r1 = res[0], res[1]
     assert r0["type"] == "PeerDied" and r0["code"] == F.ErrorCode.PEER_DEAD and r0["rank"] == 2, r0
     assert r1["type"] == "PeerDied" and r1["rank"] == 2, r1
@@ -60,14 +61,14 @@ def test_sigkill_consumer_detected_fast(tmp_path):
 
 
 def test_sigkill_producer_detected_fast(tmp_path):
-    res = run_workers(W.kill_producer, 3, str(tmp_path), tmp_path=tmp_path, timeout=120, expect_dead={0})
+    res = run_workers(FW.kill_producer, 3, str(tmp_path), tmp_path=tmp_path, timeout=120, expect_dead={0})
     for r in (1, 2):
         assert res[r]["type"] == "PeerDied" and res[r]["rank"] == 0, res[r]
         assert res[r]["dt"] < PEER_DEATH_BOUND_S, res[r]
 
 
 def test_rank_never_joins_times_out(tmp_path):
-    res = run_workers(W.never_joins, 2, str(tmp_path), tmp_path=tmp_path, timeout=120)
+    res = run_workers(FW.never_joins, 2, str(tmp_path), tmp_path=tmp_path, timeout=120)
     for r in res:
         assert r["type"] == "TransportTimeout" and r["code"] == F.ErrorCode.TIMEOUT and r["is_timeout"], r
     assert 0.7 < res[0]["dt"] < 10, res[0]
@@ -92,13 +93,13 @@ def test_protocol_violations_claims_close_and_reset(tmp_path):
     assert len(owners) == 1 and owners == {wins.index(True)}, res  # and everyone sees the winner
 
 
-def test_seed_mode_and_default_same_bytes(tmp_path):
-    res = run_workers(W.legacy_vs_default, 2, str(tmp_path), "cpu", tmp_path=tmp_path, timeout=120)
+def test_ktransformers_design_and_default_same_bytes(tmp_path):
+    res = run_workers(W.ktransformers_vs_default, 2, str(tmp_path), "cpu", tmp_path=tmp_path, timeout=120)
     for rows in res:
-        seed, default = rows
-        assert seed["bad"] == [] and default["bad"] == []
-        assert seed["bytes"] == seed["want"] == default["bytes"]
-        assert seed["copies"] == 4 * 16 and default["copies"] <= seed["copies"]
+        ktransformers, default = rows
+        assert ktransformers["bad"] == [] and default["bad"] == []
+        assert ktransformers["bytes"] == ktransformers["want"] == default["bytes"]
+        assert ktransformers["copies"] == 4 * 16 and default["copies"] <= ktransformers["copies"]
 
 
 def test_writer_error_then_reset_across_ranks(tmp_path):
@@ -114,7 +115,7 @@ def test_close_while_another_thread_is_blocked(tmp_path, case):
     # run: a Python writer is still filling the slots when close() runs; wait: a thread waits for a
     # producer that never comes; close_inside_writer: the writer itself closes. The blocked call
     # raises TransportClosed and nothing touches unmapped memory (a crash kills the worker).
-    (res,) = run_workers(W.close_while_blocked, 1, str(tmp_path), case, tmp_path=tmp_path, timeout=90)
+    (res,) = run_workers(FW.close_while_blocked, 1, str(tmp_path), case, tmp_path=tmp_path, timeout=90)
     assert not res["thread_alive"], res
     name, msg, is_transport_error = res["exc"]
     call = "wait" if case == "wait" else "run"
@@ -153,7 +154,7 @@ def test_join_next_epoch_without_wait_fails_fast(tmp_path):
 
 
 def test_reset_reports_dead_rank_fast(tmp_path):
-    res = run_workers(W.reset_with_dead_rank, 3, str(tmp_path), tmp_path=tmp_path, timeout=120, expect_dead={2})
+    res = run_workers(FW.reset_with_dead_rank, 3, str(tmp_path), tmp_path=tmp_path, timeout=120, expect_dead={2})
     for rank in (0, 1):
         r = res[rank]
         assert r["type"] == "PeerDied" and r["base"] and r["code"] == F.ErrorCode.PEER_DEAD and r["rank"] == 2, r

@@ -16,6 +16,7 @@ import torch
 import fp8_layerwise as F
 from tests._dist import run_workers
 from tests.fp8_layerwise import _shm
+from tests.fp8_layerwise import _fault_workers as FW
 from tests.fp8_layerwise import _workers as W
 from tests.fp8_layerwise._timing import INTERRUPT_CHECK_S, InsideCall, fast_bound
 
@@ -130,14 +131,14 @@ print(repr(names), flush=True)
 
 
 def test_sigint_in_wait_raises_at_once_and_stops_the_peers(tmp_path):
-    r0, r1 = run_workers(W.sigint_in_wait, 2, str(tmp_path), tmp_path=tmp_path, timeout=90)
+    r0, r1 = run_workers(FW.sigint_in_wait, 2, str(tmp_path), tmp_path=tmp_path, timeout=90)
     assert r1["type"] == "KeyboardInterrupt", r1
-    assert r1["dt"] < fast_bound(INTERRUPT_CHECK_S, W.SIGINT_TIMEOUT_MS / 1000), r1  # the hook's period
+    assert r1["dt"] < fast_bound(INTERRUPT_CHECK_S, FW.SIGINT_TIMEOUT_MS / 1000), r1  # the hook's period
     assert r1["poison"] == (int(F.ErrorCode.INTERRUPTED), 1) and "in wait()" in r1["msg"], r1
     # The producer stops promptly with the interruption as its cause.
     assert r0["type"] == "TransportPoisoned" and r0["code"] == F.ErrorCode.INTERRUPTED and r0["rank"] == 1, r0
     # Rank 0's producer notices the poison within a liveness tick, after the expert it is writing (20 ms).
-    assert r0["dt"] < fast_bound(W.LIVENESS_MS / 1000 + 0.02, W.SIGINT_TIMEOUT_MS / 1000), r0
+    assert r0["dt"] < fast_bound(FW.LIVENESS_MS / 1000 + 0.02, FW.SIGINT_TIMEOUT_MS / 1000), r0
 
 
 # ---- 6. a writer's KeyboardInterrupt / SystemExit -------------------------------------------------
@@ -265,7 +266,7 @@ def test_transport_closes_its_file_exchange(tmp_path):
 
 # ---- 5. timeouts name the rank that is missing ----------------------------------------------------
 def test_timeout_names_the_rank_that_never_joined(tmp_path):
-    res = run_workers(W.rank_never_joins_tp3, 3, str(tmp_path), tmp_path=tmp_path, timeout=90)
+    res = run_workers(FW.rank_never_joins_tp3, 3, str(tmp_path), tmp_path=tmp_path, timeout=90)
     for rank, r in enumerate(res):
         assert r["type"] == "TransportTimeout" and r["code"] == F.ErrorCode.TIMEOUT, (rank, r)
         assert "rank 1 has not joined epoch 1" in r["msg"] and r["peer"] == 1, (rank, r)
@@ -373,7 +374,7 @@ def test_rank0_wait_without_run_names_the_missing_run():
 
 
 def test_rank0_wait_before_a_producer_thread_enters_run():
-    """The seed's pattern: rank 0's producer runs in another thread, which may enter run() only after
+    """KTransformers' pattern: rank 0's producer runs in another thread, which may enter run() only after
     the main thread already waits. That must work, layer after layer."""
     got, errs = [], []
 

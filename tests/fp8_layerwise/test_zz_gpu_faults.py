@@ -3,7 +3,7 @@ import pytest
 
 import fp8_layerwise as F
 from tests._dist import run_workers
-from tests.fp8_layerwise import _workers as W
+from tests.fp8_layerwise import _fault_workers as FW
 from tests.fp8_layerwise._timing import fast_bound
 
 pytestmark = pytest.mark.skipif(not F.built_with_cuda(), reason="built without CUDA")
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not F.built_with_cuda(), reason="built without C
 @pytest.mark.multigpu(2, shared_ok=True)  # no NCCL between ranks: they may share a GPU
 def test_gpu_sigkill_consumer(tmp_path):
     try:
-        res = run_workers(W.kill_consumer, 2, str(tmp_path), "cuda", tmp_path=tmp_path, timeout=240,
+        res = run_workers(FW.kill_consumer, 2, str(tmp_path), "cuda", tmp_path=tmp_path, timeout=240,
                           expect_dead={1})
     except Exception as exc:
         faults = "".join(p.read_text() for p in sorted(tmp_path.glob("fault.*.txt")))
@@ -21,4 +21,4 @@ def test_gpu_sigkill_consumer(tmp_path):
     r0 = res[0]
     assert r0["type"] == "PeerDied" and r0["rank"] == 1, r0
     # detected by the liveness check, not by the timeout
-    assert r0["t_exc"] - r0["t0"] < fast_bound(W.LIVENESS_MS / 1000, W.DEAD_PEER_TIMEOUT_MS / 1000), r0
+    assert r0["t_exc"] - r0["t0"] < fast_bound(FW.LIVENESS_MS / 1000, FW.DEAD_PEER_TIMEOUT_MS / 1000), r0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from tests._dist import init_gloo
+from tests.ipc_all2all._stand_ins import RecordingCore
 
 
 def worker_from_group_reports_every_rank(rank, world, rdzv, bad_rank):
@@ -18,10 +19,11 @@ def worker_from_group_reports_every_rank(rank, world, rdzv, bad_rank):
     raise AssertionError("from_group succeeded where it must fail")
 
 
-class CpuCore:
-    """The native core's interface on the CPU (no GPU): a host buffer, a handle naming the rank, slots
-    alternating like the real core's; records what the Python layer asks of it. ``launch`` moves no
-    data (the tests that use it check shapes, arguments and the collective plumbing)."""
+class CpuCore(RecordingCore):
+    """The native core's interface on the CPU (no GPU), built as ``_C.Core(rank, world_size, capacity,
+    num_sms, timeout_seconds)`` is: a host buffer, a handle naming the rank, slots alternating like the
+    real core's; records what the Python layer asks of it. ``launch`` moves no data (the tests that
+    use it check shapes, arguments and the collective plumbing)."""
 
     made: list = []  # every core built in this process
 
@@ -29,12 +31,11 @@ class CpuCore:
         from ipc_all2all import _C
 
         CpuCore.made.append(self)
-        self.args = (rank, world_size, capacity, num_sms, timeout_seconds)
-        self.rank, self.cap, self.device = rank, capacity, 0
         self.buf = torch.zeros(_C.buffer_layout(capacity)["total"], dtype=torch.uint8)
-        self.buffer_ptr, self.buffer_bytes = self.buf.data_ptr(), self.buf.numel()
-        self.calls, self.captured_calls, self.launches = 0, 0, []
-        self.destroyed = self.broken = self.opened = False
+        super().__init__(capacity, self.buf)
+        self.args = (rank, world_size, capacity, num_sms, timeout_seconds)
+        self.rank, self.device = rank, 0
+        self.opened = False
         self.handles = None
 
     def ipc_handle(self):
@@ -43,34 +44,8 @@ class CpuCore:
     def open_peers(self, handles):
         self.handles, self.opened = list(handles), True
 
-    @property
-    def next_slot(self):
-        return self.calls % 2
-
-    def slot_offset(self, i):
-        from ipc_all2all import _C
-
-        return _C.buffer_layout(self.cap)["slots"][i][0]
-
-    def capture_id(self, stream):
-        return 0
-
-    def slot_capture(self, slot):
-        return 0
-
-    def launch(self, *args):
-        self.launches.append(args)
-        self.calls += 1
-        return (self.calls - 1) % 2
-
-    def record_last_call(self, stream, capturing):
-        pass
-
     def set_timeout_seconds(self, s):
         self.timeout = s
-
-    def destroy(self, free_buffer=True):
-        self.destroyed = True
 
 
 class _HostBytes:

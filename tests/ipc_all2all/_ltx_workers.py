@@ -1,14 +1,14 @@
 """GPU workers of the LTX drop-in tests (test_ltx_api_gpu.py): the code is written as LTX's model code
 calls LTX's ``All2All`` (the constructor with a group, ``copy_out=``, ``runtime``, the methods under
 ``torch.compile``), and every result is compared bitwise with the plain torch path (permute ->
-all_to_all_single -> permute, all_gather) of tests/ipc_all2all/_workers.py.
+all_to_all_single -> permute, all_gather) of tests/ipc_all2all/_references.py.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from tests.ipc_all2all._workers import (
+from tests.ipc_all2all._references import (
     _assert_same,
     _count_sets,
     _rand,

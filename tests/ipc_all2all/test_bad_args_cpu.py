@@ -5,19 +5,21 @@ slot capacity past int64), an OverflowError or a RuntimeError without the argume
 AttributeError / IndexError / KeyError from inside the package, or a silently wrong value (a dict's
 keys taken as token counts, a numpy bool as a 1 s timeout, a float shape truncated by ``plan``).
 The calls run on the CPU: argument checks that precede the device checks directly, the rest on an
-instance whose native core is the recording stand-in of test_cpu.py.
+instance whose native core is the recording stand-in of _stand_ins.py.
 """
 from __future__ import annotations
 
-import types
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
 import ipc_all2all
-from ipc_all2all import _C, _REGISTRY, _shapes, ops
-from tests.ipc_all2all.test_cpu import _RecordingCore
+from ipc_all2all import _C, _shapes, ops
+from ipc_all2all._registry import INSTANCES
+from tests.ipc_all2all._stand_ins import recording_instance
+
 
 BF16 = torch.bfloat16
 
@@ -25,18 +27,11 @@ BF16 = torch.bfloat16
 @pytest.fixture
 def a2a(monkeypatch):
     """A synced W = 2 instance of rank 1 on the CPU, with a recording core (no GPU)."""
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=7))
-    cap = 1000 * 256 * 2
-    buf = torch.zeros(_C.buffer_layout(cap)["total"], dtype=torch.uint8)
-    core = _RecordingCore(cap, buf)
+    a, core, _ = recording_instance(monkeypatch, comm_id=987650, order_token=ops.order_token("cpu"))
     core.set_timeout_seconds = lambda s: setattr(core, "timeout", s)
-    a = ipc_all2all.All2All.__new__(ipc_all2all.All2All)
-    a.__dict__.update(_plans={}, rank=1, world_size=2, tensor_dtype=BF16, itemsize=2, device=torch.device("cpu"),
-                      capacity=cap, _core=core, _counts=None, _counts_dev=None, _captured_counts={}, _group=None,
-                      _collective=False, comm_id=987650, _buf=buf, _keeper=None, order_token=ops.order_token("cpu"))
-    _REGISTRY[a.comm_id] = a
+    INSTANCES[a.comm_id] = a
     yield a
-    _REGISTRY.pop(a.comm_id, None)
+    INSTANCES.pop(a.comm_id, None)
 
 
 # ------------------------------------------------------------------ slot capacity
@@ -64,6 +59,27 @@ def test_native_core_refuses_a_capacity_before_touching_cuda(capacity):
 def test_largest_capacity_still_accepted():
     assert _shapes.capacity_bytes(2 ** 61, 1, torch.int8) == 2 ** 61
     _C.check_capacity_bytes(2 ** 62 - 2 ** 20)
+
+
+# ------------------------------------------------------------------ dtypes and the grid
+@pytest.mark.parametrize("name", ["quint8", "qint8", "qint32"])
+def test_quantized_dtypes_are_refused(name):
+    # Their scale and zero point are not in the bytes that move (and copy_output cannot allocate one).
+    dtype = getattr(torch, name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates quantized dtypes
+        with pytest.raises(ValueError, match=f"tensor_dtype torch.{name} is a quantized dtype"):
+            _shapes.element_size(dtype)
+        with pytest.raises(ValueError, match="quantized"):
+            ipc_all2all.All2All(0, 2, 10, 4096, 132, dtype)
+
+
+def test_num_sms_beyond_the_grid_limit_is_an_argument_error():
+    # Before the device checks: on a machine without a GPU this used to say "needs a CUDA device".
+    with pytest.raises(ValueError, match=r"num_sms \(70000\) is out of range.*65535"):
+        ipc_all2all.All2All(0, 2, 10, 4096, 70000, torch.bfloat16)
+    with pytest.raises(ValueError, match="num_sms must be an int >= world_size"):
+        ipc_all2all.All2All(0, 4, 10, 4096, 3, torch.bfloat16)
 
 
 # ------------------------------------------------------------------ timeouts

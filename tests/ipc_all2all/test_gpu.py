@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests._dist import run_workers
-from tests.ipc_all2all import _workers as w
+from tests.ipc_all2all import _fault_workers as fw, _workers as w
 
 ALL_DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
 
@@ -51,7 +51,7 @@ def test_skipped_call_times_out_with_a_clear_error(tmp_path):
     deadline; a call they had queued behind the failed one does not run (CommError, not a second
     timeout); the late rank's own call fails at once; a new instance works."""
     world = _world()
-    res = run_workers(w.worker_timeout, world, tmp_path=tmp_path, timeout=120)
+    res = run_workers(fw.worker_timeout, world, tmp_path=tmp_path, timeout=120)
     for rank, r in enumerate(res[:-1]):
         assert r["rank"] == rank and r["peer"] == world - 1, r
         assert "send_recv_heads" in r["op"], r
@@ -67,7 +67,7 @@ def test_skipped_call_with_different_operation_raises_on_every_rank(tmp_path):
     send_recv_heads: the handshake signature tells them apart and every rank raises (no garbage, no
     wait for the deadline); the calls before the skipped one were right."""
     world = _world()
-    res = run_workers(w.worker_skipped_call, world, tmp_path=tmp_path, timeout=120)
+    res = run_workers(fw.worker_skipped_call, world, tmp_path=tmp_path, timeout=120)
     for rank, r in enumerate(res):
         assert r["rank"] == rank and r["elapsed"] < 15.0, r  # deadline 30 s: not a timeout
         if rank == 1:
@@ -82,13 +82,13 @@ def test_skipped_call_three_ranks(tmp_path):
     """The two skipped-call cases with 3 ranks, where a rank marked failed by one peer is still awaited
     by another: it posts its entry as abandoned, so nobody waits out a deadline for it (the mismatch
     case has a 30 s deadline and must end in well under it on every rank)."""
-    res = run_workers(w.worker_skipped_call, 3, tmp_path=tmp_path, timeout=120)
+    res = run_workers(fw.worker_skipped_call, 3, tmp_path=tmp_path, timeout=120)
     for rank, r in enumerate(res):
         assert r["rank"] == rank and r["elapsed"] < 15.0, r
         if rank != 1:
             assert r["peer"] == 1 and "peer 1 is running gather_heads while this rank runs send_recv_heads" \
                 in r["msg"], r
-    res = run_workers(w.worker_timeout, 3, tmp_path=tmp_path, timeout=120)
+    res = run_workers(fw.worker_timeout, 3, tmp_path=tmp_path, timeout=120)
     for rank, r in enumerate(res[:-1]):
         assert r["rank"] == rank and r["peer"] == 2 and r["elapsed"] < 11.0 and r["queued_s"] < 5.0, r
     assert res[-1]["peer"] in (0, 1) and res[-1]["late_s"] < 1.0, res[-1]
@@ -102,13 +102,13 @@ def test_calls_on_two_streams_run_one_after_the_other(tmp_path):
 
 @MULTI
 def test_handle_checks_view_lifetime_and_graph_rules(tmp_path):
-    res = run_workers(w.worker_lifetimes_and_checks, _world(), tmp_path=tmp_path, timeout=120)
+    res = run_workers(fw.worker_lifetimes_and_checks, _world(), tmp_path=tmp_path, timeout=120)
     assert res == [True] * _world()
 
 
 @MULTI
 def test_view_dropped_inside_a_capture_frees_after_it(tmp_path):
-    res = run_workers(w.worker_release_in_capture, _world(), tmp_path=tmp_path, timeout=120)
+    res = run_workers(fw.worker_release_in_capture, _world(), tmp_path=tmp_path, timeout=120)
     assert res == [True] * _world()
 
 
@@ -121,7 +121,7 @@ def test_validation_before_launch(tmp_path):
 
 @MULTI
 def test_create_destroy_loop_leaks_nothing(tmp_path):
-    res = run_workers(w.worker_leak, _world(), 30, tmp_path=tmp_path, timeout=150)
+    res = run_workers(fw.worker_leak, _world(), 30, tmp_path=tmp_path, timeout=150)
     print("device bytes lost over 30 loops per rank:", res)
 
 
@@ -166,5 +166,5 @@ def test_destroy_racing_calls_in_another_thread(tmp_path):
     """destroy() (which waits for the device without the GIL) while another thread keeps calling: every
     call completes or raises CommError "destroyed", none touches freed memory, the context stays usable.
     Not yet run on a GPU."""
-    (ends,) = run_workers(w.worker_destroy_races_calls, 1, 50, tmp_path=tmp_path, timeout=180)
+    (ends,) = run_workers(fw.worker_destroy_races_calls, 1, 50, tmp_path=tmp_path, timeout=180)
     assert ends["refused"] == 50, ends

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import ipc_all2all
-from ipc_all2all import _REGISTRY, _shapes as S, ops
+from ipc_all2all import _shapes as S, ops
+from ipc_all2all._registry import INSTANCES
 from tests.ipc_all2all import _cpu_workers
 
 BF16 = torch.bfloat16
@@ -303,6 +304,6 @@ def test_ops_pass_opcheck(stand_ins, monkeypatch):
         torch.library.opcheck(torch.ops.ipc_all2all.gather_heads.default, (y, a.order_token, a.comm_id, 5, 2))
         t = torch.randn(1, 5, 2, 16).to(BF16)
         torch.library.opcheck(torch.ops.ipc_all2all.allgather.default, (t, a.order_token, a.comm_id, 8, 2))
-        assert a.comm_id in _REGISTRY and ops.order_token("cpu") is a.order_token
+        assert a.comm_id in INSTANCES and ops.order_token("cpu") is a.order_token
     finally:
         a.destroy()

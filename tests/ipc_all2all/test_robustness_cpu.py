@@ -1,104 +1,19 @@
 """CPU tests of ipc_all2all's protections against ranks falling out of step and against memory misuse:
-compiled ops that keep every collective call, the handshake signature and the host's messages, the
+the handshake signature and the host's messages, the failure mark and the entry-post rule, the
 handle checks of sync(), view lifetimes and the CUDA-graph rules of the Python layer. The GPU halves
 of these live in test_gpu.py."""
 from __future__ import annotations
 
 import gc
-import types
 import weakref
 
-import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
-import ipc_all2all
-from ipc_all2all import _C, _REGISTRY, ops
-from tests.ipc_all2all.test_cpu import _RecordingCore
+from ipc_all2all import _C
+from tests.ipc_all2all._stand_ins import recording_instance, synced_instance
 
 SEND, GATHER, ALLGATHER = _C.OP_SEND_RECV_HEADS, _C.OP_GATHER_HEADS, _C.OP_ALLGATHER
-
-
-# ------------------------------------------------------------------ torch.compile keeps every call
-class _CountingComm:
-    """Stands in for the native communicator of rank ``rank`` (W = 2, counts [0, 8]): records every
-    collective call the compiled code makes and returns random data of the right shape."""
-
-    def __init__(self, counts, rank):
-        self.world_size, self.rank, self._counts = len(counts), rank, list(counts)
-        self.comm_id = 880000 + rank
-        self.order_token = ops.order_token("cpu")
-        self.log = []
-
-    @property
-    def rank_tokens(self):
-        return list(self._counts)
-
-    def send_recv_heads(self, x, copy_output=False, fp8_wire=False):
-        self.log.append("send_recv_heads")
-        b, _, H, D = x.shape
-        return torch.randn(b, sum(self._counts), H // self.world_size, D)
-
-    def gather_heads(self, y, copy_output=False, fp8_wire=False):
-        self.log.append("gather_heads")
-        b, _, hpr, D = y.shape
-        return torch.randn(b, self._counts[self.rank], hpr * self.world_size, D)
-
-    def allgather(self, x, copy_output=False):
-        self.log.append("allgather")
-        b, _, h, d = x.shape
-        return torch.randn(b, sum(self._counts), h, d)
-
-
-_H, _D = 4, 16
-_EXPECTED_CALLS = ["send_recv_heads", "allgather", "send_recv_heads", "send_recv_heads", "gather_heads"]
-
-
-def _attention_block(x, comm, proj):
-    q = ops.send_recv_heads(x, comm)
-    ops.allgather(x, comm)  # nothing reads it: still a collective the peers wait for
-    k = ops.send_recv_heads(x, comm)
-    v = ops.send_recv_heads(x, comm)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    o = ops.gather_heads(o.transpose(1, 2).contiguous(), comm)  # [1, 0, H, D] on the empty rank
-    return proj(o.flatten(2))
-
-
-@pytest.mark.parametrize("backend,grad", [("inductor", False), ("inductor", True), ("aot_eager", False)],
-                         ids=["inductor", "inductor-grad", "aot_eager"])
-def test_compiled_block_makes_the_same_collective_calls_on_a_zero_token_rank(backend, grad):
-    """Rank 0 holds no tokens, so its gather_heads output is [1, 0, H, D] and an allgather's output is
-    unused on both ranks: compiled with fullgraph=True, both ranks must still make every call, in
-    program order (inductor used to delete the empty rank's gather_heads, and the ranks then paired
-    mismatched calls)."""
-    proj = torch.nn.Linear(_H * _D, _H * _D)
-    logs = []
-    for rank in (0, 1):
-        comm = _CountingComm([0, 8], rank)
-        _REGISTRY[comm.comm_id] = comm
-        try:
-            torch._dynamo.reset()
-            fn = torch.compile(_attention_block, backend=backend, fullgraph=True)
-            x = torch.randn(1, comm.rank_tokens[rank], _H, _D)
-            with torch.set_grad_enabled(grad):
-                out = fn(x, comm, proj)
-                out = fn(x, comm, proj)  # the cached graph too
-            assert out.shape == (1, comm.rank_tokens[rank], _H * _D)
-        finally:
-            _REGISTRY.pop(comm.comm_id, None)
-        logs.append(comm.log)
-    assert logs[0] == logs[1] == _EXPECTED_CALLS * 2, logs
-
-
-def test_ops_declare_the_order_token_mutated():
-    for name in ("send_recv_heads", "gather_heads", "allgather"):
-        schema = getattr(torch.ops.ipc_all2all, name).default._schema
-        assert schema.is_mutable and "Tensor(a1!) token" in str(schema), schema
-    # one token per device, shared by every instance there (so calls of different instances keep
-    # their order too)
-    assert ops.order_token("cpu") is ops.order_token(torch.device("cpu"))
-    assert ops.order_token("cpu").numel() == 1
 
 
 # ------------------------------------------------------------------ the handshake signature
@@ -236,33 +151,8 @@ def test_sync_refuses_mismatched_handles_before_opening_anything(case, match):
 
 
 # ------------------------------------------------------------------ the Python layer: views and graphs
-def _instance(monkeypatch, cap=1000 * 256 * 2):
-    """An All2All over a recording stand-in for the native core, with a CPU stand-in for the buffer tensor
-    that, like torch.as_tensor(__cuda_array_interface__), keeps its interface object alive."""
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=7))
-    backing = torch.zeros(_C.buffer_layout(cap)["total"], dtype=torch.uint8)
-
-    class _HostBytes:  # numpy's analogue of __cuda_array_interface__: the array holds this object
-        def __init__(self, keeper):
-            self.keeper, self.backing = keeper, backing
-            self.__array_interface__ = {"shape": (backing.numel(),), "typestr": "|u1", "version": 3,
-                                        "data": (backing.data_ptr(), False)}
-
-    monkeypatch.setattr(ipc_all2all._lifetime, "_buffer_tensor",
-                        lambda keeper, device: torch.from_numpy(np.asarray(_HostBytes(keeper))))
-    core = _RecordingCore(cap, backing)
-    a = ipc_all2all.All2All.__new__(ipc_all2all.All2All)
-    a.__dict__.update(_plans={}, rank=1, world_size=2, tensor_dtype=torch.bfloat16, itemsize=2,
-                      device=torch.device("cpu"), capacity=cap, _core=core, _counts=None, _counts_dev=None, _captured_counts={},
-                      _group=None, _collective=False, comm_id=-3, _buf=None, _keeper=None,
-                      order_token=ops.order_token("cpu"))
-    a.sync([b"h0", b"h1"])
-    a.set_rank_tokens([3, 5])
-    return a, core
-
-
 def test_views_keep_the_buffer_alive_past_destroy(monkeypatch):
-    a, core = _instance(monkeypatch)
+    a, core = synced_instance(monkeypatch)
     y = a.send_recv_heads(torch.zeros(1, 5, 8, 32, dtype=torch.bfloat16))
     assert a._keeper() is not None and a._keeper().owner is core  # the view's owner holds the core
     a.destroy()
@@ -272,14 +162,14 @@ def test_views_keep_the_buffer_alive_past_destroy(monkeypatch):
     gc.collect()
     assert core.released, "the buffer must be freed with its last view"
     # without views, destroy frees at once
-    b, core_b = _instance(monkeypatch)
+    b, core_b = synced_instance(monkeypatch)
     b.send_recv_heads(torch.zeros(1, 5, 8, 32, dtype=torch.bfloat16), copy_output=True)
     b.destroy()
     assert core_b.destroyed and core_b.released
 
 
 def test_a_dropped_instance_does_not_free_under_a_view(monkeypatch):
-    a, core = _instance(monkeypatch)
+    a, core = synced_instance(monkeypatch)
     y = a.gather_heads(torch.zeros(1, 8, 4, 32, dtype=torch.bfloat16))
     core_ref = weakref.ref(core)
     with pytest.warns(ResourceWarning, match="not destroyed"):
@@ -294,7 +184,7 @@ def test_a_dropped_instance_does_not_free_under_a_view(monkeypatch):
 def test_graph_capture_rules(monkeypatch):
     """Inside a capture an input may be a view only of a call of the same capture; once calls are
     captured, eager calls return copies (a replay may rewrite either slot behind the host's back)."""
-    a, core = _instance(monkeypatch)
+    a, core = synced_instance(monkeypatch)
     buf = a._buf
     x = torch.zeros(1, 5, 8, 32, dtype=torch.bfloat16)
     eager_view = a.send_recv_heads(x)                                     # slot 0, eager
@@ -317,3 +207,30 @@ def test_graph_capture_rules(monkeypatch):
     assert w.shape == (1, 8, 4, 32)
     w = a.send_recv_heads(x, copy_output=True)
     assert not (buf.data_ptr() <= w.data_ptr() < buf.data_ptr() + buf.numel())
+
+
+def test_a_captured_counts_tensor_outlives_set_rank_tokens(monkeypatch):
+    """A graph captured with device counts reads that tensor by address at every replay: replacing it
+    with set_rank_tokens(other) must not let it be freed. An eager call keeps no extra reference."""
+    a, core, _ = recording_instance(monkeypatch)
+    x = torch.zeros(1, 5, 8, 32, dtype=torch.bfloat16)
+
+    eager = torch.tensor([3, 5], dtype=torch.int32)
+    a.set_rank_tokens(eager)
+    a.send_recv_heads(x, copy_output=True)
+    assert core.launches[-1][10] == eager.data_ptr()
+    gone = weakref.ref(eager)
+    a.set_rank_tokens(torch.tensor([5, 5], dtype=torch.int32))
+    del eager
+    assert gone() is None, "an eager call must not keep the counts tensor"
+
+    captured = torch.tensor([2, 4], dtype=torch.int32)
+    a.set_rank_tokens(captured)
+    core.capture = 9
+    a.send_recv_heads(x, copy_output=True)
+    core.capture = 0
+    kept = weakref.ref(captured)
+    a.set_rank_tokens(torch.tensor([1, 1], dtype=torch.int32))
+    del captured
+    assert kept() is not None, "a replay would read a freed counts tensor"
+    assert core.launches[-1][10] == kept().data_ptr()

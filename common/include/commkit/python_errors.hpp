@@ -7,6 +7,10 @@
 //                                    expected, observed
 //   and translates commkit::ValueError to the builtin ValueError. Packages may subclass these
 //   Python types in their own Python code; the C++ side always raises these.
+//   Every translated error but ValueError also carries `where` ("file.cpp:line", error_where(e)).
+//
+//   commkit::error_where(e) -> "file.cpp:line" of a commkit::Error's source location, for a package
+//   that translates commkit errors to its own Python classes (keeping the same attributes).
 //
 //   The translator is module-local (pybind11::register_local_exception_translator): pybind11's
 //   global translator list is shared by every extension in the process, so a global translator
@@ -23,6 +27,11 @@
 
 namespace commkit {
 
+inline std::string error_where(const Error& e) {
+  const char* base = std::strrchr(e.file(), '/');
+  return std::string(base ? base + 1 : e.file()) + ":" + std::to_string(e.line());
+}
+
 inline void register_python_errors(pybind11::module_& m) {
   namespace py = pybind11;
   static py::handle comm_error;
@@ -35,8 +44,7 @@ inline void register_python_errors(pybind11::module_& m) {
       py::object exc = type(py::str(e.what()));
       attrs["rank"] = e.rank();
       attrs["peer"] = e.peer();
-      const char* base = std::strrchr(e.file(), '/');
-      attrs["where"] = py::str(std::string(base ? base + 1 : e.file()) + ":" + std::to_string(e.line()));
+      attrs["where"] = py::str(error_where(e));
       for (auto item : attrs) py::setattr(exc, item.first, item.second);
       PyErr_SetObject(type.ptr(), exc.ptr());
     };

@@ -6,16 +6,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <pthread.h>
-
-#include <atomic>
-#include <chrono>
-#include <cstring>
-#include <optional>
+#include <memory>
 #include <string>
-#include <thread>
+#include <utility>
 
 #include "backend.hpp"
+#include "commkit/gil.hpp"
 #include "commkit/python_errors.hpp"
 #include "commkit/shm.hpp"
 #include "transport.hpp"
@@ -25,101 +21,24 @@ using namespace fp8lw;
 
 namespace {
 
-bool python_finalizing() {
-#if PY_VERSION_HEX >= 0x030D0000
-  return Py_IsFinalizing() != 0;
-#else
-  return _Py_IsFinalizing() != 0;
-#endif
-}
-
 // ---- the GIL at interpreter exit ------------------------------------------------------------------
-// Once the interpreter finalizes, CPython (before 3.14) ends any other thread that waits for the GIL
-// with pthread_exit, and its forced unwinding aborts the whole process (std::terminate) at the first
-// C++ destructor or noexcept frame it meets. A daemon thread blocked in a call of this module (wait,
-// join, a layer loop, a Python writer) asks for the GIL when the call returns, every 50 ms in the
-// interrupt hook, and per expert in a Python writer: the interpreter's exit killed the process with
-// SIGABRT ("terminate called without an active exception", "FATAL: exception not rethrown").
-//
-// So this module never lets another thread wait for the GIL once the exit began: an atexit hook, which
-// runs before the finalization, closes a gate and then (GIL released) lets a thread already past it
-// take the GIL and leave. Behind the gate a thread that would wait for the GIL instead
-//   * returning from a native call (ReleaseGil): parks until the process exits (what CPython 3.14
-//     does with such threads); the call itself has left, so close() of its transport is not held up;
+// A daemon thread blocked in a call of this module (wait, join, a layer loop, a Python writer) asks for
+// the GIL when the call returns, every 50 ms in the interrupt hook, and per expert in a Python writer;
+// once the interpreter finalizes, CPython (before 3.14) ends such a waiter with pthread_exit, which
+// aborted the whole process (SIGABRT: "terminate called without an active exception", "FATAL:
+// exception not rethrown"). So every call here releases the GIL through commkit's exit gate
+// (commkit/gil.hpp, installed in the module init). Behind the closed gate a thread that would wait for
+// the GIL instead
+//   * returning from a native call (GatedGilRelease): parks until the process exits; the call itself
+//     has left, so close() of its transport is not held up;
 //   * in the interrupt hook: reports no interruption (only the main thread handles signals anyway);
 //   * in a Python writer: fails the writer (the layer is poisoned, so the peers stop at once).
-// The thread that runs the exit (and, as a fallback, whichever thread holds the GIL once
-// Py_IsFinalizing is true) is never gated: its __del__ / close() calls proceed. What a Python writer
-// itself runs is out of reach: a daemon thread that the exit catches inside the writer's own Python
-// code (a torch op, time.sleep) dies there, in frames that are not this module's.
-std::atomic<bool> g_exiting{false};
-std::atomic<unsigned long> g_exit_thread{0};
-std::atomic<int> g_entering{0};  // threads between the gate check and holding the GIL
-thread_local bool t_exit_thread = false;
-
-constexpr auto kGateDrainMax = std::chrono::seconds(2);
-
-bool gate_closed() {
-  if (!g_exiting.load() && !python_finalizing()) return false;
-  return !t_exit_thread && PyThread_get_thread_ident() != g_exit_thread.load();
+// What a Python writer itself runs is out of reach: a daemon thread that the exit catches inside the
+// writer's own Python code (a torch op, time.sleep) dies there, in frames that are not this module's.
+template <typename F>
+auto without_gil(F&& f) {
+  return commkit::without_gil<commkit::GatedGilRelease>(std::forward<F>(f));
 }
-
-[[noreturn]] void park_until_exit() noexcept {
-  for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
-}
-
-// The atexit hook (GIL held, on the thread that runs the exit).
-void close_gil_gate() {
-  g_exit_thread.store(PyThread_get_thread_ident());
-  g_exiting.store(true);
-  if (g_entering.load() == 0) return;
-  PyThreadState* ts = PyEval_SaveThread();  // let the threads already past the gate take the GIL
-  const auto until = std::chrono::steady_clock::now() + kGateDrainMax;
-  while (g_entering.load() != 0 && std::chrono::steady_clock::now() < until)
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  PyEval_RestoreThread(ts);
-}
-
-// Releases the GIL for a native call (as py::gil_scoped_release) and takes it back afterwards, or parks
-// the thread there once the gate is closed (see above).
-class ReleaseGil {
- public:
-  ReleaseGil() {
-    if (python_finalizing()) t_exit_thread = true;  // only the finalizing thread can hold the GIL now
-    state_ = PyEval_SaveThread();
-  }
-  ~ReleaseGil() {
-    g_entering.fetch_add(1);
-    if (gate_closed()) {
-      g_entering.fetch_sub(1);
-      park_until_exit();
-    }
-    PyEval_RestoreThread(state_);
-    g_entering.fetch_sub(1);
-  }
-  ReleaseGil(const ReleaseGil&) = delete;
-  ReleaseGil& operator=(const ReleaseGil&) = delete;
-
- private:
-  PyThreadState* state_ = nullptr;
-};
-
-// py::gil_scoped_acquire for a callback on a thread that released the GIL in a native call of this
-// module, unless the gate is closed: then held() is false and the GIL was not asked for.
-class GatedAcquire {
- public:
-  GatedAcquire() {
-    struct Entering {
-      Entering() { g_entering.fetch_add(1); }
-      ~Entering() { g_entering.fetch_sub(1); }
-    } entering;
-    if (!gate_closed()) gil_.emplace();
-  }
-  bool held() const { return gil_.has_value(); }
-
- private:
-  std::optional<py::gil_scoped_acquire> gil_;
-};
 
 py::dict stats_dict(const Stats& s) {
   py::dict d;
@@ -153,7 +72,7 @@ Writer wrap_python_writer(py::function fn, std::shared_ptr<WriterEscape> escape)
   auto holder = std::make_shared<py::function>(std::move(fn));
   return [holder, escape](int e, const std::vector<uintptr_t>& a, const std::vector<uintptr_t>& b,
                           const std::vector<uintptr_t>& c, const std::vector<uintptr_t>& d) {
-    GatedAcquire gil;
+    commkit::GatedGilAcquire gil;
     if (!gil.held())
       throw std::runtime_error("the Python interpreter is exiting: this thread may not run a Python writer");
     try {
@@ -189,8 +108,8 @@ thread_local SavedPyError t_interrupt;
 // main thread runs them; elsewhere this is a no-op); when one raised, keeps its exception for the
 // translator and names it, so the native call poisons the region and raises InterruptedError.
 std::string check_python_signals() noexcept {
-  if (python_finalizing()) return std::string();
-  GatedAcquire gil;
+  if (commkit::python_finalizing()) return std::string();
+  commkit::GatedGilAcquire gil;
   if (!gil.held() || PyErr_CheckSignals() == 0) return std::string();
   t_interrupt.clear();
   PyErr_Fetch(&t_interrupt.type, &t_interrupt.value, &t_interrupt.tb);
@@ -203,15 +122,8 @@ std::string check_python_signals() noexcept {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fp8_layerwise native core (torch-free)";
-  // Closes the GIL gate when the interpreter exits (see ReleaseGil), before it starts finalizing. A
-  // forked child starts with the gate open (the parent's threads are not in it).
-  py::module_::import("atexit").attr("register")(py::cpp_function(&close_gil_gate));
-  static const int atfork = pthread_atfork(nullptr, nullptr, [] {
-    g_exiting.store(false);
-    g_exit_thread.store(0);
-    g_entering.store(0);
-  });
-  (void)atfork;
+  // Closes the GIL gate when the interpreter exits, before it starts finalizing (see above).
+  commkit::install_exit_gate();
   commkit::register_python_errors(m);
   // Module-local like the commkit translators and registered after them, so it is tried first.
   // fp8_layerwise documents TransportError as the base of every runtime error it raises, so every
@@ -226,10 +138,6 @@ PYBIND11_MODULE(_C, m) {
   py::register_local_exception_translator([](std::exception_ptr p) {
     if (!p) return;
     auto raise = [](py::object exc) { PyErr_SetObject(py::type::handle_of(exc).ptr(), exc.ptr()); };
-    auto where = [](const commkit::Error& e) {
-      const char* base = std::strrchr(e.file(), '/');
-      return std::string(base ? base + 1 : e.file()) + ":" + std::to_string(e.line());
-    };
     auto errors = [] { return py::module_::import("fp8_layerwise.errors"); };
     try {
       std::rethrow_exception(p);
@@ -251,10 +159,11 @@ PYBIND11_MODULE(_C, m) {
           raise(errors().attr("_from_native")(pe->code(), pe->poison_rank(), pe->message(), std::string(e.what()),
                                               pe->peer()));
         } else if (const auto* te = dynamic_cast<const commkit::TimeoutError*>(&e)) {
-          raise(errors().attr("_from_native_timeout")(std::string(e.what()), e.rank(), e.peer(), where(e),
-                                                      te->operation(), te->expected(), te->observed()));
+          raise(errors().attr("_from_native_timeout")(std::string(e.what()), e.rank(), e.peer(),
+                                                      commkit::error_where(e), te->operation(), te->expected(),
+                                                      te->observed()));
         } else {
-          raise(errors().attr("_from_native_error")(std::string(e.what()), e.rank(), e.peer(), where(e),
+          raise(errors().attr("_from_native_error")(std::string(e.what()), e.rank(), e.peer(), commkit::error_where(e),
                                                     dynamic_cast<const ClosedError*>(&e) != nullptr));
         }
       } catch (py::error_already_set& err) {
@@ -273,7 +182,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_host_register", &cuda_host_register, py::arg("ptr"), py::arg("nbytes"), py::arg("device"));
   m.def("cuda_host_unregister", &cuda_host_unregister, py::arg("ptr"));
   m.def("cuda_h2d_seconds", &cuda_h2d_seconds, py::arg("device"), py::arg("dst"), py::arg("src"), py::arg("nbytes"),
-        py::arg("iters"), py::call_guard<ReleaseGil>(),
+        py::arg("iters"), py::call_guard<commkit::GatedGilRelease>(),
         "Reference: seconds for `iters` plain cudaMemcpyAsync H2D copies (event timing).");
   m.def("initialize_fp8_layerwise_control", &initialize_control, py::arg("control_ptr"), py::arg("control_size"),
         py::arg("tp_size"), py::arg("num_slots") = 2,
@@ -359,8 +268,7 @@ PYBIND11_MODULE(_C, m) {
             for (const auto& v : dst)
               for (auto p : v) CK_CHECK_ARG(p != 0, "dst pointer is null");
             const std::vector<uintptr_t>* d[kKinds] = {&dst[0], &dst[1], &dst[2], &dst[3]};
-            ReleaseGil nogil;
-            w.write(expert, d);
+            without_gil([&] { w.write(expert, d); });
           },
           py::arg("expert"), py::arg("dst"),
           "Copy every rank's shard of `expert` (0..num_experts-1, else ValueError) into dst[kind][rank].");
@@ -381,9 +289,10 @@ PYBIND11_MODULE(_C, m) {
              o.coalesce_wait = coalesce_wait;
              o.batch_small_kinds = batch_small_kinds;
              o.interrupt_check = check_python_signals;
-             ReleaseGil nogil;
-             return new Transport(control_ptr, control_size, rank, tp_size, cuda_device, local_host_ptrs,
-                                  local_gpu_ptrs, all_rank_host_ptrs, expert_nbytes, num_experts, timeout_ms, o);
+             return without_gil([&] {
+               return new Transport(control_ptr, control_size, rank, tp_size, cuda_device, local_host_ptrs,
+                                    local_gpu_ptrs, all_rank_host_ptrs, expert_nbytes, num_experts, timeout_ms, o);
+             });
            }),
            py::arg("control_ptr"), py::arg("control_size"), py::arg("rank"), py::arg("tp_size"),
            py::arg("cuda_device"), py::arg("local_host_ptrs"), py::arg("local_gpu_ptrs"),
@@ -392,16 +301,11 @@ PYBIND11_MODULE(_C, m) {
            py::arg("coalesce") = true, py::arg("liveness_ms") = 20, py::arg("copy_streams") = 2,
            py::arg("coalesce_wait") = false, py::arg("batch_small_kinds") = true)
       .def("join", &Transport::join, py::arg("epoch"), py::arg("layer_id"), py::arg("expert_count"),
-           py::call_guard<ReleaseGil>())
+           py::call_guard<commkit::GatedGilRelease>())
       .def(
           "wait",
           [](Transport& t, uint64_t epoch) {
-            Stats s;
-            {
-              ReleaseGil nogil;
-              s = t.wait(epoch);
-            }
-            return stats_dict(s);
+            return stats_dict(without_gil([&] { return t.wait(epoch); }));
           },
           py::arg("epoch"))
       .def(
@@ -409,16 +313,14 @@ PYBIND11_MODULE(_C, m) {
           [](Transport& t, uint64_t epoch, int64_t layer_id, int expert_count, py::object writer) {
             if (py::isinstance<ShardWriter>(writer)) {
               const ShardWriter& w = writer.cast<const ShardWriter&>();
-              ReleaseGil nogil;
-              t.run_producer_native(epoch, layer_id, expert_count, w);
+              without_gil([&] { t.run_producer_native(epoch, layer_id, expert_count, w); });
               return;
             }
             if (!PyCallable_Check(writer.ptr())) throw py::type_error("writer must be a ShardWriter or a callable");
             auto escape = std::make_shared<WriterEscape>();
             Writer w = wrap_python_writer(py::reinterpret_borrow<py::function>(writer), escape);
             try {
-              ReleaseGil nogil;
-              t.run_producer(epoch, layer_id, expert_count, w);
+              without_gil([&] { t.run_producer(epoch, layer_id, expert_count, w); });
             } catch (const commkit::Error&) {
               // The writer raised KeyboardInterrupt / SystemExit: the region is poisoned (WRITER), and
               // the caller gets that exception back rather than TransportPoisoned.
@@ -429,11 +331,12 @@ PYBIND11_MODULE(_C, m) {
           py::arg("epoch"), py::arg("layer_id"), py::arg("expert_count"), py::arg("writer"),
           "Rank 0: fill every rank's slots expert by expert (writer(expert, w13[r], w13s[r], w2[r], w2s[r]) "
           "or a native ShardWriter).")
-      .def("close", &Transport::close, py::call_guard<ReleaseGil>(),
+      .def("close", &Transport::close, py::call_guard<commkit::GatedGilRelease>(),
            "Close; returns False when a call of another thread (or of this one, closing from inside the writer) "
            "was still inside after the deadline: the control region and the slots must then stay mapped.")
-      .def("reset", &Transport::reset, py::call_guard<ReleaseGil>())
-      .def("poison", &Transport::poison, py::arg("code"), py::arg("message"), py::call_guard<ReleaseGil>())
+      .def("reset", &Transport::reset, py::call_guard<commkit::GatedGilRelease>())
+      .def("poison", &Transport::poison, py::arg("code"), py::arg("message"),
+           py::call_guard<commkit::GatedGilRelease>())
       .def_property_readonly("poisoned", &Transport::poisoned)
       .def("last_poison", [](const Transport& t) { return stats_dict(t.last_poison()); })
       .def_property_readonly("rank", &Transport::rank)

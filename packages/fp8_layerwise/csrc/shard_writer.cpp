@@ -32,7 +32,7 @@ namespace fp8lw {
 // Persistent workers that hand-off jobs by a generation counter. Between the experts of a layer
 // (one job every ~100 us) they spin on it for up to kSpinNs and so start within a microsecond; only
 // an idle pool sleeps on a condition variable. Waking 11 sleeping threads and joining them through
-// condition variables cost ~30 us per expert on the GPU machine: 68 us for a 5.5 MB expert that a
+// condition variables cost ~30 us per expert on the 32-CPU H200 host of BENCHMARKS.md: 68 us for a 5.5 MB expert that a
 // plain parallel copy moves in 36 us (BENCHMARKS.md, "Writer alone").
 class WriterPool {
  public:

@@ -13,6 +13,7 @@
 
 #include "a2a_types.hpp"
 #include "commkit/platform.hpp"
+#include "kernels.hpp"
 
 namespace ipc_all2all {
 

@@ -1,4 +1,5 @@
-// a2a_types.hpp -- the shared-buffer layout, the signal block and the kernel arguments of ipc_all2all.
+// a2a_types.hpp -- the shared-buffer layout, the signal block and the handshake words of ipc_all2all
+// (the kernels' arguments are in kernels.hpp).
 //
 // Every rank owns ONE device allocation, exported by one CUDA IPC handle:
 //
@@ -41,7 +42,6 @@
 #include <cstdint>
 
 #include "commkit/layout.hpp"
-#include "commkit/timeout_record.hpp"
 
 namespace ipc_all2all {
 
@@ -163,64 +163,11 @@ CK_HD constexpr GridPlan grid_plan(int num_blocks, int world, int self_blocks_hi
   return g;
 }
 
-// Everything one launch needs, passed by value (so a CUDA graph captures it whole).
-struct KernelArgs {
-  char* dst[kMaxWorld];         // slot base of the current slot in every rank's buffer (indexed by rank)
-  Signals* sig[kMaxWorld];      // every rank's signal block (indexed by rank)
-  const char* x;                // input, see the per-op geometry in kernels.cu
-  const int32_t* counts_dev;    // [world] token counts on the device, or nullptr: use counts[]
-  int32_t counts[kMaxWorld];    // [world] token counts given on the host
-  commkit::TimeoutRecord* rec;  // host-mapped timeout record
-  uint64_t timeout_ns;          // 0: wait forever
-  int64_t x_rows;               // rows (tokens) per batch of x, i.e. x.shape[1]
-  int64_t out_rows;             // rows per batch of the output; -1: derived from the counts
-  int64_t cap_rows;             // device-count mode: counts are clamped to this; -1: no clamp
-  uint32_t chunk_bytes;         // bytes moved per (batch, token) for one target, multiple of 16
-  uint32_t wide_bytes;          // bytes of a full token row with all heads (H * D * elem)
-  int32_t rank, world, batch, op;
-  int32_t self_blocks, per_peer;
-  int32_t pack_head_dim;        // 0: move x's bytes as they are; D: x holds bf16 head vectors of D
-                                // elements, packed on the fly into fp8 records of D + 16 bytes (the
-                                // geometry above is then in record bytes)
-  uint32_t sig_base;            // the signature's host part (geometry_signature); the kernel adds the counts
-};
-
-// The host part of a call's signature (see sig_mix): operation, slot and geometry.
-CK_HD constexpr uint32_t geometry_signature(const KernelArgs& a, int slot) {
-  uint32_t h = 0x811c9dc5u;
-  h = sig_mix(h, static_cast<uint64_t>(a.op));
-  h = sig_mix(h, static_cast<uint64_t>(a.world));
-  h = sig_mix(h, static_cast<uint64_t>(a.batch));
-  h = sig_mix(h, a.chunk_bytes);
-  h = sig_mix(h, a.wide_bytes);
-  h = sig_mix(h, static_cast<uint64_t>(a.out_rows));
-  h = sig_mix(h, static_cast<uint64_t>(a.cap_rows));
-  h = sig_mix(h, static_cast<uint64_t>(a.pack_head_dim));
-  return (static_cast<uint32_t>(a.op + 1) << 28) | (static_cast<uint32_t>(slot & 1) << 27) | (h & kSigHashMask);
-}
-
 // The full signature: the host part with the resolved token counts n[0..world) folded into its hash.
 CK_HD inline uint32_t call_signature(uint32_t base, const int64_t* n, int world) {
   uint32_t h = base;
   for (int i = 0; i < world; ++i) h = sig_mix(h, static_cast<uint64_t>(n[i]));
   return (base & ~kSigHashMask) | (h & kSigHashMask);
-}
-
-// The geometry part of KernelArgs (no pointers, counts or grid split), shared by the launch path and
-// the host-side helpers that replay the kernel's addressing.
-inline KernelArgs geometry_args(int op, int world, int rank, int batch, int64_t x_rows, int64_t out_rows,
-                                int64_t cap_rows, int64_t chunk_bytes, int64_t wide_bytes) {
-  KernelArgs a{};
-  a.op = op;
-  a.rank = rank;
-  a.world = world;
-  a.batch = batch;
-  a.x_rows = x_rows;
-  a.out_rows = out_rows;
-  a.cap_rows = cap_rows;
-  a.chunk_bytes = static_cast<uint32_t>(chunk_bytes);
-  a.wide_bytes = static_cast<uint32_t>(wide_bytes);
-  return a;
 }
 
 }  // namespace ipc_all2all

@@ -2,13 +2,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <cstring>
-
-#include "a2a_geometry.hpp"
 #include "a2a_types.hpp"
 #include "commkit/check.hpp"
+#include "commkit/gil.hpp"
 #include "commkit/python_errors.hpp"
 #include "core.hpp"
+#include "host_replay.hpp"
 
 namespace py = pybind11;
 
@@ -46,92 +45,35 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("num_blocks"), py::arg("world_size"), py::arg("self_blocks") = 0,
       "(grid, blocks for the own rank, blocks per peer) of one launch.");
-  // Runs the kernel's addressing on the host for every (sender, target) pair: the same row_map and
-  // offsets code as the GPU, bytes copied with memcpy. Every offset is bounds-checked, so a layout
-  // bug surfaces as an exception instead of silent corruption. For CPU tests only.
+  // The kernel's addressing, bounds and words computed on the host (host_replay.hpp), for the CPU tests.
   m.def(
       "simulate",
       [](int op, int world, int batch, int64_t x_rows, int64_t out_rows, int64_t cap_rows, int64_t chunk,
-         int64_t wide, std::vector<int32_t> counts, std::vector<std::string> inputs, int64_t slot_bytes, int only_sender) {
-        CK_CHECK_ARG(world >= 1 && world <= ipc_all2all::kMaxWorld, "bad world");
-        CK_CHECK_ARG(static_cast<int>(counts.size()) == world && static_cast<int>(inputs.size()) == world,
-                     "need one count and one input per rank");
-        CK_CHECK_ARG(chunk > 0 && chunk % 16 == 0 && wide % 16 == 0, "chunk and wide must be multiples of 16");
-        std::vector<std::string> slots(world, std::string(static_cast<size_t>(slot_bytes), '\0'));
-        for (int q = 0; q < world; ++q) {
-          if (only_sender >= 0 && q != only_sender) continue;
-          const ipc_all2all::KernelArgs a =
-              ipc_all2all::geometry_args(op, world, q, batch, x_rows, out_rows, cap_rows, chunk, wide);
-          int64_t n[ipc_all2all::kMaxWorld], prefix[ipc_all2all::kMaxWorld + 1];
-          ipc_all2all::resolve_counts(a, counts.data(), n, prefix);
-          const std::string& x = inputs[q];
-          for (int p = 0; p < world; ++p) {
-            const ipc_all2all::RowMap m = ipc_all2all::row_map(a, n, prefix, p);
-            const uint32_t total = m.total_vecs(batch);
-            for (uint32_t v = 0; v < total; ++v) {
-              uint64_t so, dof;
-              m.offsets(v, so, dof);
-              CK_CHECK(so + 16 <= x.size(), "source offset ", so, " beyond input of ", x.size(), " bytes (rank ", q,
-                       " -> ", p, ")");
-              CK_CHECK(dof + 16 <= slots[p].size(), "destination offset ", dof, " beyond slot of ", slots[p].size(),
-                       " bytes (rank ", q, " -> ", p, ")");
-              std::memcpy(&slots[p][dof], x.data() + so, 16);
-            }
-          }
-        }
+         int64_t wide, const std::vector<int32_t>& counts, const std::vector<std::string>& inputs, int64_t slot_bytes,
+         int only_sender) {
         py::list out;
-        for (auto& s : slots) out.append(py::bytes(s));
+        for (const auto& s : ipc_all2all::simulate(op, world, batch, x_rows, out_rows, cap_rows, chunk, wide, counts,
+                                                   inputs, slot_bytes, only_sender))
+          out.append(py::bytes(s));
         return out;
       },
       py::arg("op"), py::arg("world_size"), py::arg("batch"), py::arg("x_rows"), py::arg("out_rows"),
       py::arg("cap_rows"), py::arg("chunk_bytes"), py::arg("wide_bytes"), py::arg("counts"), py::arg("inputs"),
       py::arg("slot_bytes"), py::arg("only_sender") = -1);
-  // The bound Core::launch enforces before every launch: the most bytes sender `rank` writes into
-  // any target's slot. With device counts Core.launch passes cap_rows for every rank (the worst case).
-  m.def(
-      "slot_bytes_needed",
-      [](int op, int world, int rank, int batch, int64_t x_rows, int64_t out_rows, int64_t cap_rows, int64_t chunk,
-         int64_t wide, std::vector<int32_t> counts) {
-        CK_CHECK_ARG(world >= 1 && world <= ipc_all2all::kMaxWorld && rank >= 0 && rank < world, "bad world/rank");
-        CK_CHECK_ARG(static_cast<int>(counts.size()) == world, "need one count per rank");
-        CK_CHECK_ARG(chunk > 0 && chunk % 16 == 0 && wide % 16 == 0, "chunk and wide must be multiples of 16");
-        const ipc_all2all::KernelArgs a =
-            ipc_all2all::geometry_args(op, world, rank, batch, x_rows, out_rows, cap_rows, chunk, wide);
-        return ipc_all2all::slot_bytes_needed(a, counts.data());
-      },
-      py::arg("op"), py::arg("world_size"), py::arg("rank"), py::arg("batch"), py::arg("x_rows"),
-      py::arg("out_rows"), py::arg("cap_rows"), py::arg("chunk_bytes"), py::arg("wide_bytes"), py::arg("counts"));
+  m.def("slot_bytes_needed", &ipc_all2all::sender_slot_bytes, py::arg("op"), py::arg("world_size"), py::arg("rank"),
+        py::arg("batch"), py::arg("x_rows"), py::arg("out_rows"), py::arg("cap_rows"), py::arg("chunk_bytes"),
+        py::arg("wide_bytes"), py::arg("counts"));
   m.def("op_name", [](uint32_t op) { return std::string(ipc_all2all::op_name(op)); });
   m.attr("PHASE_ENTRY") = int(ipc_all2all::kPhaseEntry);
   m.attr("PHASE_COMPLETION") = int(ipc_all2all::kPhaseCompletion);
   m.attr("PHASE_MISMATCH") = int(ipc_all2all::kPhaseMismatch);
   m.attr("PHASE_BROKEN") = int(ipc_all2all::kPhaseBroken);
-  // The handshake word and its signature, as the kernel builds them (for the CPU tests).
-  m.def(
-      "ready_word",
-      [](int op, int world, int batch, int64_t out_rows, int64_t cap_rows, int64_t chunk, int64_t wide,
-         int pack_head_dim, int slot, std::vector<int64_t> counts, uint64_t call) {
-        CK_CHECK_ARG(world >= 1 && world <= ipc_all2all::kMaxWorld && static_cast<int>(counts.size()) == world,
-                     "need world in [1, 8] and one count per rank");
-        ipc_all2all::KernelArgs a =
-            ipc_all2all::geometry_args(op, world, 0, batch, 0, out_rows, cap_rows, chunk, wide);
-        a.pack_head_dim = pack_head_dim;
-        return ipc_all2all::ready_word(
-            call, ipc_all2all::call_signature(ipc_all2all::geometry_signature(a, slot), counts.data(), world));
-      },
-      py::arg("op"), py::arg("world_size"), py::arg("batch"), py::arg("out_rows"), py::arg("cap_rows"),
-      py::arg("chunk_bytes"), py::arg("wide_bytes"), py::arg("pack_head_dim"), py::arg("slot"), py::arg("counts"),
-      py::arg("call"));
-  // The failure mark and the kernel's entry-post rule (a2a_types.hpp), for the CPU tests and the
-  // protocol model (tests/ipc_all2all/test_protocol_model.py decides with the kernel's own rule).
-  m.def(
-      "broken_word",
-      [](uint64_t call, int rank) {
-        CK_CHECK_ARG(rank >= 0 && rank < ipc_all2all::kMaxWorld, "rank must be in [0, ", ipc_all2all::kMaxWorld,
-                     "), got ", rank);
-        return ipc_all2all::broken_word(call, rank);
-      },
-      py::arg("call"), py::arg("rank"));
+  // The handshake word, the failure mark and the kernel's entry-post rule (a2a_types.hpp), for the CPU
+  // tests and the protocol model (tests/ipc_all2all/test_protocol_model.py decides with the kernel's own rule).
+  m.def("ready_word", &ipc_all2all::call_ready_word, py::arg("op"), py::arg("world_size"), py::arg("batch"),
+        py::arg("out_rows"), py::arg("cap_rows"), py::arg("chunk_bytes"), py::arg("wide_bytes"),
+        py::arg("pack_head_dim"), py::arg("slot"), py::arg("counts"), py::arg("call"));
+  m.def("broken_word", &ipc_all2all::checked_broken_word, py::arg("call"), py::arg("rank"));
   m.def("broken_rank", &ipc_all2all::broken_rank, py::arg("word"));
   m.def(
       "entry_post_allowed",
@@ -145,18 +87,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("self_blocks"));
   m.def("check_capacity_bytes", &ipc_all2all::check_capacity_bytes, py::arg("capacity_bytes"));
   // The message the host raises for a device-side record (timeouts raise CommTimeoutError with it).
-  m.def(
-      "failure_message",
-      [](uint32_t op, int rank, int peer, int64_t expected, int64_t observed) {
-        commkit::TimeoutRecord r{};
-        r.op = op;
-        r.rank = rank;
-        r.peer = peer;
-        r.expected = expected;
-        r.observed = observed;
-        return ipc_all2all::failure_message(r);
-      },
-      py::arg("op"), py::arg("rank"), py::arg("peer"), py::arg("expected"), py::arg("observed"));
+  m.def("failure_message", &ipc_all2all::record_message, py::arg("op"), py::arg("rank"), py::arg("peer"),
+        py::arg("expected"), py::arg("observed"));
   // The handle format (handle_format, commkit/ipc_handle.hpp): sync()'s checks, testable without a GPU.
   m.attr("HANDLE_BYTES") = commkit::kDescribedIpcHandleBytes;
   m.def(
@@ -218,11 +150,11 @@ PYBIND11_MODULE(_C, m) {
       .def("fp8_unpack", &Core::fp8_unpack, py::arg("in_ptr"), py::arg("out_ptr"), py::arg("groups"),
            py::arg("head_dim"), py::arg("stream"))
       .def("check", &Core::check)
-      .def("synchronize", &Core::synchronize, py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("synchronize", &Core::synchronize, py::arg("stream"), py::call_guard<commkit::GilRelease>())
       .def("set_timeout_seconds", &Core::set_timeout_seconds)
       .def_property_readonly("timeout_seconds", &Core::timeout_seconds)
       .def("set_grid", &Core::set_grid, py::arg("num_blocks"), py::arg("self_blocks") = 0)
       .def_property_readonly("grid", &Core::grid)
-      .def("destroy", &Core::destroy, py::arg("free_buffer") = true, py::call_guard<py::gil_scoped_release>())
+      .def("destroy", &Core::destroy, py::arg("free_buffer") = true, py::call_guard<commkit::GilRelease>())
       .def("release_buffer", &Core::release_buffer);
 }

@@ -3,6 +3,7 @@
 #include "core.hpp"
 
 #include "a2a_geometry.hpp"
+#include "kernels.hpp"
 
 #include <cmath>
 #include <cstring>
@@ -19,9 +20,6 @@
 namespace ipc_all2all {
 
 #if COMMKIT_WITH_CUDA
-void launch_a2a(const KernelArgs& args, int grid, cudaStream_t stream);
-void launch_fp8_unpack(const void* in, void* out, int64_t groups, int head_dim, cudaStream_t stream);
-
 namespace {
 // Every CUDA call runs on the instance's device, whatever the caller's current device is (the rank
 // need not equal the device index).
@@ -314,7 +312,7 @@ int Core::launch(int op, uint64_t x_ptr, uint64_t stream, int batch, int64_t x_r
   DeviceGuard dg(device_);
   void* s = reinterpret_cast<void*>(stream);
   order_after_last_call(s, cap_id != 0);
-  launch_a2a(a, g.total, static_cast<cudaStream_t>(s));
+  launch_a2a(a, g.total, s);
   record_last_call(s, cap_id != 0);
 #endif
   ++calls_;
@@ -344,8 +342,8 @@ void Core::fp8_unpack(uint64_t in_ptr, uint64_t out_ptr, int64_t groups, int hea
   // wait for it as it waits for a push.
   void* s = reinterpret_cast<void*>(stream);
   order_after_last_call(s, cap_id != 0);
-  launch_fp8_unpack(reinterpret_cast<const void*>(in_ptr), reinterpret_cast<void*>(out_ptr), groups, head_dim,
-                    static_cast<cudaStream_t>(s));
+  const Fp8UnpackArgs args{reinterpret_cast<const void*>(in_ptr), reinterpret_cast<void*>(out_ptr), groups, head_dim};
+  launch_fp8_unpack(args, s);
   record_last_call(s, cap_id != 0);
 #endif
 }

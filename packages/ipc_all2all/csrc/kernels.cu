@@ -26,23 +26,14 @@
 #include "a2a_types.hpp"
 #include "commkit/check.hpp"
 #include "commkit/device_deadline.cuh"
+#include "commkit/ptx.cuh"
+#include "kernels.hpp"
 
 namespace ipc_all2all {
 namespace {
 
-__device__ __forceinline__ int4 ld_stream(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ void st_stream(int4* p, const int4& v) {
-  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
-               "r"(v.z), "r"(v.w)
-               : "memory");
-}
+using commkit::ld_nc_v4;
+using commkit::st_na_v4;
 
 __device__ __forceinline__ void copy_rows(const RowMap& m, const char* x, char* slot, uint32_t total_vecs, uint32_t first,
                                           uint32_t stride) {
@@ -55,15 +46,15 @@ __device__ __forceinline__ void copy_rows(const RowMap& m, const char* x, char* 
       uint64_t so, dof;
       m.offsets(v + u * stride, so, dof);
       d[u] = reinterpret_cast<int4*>(slot + dof);
-      r[u] = ld_stream(reinterpret_cast<const int4*>(x + so));
+      r[u] = ld_nc_v4(reinterpret_cast<const int4*>(x + so));
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) st_stream(d[u], r[u]);
+    for (int u = 0; u < kUnroll; ++u) st_na_v4(d[u], r[u]);
   }
   for (; v < total_vecs; v += stride) {
     uint64_t so, dof;
     m.offsets(v, so, dof);
-    st_stream(reinterpret_cast<int4*>(slot + dof), ld_stream(reinterpret_cast<const int4*>(x + so)));
+    st_na_v4(reinterpret_cast<int4*>(slot + dof), ld_nc_v4(reinterpret_cast<const int4*>(x + so)));
   }
 }
 
@@ -139,8 +130,8 @@ __device__ __forceinline__ void pack_records(const RowMap& m, int batch, const c
         const uint32_t b = row / m.rpb, t = row - b * m.rpb;
         const uint64_t so = s0 + b * sb + t * st + col * src_rec + 32u * li;
         dof[u] = m.dst0 + b * m.dbs + t * m.dts + col * R;
-        raw[u][0] = ld_stream(reinterpret_cast<const int4*>(x + so));
-        raw[u][1] = ld_stream(reinterpret_cast<const int4*>(x + so + 16));
+        raw[u][0] = ld_nc_v4(reinterpret_cast<const int4*>(x + so));
+        raw[u][1] = ld_nc_v4(reinterpret_cast<const int4*>(x + so + 16));
       } else {
         raw[u][0] = raw[u][1] = make_int4(0, 0, 0, 0);
       }
@@ -153,8 +144,8 @@ __device__ __forceinline__ void pack_records(const RowMap& m, int batch, const c
       const float scale = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
       if (valid[u]) {
         char* rec = slot + dof[u];
-        st_stream(reinterpret_cast<int4*>(rec + 16 * li), quantize16(v, scale));
-        if (li == 0) st_stream(reinterpret_cast<int4*>(rec + D), make_int4(__float_as_int(scale), 0, 0, 0));
+        st_na_v4(reinterpret_cast<int4*>(rec + 16 * li), quantize16(v, scale));
+        if (li == 0) st_na_v4(reinterpret_cast<int4*>(rec + D), make_int4(__float_as_int(scale), 0, 0, 0));
       }
     }
   }
@@ -372,18 +363,19 @@ int fp8_grid(int64_t groups, int D) {
 
 }  // namespace
 
-void launch_a2a(const KernelArgs& args, int grid, cudaStream_t stream) {
+void launch_a2a(const KernelArgs& args, int grid, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
   if (args.pack_head_dim > 0)
-    a2a_kernel<true><<<grid, kThreads, 0, stream>>>(args);
+    a2a_kernel<true><<<grid, kThreads, 0, s>>>(args);
   else
-    a2a_kernel<false><<<grid, kThreads, 0, stream>>>(args);
+    a2a_kernel<false><<<grid, kThreads, 0, s>>>(args);
   CK_CUDA_CHECK(cudaGetLastError());
 }
 
-void launch_fp8_unpack(const void* in, void* out, int64_t groups, int head_dim, cudaStream_t stream) {
-  if (groups <= 0) return;
-  fp8_unpack_kernel<<<fp8_grid(groups, head_dim), 256, 0, stream>>>(static_cast<const char*>(in),
-                                                                     static_cast<int4*>(out), groups, head_dim);
+void launch_fp8_unpack(const Fp8UnpackArgs& args, void* stream) {
+  if (args.groups <= 0) return;
+  fp8_unpack_kernel<<<fp8_grid(args.groups, args.head_dim), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const char*>(args.in), static_cast<int4*>(args.out), args.groups, args.head_dim);
   CK_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -23,7 +23,7 @@ inline Hex hex(uint64_t v) { return Hex{v}; }
 namespace detail {
 
 // Messages are built without iostreams: in a process where torch was imported first, our
-// extension's std::ostream calls crashed (SIGSEGV in the num_put facet) on the GPU machine
+// extension's std::ostream calls crashed (SIGSEGV in the num_put facet) on an H200 host
 // (torch 2.11 exports its own copies of libstdc++ internals). std::to_string / snprintf do
 // not touch locales.
 inline void append(std::string& s, const std::string& v) { s += v; }

@@ -68,15 +68,6 @@ from .errors import ErrorCode, TransportClosed, TransportError
 from .exchange import (FileExchange, _check_exchange_group, _check_group, _check_same_geometry, _tell_peers_and_raise,
                        group_exchange)
 
-# Everything else this module defined before it was split into _checks, block_fp8, _writers, _shm and
-# exchange stays importable from here (fp8_layerwise.transport.make_shard_writer, ...).
-from ._checks import CONTROL_BYTES  # noqa: F401,E402
-from ._shm import DEFAULT_SLOTS, SMALL_EXPERT_BYTES, SMALL_EXPERT_SLOTS, _host_view  # noqa: F401,E402
-from ._writers import (CACHE_HINTS, DEFAULT_CACHE_HINT, default_cache_hint,  # noqa: F401,E402
-                       default_writer_threads, make_shard_writer)
-from .block_fp8 import BLOCK, block_fp8_expert_nbytes, make_block_fp8_sources, reference_shard  # noqa: F401,E402
-from .exchange import _proc_start_time  # noqa: F401,E402
-
 # Mappings that close() could not release because a call of another thread was still inside after the
 # deadline (or close() ran inside the writer): unmapping them could crash that call, so they stay
 # mapped for the life of the process (their names are unlinked already).
@@ -123,7 +114,7 @@ class Transport:
         rank: this rank, 0..tp_size-1 (rank 0 produces).
         tp_size: number of ranks, 1..8.
         num_experts: experts per layer (size of the layer buffers).
-        expert_nbytes: per-rank bytes of one expert for the 4 kinds (see block_fp8_expert_nbytes).
+        expert_nbytes: per-rank bytes of one expert for the 4 kinds (see :func:`~fp8_layerwise.block_fp8_expert_nbytes`).
         num_slots: host slots per rank, 2..16 (experts in flight); None: ``default_num_slots``.
         backend: "cuda", "cpu" (memcpy into host buffers) or "auto" (cuda when available).
         device: CUDA device index (default: rank % device_count).
@@ -378,7 +369,7 @@ class Transport:
         """Rank 0: produce the joined layer.
 
         Arguments:
-            writer: a ``_C.ShardWriter`` (see :func:`make_shard_writer`; native, no Python per
+            writer: a ``_C.ShardWriter`` (see :func:`~fp8_layerwise.make_shard_writer`; native, no Python per
                 expert) or a callable ``writer(expert, slots)`` where ``slots[rank][kind]`` is a
                 uint8 CPU tensor aliasing that rank's host slot, to be filled completely (it keeps
                 the slot memory mapped while it lives). A writer's exception poisons the region

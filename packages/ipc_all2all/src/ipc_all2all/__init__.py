@@ -69,30 +69,8 @@ import torch  # noqa: F401  (loads the CUDA runtime before _C)
 from . import _C  # noqa: F401
 from . import ops  # noqa: F401  (registers the torch custom ops)
 from ._lifetime import release_deferred
-# The shape helpers stay reachable from the package as before (ipc_all2all.capacity_bytes, ...).
-from ._shapes import (  # noqa: F401
-    MAX_WORLD_SIZE,
-    OP_ALLGATHER,
-    OP_GATHER_HEADS,
-    OP_NAMES,
-    OP_SEND_RECV_HEADS,
-    PLANNERS,
-    SUPPORTED_ITEMSIZES,
-    Plan,
-    as_int,
-    capacity_bytes,
-    check_counts,
-    check_counts_tensor,
-    check_grid,
-    check_timeout_seconds,
-    check_world,
-    element_size,
-    prefix_sums,
-    ranges_overlap,
-    validate_input,
-)
-from .all2all import (  # noqa: F401  (_REGISTRY: the live instances, by comm_id)
-    _REGISTRY,
+from ._shapes import MAX_WORLD_SIZE
+from .all2all import (
     DEFAULT_TIMEOUT_SECONDS,
     FP8_WIRE_HEAD_DIMS,
     All2All,

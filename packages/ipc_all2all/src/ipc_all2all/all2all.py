@@ -2,8 +2,6 @@
 operations, errors and teardown. The package docstring describes the protocol."""
 from __future__ import annotations
 
-import itertools
-import threading
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -11,7 +9,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
-from . import _C, _collective, _lifetime, ops
+from . import _C, _collective, _lifetime, _registry, ops
 from ._ltx import Runtime, copy_flag
 from ._shapes import (
     OP_ALLGATHER,
@@ -51,24 +49,11 @@ def built_with_cuda() -> bool:
     return bool(_C.built_with_cuda())
 
 
-# Weak: the op path looks instances up by id, but only the user's reference keeps one alive.
-_REGISTRY: "weakref.WeakValueDictionary[int, All2All]" = weakref.WeakValueDictionary()
-_REGISTRY_LOCK = threading.Lock()
-_IDS = itertools.count(1)
-
-
 def _device_sm_count() -> int:
     """The current CUDA device's SM count (the default ``num_sms``)."""
     if not torch.cuda.is_available():
         raise RuntimeError("ipc_all2all.All2All needs a CUDA device; none is available")
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-
-
-def _lookup(comm_id: int) -> "All2All":
-    try:
-        return _REGISTRY[comm_id]
-    except KeyError:
-        raise ValueError(f"no live ipc_all2all.All2All with comm_id {comm_id} (destroyed?)") from None
 
 
 class All2All:
@@ -181,9 +166,7 @@ class All2All:
         self._counts_dev: Optional[torch.Tensor] = None
         self._captured_counts: Dict[int, torch.Tensor] = {}  # counts tensors captured graphs read
         self._plans: dict = {}
-        self.comm_id = next(_IDS)
-        with _REGISTRY_LOCK:
-            _REGISTRY[self.comm_id] = self
+        self.comm_id = _registry.register(self)
 
     # ----------------------------------------------------------------------------- construction
     @classmethod
@@ -539,8 +522,7 @@ class All2All:
             raise CommError(f"{what}: this All2All instance was destroyed")
 
     def _unregister(self) -> None:
-        with _REGISTRY_LOCK:
-            _REGISTRY.pop(self.comm_id, None)
+        _registry.unregister(self.comm_id)
 
     def destroy(self) -> None:
         """Releases the buffer and the peers' mappings. Collective for instances from :meth:`from_group`

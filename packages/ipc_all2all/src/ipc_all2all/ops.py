@@ -31,7 +31,7 @@ import threading
 
 import torch
 
-from . import _shapes
+from . import _registry, _shapes
 
 _TOKENS: dict = {}
 _TOKENS_LOCK = threading.Lock()
@@ -62,12 +62,6 @@ def order_token(device) -> torch.Tensor:
     return token
 
 
-def _lookup(comm_id: int):
-    from .all2all import _lookup as lookup
-
-    return lookup(comm_id)
-
-
 def _fake_shape(op: int, x: torch.Tensor, out_tokens: int, world_size: int):
     """The output shape the fake implementations promise (the real ops check theirs against it).
 
@@ -89,7 +83,7 @@ def _run_checked(op: int, x: torch.Tensor, comm_id: int, out_tokens: int, world_
     """Runs ``op`` on the instance, after checking that ``out_tokens`` and ``world_size`` describe the
     output it will return: a compiled graph sizes everything downstream from the fake's shape, and an
     output of another shape would be read as that shape without any error."""
-    comm = _lookup(comm_id)
+    comm = _registry.lookup(comm_id)
     name = _shapes.OP_NAMES[op]
     if world_size != comm.world_size or out_tokens != _out_tokens(comm, op, x):
         raise ValueError(f"ipc_all2all.ops.{name}: out_tokens={out_tokens}, world_size={world_size} do not match "
