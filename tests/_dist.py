@@ -1,43 +1,29 @@
-"""Multi-process test launcher shared by every package's test suite.
+"""Multi-process test launcher shared by every package's test suite (over tools/_launch.py, the
+launcher of the tools, so that tests and tools spawn ranks the same way).
 
 ``run_workers(fn, world_size, *args, tmp_path=..., timeout=...)`` starts ``world_size`` processes
 with the ``spawn`` start method, each running ``fn(rank, world_size, rdzv, *args)`` where ``rdzv``
 is a ``file://`` URL under the test's temporary folder (use it as ``init_method`` of
 ``torch.distributed.init_process_group``; never a fixed port). It joins every process with one
 overall deadline, kills the stragglers, and raises ``WorkerFailure`` carrying each failed rank's
-traceback, so a hang fails the test instead of the CI run.
+traceback, so a hang fails the test instead of the CI run. Every child runs with tools/env.sh's
+settings (NVLink multicast off), ``env=`` on top.
 
 ``fn`` must be importable by the child (a module-level function of an importable test module).
 Return values travel back through a queue and are returned as a list indexed by rank.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import pathlib
-import queue as queue_mod
-import time
-import traceback
 from typing import Any, Callable, List, Optional
 
 from tests._tools import load_tool
 
-# tools/env.sh's settings (NVLink multicast off) in every child as well (run_workers' env= comes on top).
-_SAFE_ENV = load_tool("_env").settings()
+_launch = load_tool("_launch")  # also puts tools/ on sys.path, where the spawned ranks import it from
 
 
 class WorkerFailure(AssertionError):
     """One or more worker processes failed, hung or died."""
-
-
-def _child(fn, rank, world_size, rdzv, args, q, env):
-    os.environ.update(env)
-    try:
-        result = fn(rank, world_size, rdzv, *args)
-        q.put((rank, True, result))
-    except BaseException:  # noqa: BLE001 - forwarded to the parent verbatim
-        q.put((rank, False, traceback.format_exc()))
-        raise SystemExit(1)
 
 
 def run_workers(
@@ -61,62 +47,15 @@ def run_workers(
 
     Returns:
         The list of return values, indexed by rank (None for ranks in ``expect_dead``).
+
+    Raises:
+        WorkerFailure: a rank failed, died or did not finish within ``timeout``.
     """
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    rdzv_file = pathlib.Path(tmp_path) / f"rdzv_{os.getpid()}_{time.monotonic_ns()}"
-    rdzv = f"file://{rdzv_file}"
-    child_env = dict(_SAFE_ENV)
-    child_env.update(env or {})
-    expect_dead = set(expect_dead or ())
-    procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, rdzv, args, q, child_env), daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results: dict = {}
-    failures: dict = {}
-    deadline = time.monotonic() + timeout
-    pending = set(range(world_size)) - expect_dead
     try:
-        while pending and time.monotonic() < deadline:
-            try:
-                rank, ok, payload = q.get(timeout=0.2)
-            except queue_mod.Empty:
-                for r in list(pending):
-                    p = procs[r]
-                    if not p.is_alive() and p.exitcode not in (0, None) and r not in results:
-                        # Give the queue a moment: the child may have posted before exiting.
-                        try:
-                            rank, ok, payload = q.get(timeout=1.0)
-                        except queue_mod.Empty:
-                            failures[r] = f"rank {r} died with exit code {p.exitcode}"
-                            pending.discard(r)
-                            continue
-                        else:
-                            break
-                else:
-                    continue
-            if ok:
-                results[rank] = payload
-            else:
-                failures[rank] = payload
-            pending.discard(rank)
-        hung = sorted(pending)
-    finally:
-        for p in procs:
-            p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    if hung:
-        failures.update({r: f"rank {r} did not finish within {timeout:.0f} s (killed)" for r in hung})
-    if failures:
-        msg = "\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures))
-        raise WorkerFailure(f"{len(failures)} of {world_size} workers failed:\n{msg}")
-    return [results.get(r) for r in range(world_size)]
+        return _launch.run_ranks(fn, world_size, *args, timeout=timeout, rdzv_dir=str(tmp_path), env=env,
+                                 expect_dead=expect_dead or ())
+    except _launch.RankFailure as e:
+        raise WorkerFailure(str(e)) from None
 
 
 def init_gloo(rank: int, world_size: int, rdzv: str, timeout_s: float = 60.0):

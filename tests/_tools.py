@@ -5,11 +5,16 @@ import sys
 from types import ModuleType
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = os.path.join(ROOT, "tools")
 
 
 def load_tool(name: str) -> ModuleType:
-    """Import ``tools/<name>.py`` as a module (its ``main`` is not run)."""
-    path = os.path.join(ROOT, "tools", f"{name}.py")
+    """Import ``tools/<name>.py`` as a module (its ``main`` is not run). tools/ goes on ``sys.path`` (at
+    the end), as for a script run there: the tools import one another by name, and so do the ranks
+    that tools/_launch.py spawns."""
+    if TOOLS not in sys.path:
+        sys.path.append(TOOLS)
+    path = os.path.join(TOOLS, f"{name}.py")
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses (and pickling) look their module up there

@@ -27,18 +27,16 @@ Writes ``bench_elastic_ep_hybrid.{json,md,png}``.
 """
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import socket
 import statistics
-import tempfile
 import time
 from typing import List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _launch import run_ranks
+from _results import git_revision, pyplot, run_record, save, utc_now, write_results
 
 H, K, E = 7168, 8, 256
 DISPATCH_ROW = H * 2 + K * 8 + K * 4
@@ -51,15 +49,9 @@ def _hybrid_dispatch_rows(topk: torch.Tensor, L: int, scaleup: int, me_dom: int)
                for row in topk.tolist())
 
 
-def _worker(rank: int, world: int, rdzv: str, scaleup: int, tokens: int, iters: int, src: str, out_file: str,
-            backend: str = "torch"):
-    import sys
-
-    try:  # the installed package (built), else the source tree
-        import elastic_ep as ep
-    except ImportError:
-        sys.path.insert(0, src)
-        import elastic_ep as ep
+def _worker(rank: int, world: int, rdzv: str, scaleup: int, tokens: int, iters: int, backend: str = "torch") -> dict:
+    """One rank under tools/_launch.py (elastic_ep from the parent's ``sys.path``); returns its figures."""
+    import elastic_ep as ep
 
     dist.init_process_group("gloo", init_method=rdzv, rank=rank, world_size=world)
     group = dist.group.WORLD
@@ -125,8 +117,7 @@ def _worker(rank: int, world: int, rdzv: str, scaleup: int, tokens: int, iters: 
     hybrid.destroy()
     direct.destroy()
     dist.destroy_process_group()
-    with open(out_file.format(rank=rank), "w") as f:
-        json.dump(res, f)
+    return res
 
 
 def _mean(per_rank: List[dict], key: str) -> float:
@@ -168,14 +159,7 @@ def markdown(table: List[dict], meta: dict) -> str:
 
 
 def _plot(table: List[dict], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:  # noqa: BLE001
-        print(f"no plot: {e}")
-        return
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
     labels = [f"{t['op']}\n{t['mode'].split(' ')[0]}" for t in table]
     ax.bar(range(len(table)), [t["scaleout_mb"] for t in table],
@@ -184,19 +168,14 @@ def _plot(table: List[dict], path: str) -> None:
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("MB per rank crossing scale-out domains")
     ax.set_title("hybrid vs direct (emulated; bytes, not times)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save(fig, path, dpi=120)
 
 
-def run(out: str, world: int, scaleup: int, tokens: int, iters: int, src: str, command: str, git: str,
-        backend: str = "torch") -> dict:
-    """Spawns the ranks, writes bench_elastic_ep_hybrid.{json,md,png} into ``out``; returns the data."""
-    from _benchutil import write_results
-
+def run(out: str, world: int, scaleup: int, tokens: int, iters: int, command: str, backend: str = "torch",
+        timeout: float = 1800.0) -> dict:
+    """Runs the ranks, writes bench_elastic_ep_hybrid.{json,md,png} into ``out``; returns the data."""
     if world % scaleup or scaleup >= world:
         raise SystemExit(f"--hybrid {scaleup}: expected a divisor of --world {world} below it")
-    tmp = tempfile.mkdtemp(prefix="bench_ep_hybrid_")
-    out_file = os.path.join(tmp, "rank{rank}.json")
     t0 = time.time()
     where = "CPU ranks, torch backend over gloo"
     if backend == "native":
@@ -205,17 +184,14 @@ def run(out: str, world: int, scaleup: int, tokens: int, iters: int, src: str, c
         gpus = torch.cuda.device_count()
         where = (f"native runtime, NVLink-emulated scale-out, CUDA-IPC window on {min(gpus, world)} "
                  f"{torch.cuda.get_device_name(0)}" + (" shared by the ranks" if gpus < world else ""))
-    mp.spawn(_worker, args=(world, f"file://{os.path.join(tmp, 'rdzv')}", scaleup, tokens, iters, src, out_file,
-                            backend), nprocs=world, join=True)
-    per_rank = [json.load(open(out_file.format(rank=r))) for r in range(world)]
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                host=socket.gethostname(), git=git, command=command, world=world, scaleup=scaleup,
-                layout=f"{world // scaleup}x{scaleup}", tokens=tokens, iterations=iters, emulated=True,
+    per_rank = run_ranks(_worker, world, scaleup, tokens, iters, backend, timeout=timeout, grace_s=30)
+    meta = dict(date=utc_now(), host=socket.gethostname(), git=git_revision(), command=command, world=world,
+                scaleup=scaleup, layout=f"{world // scaleup}x{scaleup}", tokens=tokens, iterations=iters, emulated=True,
                 backend=backend, where=where,
                 bitwise_equal=all(r["bitwise_equal"] for r in per_rank), seconds=round(time.time() - t0, 1))
     table = summarise(per_rank, world, scaleup)
     md = markdown(table, meta)
     print(md)
     write_results(out, "bench_elastic_ep_hybrid", dict(meta=meta, table=table, per_rank=per_rank), md,
-                  lambda path: _plot(table, path))
+                  lambda path: _plot(table, path), run=run_record(command))
     return dict(meta=meta, table=table)

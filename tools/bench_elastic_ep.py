@@ -63,22 +63,20 @@ no network figures (tools/_bench_ep_hybrid.py).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import socket
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _benchutil import git_revision, out_dir, write_results  # noqa: E402
+from _bench_ep_report import _markdown, _summarise, write_outputs  # noqa: E402
 from _env import apply as apply_env  # noqa: E402
+from _launch import run_ranks  # noqa: E402
+from _results import command_line, git_revision, out_dir, run_record, utc_now  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "packages", "elastic_ep", "src")
@@ -88,12 +86,13 @@ KERNEL_EPI = ("dispatch_epilogue", "combine_reduce")
 
 
 def _import_ep():
+    """elastic_ep: the installed package, else the source tree's (then on ``sys.path``, which the ranks
+    inherit)."""
     try:
-        import elastic_ep  # noqa: F401
+        import elastic_ep
     except ImportError:
         sys.path.insert(0, SRC)
-    import elastic_ep
-
+        import elastic_ep
     return elastic_ep
 
 
@@ -262,155 +261,134 @@ def _row_checksums(rows: torch.Tensor) -> torch.Tensor:
     return (rows.float() @ v).sort().values
 
 
-def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=rdzv, rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
-    group = dist.group.WORLD
-    ep = _import_ep()
-    T, H, K, E = args.tokens, 7168, 8, 256
-    L = E // world
-    inp = _inputs(rank, T, H, K, E)
-    align = _Aligner(group, args.align)
-    backends = ["native", "torch"] if ep.native_available() else ["torch"]
-    iters = 5 if args.quick else 30
-    out = {"rank": rank, "world": world, "results": []}
+def _native_variants(buf, rank: int, num_sms: int, args, cases: dict):
+    """The overlapped and sequential-push variants of the native cases (added to ``cases``):
+    ``(overlap: case -> (OverlapConfig, push blocks), nopdl: cases run with dispatch_pdl off)``. They
+    switch the native runtime's documented knobs (``runtime.dispatch_overlap`` / ``combine_overlap``,
+    ``runtime.dispatch_pdl``) for the case and back after it."""
+    case_overlap = {}
+    grid = num_sms or torch.cuda.get_device_properties(rank).multi_processor_count
+    for spec in args.overlap_push_blocks.split(","):
+        if spec == "none":
+            continue
+        n = grid * 3 // 8 if spec == "default" else int(spec)
+        for base in ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_cached", "combine_bf16"):
+            cfg = buf.runtime.combine_overlap if base.startswith("combine") else buf.runtime.dispatch_overlap
+            cases[f"{base}_overlap_p{n}"] = cases[base]
+            case_overlap[f"{base}_overlap_p{n}"] = (cfg, n)
+    case_nopdl = set()
+    buf.runtime.dispatch_pdl = args.pdl != "off"
+    if args.pdl == "both":
+        for base in ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_nosync", "dispatch_bf16_cached"):
+            cases[f"{base}_nopdl"] = cases[base]
+            case_nopdl.add(f"{base}_nopdl")
+    return case_overlap, case_nopdl
 
-    # bytes per received token / row, and how many crossed NVLink
-    owner = torch.where(inp["topk"] >= 0, inp["topk"] // L, torch.full_like(inp["topk"], -1))
-    sent = torch.stack([(owner == d).any(1) for d in range(world)]).sum(1).tolist()  # tokens sent to each rank
-    recv_from = [None] * world
-    dist.all_gather_object(recv_from, sent, group=group)
-    recv_counts = [recv_from[s][rank] for s in range(world)]
 
-    def case_bytes(name: str):
-        return _case_bytes(name, H, K, sent, recv_counts, rank)
+def _buffer_cases(ep, group, rank: int, backend: str, num_sms: int, inp: dict, T: int, args):
+    """A buffer of ``backend`` and its cases: ``(buf, {case: call}, BF16 dispatch row checksums)``."""
+    H, K, E = inp["xb"].shape[1], inp["topk"].shape[1], 256
+    # Room for the zero-copy cases too (their receive area lies past the combine area).
+    nbytes = max(ep.ElasticBuffer.get_buffer_size_hint(group, T, H, K, True),
+                 ep.ElasticBuffer.get_buffer_size_hint(group, T, H, K, False, zero_copy=True))
+    buf = ep.ElasticBuffer(group, nbytes, num_max_tokens_per_rank=T, hidden=H, num_topk=K,
+                           use_fp8_dispatch=True, backend=backend, explicitly_destroy=True)
+    # --num-sms 0: every SM, what the benchmark always measured (elastic_ep's own num_sms=0 is
+    # DeepEP's get_theoretical_num_sms, which leaves SMs to overlapped compute).
+    sms = num_sms or torch.cuda.get_device_properties(rank).multi_processor_count
+    x, x8, sf, topk, w = inp["xb"], inp["x8"], inp["sf"], inp["topk"], inp["w"]
+    cases = {
+        "dispatch_bf16": lambda: buf.dispatch(x, topk_idx=topk, topk_weights=w, num_experts=E, num_sms=sms),
+        "dispatch_fp8": lambda: buf.dispatch((x8, sf), topk_idx=topk, topk_weights=w, num_experts=E, num_sms=sms),
+        # Without the CPU sync (worst-case outputs, counts on the GPU): with the aligned start the host
+        # has queued all of it before the GPU reaches it, so its e2e is the device time of the whole
+        # call, measured with no profiler attached.
+        "dispatch_bf16_nosync": lambda: buf.dispatch(x, topk_idx=topk, topk_weights=w, num_experts=E, num_sms=sms,
+                                                     do_cpu_sync=False),
+    }
+    recv, _, rw, handle, _ = cases["dispatch_bf16"]()
+    rows = _row_checksums(recv) if backend == "native" else None
+    # Cached mode (the handle's routing, no counting and no CPU sync): what DeepEP's own figures time
+    # (its tuning runs dispatch with a handle, so no notify kernel is counted).
+    cases["dispatch_bf16_cached"] = lambda: buf.dispatch(x, topk_weights=w, handle=handle, num_sms=sms)
+    cases["combine_bf16"] = lambda: buf.combine(recv, handle, topk_weights=rw, num_sms=sms)
+    if backend == "native":
+        # Zero-copy receive: recv_x is a view of the buffer the senders wrote in place (no copy
+        # epilogue for the hidden bytes; its push also writes this rank's own rows).
+        cases["dispatch_bf16_zc"] = lambda: buf.dispatch(x, topk_idx=topk, topk_weights=w, num_experts=E,
+                                                         num_sms=sms, zero_copy=True)
+        cases["dispatch_fp8_zc"] = lambda: buf.dispatch((x8, sf), topk_idx=topk, topk_weights=w, num_experts=E,
+                                                        num_sms=sms, zero_copy=True)
+        zc = {}
 
-    native_rows = None  # checksums of the native BF16 dispatch's rows, to check the torch reference path
-    for backend in backends:
-        sms_list = [int(s) for s in args.num_sms.split(",")] if backend == "native" else [0]
-        for num_sms in sms_list:
-          try:
-            # Room for the zero-copy cases too (their receive area lies past the combine area).
-            nbytes = max(ep.ElasticBuffer.get_buffer_size_hint(group, T, H, K, True),
-                         ep.ElasticBuffer.get_buffer_size_hint(group, T, H, K, False, zero_copy=True))
-            buf = ep.ElasticBuffer(group, nbytes, num_max_tokens_per_rank=T, hidden=H, num_topk=K,
-                                   use_fp8_dispatch=True, backend=backend, explicitly_destroy=True)
-            # --num-sms 0: every SM, what the benchmark always measured (elastic_ep's own num_sms=0 is
-            # DeepEP's get_theoretical_num_sms, which leaves SMs to overlapped compute).
-            call_sms = num_sms or torch.cuda.get_device_properties(rank).multi_processor_count
-            cases = {
-                "dispatch_bf16": lambda: buf.dispatch(inp["xb"], topk_idx=inp["topk"], topk_weights=inp["w"],
-                                                      num_experts=E, num_sms=call_sms),
-                "dispatch_fp8": lambda: buf.dispatch((inp["x8"], inp["sf"]), topk_idx=inp["topk"],
-                                                     topk_weights=inp["w"], num_experts=E, num_sms=call_sms),
-            }
-            # Without the CPU sync (worst-case outputs, counts on the GPU): with the aligned start the
-            # host has queued all of it before the GPU reaches it, so its e2e is the device time of the
-            # whole call, measured with no profiler attached.
-            cases["dispatch_bf16_nosync"] = lambda: buf.dispatch(inp["xb"], topk_idx=inp["topk"], topk_weights=inp["w"],
-                                                                 num_experts=E, num_sms=call_sms, do_cpu_sync=False)
-            recv, _, rw, handle, _ = cases["dispatch_bf16"]()
-            if backend == "native" and native_rows is None:
-                native_rows = _row_checksums(recv)
-            # Cached mode (the handle's routing, no counting and no CPU sync): what DeepEP's own
-            # figures time (its tuning runs dispatch with a handle, so no notify kernel is counted).
-            cases["dispatch_bf16_cached"] = lambda: buf.dispatch(inp["xb"], topk_weights=inp["w"], handle=handle,
-                                                                 num_sms=call_sms)
-            cases["combine_bf16"] = lambda: buf.combine(recv, handle, topk_weights=rw, num_sms=call_sms)
-            if backend == "native":
-                # Zero-copy receive: recv_x is a view of the buffer the senders wrote in place (no copy
-                # epilogue for the hidden bytes; its push also writes this rank's own rows).
-                cases["dispatch_bf16_zc"] = lambda: buf.dispatch(inp["xb"], topk_idx=inp["topk"], topk_weights=inp["w"],
-                                                                 num_experts=E, num_sms=call_sms, zero_copy=True)
-                cases["dispatch_fp8_zc"] = lambda: buf.dispatch((inp["x8"], inp["sf"]), topk_idx=inp["topk"],
-                                                                topk_weights=inp["w"], num_experts=E, num_sms=call_sms,
-                                                                zero_copy=True)
-                zc = {}
+        def cached_zc():
+            # A zero-copy handle is refused once another dispatch overwrote its views (the handle's
+            # views_serial against the buffer's dispatch serial): take a fresh one then (in the
+            # warm-up calls; the timed calls follow each other).
+            h = zc.get("handle")
+            if h is None or h.views_serial != buf._dispatch_serial:
+                h = zc["handle"] = cases["dispatch_bf16_zc"]()[3]
+            return buf.dispatch(x, topk_weights=w, handle=h, num_sms=sms, zero_copy=True)
 
-                def cached_zc():
-                    # A zero-copy handle is refused once another dispatch overwrote its views: take a
-                    # fresh one then (in the warm-up calls; the timed calls follow each other).
-                    h = zc.get("handle")
-                    if h is None or h.views_serial != buf._dispatch_serial:
-                        h = zc["handle"] = cases["dispatch_bf16_zc"]()[3]
-                    return buf.dispatch(inp["xb"], topk_weights=inp["w"], handle=h, num_sms=call_sms, zero_copy=True)
+        cases["dispatch_bf16_cached_zc"] = cached_zc
+    return buf, cases, rows
 
-                cases["dispatch_bf16_cached_zc"] = cached_zc
-            # Overlapped variants: the same calls with the low-level buffer's OverlapConfig switched on
-            # for the case (and back off after it).
-            case_overlap = {}
-            if backend == "native":
-                grid = num_sms or torch.cuda.get_device_properties(rank).multi_processor_count
-                for spec in args.overlap_push_blocks.split(","):
-                    if spec == "none":
-                        continue
-                    n = grid * 3 // 8 if spec == "default" else int(spec)
-                    for base in ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_cached", "combine_bf16"):
-                        cfg = buf.runtime.combine_overlap if base.startswith("combine") else buf.runtime.dispatch_overlap
-                        cases[f"{base}_overlap_p{n}"] = cases[base]
-                        case_overlap[f"{base}_overlap_p{n}"] = (cfg, n)
-            # Sequential push (after notify, not beside it): the same calls with dispatch_pdl off.
-            case_nopdl = set()
-            if backend == "native":
-                buf.runtime.dispatch_pdl = args.pdl != "off"
-                if args.pdl == "both":
-                    for base in ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_nosync", "dispatch_bf16_cached"):
-                        cases[f"{base}_nopdl"] = cases[base]
-                        case_nopdl.add(f"{base}_nopdl")
-            for name, fn in cases.items():
-                if name in case_overlap:
-                    cfg, n = case_overlap[name]
-                    cfg.enabled, cfg.push_blocks = True, n
-                if name in case_nopdl:
-                    buf.runtime.dispatch_pdl = False
-                for _ in range(2):
-                    fn()
+
+def _measure_case(backend: str, name: str, fn, num_sms: int, iters: int, align, group, case_bytes) -> dict:
+    """One case's result row: e2e over ``iters`` aligned iterations, then (native) the same under the
+    CUDA profiler for the kernel times."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    e2e = _timed_us(fn, iters, align)  # CUDA events on the current stream
+    comm_us = epi_us = span_us = busy_us = None
+    per_kernel = {}
+    if backend == "native":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                align()
+                fn()
                 torch.cuda.synchronize()
-                dist.barrier(group=group)
-                # end-to-end, CUDA events on the current stream
-                e2e = _timed_us(fn, iters, align)
-                comm_us = epi_us = span_us = busy_us = None
-                per_kernel = {}
-                if backend == "native":
-                    from torch.profiler import ProfilerActivity, profile
+        comm_us, epi_us, per_kernel, span_us, busy_us = _kernel_times(prof, iters)
+    _, remote, total = case_bytes(name)
+    stats = _e2e_stats(e2e)
+    # The union of the kernels' intervals: for sequential kernels the sum comm + epilogue; for
+    # overlapped dispatch (push and epilogue at once) each instant once, and without the host's gap
+    # between notify and epilogue that the span (first start to last end) of a CPU-synced dispatch contains.
+    kern_us = busy_us if busy_us else ((comm_us + epi_us) if comm_us is not None else None)
+    return dict(backend=backend, case=name, num_sms=num_sms, **stats, comm_kernel_us=comm_us, epilogue_us=epi_us,
+                kernel_us=kern_us, span_us=span_us, busy_us=busy_us, per_kernel_us=per_kernel,
+                bytes_remote=remote, bytes_total=total, **_bandwidths(remote, total, stats["e2e_us"], kern_us, comm_us))
 
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        for _ in range(iters):
-                            align()
-                            fn()
-                            torch.cuda.synchronize()
-                    comm_us, epi_us, per_kernel, span_us, busy_us = _kernel_times(prof, iters)
-                _, remote, total = case_bytes(name)
-                stats = _e2e_stats(e2e)
-                e2e_us = stats["e2e_us"]
-                # The union of the kernels' intervals: for sequential kernels the sum comm + epilogue;
-                # for overlapped dispatch (push and epilogue at once) each instant once, and without
-                # the host's gap between notify and epilogue that the span (first start to last end)
-                # of a CPU-synced dispatch contains.
-                kern_us = busy_us if busy_us else ((comm_us + epi_us) if comm_us is not None else None)
-                out["results"].append(dict(
-                    backend=backend, case=name, num_sms=num_sms, **stats,
-                    comm_kernel_us=comm_us, epilogue_us=epi_us, kernel_us=kern_us, span_us=span_us,
-                    busy_us=busy_us, per_kernel_us=per_kernel,
-                    bytes_remote=remote, bytes_total=total,
-                    **_bandwidths(remote, total, e2e_us, kern_us, comm_us)))
-                if name in case_overlap:
-                    case_overlap[name][0].enabled = False
-                if name in case_nopdl:
-                    buf.runtime.dispatch_pdl = True
-            buf.destroy()
-          except Exception as e:  # noqa: BLE001 - report and keep measuring the other configurations
-            import traceback
 
-            traceback.print_exc()
-            out.setdefault("errors", []).append(f"{backend} num_sms={num_sms}: {type(e).__name__}: {e}")
-            break
+def _run_cases(buf, backend, num_sms, cases, args, rank, iters, align, group, case_bytes, results: list) -> None:
+    """Every case of one buffer (and, native, its variants), each row appended to ``results`` as it is
+    measured (a failing case keeps the rows before it)."""
+    case_overlap, case_nopdl = _native_variants(buf, rank, num_sms, args, cases) if backend == "native" else ({}, set())
+    for name, fn in cases.items():
+        if name in case_overlap:
+            cfg, n = case_overlap[name]
+            cfg.enabled, cfg.push_blocks = True, n
+        if name in case_nopdl:
+            buf.runtime.dispatch_pdl = False
+        results.append(_measure_case(backend, name, fn, num_sms, iters, align, group, case_bytes))
+        if name in case_overlap:
+            case_overlap[name][0].enabled = False
+        if name in case_nopdl:
+            buf.runtime.dispatch_pdl = True
+    buf.destroy()
+
+
+def _torch_ref_results(group, inp, native_rows, iters, align, case_bytes, out) -> None:
+    """The torch reference path's cases, appended to ``out["results"]``."""
     # The torch reference path (tools/_ep_torch_ref.py): the lean plain-torch dispatch / combine a user
     # writes without elastic_ep, measured like the native cases; its rows are checked against native's.
     from _ep_torch_ref import TorchRefEP
 
-    tref = TorchRefEP(group, E)
+    tref = TorchRefEP(group, 256)
     rx, _, _, rw_ref, rh = tref.dispatch(inp["xb"], inp["topk"], inp["w"])
     if native_rows is not None:
         same = torch.equal(_row_checksums(rx), native_rows)
@@ -426,8 +404,10 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
         dist.barrier(group=group)
         _, remote, total = case_bytes(name)
         out["results"].append(_e2e_only_result("torch_ref", name, _timed_us(fn, iters, align), remote, total))
-    del tref, rx, rw_ref, rh
 
+
+def _a2a_results(group, iters, align, case_bytes, sent, recv_counts, out) -> None:
+    """The bare all_to_all cases, appended to ``out["results"]``."""
     # The issue's reference: one bare all_to_all_single of exactly the bytes that cross ranks (plus the
     # local copy), i.e. what a plain torch implementation cannot avoid; no packing or index work.
     for name in ("dispatch_bf16", "dispatch_fp8", "combine_bf16"):
@@ -444,6 +424,47 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
         for _ in range(2):
             a2a()
         out["results"].append(_e2e_only_result("torch_a2a", name, _timed_us(a2a, iters, align), remote, total))
+
+
+def _worker(rank: int, world: int, rdzv: str, args) -> dict:
+    """One rank of the benchmark (under tools/_launch.py); returns its results."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=rdzv, rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    group = dist.group.WORLD
+    ep = _import_ep()
+    T, H, K, E = args.tokens, 7168, 8, 256
+    L = E // world
+    inp = _inputs(rank, T, H, K, E)
+    align = _Aligner(group, args.align)
+    iters = 5 if args.quick else 30
+    out = {"rank": rank, "world": world, "results": []}
+
+    # bytes per received token / row, and how many crossed NVLink
+    owner = torch.where(inp["topk"] >= 0, inp["topk"] // L, torch.full_like(inp["topk"], -1))
+    sent = torch.stack([(owner == d).any(1) for d in range(world)]).sum(1).tolist()  # tokens sent to each rank
+    recv_from = [None] * world
+    dist.all_gather_object(recv_from, sent, group=group)
+    recv_counts = [recv_from[s][rank] for s in range(world)]
+
+    def case_bytes(name: str):
+        return _case_bytes(name, H, K, sent, recv_counts, rank)
+
+    native_rows = None  # checksums of the native BF16 dispatch's rows, to check the torch reference path
+    for backend in ["native", "torch"] if ep.native_available() else ["torch"]:
+        for num_sms in [int(s) for s in args.num_sms.split(",")] if backend == "native" else [0]:
+            try:
+                buf, cases, rows = _buffer_cases(ep, group, rank, backend, num_sms, inp, T, args)
+                native_rows = rows if native_rows is None else native_rows
+                _run_cases(buf, backend, num_sms, cases, args, rank, iters, align, group, case_bytes, out["results"])
+            except Exception as e:  # noqa: BLE001 - report and keep measuring the other configurations
+                import traceback
+
+                traceback.print_exc()
+                out.setdefault("errors", []).append(f"{backend} num_sms={num_sms}: {type(e).__name__}: {e}")
+                break
+    _torch_ref_results(group, inp, native_rows, iters, align, case_bytes, out)
+    _a2a_results(group, iters, align, case_bytes, sent, recv_counts, out)
     p2p_ops = [o for o in args.ops.split(",") if o in ("agrs", "pp", "engram")]
     if p2p_ops and ep.native_available():
         from _bench_ep_p2p import bench_agrs_pp
@@ -453,127 +474,8 @@ def _worker(rank: int, world: int, rdzv: str, args, result_file: str):
                                        lambda fn: statistics.median(_timed_us(fn, iters, align)))
         except Exception as e:  # noqa: BLE001 - report and keep the dispatch/combine results
             out.setdefault("errors", []).append(f"agrs/pp/engram: {type(e).__name__}: {e}")
-    all_out = [None] * world
-    dist.all_gather_object(all_out, out, group=group)
-    if rank == 0:
-        with open(result_file, "w") as f:
-            json.dump(all_out, f)
     dist.destroy_process_group()
-
-
-def _summarise(per_rank, meta):
-    rows = {}
-    for r in per_rank:
-        for res in r["results"]:
-            rows.setdefault((res["backend"], res["case"], res["num_sms"]), []).append(res)
-
-    def mean(lst, k):
-        vals = [v[k] for v in lst if v.get(k) is not None]
-        return sum(vals) / len(vals) if vals else None
-
-    table = []
-    for (backend, case, sms), lst in rows.items():
-        table.append(dict(backend=backend, case=case, num_sms=sms,
-                          **{k: mean(lst, k) for k in ("e2e_us", "e2e_mean_us", "kernel_us", "comm_kernel_us",
-                                                        "epilogue_us", "span_us", "busy_us",
-                                                        "e2e_gbps_excl_local", "e2e_gbps_incl_local",
-                                                        "kernel_gbps_excl_local", "kernel_gbps_incl_local",
-                                                        "comm_gbps_excl_local", "comm_gbps_incl_local")},
-                          per_kernel_us={k: sum(v.get("per_kernel_us", {}).get(k, 0.0) for v in lst) / len(lst)
-                                         for k in sorted({k for v in lst for k in v.get("per_kernel_us", {})})},
-                          per_kernel_us_by_rank=[v.get("per_kernel_us", {}) for v in lst]))
-    ref = {t["case"]: t for t in table if t["backend"] == "torch"}
-    lean = {t["case"]: t for t in table if t["backend"] == "torch_ref"}
-    a2a = {t["case"]: t for t in table if t["backend"] == "torch_a2a"}
-    for t in table:
-        # the overlapped and sequential-push variants are compared with the same references
-        base = t["case"].split("_overlap")[0].split("_nopdl")[0]
-        # the cached dispatch against the full BF16 dispatch of the reference (which has no cached mode)
-        r = lean.get(t["case"], lean.get(base, lean.get(base.replace("_cached", "").replace("_nosync", ""))))
-        t["speedup_vs_ref_e2e"] = (r["e2e_us"] / t["e2e_us"]) if r and t["e2e_us"] else None
-        r = ref.get(t["case"], ref.get(base))
-        t["speedup_vs_torch_e2e"] = (r["e2e_us"] / t["e2e_us"]) if r and t["e2e_us"] else None
-        r = a2a.get(t["case"], a2a.get(base))
-        t["speedup_vs_a2a_e2e"] = (r["e2e_us"] / t["e2e_us"]) if r and t["e2e_us"] else None
-    return table
-
-
-def _fmt(v, nd=1):
-    return "-" if v is None else f"{v:.{nd}f}"
-
-
-def _markdown(table, meta) -> str:
-    lines = [f"elastic_ep benchmark, {meta['date']}, {meta['gpus']} x {meta['gpu_name']}, git {meta['git']}, "
-             f"torch {meta['torch']}, NCCL {meta['nccl']}",
-             f"shape: {meta['tokens']} tokens/rank, hidden 7168, top-8 of 256 experts, uniform routing; "
-             f"per-GPU averages of: kernel time (mean), e2e (median of the iterations), each iteration started "
-             f"{'aligned on all GPUs (all-reduce + GEMM)' if meta.get('align', 'gemm') == 'gemm' else 'after a host barrier'}; "
-             "GB/s = received bytes / time (1e9 B/s); DeepEP's GB/s divide by the communication kernels' time "
-             "(dispatch: notify + push = its dispatch_impl; combine: push = its combine_impl), all-kernels GB/s "
-             "by the time any of the call's kernels runs (epilogue / reduce included)",
-             "",
-             "| backend | case | SMs | kernel us | comm us | epilogue us | e2e us | DeepEP GB/s excl. local | "
-             "DeepEP GB/s incl. local | all-kernels GB/s excl. local | all-kernels GB/s incl. local | "
-             "e2e GB/s excl. local | e2e speed-up vs torch "
-             "reference path | e2e speed-up vs torch backend | e2e speed-up vs bare all_to_all | kernel span us |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for t in table:
-        lines.append(f"| {t['backend']} | {t['case']} | {t['num_sms'] or 'all'} | {_fmt(t['kernel_us'])} | "
-                     f"{_fmt(t['comm_kernel_us'])} | {_fmt(t['epilogue_us'])} | {_fmt(t['e2e_us'])} | "
-                     f"{_fmt(t.get('comm_gbps_excl_local'))} | {_fmt(t.get('comm_gbps_incl_local'))} | "
-                     f"{_fmt(t['kernel_gbps_excl_local'])} | {_fmt(t['kernel_gbps_incl_local'])} | "
-                     f"{_fmt(t['e2e_gbps_excl_local'])} | "
-                     f"{_fmt(t.get('speedup_vs_ref_e2e'), 2)} | {_fmt(t['speedup_vs_torch_e2e'], 2)} | {_fmt(t['speedup_vs_a2a_e2e'], 2)} | "
-                     f"{_fmt(t.get('span_us'))} |")
-    kern = [t for t in table if t.get("per_kernel_us")]
-    if kern:
-        lines += ["", "Device time per kernel (us), per rank:", "",
-                  "| case | SMs | kernel | " + " | ".join(f"rank {r}" for r in range(len(kern[0]["per_kernel_us_by_rank"])))
-                  + " |", "|---|---|---|" + "---|" * len(kern[0]["per_kernel_us_by_rank"])]
-        for t in kern:
-            for k in t["per_kernel_us"]:
-                lines.append(f"| {t['case']} | {t['num_sms'] or 'all'} | {k} | "
-                             + " | ".join(_fmt(r.get(k)) for r in t["per_kernel_us_by_rank"]) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def _plot(table, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:  # noqa: BLE001
-        print(f"no plot: {e}")
-        return
-    labels, vals, colors, whole = [], [], [], []
-    for t in table:
-        # native: DeepEP's GB/s (communication kernels), and over all kernels as a black tick
-        v = t.get("comm_gbps_excl_local") if t["backend"] == "native" else t["e2e_gbps_excl_local"]
-        labels.append(f"{t['backend']}\n{t['case']}\n{t['num_sms'] or 'all'} SMs" if t["backend"] == "native"
-                      else f"{t['backend']}\n{t['case']}\n(e2e)")
-        vals.append(v or 0.0)
-        whole.append(t["kernel_gbps_excl_local"] if t["backend"] == "native" else None)
-        colors.append("tab:green" if t["backend"] == "native" else "tab:gray")
-    fig, ax = plt.subplots(figsize=(max(6, len(vals) * 1.2), 4))
-    ax.bar(range(len(vals)), vals, color=colors)
-    pts = [(i, w) for i, w in enumerate(whole) if w is not None]
-    if pts:
-        ax.scatter([i for i, _ in pts], [w for _, w in pts], marker="_", s=400, color="k",
-                   label="native, over all kernels (epilogue included)")
-    ax.axhline(320, color="tab:red", linestyle="--", label="target 320 GB/s")
-    ax.set_xticks(range(len(vals)))
-    ax.set_xticklabels(labels, fontsize=7)
-    ax.set_ylabel("GB/s per GPU, excl. local traffic\n(native: DeepEP's, comm kernels; torch: e2e)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def write_outputs(out: str, meta: dict, table: list, per_rank: list, p2p_table: str = "") -> list:
-    """bench_elastic_ep.{json,md,png} into ``out``; returns the paths written."""
-    return write_results(out, "bench_elastic_ep", dict(meta=meta, table=table, per_rank=per_rank),
-                         _markdown(table, meta) + p2p_table, lambda path: _plot(table, path))
+    return out
 
 
 def main() -> int:
@@ -600,43 +502,40 @@ def main() -> int:
     ap.add_argument("--hybrid-backend", default="torch", choices=("torch", "native"),
                     help="--hybrid on the torch runtime (CPU ranks over gloo) or on the native one (its hybrid "
                          "kernels over the NVLink-emulated scale-out, ranks sharing the GPUs there are)")
+    ap.add_argument("--timeout", type=float, default=3000.0, help="seconds for the whole run (stragglers are killed)")
     args = ap.parse_args()
+    command = command_line("bench_elastic_ep.py")
     args.out = out_dir(args.out)
+    _import_ep()
     if args.hybrid:
         from _bench_ep_hybrid import run as run_hybrid
 
         tokens = args.tokens if "--tokens" in sys.argv else 512
         if args.hybrid_backend == "native":
             apply_env()  # tools/env.sh (NVLink multicast off), inherited by the worker processes
-        run_hybrid(args.out, args.world or 4, args.hybrid, tokens, 2 if args.quick else 10, SRC, " ".join(sys.argv),
-                   git_revision(), args.hybrid_backend)
+        run_hybrid(args.out, args.world or 4, args.hybrid, tokens, 2 if args.quick else 10, command,
+                   args.hybrid_backend, args.timeout)
         return 0
     if not torch.cuda.is_available():
         print("bench_elastic_ep: no CUDA device, nothing to measure")
         return 0
     world = args.world or torch.cuda.device_count()
     apply_env()  # tools/env.sh (NVLink multicast off), inherited by the worker processes
-    tmp = tempfile.mkdtemp(prefix="bench_ep_")
-    result_file = os.path.join(tmp, "result.json")
-    rdzv = f"file://{os.path.join(tmp, 'rdzv')}"
     t0 = time.time()
-    mp.spawn(_worker, args=(world, rdzv, args, result_file), nprocs=world, join=True)
-    per_rank = json.load(open(result_file))
-    git = git_revision()
+    per_rank = run_ranks(_worker, world, args, timeout=args.timeout, grace_s=60)
     errors = [e for r in per_rank for e in r.get("errors", [])]
     if errors:
         print("errors:\n  " + "\n  ".join(errors))
-    meta = dict(errors=errors, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                host=socket.gethostname(), gpus=world,
-                gpu_name=torch.cuda.get_device_name(0), git=git, torch=torch.__version__,
+    meta = dict(errors=errors, date=utc_now(), host=socket.gethostname(), gpus=world,
+                gpu_name=torch.cuda.get_device_name(0), git=git_revision(), torch=torch.__version__,
                 nccl=".".join(map(str, torch.cuda.nccl.version())), tokens=args.tokens,
-                command=" ".join(sys.argv), align=args.align, seconds=round(time.time() - t0, 1))
+                command=command, align=args.align, seconds=round(time.time() - t0, 1))
     table = _summarise(per_rank, meta)
     from _bench_ep_p2p import markdown as p2p_markdown
 
     p2p = p2p_markdown(per_rank[0].get("p2p", []))
     print(_markdown(table, meta) + p2p)
-    write_outputs(args.out, meta, table, per_rank, p2p)
+    write_outputs(args.out, meta, table, per_rank, p2p, run=run_record(command))
     return 0
 
 

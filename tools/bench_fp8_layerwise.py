@@ -11,7 +11,8 @@ Configurations (one process per rank, one rank per GPU):
   (with one GPU: DSV3 TP1 and the two shard sizes with one rank)
 For each configuration, in the same processes and with the same number of GPUs copying at once:
   * peak     plain pinned cudaMemcpyAsync of 256 MiB buffers (registered shm, like the slots);
-  * seed     the original design: 2 slots, one expert in flight, 4 separate copies, each waited;
+  * ktransformers  the baseline, KTransformers' FP8LayerwiseTransport design: 2 slots, one expert in
+              flight, 4 separate copies, each waited for;
   * slotsN   this package with N host slots (N experts in flight, coalesced copies, 2 copy streams);
   * "-wait"   the same with coalesce_wait=True (a short run of ready slots waits for the next ones);
   * "-perexpert" the same with batch_small_kinds=False (every kind copied per expert; the default
@@ -27,7 +28,6 @@ Writes bench_fp8_layerwise.json, .md (the table) and .png (the plot) into --out.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -36,7 +36,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _benchutil import git_revision, out_dir, write_results  # noqa: E402
+from _launch import run_ranks  # noqa: E402
+from _results import command_line, git_revision, out_dir, pyplot, run_record, save, write_results  # noqa: E402
 
 
 def _mode_summary(ranks, mode):
@@ -66,13 +67,10 @@ def _mode_summary(ranks, mode):
                 ok=all(m["verified"] for m in ms) if ms[0]["verified"] is not None else None)
 
 
-def _worker(rank, tp, cfg, tmp, q):
-    try:
-        q.put((rank, True, _run_rank(rank, tp, cfg, tmp)))
-    except BaseException as exc:  # noqa: BLE001
-        import traceback
-
-        q.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+def _worker(rank, tp, rdzv, cfg, tmp):
+    """One rank under tools/_launch.py (the rendezvous is unused: the transports exchange their names
+    through ``tmp``)."""
+    return _run_rank(rank, tp, cfg, tmp)
 
 
 def _run_rank(rank, tp, cfg, tmp):
@@ -99,7 +97,7 @@ def _run_rank(rank, tp, cfg, tmp):
     peak_bytes = cfg["peak_mb"] << 20
     seg = _C.ShmSegment.create("fp8lw_bench", peak_bytes)
     try:
-        from fp8_layerwise.transport import _host_view
+        from fp8_layerwise._shm import _host_view
 
         host = _host_view(seg.ptr, peak_bytes)
         host.fill_(7)
@@ -170,41 +168,14 @@ def _run_rank(rank, tp, cfg, tmp):
 
 
 def run_config(cfg, tp):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    """Every rank's figures of one configuration; RankFailure (a RuntimeError) when a rank fails."""
     with tempfile.TemporaryDirectory(prefix="fp8lw_bench_") as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, tp, cfg, tmp, q), daemon=True) for r in range(tp)]
-        for p in procs:
-            p.start()
-        res, err = {}, {}
-        deadline = time.monotonic() + 400
-        while len(res) + len(err) < tp and time.monotonic() < deadline:
-            try:
-                r, ok, payload = q.get(timeout=1.0)
-            except Exception:  # noqa: BLE001
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    break
-                continue
-            (res if ok else err)[r] = payload
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    if err or len(res) != tp:
-        raise RuntimeError("benchmark workers failed:\n" + "\n".join(f"rank {r}: {m}" for r, m in err.items()))
-    return [res[r] for r in range(tp)]
+        return run_ranks(_worker, tp, cfg, tmp, timeout=400, grace_s=10)
 
 
 def _plot(results, summary, backend, path):
     """Effective GB/s per configuration and mode (min over ranks), the pinned peak dashed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("  (matplotlib not installed: no PNG)")
-        return
+    plt = pyplot()
     cfgs = [r["config"] for r in results]
     mnames = list(results[0]["ranks"][0]["modes"]) if results else []
     fig, ax = plt.subplots(figsize=(12, 5))
@@ -221,20 +192,19 @@ def _plot(results, summary, backend, path):
     ax.set_title(f"fp8_layerwise ({backend}); dashed: pinned cudaMemcpyAsync peak, same GPUs copying")
     if mnames:
         ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save(fig, path, dpi=100)
 
 
-def write_outputs(out, meta, results, table, targets, summary) -> list:
+def write_outputs(out, meta, results, table, targets, summary, run=None) -> list:
     """bench_fp8_layerwise.{json,md,png} into ``out``; ``summary`` maps (config, mode) to the figures of
-    ``_mode_summary``. Returns the paths written."""
+    ``_mode_summary``; ``run``: tools/_results.py's run record for the JSON. Returns the paths written."""
     data = dict(meta=meta, results=results, table=table, targets=targets,
                 summary=[dict(config=c, mode=m, **v) for (c, m), v in summary.items()])
     md = "\n".join([f"# fp8_layerwise benchmark, {meta['date']}", "",
                     "; ".join(f"{k} {v}" for k, v in meta.items() if k != "date"), "", table, "", "## Targets", ""]
                    + [f"- {t}" for t in targets])
     return write_results(out, "bench_fp8_layerwise", data, md,
-                         lambda path: _plot(results, summary, meta.get("backend", ""), path))
+                         lambda path: _plot(results, summary, meta.get("backend", ""), path), run=run)
 
 
 def main(argv=None):
@@ -274,17 +244,17 @@ def main(argv=None):
         # One GPU: the small-shard sizes with one rank (so one GPU copying; the writer's cut of a
         # 1-rank layer is contiguous, unlike the strided w2 cut of a real TP4/TP8 rank).
         configs = [configs[0], ("TP4-sized shard, 1 rank", 1, 4), ("TP8-sized shard, 1 rank", 1, 8)]
-    # streams: CUDA copy streams per consumer (the seed design has one). wait: coalesce_wait (off by
+    # streams: CUDA copy streams per consumer (KTransformers' design has one). wait: coalesce_wait (off by
     # default); the "-wait" rows turn it on (what waiting for longer runs buys or costs).
     # batch: batch_small_kinds (the default; the scales copied once per layer); "-perexpert" rows turn it
-    # off (4 copies per expert). The seed design copies every kind per expert.
-    modes = [dict(name="seed", slots=2, inflight=1, coalesce=False, prestaged=False, streams=1, batch=False),
+    # off (4 copies per expert). KTransformers' design copies every kind per expert.
+    modes = [dict(name="ktransformers", slots=2, inflight=1, coalesce=False, prestaged=False, streams=1, batch=False),
              dict(name="slots2", slots=2, inflight=0, coalesce=True, prestaged=False, streams=2),
              dict(name="slots4", slots=4, inflight=0, coalesce=True, prestaged=False, streams=2),
              dict(name="slots4-wait", slots=4, inflight=0, coalesce=True, prestaged=False, streams=2, wait=True),
              dict(name="slots4-perexpert", slots=4, inflight=0, coalesce=True, prestaged=False, streams=2, batch=False),
              dict(name="slots8", slots=8, inflight=0, coalesce=True, prestaged=False, streams=2),
-             dict(name="seed-prestaged", slots=2, inflight=1, coalesce=False, prestaged=True, streams=1, batch=False),
+             dict(name="ktransformers-prestaged", slots=2, inflight=1, coalesce=False, prestaged=True, streams=1, batch=False),
              dict(name="slots2-prestaged", slots=2, inflight=0, coalesce=True, prestaged=True, streams=2),
              dict(name="slots4-prestaged", slots=4, inflight=0, coalesce=True, prestaged=True, streams=2),
              dict(name="slots8-prestaged", slots=8, inflight=0, coalesce=True, prestaged=True, streams=2),
@@ -375,9 +345,9 @@ def main(argv=None):
     rev = git_revision()
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), host=platform.node(), backend=backend,
                 note=note, gpus=[torch.cuda.get_device_name(i) for i in range(ngpu)], cpus=cpus, git_rev=rev,
-                command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])), torch=torch.__version__,
+                command=command_line(os.path.basename(sys.argv[0]), argv), torch=torch.__version__,
                 recommended_slots=best[0] if best else None, default_slots=default_of, cache_hint=cache_hint)
-    write_outputs(args.out, meta, results, table, targets, summary)
+    write_outputs(args.out, meta, results, table, targets, summary, run=run_record(meta["command"]))
     return 0
 
 

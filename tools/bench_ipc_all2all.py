@@ -22,12 +22,12 @@ import os
 import pathlib
 import socket
 import sys
-import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _benchutil import git_revision, out_dir, write_results  # noqa: E402
 from _env import apply as apply_env  # noqa: E402
+from _launch import RankFailure, run_ranks  # noqa: E402
+from _results import (cell, command_line, git_revision, md_row, out_dir, pyplot, run_record, save,  # noqa: E402
+                      utc_now, write_results)
 
 HEADS, HEAD_DIM = 32, 128
 NCCL_RT_REF_US = {4096: 166, 8192: 261, 32768: 851, 131072: 3133}  # measured NCCL path, 2x H200
@@ -102,152 +102,127 @@ def _sweep_busbw(s) -> float:
     return _bandwidths(_bytes_per_rank(s["total_tokens"], s["world"]), s["send_us"], s["world"])[1]
 
 
-def _worker(rank, world, rdzv, sizes, sweep, q, num_blocks=0):
+def _worker(rank, world, rdzv, sizes, sweep, num_blocks=0):
+    """One rank under tools/_launch.py; returns its rows and grid-sweep points."""
     import torch
     import torch.distributed as dist
 
     import ipc_all2all
 
-    try:
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
-        dist.init_process_group("nccl", init_method=rdzv, rank=rank, world_size=world, device_id=dev,
-                                timeout=datetime.timedelta(seconds=120))
-        hpr = HEADS // world
-        max_local = max(sizes) // world
-        a2a = ipc_all2all.All2All.from_group(num_tokens=max_local, hidden_dim=HEADS * HEAD_DIM,
-                                             tensor_dtype=torch.bfloat16, timeout_seconds=10,
-                                             num_sms=num_blocks or None)
-        # A second instance for the CUDA graphs: once an instance has a captured call, its eager calls
-        # return copies (a replay may rewrite either output slot behind the host's back), so eager
-        # figures are taken on an instance that is never captured.
-        a2a_graph = ipc_all2all.All2All.from_group(num_tokens=max_local, hidden_dim=HEADS * HEAD_DIM,
-                                                   tensor_dtype=torch.bfloat16, timeout_seconds=10,
-                                                   num_sms=num_blocks or None)
-        results, sweep_res = [], []
-        default_grid = tuple(a2a._core.grid[:2])  # (blocks, own-rank blocks) as constructed
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=rdzv, rank=rank, world_size=world, device_id=dev,
+                            timeout=datetime.timedelta(seconds=120))
+    hpr = HEADS // world
+    max_local = max(sizes) // world
+    a2a = ipc_all2all.All2All.from_group(num_tokens=max_local, hidden_dim=HEADS * HEAD_DIM,
+                                         tensor_dtype=torch.bfloat16, timeout_seconds=10,
+                                         num_sms=num_blocks or None)
+    # A second instance for the CUDA graphs: once an instance has a captured call, its eager calls
+    # return copies (a replay may rewrite either output slot behind the host's back), so eager
+    # figures are taken on an instance that is never captured.
+    a2a_graph = ipc_all2all.All2All.from_group(num_tokens=max_local, hidden_dim=HEADS * HEAD_DIM,
+                                               tensor_dtype=torch.bfloat16, timeout_seconds=10,
+                                               num_sms=num_blocks or None)
+    results, sweep_res = [], []
+    default_grid = tuple(a2a._core.grid[:2])  # (blocks, own-rank blocks) as constructed
 
-        def mx(v):
-            t = torch.tensor([v], dtype=torch.float64, device=dev)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return float(t)
+    def mx(v):
+        t = torch.tensor([v], dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
 
-        for total in sizes:
-            n = total // world
-            a2a.set_rank_tokens([n] * world)
-            a2a_graph.set_rank_tokens([n] * world)
+    for total in sizes:
+        n = total // world
+        a2a.set_rank_tokens([n] * world)
+        a2a_graph.set_rank_tokens([n] * world)
+        x = torch.randn(1, n, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+        y_in = torch.randn(1, total, hpr, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+        send_buf = torch.empty(world, 1, n, hpr, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+        recv_buf = torch.empty_like(send_buf)
+
+        def nccl_send(x=x):
+            send_buf.copy_(x.view(1, n, world, hpr, HEAD_DIM).permute(2, 0, 1, 3, 4))
+            dist.all_to_all_single(recv_buf, send_buf)
+            return recv_buf.permute(1, 0, 2, 3, 4).reshape(1, total, hpr, HEAD_DIM).contiguous()
+
+        def nccl_gather(y=y_in):
+            send_buf.copy_(y.view(1, world, n, hpr, HEAD_DIM).permute(1, 0, 2, 3, 4))
+            dist.all_to_all_single(recv_buf, send_buf)
+            return recv_buf.permute(1, 2, 0, 3, 4).reshape(1, n, HEADS, HEAD_DIM).contiguous()
+
+        def ours_send(a2a=a2a):
+            return a2a.send_recv_heads(x)
+
+        def ours_gather(a2a=a2a):
+            return a2a.gather_heads(y_in)
+
+        def ours_rt(a2a=a2a):
+            return a2a.gather_heads(a2a.send_recv_heads(x))
+
+        def nccl_rt():
+            return nccl_gather(nccl_send())
+
+        # fp8 on the wire (e4m3 + a scale per head vector; lossy, always a fresh bf16 output)
+        def ours_fp8_send(a2a=a2a):
+            return a2a.send_recv_heads(x, fp8_wire=True)
+
+        def ours_fp8_gather(a2a=a2a):
+            return a2a.gather_heads(y_in, fp8_wire=True)
+
+        def ours_fp8_rt(a2a=a2a):
+            return a2a.gather_heads(a2a.send_recv_heads(x, fp8_wire=True), fp8_wire=True)
+
+        equal = bool(torch.equal(ours_send(), nccl_send()))
+        equal &= bool(torch.equal(ours_gather(), nccl_gather()))
+        equal &= bool(torch.equal(ours_rt(), x))
+        bytes_rank = _bytes_per_rank(total, world)
+        iters = int(max(10, min(200, 4e9 / max(bytes_rank, 1))))
+        row = {"world": world, "total_tokens": total, "bytes_per_rank": bytes_rank, "bitwise_equal": equal}
+        for name, fn in (("ours_send", ours_send), ("ours_gather", ours_gather), ("ours_rt", ours_rt),
+                         ("nccl_send", nccl_send), ("nccl_gather", nccl_gather), ("nccl_rt", nccl_rt),
+                         ("ours_fp8_send", ours_fp8_send), ("ours_fp8_gather", ours_fp8_gather),
+                         ("ours_fp8_rt", ours_fp8_rt)):
+            row[f"{name}_eager_us"] = mx(_time_eager(fn, iters))
+            graph_fn = functools.partial(fn, a2a=a2a_graph) if name.startswith("ours") else fn
+            try:
+                row[f"{name}_graph_us"] = mx(_time_graph(graph_fn, iters))
+            except Exception as e:  # noqa: BLE001 - recorded, not fatal
+                row[f"{name}_graph_us"] = None
+                row.setdefault("errors", []).append(f"{name} graph: {type(e).__name__}: {e}")
+                torch.cuda.synchronize()
+        results.append(row)
+        if rank == 0:
+            print(f"W={world} T={total}: ours send {row['ours_send_eager_us']:.1f} us rt {row['ours_rt_eager_us']:.1f}"
+                  f" | nccl send {row['nccl_send_eager_us']:.1f} rt {row['nccl_rt_eager_us']:.1f} equal={equal}",
+                  flush=True)
+        del x, y_in, send_buf, recv_buf
+        if total in sweep:
             x = torch.randn(1, n, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
-            y_in = torch.randn(1, total, hpr, HEAD_DIM, dtype=torch.bfloat16, device=dev)
-            send_buf = torch.empty(world, 1, n, hpr, HEAD_DIM, dtype=torch.bfloat16, device=dev)
-            recv_buf = torch.empty_like(send_buf)
-
-            def nccl_send(x=x):
-                send_buf.copy_(x.view(1, n, world, hpr, HEAD_DIM).permute(2, 0, 1, 3, 4))
-                dist.all_to_all_single(recv_buf, send_buf)
-                return recv_buf.permute(1, 0, 2, 3, 4).reshape(1, total, hpr, HEAD_DIM).contiguous()
-
-            def nccl_gather(y=y_in):
-                send_buf.copy_(y.view(1, world, n, hpr, HEAD_DIM).permute(1, 0, 2, 3, 4))
-                dist.all_to_all_single(recv_buf, send_buf)
-                return recv_buf.permute(1, 2, 0, 3, 4).reshape(1, n, HEADS, HEAD_DIM).contiguous()
-
-            def ours_send(a2a=a2a):
-                return a2a.send_recv_heads(x)
-
-            def ours_gather(a2a=a2a):
-                return a2a.gather_heads(y_in)
-
-            def ours_rt(a2a=a2a):
-                return a2a.gather_heads(a2a.send_recv_heads(x))
-
-            def nccl_rt():
-                return nccl_gather(nccl_send())
-
-            # fp8 on the wire (e4m3 + a scale per head vector; lossy, always a fresh bf16 output)
-            def ours_fp8_send(a2a=a2a):
-                return a2a.send_recv_heads(x, fp8_wire=True)
-
-            def ours_fp8_gather(a2a=a2a):
-                return a2a.gather_heads(y_in, fp8_wire=True)
-
-            def ours_fp8_rt(a2a=a2a):
-                return a2a.gather_heads(a2a.send_recv_heads(x, fp8_wire=True), fp8_wire=True)
-
-            equal = bool(torch.equal(ours_send(), nccl_send()))
-            equal &= bool(torch.equal(ours_gather(), nccl_gather()))
-            equal &= bool(torch.equal(ours_rt(), x))
-            bytes_rank = _bytes_per_rank(total, world)
-            iters = int(max(10, min(200, 4e9 / max(bytes_rank, 1))))
-            row = {"world": world, "total_tokens": total, "bytes_per_rank": bytes_rank, "bitwise_equal": equal}
-            for name, fn in (("ours_send", ours_send), ("ours_gather", ours_gather), ("ours_rt", ours_rt),
-                             ("nccl_send", nccl_send), ("nccl_gather", nccl_gather), ("nccl_rt", nccl_rt),
-                             ("ours_fp8_send", ours_fp8_send), ("ours_fp8_gather", ours_fp8_gather),
-                             ("ours_fp8_rt", ours_fp8_rt)):
-                row[f"{name}_eager_us"] = mx(_time_eager(fn, iters))
-                graph_fn = functools.partial(fn, a2a=a2a_graph) if name.startswith("ours") else fn
-                try:
-                    row[f"{name}_graph_us"] = mx(_time_graph(graph_fn, iters))
-                except Exception as e:  # noqa: BLE001 - recorded, not fatal
-                    row[f"{name}_graph_us"] = None
-                    row.setdefault("errors", []).append(f"{name} graph: {type(e).__name__}: {e}")
-                    torch.cuda.synchronize()
-            results.append(row)
-            if rank == 0:
-                print(f"W={world} T={total}: ours send {row['ours_send_eager_us']:.1f} us rt {row['ours_rt_eager_us']:.1f}"
-                      f" | nccl send {row['nccl_send_eager_us']:.1f} rt {row['nccl_rt_eager_us']:.1f} equal={equal}",
-                      flush=True)
-            del x, y_in, send_buf, recv_buf
-            if total in sweep:
-                x = torch.randn(1, n, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
-                sm = torch.cuda.get_device_properties(dev).multi_processor_count
-                # 46 registers x 512 threads: at most 2 blocks per SM are resident, so no more than 2*sm.
-                # self_blocks 0 is the default split (num_blocks / (2W) to the own rank).
-                for nb in (sm, 2 * sm):
-                    for self_b in (0, nb // 8, nb // 6, nb // 3):
-                        a2a.set_grid(nb, self_b)
-                        us = mx(_time_eager(lambda: a2a.send_recv_heads(x), 20))
-                        sweep_res.append({"num_blocks": nb, "self_blocks": self_b, "grid": list(a2a._core.grid),
-                                          "send_us": us, "total_tokens": total, "world": world})
-                a2a.set_grid(*default_grid)
-                del x
-            torch.cuda.empty_cache()
-        a2a.destroy()
-        a2a_graph.destroy()
-        dist.destroy_process_group()
-        q.put((rank, "ok", {"rows": results, "sweep": sweep_res}))
-    except BaseException as e:  # noqa: BLE001
-        import traceback
-
-        q.put((rank, "error", traceback.format_exc()))
-        raise SystemExit(1) from e
+            sm = torch.cuda.get_device_properties(dev).multi_processor_count
+            # 46 registers x 512 threads: at most 2 blocks per SM are resident, so no more than 2*sm.
+            # self_blocks 0 is the default split (num_blocks / (2W) to the own rank).
+            for nb in (sm, 2 * sm):
+                for self_b in (0, nb // 8, nb // 6, nb // 3):
+                    a2a.set_grid(nb, self_b)
+                    us = mx(_time_eager(lambda: a2a.send_recv_heads(x), 20))
+                    sweep_res.append({"num_blocks": nb, "self_blocks": self_b, "grid": list(a2a._core.grid),
+                                      "send_us": us, "total_tokens": total, "world": world})
+            a2a.set_grid(*default_grid)
+            del x
+        torch.cuda.empty_cache()
+    a2a.destroy()
+    a2a_graph.destroy()
+    dist.destroy_process_group()
+    return {"rows": results, "sweep": sweep_res}
 
 
 def _run_world(world, sizes, sweep, timeout, num_blocks=0):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        rdzv = f"file://{d}/rdzv"
-        procs = [ctx.Process(target=_worker, args=(r, world, rdzv, sizes, sweep, q, num_blocks)) for r in range(world)]
-        for p in procs:
-            p.start()
-        out, deadline = {}, time.time() + timeout
-        while len(out) < world and time.time() < deadline:
-            try:
-                r, status, payload = q.get(timeout=5)
-                out[r] = (status, payload)
-            except Exception:  # noqa: BLE001
-                if all(not p.is_alive() for p in procs) and q.empty():
-                    break
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    errors = {r: v[1] for r, v in out.items() if v[0] != "ok"}
-    if errors or 0 not in out:
-        return None, errors or {"-": "no result (timeout?)"}
-    return out[0][1], {}
+    """``(rank 0's rows and sweep, {})``, or ``(None, {rank: error})`` when the ranks failed."""
+    try:
+        return run_ranks(_worker, world, sizes, sweep, num_blocks, timeout=timeout, grace_s=20)[0], {}
+    except RankFailure as e:
+        return None, {"-": str(e)}
 
 
 def _derive(row):
@@ -269,13 +244,12 @@ def _table(rows):
     for r in rows:
         for mode in ("eager", "graph"):
             g = lambda k: r.get(f"{k}_{mode}_us")  # noqa: E731
-            f = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
             ratio = (g("ours_rt") / g("nccl_rt")) if g("ours_rt") and g("nccl_rt") else None
-            lines.append(
-                f"| {r['world']} | {r['total_tokens']} | {r['bytes_per_rank'] / 2**20:.0f} | {mode} | {f(g('ours_send'))} | "
-                f"{f(g('ours_gather'))} | {f(g('ours_rt'))} | {f(g('nccl_send'))} | {f(g('nccl_gather'))} | "
-                f"{f(g('nccl_rt'))} | {'n/a' if ratio is None else f'{ratio:.2f}'} | "
-                f"{f(r.get(f'ours_send_{mode}_busbw'))} | {f(r.get(f'nccl_send_{mode}_busbw'))} | {r['bitwise_equal']} |")
+            lines.append(md_row([r["world"], r["total_tokens"], f"{r['bytes_per_rank'] / 2**20:.0f}", mode]
+                                + [cell(g(k), missing="n/a") for k in ("ours_send", "ours_gather", "ours_rt",
+                                                                       "nccl_send", "nccl_gather", "nccl_rt")]
+                                + [cell(ratio, 2, "n/a"), cell(r.get(f"ours_send_{mode}_busbw"), missing="n/a"),
+                                   cell(r.get(f"nccl_send_{mode}_busbw"), missing="n/a"), r["bitwise_equal"]]))
     fp8 = [r for r in rows if r.get("ours_fp8_send_eager_us")]
     if fp8:
         lines += ["", "fp8 on the wire (e4m3 + one fp32 scale per head vector, bf16 in and out; busbw counts the "
@@ -285,12 +259,11 @@ def _table(rows):
         for r in fp8:
             for mode in ("eager", "graph"):
                 g = lambda k: r.get(f"{k}_{mode}_us")  # noqa: E731
-                f = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
                 ratio = (g("ours_fp8_rt") / g("ours_rt")) if g("ours_fp8_rt") and g("ours_rt") else None
-                lines.append(f"| {r['world']} | {r['total_tokens']} | {mode} | {f(g('ours_fp8_send'))} | "
-                             f"{f(g('ours_fp8_gather'))} | {f(g('ours_fp8_rt'))} | {f(g('ours_rt'))} | "
-                             f"{'n/a' if ratio is None else f'{ratio:.2f}'} | "
-                             f"{f(r.get(f'ours_fp8_send_{mode}_busbw'))} |")
+                lines.append(md_row([r["world"], r["total_tokens"], mode]
+                                    + [cell(g(k), missing="n/a") for k in ("ours_fp8_send", "ours_fp8_gather",
+                                                                           "ours_fp8_rt", "ours_rt")]
+                                    + [cell(ratio, 2, "n/a"), cell(r.get(f"ours_fp8_send_{mode}_busbw"), missing="n/a")]))
     return "\n".join(lines)
 
 
@@ -314,12 +287,11 @@ def _targets(rows):
 
 
 def _plot(data, out_dir):
+    """bench_ipc_all2all.png in ``out_dir`` (latency and bus bandwidth per size); its path, or None
+    without matplotlib."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:  # noqa: BLE001
+        plt = pyplot()
+    except ImportError as e:
         print(f"no plot: matplotlib unavailable ({e}); rerun with --plot-only where it is")
         return None
     rows = data["rows"]
@@ -345,7 +317,7 @@ def _plot(data, out_dir):
     fig.suptitle(f"ipc_all2all vs permute+NCCL all_to_all_single+permute ({data['meta'].get('gpu', '')})")
     fig.tight_layout()
     path = pathlib.Path(out_dir) / "bench_ipc_all2all.png"
-    fig.savefig(path, dpi=110)
+    save(fig, str(path))
     return path
 
 
@@ -365,10 +337,11 @@ def _markdown(data) -> str:
     return "\n".join(md) + "\n"
 
 
-def write_outputs(out, data) -> list:
-    """bench_ipc_all2all.{json,md,png} into ``out``; returns the paths written."""
+def write_outputs(out, data, run=None) -> list:
+    """bench_ipc_all2all.{json,md,png} into ``out`` (``run``: tools/_results.py's run record for the
+    JSON); returns the paths written."""
     return write_results(str(out), "bench_ipc_all2all", data, _markdown(data),
-                         lambda path: _plot(data, os.path.dirname(path)))
+                         lambda path: _plot(data, os.path.dirname(path)), run=run)
 
 
 def main():
@@ -396,10 +369,11 @@ def main():
     worlds = [int(w) for w in args.worlds.split(",") if w] or sorted({w for w in (2, 4, 8, n) if w <= n})
     sizes = [4096, 32768] if args.quick else [4096, 8192, 16384, 32768, 65536, 131072]
     rev = git_revision()
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    command = command_line(f"{os.path.basename(sys.executable)} {sys.argv[0]}")
+    meta = {"date": utc_now("iso"),
             "host": socket.gethostname(), "gpu": torch.cuda.get_device_name(0), "gpus": n,
             "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())), "git_rev": rev,
-            "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "heads": HEADS, "head_dim": HEAD_DIM,
+            "command": command, "heads": HEADS, "head_dim": HEAD_DIM,
             "dtype": "bfloat16", "batch": 1, "num_blocks": args.num_blocks or "default"}
     rows, sweeps, errors = [], [], {}
     for W in worlds:
@@ -414,7 +388,7 @@ def main():
     data = {"meta": meta, "rows": rows, "grid_sweep": sweeps, "errors": {str(k): v for k, v in errors.items()},
             "targets": _targets(rows)}
     print(_markdown(data))
-    write_outputs(out, data)
+    write_outputs(out, data, run=run_record(command))
     return 0 if not errors else 1
 
 

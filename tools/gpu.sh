@@ -9,9 +9,9 @@
 #           pytest tests/<pkg> -m "smoke and (gpu or multigpu)"
 #   full    every GPU test of each package: pytest tests/<pkg> -m "gpu or multigpu"
 #   bench   the benchmarks, then the model blocks: python tools/bench_<pkg>.py --out OUT_DIR [--quick],
-#           then python -m <pkg>.demo --out OUT_DIR/block_<pkg> (each package's model block against its baseline:
-#           ipc_all2all's Ulysses attention, elastic_ep's DeepSeek-V3 MoE layer, fp8_layerwise's prefill
-#           loop); ends with the blocks' tables
+#           then python tools/block_<pkg>.py --out OUT_DIR/block_<pkg> (each package's model block against
+#           its baseline: ipc_all2all's Ulysses attention, elastic_ep's DeepSeek-V3 MoE layer, fp8_layerwise's
+#           prefill loop); ends with the blocks' tables, gathered in OUT_DIR/blocks.md
 #   blocks  the model blocks only
 # OPTIONS
 #           (--preset NAME is the same as NAME)
@@ -51,7 +51,7 @@ usage() {
 }
 die() {  # a usage error: the message, the usage line, exit 2
   echo "$PROG: $*" >&2
-  echo "usage: bash $PROG OUT_DIR [smoke|full|bench] [package=NAME[,NAME..]] [--no-build] [--quick]" \
+  echo "usage: bash $PROG OUT_DIR [smoke|full|bench|blocks] [package=NAME[,NAME..]] [--no-build] [--quick]" \
        "[--timeout S] [--dry-run] [-- ARGS..]   (--help for more)" >&2
   exit 2
 }
@@ -60,7 +60,7 @@ case "${1:-}" in
   -h|--help) usage; exit 0 ;;
   "") die "OUT_DIR is missing" ;;
   -*) die "the first argument is OUT_DIR, got option $1" ;;
-  smoke|full|bench|package=*) die "the first argument is OUT_DIR, got '$1' (bash $PROG OUT_DIR $1 ...)" ;;
+  smoke|full|bench|blocks|package=*) die "the first argument is OUT_DIR, got '$1' (bash $PROG OUT_DIR $1 ...)" ;;
 esac
 OUT=$1
 shift
@@ -251,7 +251,7 @@ for p in "${RUN_PKGS[@]}"; do
       [ "$QUICK" = 0 ] || bench+=(--quick)
       step bench "$p" "${bench[@]}" "${ARGS[@]}"
     fi
-    step block "$p" "$PY" -m "$p.demo" --out "$OUT/block_$p"
+    step block "$p" "$PY" "$ROOT/tools/block_$p.py" --out "$OUT/block_$p"
   else
     step tests "$p" "$PY" -m pytest "$ROOT/tests/$p" -c "$ROOT/pytest.ini" --rootdir "$ROOT" -q -rfE \
       -m "$MARK" --junitxml="$OUT/junit_$p.xml" "${ARGS[@]}"
@@ -260,7 +260,7 @@ done
 
 [ "$DRY" = 1 ] && exit 0
 if [ "$PRESET" = bench ] || [ "$PRESET" = blocks ]; then
-  # The model blocks' own tables (each demo writes its table, JSON and plot into OUT/block_<pkg>/).
+  # The model blocks' own tables (each block writes its table, JSON and plot into OUT/block_<pkg>/).
   for p in "${RUN_PKGS[@]}"; do
     for f in "$OUT/block_$p"/*.md; do
       [ -f "$f" ] || continue

@@ -6,9 +6,11 @@
 #    table (.md), JSON and PNG plot, and gpu.sh its logs, into out/bench-<UTC time>/;
 #  * without a GPU: fp8_layerwise streams synthetic MoE layers between several processes through its
 #    CPU backend, checks every byte, and prints each rank's steady-state throughput and where the
-#    time went; the output, its table (demo.md) and figures (demo.json) go to out/demo-<UTC time>/.
+#    time went, then runs its prefill loop at tiny sizes (tools/block_fp8_layerwise.py); the output,
+#    the tables (demo.md, prefill.md) and figures (demo.json, prefill.json, prefill.png) go to
+#    out/demo-<UTC time>/.
 # It ends with the list of files written.
-#   bash tools/run.sh [extra args for the fp8_layerwise demo]
+#   bash tools/run.sh [extra args for the fp8_layerwise streaming run]
 # OUT_DIR=DIR writes there instead (made absolute). COMMKIT_GPU=0 forces the CPU demo.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -40,7 +42,7 @@ else
   out=${OUT_DIR:-$COMMKIT_ROOT/out/demo-$stamp}
   mkdir -p "$out" && out=$(cd "$out" && pwd)
   echo "[run] no GPU: fp8_layerwise CPU-backend streaming demo -> $out"
-  "$COMMKIT_PYTHON" -m fp8_layerwise.demo --out "$out" "$@" 2>&1 | tee "$out/run.log"
+  "$COMMKIT_PYTHON" "$COMMKIT_ROOT/tools/block_fp8_layerwise.py" --out "$out" "$@" 2>&1 | tee "$out/run.log"
   rc=${PIPESTATUS[0]}
 fi
 set -e

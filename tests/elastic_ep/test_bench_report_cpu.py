@@ -1,5 +1,6 @@
-"""The reporting half of tools/bench_elastic_ep.py (per-case statistics, cross-rank summary, speed-ups,
-table, plot) on synthetic per-rank results, so a GPU run cannot be lost after the measurements."""
+"""The reporting half of tools/bench_elastic_ep.py (per-case statistics; tools/_bench_ep_report.py: cross-rank
+summary, speed-ups, table, plot) on synthetic per-rank results, so a GPU run cannot be lost after the
+measurements."""
 import pytest
 
 from tests._tools import load_tool
@@ -19,6 +20,7 @@ def _res(b, backend, case, sms, times, kernel=None):
 
 def test_report_functions(tmp_path):
     b = load_tool("bench_elastic_ep")
+    rep = load_tool("_bench_ep_report")
     s = b._e2e_stats([100.0, 110.0, 400.0])
     assert (s["e2e_us"], s["e2e_mean_us"], s["e2e_min_us"]) == (110.0, 610.0 / 3, 100.0)
     ranks = [{"results": [_res(b, "native", "dispatch_bf16", 0, [200.0, 210.0, 900.0], kernel=150.0),
@@ -31,7 +33,7 @@ def test_report_functions(tmp_path):
                           _res(b, "torch_ref", "dispatch_bf16", 0, [400.0, 400.0, 400.0]),
                           _res(b, "torch", "dispatch_bf16", 0, [600.0, 600.0, 600.0]),
                           _res(b, "torch_a2a", "dispatch_bf16", 0, [120.0, 120.0, 120.0])]}]
-    table = b._summarise(ranks, {})
+    table = rep._summarise(ranks, {})
     native = next(t for t in table if t["backend"] == "native")
     # the torch reference path is the target's reference; the cached dispatch is read against its full
     # (uncached) dispatch
@@ -43,11 +45,11 @@ def test_report_functions(tmp_path):
     assert native["speedup_vs_torch_e2e"] == pytest.approx(615.0 / 200.0)
     assert native["speedup_vs_a2a_e2e"] == pytest.approx(110.0 / 200.0)
     meta = dict(date="d", gpus=2, gpu_name="synthetic", git="r", torch="t", nccl="n", tokens=4096)
-    md = b._markdown(table, meta)
+    md = rep._markdown(table, meta)
     assert "| native | dispatch_bf16 | all | 160.0 | 80.0 | 80.0 | 200.0 |" in md
     assert "| 2.00 | 3.08 | 0.55 |" in md
     # The overlapped combine's cases are compared with the plain combine's references.
-    ov = b._summarise([{"results": [_res(b, "native", "combine_bf16_overlap_p49", 0, [100.0], kernel=90.0),
+    ov = rep._summarise([{"results": [_res(b, "native", "combine_bf16_overlap_p49", 0, [100.0], kernel=90.0),
                                     _res(b, "torch", "combine_bf16", 0, [400.0]),
                                     _res(b, "torch_a2a", "combine_bf16", 0, [50.0])]}], {})
     t = next(t for t in ov if t["backend"] == "native")
@@ -61,5 +63,5 @@ def test_report_functions(tmp_path):
     assert b._span_us([(0, 10), (5, 30), (100, 110), (104, 140)], 2) == pytest.approx((30 + 40) / 2)
     assert b._span_us([(0, 10)], 2) is None and b._span_us([], 1) is None
     pytest.importorskip("matplotlib")
-    b._plot(table, str(tmp_path / "p.png"))
+    rep._plot(table, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 0

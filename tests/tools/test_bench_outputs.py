@@ -35,7 +35,7 @@ def _relative_out(tmp_path, monkeypatch):
 
 
 def test_elastic_ep_outputs(tmp_path, monkeypatch):
-    b = load_tool("bench_elastic_ep")
+    b = load_tool("_bench_ep_report")
     row = dict(backend="native", case="dispatch_bf16", num_sms=0, kernel_us=30.0, comm_kernel_us=20.0,
                epilogue_us=10.0, e2e_us=50.0, comm_gbps_excl_local=300.0, comm_gbps_incl_local=400.0,
                kernel_gbps_excl_local=200.0, kernel_gbps_incl_local=250.0, e2e_gbps_excl_local=120.0,
@@ -78,22 +78,22 @@ def test_ipc_all2all_outputs(tmp_path, monkeypatch):
 
 def test_fp8_layerwise_outputs(tmp_path, monkeypatch):
     b = load_tool("bench_fp8_layerwise")
-    modes = {"seed": dict(bytes=10, total_ms=1.0), "slots4": dict(bytes=10, total_ms=0.5)}
+    modes = {"ktransformers": dict(bytes=10, total_ms=1.0), "slots4": dict(bytes=10, total_ms=0.5)}
     results = [dict(config="DSV3 TP1", tp=1, shard_tp=1, expert_mb_per_rank=44.05, ranks=[{"modes": modes}])]
-    summary = {("DSV3 TP1", "seed"): dict(peak=50.0, h2d=20.0, eff=18.0, ok=True),
+    summary = {("DSV3 TP1", "ktransformers"): dict(peak=50.0, h2d=20.0, eff=18.0, ok=True),
                ("DSV3 TP1", "slots4"): dict(peak=50.0, h2d=45.0, eff=44.0, ok=True)}
-    table = "| config | mode |\n|---|---|\n| DSV3 TP1 | seed |\n| DSV3 TP1 | slots4 |"
+    table = "| config | mode |\n|---|---|\n| DSV3 TP1 | ktransformers |\n| DSV3 TP1 | slots4 |"
     meta = dict(date="2025-01-01 00:00:00 UTC", backend="cuda", git_rev="abc1234")
     rel, out = _relative_out(tmp_path, monkeypatch)
     paths = b.write_outputs(rel, meta, results, table, ["DSV3 TP1: MET"], summary)
     data = _check(paths, out, "bench_fp8_layerwise", ["| DSV3 TP1 | slots4 |", "- DSV3 TP1: MET", "git_rev abc1234"])
-    assert data["summary"] == [dict(config="DSV3 TP1", mode="seed", **summary[("DSV3 TP1", "seed")]),
+    assert data["summary"] == [dict(config="DSV3 TP1", mode="ktransformers", **summary[("DSV3 TP1", "ktransformers")]),
                                dict(config="DSV3 TP1", mode="slots4", **summary[("DSV3 TP1", "slots4")])]
     assert data["results"] == results and data["targets"] == ["DSV3 TP1: MET"]
 
 
 def test_a_failing_plot_keeps_table_and_json(tmp_path):
-    u = load_tool("_benchutil")
+    u = load_tool("_results")
     (tmp_path / "r.png").write_bytes(PNG_MAGIC)  # an earlier run's plot must not pass for this one's
 
     def broken(path):

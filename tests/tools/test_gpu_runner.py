@@ -104,6 +104,21 @@ def test_bench_runs_the_benchmarks_only(tmp_path):
     assert plan.benches[0][-5:] == ["--out", out, "--quick", "--num-sms", "0,32"]
 
 
+def test_blocks_run_each_packages_block_script(tmp_path):
+    # blocks: tools/block_<pkg>.py of every package into OUT/block_<pkg>; bench: the same after the benchmarks.
+    out = str(tmp_path / "o")
+    for preset, benched in (("blocks", []), ("bench", PKGS)):
+        plan = Plan(gpu_sh(out, preset, "--dry-run"))
+        blocks = [c for c in plan.commands if any(re.search(r"tools/block_\w+\.py$", w) for w in c)]
+        scripts = [next(w for w in c if w.endswith(".py")) for c in blocks]
+        assert scripts == [os.path.join(ROOT, "tools", f"block_{p}.py") for p in PKGS], scripts
+        assert all(os.path.isfile(path) for path in scripts)
+        for cmd, pkg in zip(blocks, PKGS):
+            assert cmd[-2:] == ["--out", f"{out}/block_{pkg}"] and cmd[:3] == ["timeout", "--kill-after=15", "540"]
+        assert plan.benched() == benched and plan.tests == []
+        assert "-m" not in [w for c in blocks for w in c]  # no package demo: the blocks live in tools/
+
+
 def test_preset_option_is_the_same_as_the_bare_name(tmp_path):
     for args in (["--preset", "bench"], ["--preset=bench"]):
         plan = Plan(gpu_sh(str(tmp_path), *args, "--dry-run"))
@@ -170,9 +185,10 @@ def test_the_smoke_marker_selects_gpu_tests_of_every_package():
     # tests, ipc_all2all's reference, validation and torch.compile tests, elastic_ep's EP 1 matrices
     # and bad-input test.
     assert {"test_gpu_tp1", "test_gpu_tp2_one_rank_per_gpu", "test_gpu_tp4_two_ranks_per_gpu",
-            "test_gpu_seed_mode_and_default", "test_gpu_python_writer_error_then_reset", "test_gpu_sigkill_consumer",
-            "test_matches_torch_nccl_path", "test_validation_before_launch", "test_torch_compile_fullgraph",
-            "test_native_ep1_matrix", "test_lowlevel_ep1_modes", "test_bad_inputs_native_ep1"} <= names
+            "test_gpu_ktransformers_design_and_default", "test_gpu_python_writer_error_then_reset",
+            "test_gpu_sigkill_consumer", "test_matches_torch_nccl_path", "test_validation_before_launch", "test_torch_compile_fullgraph",
+            "test_native_ep1_matrix", "test_lowlevel_ep1_modes", "test_dispatch_refuses_bad_inputs_native_ep1",
+            "test_combine_refuses_bad_inputs_native_ep1"} <= names
     # smoke marks GPU tests only: the CPU suites are run by tools/test.sh
     rc, ids = _collect("-m", "smoke and not (gpu or multigpu)", "tests")
     assert rc == 5 and ids == [], ids
@@ -239,7 +255,9 @@ def test_the_tools_and_tests_read_env_sh():
 
     assert 'source "$ROOT/tools/env.sh"' in read("tools/gpu.sh")
     assert 'source "$COMMKIT_ROOT/tools/env.sh"' in read("tools/setup_env.sh")
-    assert 'load_tool("_env")' in read("tests/conftest.py") and 'load_tool("_env")' in read("tests/_dist.py")
+    # tests/_dist.py spawns its ranks through tools/_launch.py, which gives every child env.sh's settings
+    assert 'load_tool("_env")' in read("tests/conftest.py") and 'load_tool("_launch")' in read("tests/_dist.py")
+    assert "from _env import settings" in read("tools/_launch.py")
     for bench in ("bench_elastic_ep", "bench_ipc_all2all"):
         assert "apply_env()" in read(f"tools/{bench}.py"), bench
 

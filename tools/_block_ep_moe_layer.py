@@ -1,4 +1,5 @@
-"""The DeepSeek-V3 MoE layer that ``python -m elastic_ep.demo`` runs, and its single-process reference.
+"""The DeepSeek-V3 MoE layer that ``tools/block_elastic_ep.py`` runs (elastic_ep's model block), and its
+single-process reference.
 
 The layer (routed experts only; DeepSeek-V3's shared expert is a dense FFN on every token that never
 communicates, so it is left out):

@@ -1,13 +1,14 @@
-"""The prefill loop's report (:mod:`fp8_layerwise.prefill`): the goal figures of each rank, the
+"""The prefill loop's report (tools/_block_fp8_prefill.py): the goal figures of each rank, the
 printed lines and markdown, and the files ``--out`` writes (``prefill.json``, ``prefill.md`` and
-``prefill.png``, the plot drawn last and only where matplotlib is installed)."""
+``prefill.png``, through tools/_results.py: the plot drawn last and only where matplotlib is
+installed)."""
 from __future__ import annotations
 
-import json
-import os
 from typing import List, Sequence
 
-from . import _moe as M
+from _results import pyplot, run_record, save, write_results
+
+from fp8_layerwise import _moe as M
 
 LOOP_GOAL = 1.05      #: loop time <= LOOP_GOAL x sum over layers of max(compute, transfer)
 SLOWDOWN_GOAL = 0.05  #: compute in the loop <= (1 + SLOWDOWN_GOAL) x compute alone
@@ -43,7 +44,7 @@ def summarize_rank(res: dict, bound_ms: float) -> dict:
                 timeline_ok=not any(r["violations"] for r in res["loops"]))
 
 
-def _flops(f: float) -> str:
+def flops_text(f: float) -> str:
     """``f`` FLOP (or FLOP/s, with the unit's suffix added by the caller) with a readable prefix."""
     for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
         if f >= scale:
@@ -102,7 +103,7 @@ def report(cfg: dict, results: List[dict], ndev: int) -> tuple:
             f"{s['bound_ms']:.1f} ms = {s['loop_ratio']:.3f}x -> goal <= {LOOP_GOAL}x: {s['loop_goal']}",
             f"  compute in the loop {s['compute_in_loop_ms']:.1f} ms vs alone {s['compute_alone_ms']:.1f} ms = "
             f"{100 * s['slowdown']:+.1f} % -> goal <= {100 * SLOWDOWN_GOAL:.0f} %: {s['slowdown_goal']}",
-            f"  alone: compute {s['compute_alone_ms']:.1f} ms ({_flops(flops * N / s['compute_alone_ms'] * 1e3)}/s), "
+            f"  alone: compute {s['compute_alone_ms']:.1f} ms ({flops_text(flops * N / s['compute_alone_ms'] * 1e3)}/s), "
             f"transfer {s['transfer_alone_ms']:.1f} ms ({layer_bytes * N / s['transfer_alone_ms'] / 1e6:.2f} GB/s "
             f"per rank); one after the other {s['serial_ms']:.1f} ms; in the loop {s['overlap_ms']:.1f} ms of "
             "transfer ran during compute",
@@ -131,11 +132,8 @@ def report(cfg: dict, results: List[dict], ndev: int) -> tuple:
 
 
 def _plot(record: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+    plt = pyplot()
     import matplotlib.patches
-    import matplotlib.pyplot as plt
 
     r0, s0 = record["ranks"][0], record["summary"][0]
     n = len(r0["alone"])
@@ -161,26 +159,11 @@ def _plot(record: dict, path: str) -> None:
                fontsize=8, loc="upper right")
     ax2.set_xlabel("ms since the loop started (bars: layers)")
     ax2.set_title("rank 0's timeline")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
-def write_outputs(out: str, name: str, record: dict, table_md: str) -> List[str]:
-    """``<name>.json``, ``<name>.md`` and ``<name>.png`` (drawn last, so a plotting error loses no figure;
-    none without matplotlib) into ``out``; returns the paths written."""
-    out = os.path.abspath(out)
-    os.makedirs(out, exist_ok=True)
-    paths = [os.path.join(out, f"{name}.{ext}") for ext in ("json", "md", "png")]
-    with open(paths[0], "w") as f:
-        json.dump(record, f, indent=1, default=str)
-        f.write("\n")
-    with open(paths[1], "w") as f:
-        f.write(table_md if table_md.endswith("\n") else table_md + "\n")
-    if os.path.exists(paths[2]):
-        os.remove(paths[2])  # an earlier run's plot must not pass for this one's
-    try:
-        _plot(record, paths[2])
-    except Exception as exc:  # noqa: BLE001 - the table and the JSON are what matter
-        print(f"  no plot ({type(exc).__name__}: {exc})")
-    return [p for p in paths if os.path.exists(p)]
+def write_outputs(out: str, name: str, record: dict, table_md: str, command: str) -> List[str]:
+    """``<name>.json`` (with the run's date, revision, command and machine), ``<name>.md`` and
+    ``<name>.png`` into ``out``; returns the paths written."""
+    return write_results(out, name, record, table_md, lambda path: _plot(record, path), quiet=True,
+                         run=run_record(command))

@@ -1,19 +1,19 @@
 """The prefill loop: MoE layers whose FP8 experts live in host memory, each streamed to every TP rank
 while the previous layer's expert GEMMs run.
 
-    python -m fp8_layerwise.demo [--prefill] [--tp N] [--layers 12] [--experts 8] [--hidden 7168]
+    python tools/block_fp8_layerwise.py [--prefill] [--tp N] [--layers 12] [--experts 8] [--hidden 7168]
         [--intermediate 2048] [--tokens 16384] [--top-k 4] [--repeat 3] [--backend auto|cuda|cpu]
         [--slots S] [--threads N] [--seed 0] [--timeout 600] [--out DIR]
 
-(``python -m fp8_layerwise.prefill`` is the same.) It launches ``--tp`` processes, one per TP rank
-(default: one per GPU; ranks beyond the number of GPUs share them, which checks correctness only).
+It launches ``--tp`` processes (tools/_launch.py), one per TP rank (default: one per GPU; ranks
+beyond the number of GPUs share them, which checks correctness only).
 Each rank holds two :class:`~fp8_layerwise.Transport` objects, whose layer buffers are the two GPU
 layer buffers: layer L goes into buffer ``L % 2``. Rank 0 keeps every layer's whole-layer block-FP8
 experts (DeepSeek-V3's layout: per expert ``w13 [2I, H]`` and ``w2 [H, I]`` in float8_e4m3fn with
 fp32 128x128 block scales) in host memory and streams them with the native shard writer. A layer's
 compute is this rank's share of the experts' FFN for a prefill chunk of ``--tokens`` tokens routed
 top-``k`` (balanced: every expert gets ``tokens * k / experts`` rows): dequantise the FP8 shard to
-bf16, batched matmuls, SiLU gate (:mod:`fp8_layerwise._moe`).
+bf16, batched matmuls, SiLU gate (``fp8_layerwise._moe``).
 
 The schedule (:func:`run_loop`): stream layer 0; then for every layer L, enqueue L's compute on the
 compute stream, wait until layer L-1's compute (which read the other buffer) finished, and stream
@@ -49,16 +49,16 @@ are checked, the timings mean nothing.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
-from ._prefill_report import (LOOP_GOAL, SLOWDOWN_GOAL, _flops, layer_bound_ms, report,  # noqa: F401
-                              summarize_rank, write_outputs)
+from _block_fp8_prefill_report import flops_text, report, write_outputs
+from _launch import RankFailure, abort_on_failure, parse_run, run_ranks, spawn_context
+from _results import command_line
 
 GPU_DEFAULTS = dict(layers=12, experts=8, hidden=7168, intermediate=2048, tokens=16384, top_k=4, repeat=3)
 CPU_DEFAULTS = dict(tp=2, layers=4, experts=4, hidden=256, intermediate=256, tokens=64, top_k=2, repeat=2, threads=1)
@@ -127,14 +127,10 @@ def overlap_ms(events: Sequence[dict]) -> float:
 
 
 # ---- one rank -----------------------------------------------------------------------------------
-def _rank_main(rank: int, cfg: dict, tmp: str, q, barrier) -> None:
-    try:
-        q.put((rank, True, _run_rank(rank, cfg, tmp, barrier)))
-    except BaseException as exc:  # noqa: BLE001 - reported by the parent
-        import traceback
-
-        barrier.abort()  # the peers' barrier waits fail at once instead of at their timeout
-        q.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+def _rank_main(rank: int, world: int, rdzv: str, cfg: dict, tmp: str, barrier) -> dict:
+    """One rank under tools/_launch.py (the rendezvous is unused: the transports exchange their names
+    through ``tmp``)."""
+    return abort_on_failure(barrier, _run_rank, rank, cfg, tmp, barrier)
 
 
 def _run_rank(rank: int, cfg: dict, tmp: str, barrier) -> dict:
@@ -145,7 +141,7 @@ def _run_rank(rank: int, cfg: dict, tmp: str, barrier) -> dict:
 
     import fp8_layerwise as F
 
-    from . import _moe as M
+    from fp8_layerwise import _moe as M
 
     tp, N, E, H, I = cfg["tp"], cfg["layers"], cfg["experts"], cfg["hidden"], cfg["intermediate"]
     T, k, reps, seed = cfg["tokens"], cfg["top_k"], cfg["repeat"], cfg["seed"]
@@ -277,9 +273,14 @@ def _run_rank(rank: int, cfg: dict, tmp: str, barrier) -> dict:
 def _cuda_usable() -> bool:
     import torch
 
-    from . import _C
+    import fp8_layerwise as F
 
-    return _C.built_with_cuda() and torch.cuda.is_available() and torch.cuda.device_count() > 0
+    return F.built_with_cuda() and torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
 
 
 def _host_available_bytes() -> Optional[int]:
@@ -298,15 +299,12 @@ def resolve_config(args: argparse.Namespace) -> dict:
     checked (ValueError naming the option) before anything is launched."""
     import torch
 
-    from . import _C
-    from ._checks import MAX_SLOTS, MAX_TP, _check
-    from ._writers import default_writer_threads
-    from .block_fp8 import block_fp8_expert_nbytes
+    from fp8_layerwise import MAX_SLOTS, MAX_TP, block_fp8_expert_nbytes, built_with_cuda, default_writer_threads
 
     backend = args.backend
     if backend == "auto":
         backend = "cuda" if _cuda_usable() else "cpu"
-    _check(backend != "cuda" or _C.built_with_cuda(), "--backend cuda: fp8_layerwise was built without CUDA")
+    _check(backend != "cuda" or built_with_cuda(), "--backend cuda: fp8_layerwise was built without CUDA")
     _check(backend != "cuda" or torch.cuda.is_available(), "--backend cuda: no CUDA device is visible")
     ndev = torch.cuda.device_count() if backend == "cuda" else 0
     defaults = dict(GPU_DEFAULTS if backend == "cuda" else CPU_DEFAULTS)
@@ -342,7 +340,7 @@ def resolve_config(args: argparse.Namespace) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fp8_layerwise.demo --prefill",
+    p = argparse.ArgumentParser(prog="python tools/block_fp8_layerwise.py --prefill",
                                 description="The prefill loop: FP8 experts streamed from host memory to every TP "
                                             "rank while the previous layer's expert GEMMs run.")
     g, c = GPU_DEFAULTS, CPU_DEFAULTS
@@ -371,45 +369,23 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(cfg: dict) -> tuple:
-    """Launch the ranks and wait for them (at most ``cfg['timeout']`` s); returns (results by rank,
-    failure messages by rank, the ranks that reported nothing)."""
-    ctx = mp.get_context("spawn")
-    q, barrier = ctx.Queue(), ctx.Barrier(cfg["tp"])
-    results: Dict[int, dict] = {}
-    failed: Dict[int, str] = {}
+def run(cfg: dict) -> List[dict]:
+    """Launch the ranks and wait for them (at most ``cfg['timeout']`` s); returns their results.
+
+    Raises:
+        RankFailure: a rank failed, died or did not finish (the others get 15 s after a failure:
+            they fail too, through the poison or the aborted barrier, or wait for the failed rank).
+    """
+    barrier = spawn_context().Barrier(cfg["tp"])
     with tempfile.TemporaryDirectory(prefix="fp8lw_prefill_") as tmp:
-        procs = [ctx.Process(target=_rank_main, args=(r, cfg, tmp, q, barrier), daemon=True) for r in range(cfg["tp"])]
-        for pr in procs:
-            pr.start()
-        deadline = time.monotonic() + cfg["timeout"]
-        while len(results) + len(failed) < cfg["tp"] and time.monotonic() < deadline:
-            try:
-                rank, ok, payload = q.get(timeout=1.0)
-            except Exception:  # noqa: BLE001 - queue.Empty
-                if any(pr.exitcode not in (None, 0) for pr in procs):
-                    break
-                continue
-            (results if ok else failed)[rank] = payload
-            if not ok:  # the others fail too (poison, an aborted barrier) or wait for the failed rank
-                deadline = min(deadline, time.monotonic() + 15)
-        for pr in procs:
-            pr.join(timeout=10)
-            if pr.is_alive():
-                pr.kill()
-                pr.join(timeout=10)
-    missing = sorted(set(range(cfg["tp"])) - set(results) - set(failed))
-    return [results[r] for r in sorted(results)], failed, missing
+        return run_ranks(_rank_main, cfg["tp"], cfg, tmp, barrier, timeout=cfg["timeout"], grace_s=15)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = parser()
-    args = p.parse_args(argv)
-    try:
-        cfg = resolve_config(args)
-    except ValueError as exc:
-        p.error(str(exc))
-    from . import _moe as M
+    """The prefill loop's command line (``--prefill`` of tools/block_fp8_layerwise.py): 0 when every
+    check passed, 1 otherwise, 2 for a bad option."""
+    args, cfg = parse_run(parser(), argv, resolve_config)
+    from fp8_layerwise import _moe as M
 
     tp, s = cfg["tp"], cfg["intermediate"] // cfg["tp"]
     nb = cfg["expert_nbytes"]
@@ -420,33 +396,25 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"top-k={cfg['top_k']} ({rows} rows per expert) repeat={cfg['repeat']}")
     print(f"  per rank and layer: {cfg['experts'] * sum(nb) / 1e6:.1f} MB of FP8 experts "
           f"({sum(nb) / 1e6:.2f} MB per expert) and "
-          f"{_flops(M.moe_flops(cfg['tokens'], cfg['top_k'], cfg['hidden'], s))} of expert GEMMs; "
+          f"{flops_text(M.moe_flops(cfg['tokens'], cfg['top_k'], cfg['hidden'], s))} of expert GEMMs; "
           f"rank 0 holds {cfg['layers'] * cfg['experts'] * sum(nb) * tp / 1e6:.1f} MB of experts in host memory")
     if cfg["backend"] == "cuda":
         print(f"  {tp} rank(s) on {ndev} GPU(s)" + (f": ranks share GPUs (rank r on GPU r % {ndev}), which checks "
                                                     "correctness only" if tp > ndev else ", one per GPU"))
     t0 = time.monotonic()
-    results, failed, missing = run(cfg)
-    if failed or missing:
-        for r, msg in sorted(failed.items()):
-            print(f"rank {r} FAILED: {msg}", file=sys.stderr)
-        if missing:
-            print(f"ranks {missing} reported nothing (died or timed out after {cfg['timeout']:.0f} s)",
-                  file=sys.stderr)
-        print("prefill FAILED", file=sys.stderr)
+    try:
+        results = run(cfg)
+    except RankFailure as exc:
+        print(f"{exc}\nprefill FAILED", file=sys.stderr)
         return 1
     lines, md, record, ok = report(cfg, results, ndev)
     record["wall_s"] = time.monotonic() - t0
     for line in lines:
         print("  " + line)
     if args.out:
-        command = " ".join(["python -m fp8_layerwise.demo --prefill"] + list(sys.argv[1:] if argv is None else argv))
+        command = command_line("python tools/block_fp8_layerwise.py --prefill", argv)
         md = "\n".join(["# fp8_layerwise prefill loop", "", f"`{command}`", "", md])
-        print("  wrote " + ", ".join(write_outputs(args.out, "prefill", record, md)))
+        print("  wrote " + ", ".join(write_outputs(args.out, "prefill", record, md, command)))
     print(f"prefill OK: weights byte-exact and outputs checked on every rank ({record['wall_s']:.1f} s)" if ok
           else "prefill FAILED: see the checks above")
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
