@@ -13,7 +13,7 @@ experts (DeepSeek-V3's layout: per expert ``w13 [2I, H]`` and ``w2 [H, I]`` in f
 fp32 128x128 block scales) in host memory and streams them with the native shard writer. A layer's
 compute is this rank's share of the experts' FFN for a prefill chunk of ``--tokens`` tokens routed
 top-``k`` (balanced: every expert gets ``tokens * k / experts`` rows): dequantise the FP8 shard to
-bf16, batched matmuls, SiLU gate (``fp8_layerwise._moe``).
+bf16, batched matmuls, SiLU gate (``tools/_block_fp8_moe.py``).
 
 The schedule (:func:`run_loop`): stream layer 0; then for every layer L, enqueue L's compute on the
 compute stream, wait until layer L-1's compute (which read the other buffer) finished, and stream
@@ -141,7 +141,7 @@ def _run_rank(rank: int, cfg: dict, tmp: str, barrier) -> dict:
 
     import fp8_layerwise as F
 
-    from fp8_layerwise import _moe as M
+    import _block_fp8_moe as M
 
     tp, N, E, H, I = cfg["tp"], cfg["layers"], cfg["experts"], cfg["hidden"], cfg["intermediate"]
     T, k, reps, seed = cfg["tokens"], cfg["top_k"], cfg["repeat"], cfg["seed"]
@@ -385,7 +385,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """The prefill loop's command line (``--prefill`` of tools/block_fp8_layerwise.py): 0 when every
     check passed, 1 otherwise, 2 for a bad option."""
     args, cfg = parse_run(parser(), argv, resolve_config)
-    from fp8_layerwise import _moe as M
+    import _block_fp8_moe as M
 
     tp, s = cfg["tp"], cfg["intermediate"] // cfg["tp"]
     nb = cfg["expert_nbytes"]

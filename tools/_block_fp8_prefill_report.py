@@ -8,7 +8,7 @@ from typing import List, Sequence
 
 from _results import pyplot, run_record, save, write_results
 
-from fp8_layerwise import _moe as M
+import _block_fp8_moe as M
 
 LOOP_GOAL = 1.05      #: loop time <= LOOP_GOAL x sum over layers of max(compute, transfer)
 SLOWDOWN_GOAL = 0.05  #: compute in the loop <= (1 + SLOWDOWN_GOAL) x compute alone

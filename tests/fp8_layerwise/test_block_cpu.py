@@ -1,5 +1,5 @@
 """fp8_layerwise's block (``tools/block_fp8_layerwise.py``) on the CPU: the prefill loop's schedule
-with fakes, the timeline check, the routing and the experts' forward pass (``fp8_layerwise._moe``)
+with fakes, the timeline check, the routing and the experts' forward pass (``tools/_block_fp8_moe.py``)
 against naive references, the report's formulas, argument checks, the loop end to end on the CPU
 backend, and the plain command without a GPU (the streaming run, then the tiny prefill loop; what
 tools/run.sh runs there) (~15 s each)."""
@@ -12,12 +12,13 @@ import pytest
 import torch
 
 import fp8_layerwise as F
-from fp8_layerwise import _moe as M
+
 from tests._tools import ROOT, load_tool
 
 B = load_tool("block_fp8_layerwise")
 P = B.prefill
 R = load_tool("_block_fp8_prefill_report")
+import _block_fp8_moe as M  # noqa: E402 (tools/ is on sys.path once load_tool ran)
 
 
 # ---- the schedule -------------------------------------------------------------------------------

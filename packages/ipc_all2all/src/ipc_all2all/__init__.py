@@ -60,7 +60,7 @@ a group::
 
 or ``with ipc_all2all.All2All.from_group(group, num_tokens=..., hidden_dim=..., tensor_dtype=...)``.
 Inside ``torch.compile`` the methods are the torch custom ops of ``ipc_all2all.ops`` (with fake
-implementations). ``python -m ipc_all2all.demo`` runs a sequence-parallel attention layer on it.
+implementations). ``python -m ipc_all2all.demo`` checks both directions against plain torch; ``tools/block_ipc_all2all.py`` times a sequence-parallel attention layer on it.
 """
 from __future__ import annotations
 

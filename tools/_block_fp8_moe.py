@@ -1,4 +1,4 @@
-"""The MoE layer of the prefill loop (:mod:`fp8_layerwise.prefill`): synthetic block-FP8 experts,
+"""The MoE layer of the prefill loop (tools/_block_fp8_prefill.py): synthetic block-FP8 experts,
 balanced top-k routing, the experts' forward pass, and where that forward pass runs.
 
 * :func:`make_layer_sources`: one layer's whole-layer tensors in the layout of
@@ -22,8 +22,8 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
-from ._checks import _check, _int_arg
-from .block_fp8 import BLOCK, block_fp8_expert_nbytes
+from fp8_layerwise._checks import _check, _int_arg
+from fp8_layerwise.block_fp8 import BLOCK, block_fp8_expert_nbytes
 
 #: FP8 e4m3 with the exponent's top bit cleared: |value| <= 1.875, never NaN (NaN is S.1111.111).
 _FINITE_FP8_MASK = 0xBF
