@@ -5,16 +5,15 @@
   tensors of random dtype (floats, FP8, ints, bool) and shape (0 to a few KiB), some written in place
   (``agrs_get_inplace_tensor``), some waited at once and some only at the end of the session; every
   result of a session is checked again at its end (the bump allocator gives each its own bytes).
-* Every refusal is a ``ValueError`` naming the problem, and the buffer stays usable after it.
+
+Its refusals are in ``test_args_agrs_cpu.py``.
 """
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests._dist import init_gloo, run_workers
-from tests.elastic_ep._common import import_elastic_ep, ops_buffer, refusal_checker
-
-ep = import_elastic_ep()
+from tests._dist import run_workers
+from tests.elastic_ep._common import ops_buffer
 
 MiB2 = 2 << 20
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.int8,
@@ -133,91 +132,21 @@ def test_agrs_random_sessions_match_torch_all_gather(tmp_path, world):
     assert num_gathers >= 100 and num_sessions >= 20 and num_inplace >= 10 and num_deferred >= 10, res[0]
 
 
-def _refusal_worker(rank, world, rdzv):
-    group = init_gloo(rank, world, rdzv)
-    buf = ep.ElasticBuffer(group, num_bytes=MiB2, backend="torch")
-    seen = []
-    bad = refusal_checker(seen)
-    x = torch.arange(10, dtype=torch.float32)
-    bad("agrs_set_config", lambda: buf.all_gather(x))             # not configured
-    bad("agrs_set_config", lambda: buf.agrs_get_inplace_tensor((2,), torch.int32))
-    bad("num_max_session_bytes", lambda: buf.agrs_set_config(0, 4))
-    bad("num_max_session_bytes", lambda: buf.agrs_set_config(MiB2 + 1, 4))   # over the buffer
-    bad("num_max_session_bytes", lambda: buf.agrs_set_config(1.5, 4))
-    bad("num_max_all_gathers_per_session", lambda: buf.agrs_set_config(1024, 0))
-    bad("num_max_all_gathers_per_session", lambda: buf.agrs_set_config(1024, 33))  # DeepEP's limit: 32
-    buf.agrs_set_config(1000, 3)  # rounded up to 1024 bytes
-    bad("outside an AGRS session", lambda: buf.all_gather(x))
-    bad("outside an AGRS session", lambda: buf.agrs_get_inplace_tensor((2,), torch.int32))
-    bad("not inside an AGRS session", buf.destroy_agrs_session)
-    with buf.agrs_new_session():
-        bad("already inside", buf.create_agrs_session)
-        bad("inside an AGRS session", lambda: buf.agrs_set_config(1024, 3))
-        bad("non-empty sequence", lambda: buf.all_gather([]))
-        bad("expected a tensor", lambda: buf.all_gather("x"))
-        bad("t[1]: expected a tensor", lambda: buf.all_gather([x, None]))
-        bad("contiguous", lambda: buf.all_gather(torch.zeros(4, 4)[:, 1]))
-        bad("num_max_session_bytes", lambda: buf.all_gather(torch.zeros(1024 // world + 1, dtype=torch.uint8)))
-        bad("num_max_session_bytes", lambda: buf.agrs_get_inplace_tensor([(200,), (200,)], torch.int32))
-        bad("shapes", lambda: buf.agrs_get_inplace_tensor((2, 1.5), torch.int32))
-        bad("dtype", lambda: buf.agrs_get_inplace_tensor((2,), "float"))
-        # an in-place tensor gathered out of order: it is not this rank's part of that gather
-        v = buf.agrs_get_inplace_tensor((4,), torch.float32)
-        g0, w0 = buf.all_gather(torch.ones(3))          # takes the bytes the in-place tensor pointed at
-        bad("this rank's part", lambda: buf.all_gather(v))
-        w0()
-        assert torch.equal(g0, torch.ones(world, 3))
-        g1, g2, w1 = buf.all_gather([x, torch.full((2, 2), rank, dtype=torch.int64)])
-        w1()
-        assert torch.equal(g1, x.expand(world, 10)) and torch.equal(g2[:, 0, 0], torch.arange(world))
-        g3, w3 = buf.all_gather(torch.tensor(rank, dtype=torch.int8))  # a 0-dim tensor: [R]
-        w3()
-        assert torch.equal(g3, torch.arange(world, dtype=torch.int8))
-        bad("num_max_all_gathers_per_session", lambda: buf.all_gather(x))  # the 3 gathers are used
-        bad("num_max_all_gathers_per_session", lambda: buf.agrs_get_inplace_tensor((1,), torch.int8))
-    bad("session has ended", w1)
-    # usable after every refusal: a session with an in-place gather
-    with buf.agrs_new_session(enabled=True):
-        v = buf.agrs_get_inplace_tensor(torch.Size([5]), torch.bfloat16)
-        assert isinstance(v, torch.Tensor)
-        v.fill_(rank + 1)
-        g, w = buf.all_gather(v)
-        w()
-        assert torch.equal(g, torch.arange(1, world + 1, dtype=torch.bfloat16).view(world, 1).expand(world, 5))
-    with buf.agrs_new_session(enabled=False):  # a no-op, as DeepEP's
-        bad("outside an AGRS session", lambda: buf.all_gather(x))
-    buf.destroy()
-    return len(seen)
+def test_every_backend_has_its_part_of_agrs_pp_and_engram():
+    """AGRS, PP and Engram each talk to a backend through one small interface (``AgrsPart``, ``PpPart``,
+    ``EngramPart``): both runtimes' parts implement every operation of it (the native ones run in
+    test_agrs_pp_engram_gpu.py), and a part that lacks one cannot be created, naming it."""
+    from elastic_ep import _agrs, _engram, _pp
 
-
-def test_agrs_refusals(tmp_path):
-    counts = run_workers(_refusal_worker, 2, tmp_path=tmp_path, timeout=120)
-    assert counts[0] == counts[1] == 25
-
-
-def test_runtime_without_agrs_pp_engram_says_not_implemented():
-    from elastic_ep._runtime import AllGatherArgs, Runtime
-
-    class Native(Runtime):  # a runtime that keeps the interface's defaults for these ops
-        backend = "native"
-        dispatch = combine = barrier = destroy = get_comm_stream = None
-
-    r = Native()
-    for fn, op in ((lambda: r.agrs_set_config(1024), "agrs_set_config"),
-                   (lambda: r.all_gather(AllGatherArgs([], [], [], 1, 0)), "all_gather"),
-                   (lambda: r.agrs_end_session(1), "destroy_agrs_session"),
-                   (lambda: r.pp_set_config(64, 2), "pp_set_config"), (lambda: r.pp_send(torch.zeros(1), 1), "pp_send"),
-                   (lambda: r.pp_recv(torch.zeros(1), 1), "pp_recv"),
-                   (lambda: r.engram_write(torch.zeros(1, 8), None), "engram_write"),
-                   (lambda: r.engram_fetch(torch.zeros(1, 1, dtype=torch.int32), False), "engram_fetch")):
-        with pytest.raises(NotImplementedError, match=rf"{op}: the native runtime does not implement it yet.*"
-                                                      r"backend='torch'"):
-            fn()
-    try:
-        from elastic_ep import _native_runtime
-    except Exception:  # noqa: BLE001 - not importable on this machine: the interface check above stands
-        return
-    for op in ("agrs_set_config", "all_gather", "agrs_end_session", "pp_set_config", "pp_send", "pp_recv",
-               "engram_write", "engram_fetch"):
-        # the native runtime has its own (test_agrs_pp_engram_gpu.py)
-        assert getattr(_native_runtime.NativeRuntime, op) is not getattr(Runtime, op)
+    cases = ((_agrs.AgrsPart, (_agrs.NativeAgrs, _agrs.TorchAgrs), {"set_config", "all_gather", "end_session"}),
+             (_pp.PpPart, (_pp.NativePp, _pp.TorchPp), {"set_config", "send", "recv"}),
+             (_engram.EngramPart, (_engram.NativeEngram, _engram.TorchEngram), {"write", "fetch"}))
+    for interface, parts, ops in cases:
+        assert set(interface.__abstractmethods__) == ops, interface
+        for part in parts:
+            assert issubclass(part, interface) and not part.__abstractmethods__, part
+            for op in ops:
+                assert getattr(part, op) is not getattr(interface, op), (part, op)
+        lacking = type("Lacking", (interface,), {op: lambda *a: None for op in sorted(ops)[1:]})
+        with pytest.raises(TypeError, match=sorted(ops)[0]):
+            lacking()

@@ -11,9 +11,10 @@ Defects these tests hold fixed:
 * ``with buffer:`` on a destroyed buffer entered the body.
 
 Paths that were already right are kept as guards: every operation after ``destroy()`` raises
-``RuntimeError`` "destroyed", ``destroy()`` twice, a ``with`` block left by an exception, and a
-process exiting with buffers never destroyed (``explicitly_destroy`` either way: the CPU path has no
-finaliser, so nothing runs, raises or waits at exit).
+``RuntimeError`` "destroyed", ``destroy()`` twice, a ``with`` block left by an exception, a peer that
+never joins a ``dispatch`` or ``destroy()`` (``TimeoutError`` after ``num_cpu_timeout_secs`` naming the
+stage and the ranks), and a process exiting with buffers never destroyed (``explicitly_destroy`` either
+way: the CPU path has no finaliser, so nothing runs, raises or waits at exit).
 """
 from __future__ import annotations
 
@@ -169,6 +170,69 @@ def test_destroy_twice_and_with_blocks(after_destroy):
         assert res["handle.copy"] == ("no exception", "")
         assert res["with: destroyed on exit"] is True
         assert res["with: body exception"] == ("KeyError", "'from the body'", True)
+
+
+# ------------------------------------------------------------------ a peer that never comes
+def absent_destroy_worker(rank, world, rdzv):
+    import time
+
+    from tests._dist import init_gloo
+    from tests.elastic_ep._common import import_elastic_ep
+
+    ep = import_elastic_ep()
+    group = init_gloo(rank, world, rdzv)
+    buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, num_topk=K, backend="torch",
+                           num_cpu_timeout_secs=2)
+    if rank != 0:
+        time.sleep(8)  # never reaches destroy()
+        return "idle"
+    t0 = time.monotonic()
+    try:
+        buf.destroy()
+    except TimeoutError as e:
+        return str(e), time.monotonic() - t0
+    return "no timeout", time.monotonic() - t0
+
+
+def test_destroy_with_an_absent_peer_times_out_naming_it(tmp_path):
+    """destroy() is collective: on a gloo group a peer that never comes makes it raise TimeoutError
+    after num_cpu_timeout_secs, naming the peer, instead of waiting for the process group's timeout."""
+    res = run_workers(absent_destroy_worker, 2, tmp_path=tmp_path, timeout=60)
+    msg, dt = res[0]
+    assert "barrier timed out on rank 0 of 2 after 2 s" in msg and "Rank 1 failed to pass" in msg, msg
+    assert dt < 7, dt
+    assert res[1] == "idle"
+
+
+def cpu_timeout_worker(rank, world, rdzv):
+    import time
+
+    from tests._dist import init_gloo
+    from tests.elastic_ep._common import import_elastic_ep, make_inputs
+
+    ep = import_elastic_ep()
+    group = init_gloo(rank, world, rdzv)
+    buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=16, hidden=256, num_topk=2, backend="torch",
+                           num_cpu_timeout_secs=2)
+    if rank != 0:
+        time.sleep(8)  # never joins the dispatch
+        return "idle"
+    inp = make_inputs(rank, 16, 256, 2, 8, "bf16", 0, "cpu")
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], num_experts=8)
+    except TimeoutError as e:
+        waited = time.monotonic() - t0
+        assert waited < 7, f"took {waited:.1f} s"
+        return str(e)
+    return "no timeout"
+
+
+def test_cpu_timeout_names_stage_and_rank(tmp_path):
+    """A peer that never joins: the torch backend raises TimeoutError after num_cpu_timeout_secs."""
+    res = run_workers(cpu_timeout_worker, 2, tmp_path=tmp_path, timeout=60)
+    assert "dispatch" in res[0] and "rank 0" in res[0] and "timed out" in res[0], res[0]
+    assert res[1] == "idle"
 
 
 # ------------------------------------------------------------------ interpreter exit without destroy()

@@ -34,7 +34,7 @@ def _new_buffer(rank, world_size, comm, num_bytes, multi, gpu_timeout=20, window
 
     from elastic_ep import _low_level as ll
 
-    buf = ll.ElasticBuffer(rank, world_size, comm, None, num_bytes, 0, True, multi, True, 3, 0, 30, gpu_timeout, True,
+    buf = ll.NativeRuntime(rank, world_size, comm, None, num_bytes, 0, True, multi, True, 3, 0, 30, gpu_timeout, True,
                            window=window)
     if window == "ipc":
         handles = [None] * world_size
@@ -54,9 +54,13 @@ def _dispatch(buf, x, sf, topk, w, stats, max_tokens, E, align, *, cpu_sync=True
 
     if handle is not None:
         topk, stats, cpu_sync = handle.topk_idx, None, False
-    a = DispatchArgs(x, sf, topk, w, stats, handle, x.shape[0], x.shape[1], topk.shape[1], E, max_tokens, align,
-                     buf.num_device_sms, 0, previous_event, None, async_, comm_alloc, True, cpu_sync, expand,
-                     zero_pad, tma_sf)
+    a = DispatchArgs(x=x, sf=sf, topk_idx=topk, topk_weights=w, cumulative_local_expert_recv_stats=stats,
+                     handle=handle, num_tokens=x.shape[0], hidden=x.shape[1], num_topk=topk.shape[1], num_experts=E,
+                     num_max_tokens_per_rank=max_tokens, expert_alignment=align, num_sms=buf.num_device_sms,
+                     num_qps=0, previous_event=previous_event, previous_event_before_epilogue=None,
+                     async_with_compute_stream=async_, allocate_on_comm_stream=comm_alloc, do_handle_copy=True,
+                     do_cpu_sync=cpu_sync, do_expand=expand, do_zero_padding=zero_pad,
+                     use_tma_aligned_col_major_sf=tma_sf)
     r = buf.dispatch(a)
     h = r.handle
     return (r.recv_x, r.recv_sf, r.recv_topk_idx, r.recv_topk_weights, h.topk_idx, h.num_recv_tokens,
@@ -68,7 +72,9 @@ def _dispatch(buf, x, sf, topk, w, stats, max_tokens, E, align, *, cpu_sync=True
 def _combine(buf, y, handle, w=None, b0=None, b1=None):
     from elastic_ep._runtime import CombineArgs
 
-    return buf.combine(CombineArgs(y, handle, w, b0, b1, buf.num_device_sms, 0, None, None, False, False))
+    return buf.combine(CombineArgs(x=y, handle=handle, topk_weights=w, bias_0=b0, bias_1=b1, num_sms=buf.num_device_sms,
+                                   num_qps=0, previous_event=None, previous_event_before_epilogue=None,
+                                   async_with_compute_stream=False, allocate_on_comm_stream=False))
 
 
 def _assert(cond, msg=""):
@@ -216,7 +222,7 @@ def _worker_modes(rank, world_size, rdzv, cases, window="nccl"):
             T_max, H, K, E, fp8, ue8m0, expand, align, zero_pad, cpu_sync, multi, nbias, stream_mode, seed = case
             L = E // R
             if multi not in buffers:
-                nbytes = ll.ElasticBuffer.calculate_buffer_size(comm or R, 512, 7168, 8, False, True, multi)
+                nbytes = ll.NativeRuntime.calculate_buffer_size(comm or R, 512, 7168, 8, False, True, multi)
                 buffers[multi] = _new_buffer(rank, R, comm, nbytes, multi, window=window)
             buf = buffers[multi]
             T = max(0, T_max - 3 * rank) if rank != 1 else (0 if seed % 3 == 0 else T_max)
@@ -480,7 +486,7 @@ def _worker_stream_order(rank, world_size, rdzv):
     T, H, K, E = 256, 1024, 8, 32
     from elastic_ep import _low_level as ll
 
-    buf = _new_buffer(rank, world_size, comm, ll.ElasticBuffer.calculate_buffer_size(comm, T, H, K, False, True, True),
+    buf = _new_buffer(rank, world_size, comm, ll.NativeRuntime.calculate_buffer_size(comm, T, H, K, False, True, True),
                       True)
     side = torch.cuda.Stream()
     checked = 0

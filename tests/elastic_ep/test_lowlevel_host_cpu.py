@@ -10,7 +10,8 @@ runtime's device. Checked here:
 * on every error path the caller's stream is current again and, once anything was queued, waits for
   the communication stream;
 * the parameter blocks cross as bound types (``_C.DispatchParams`` ...) with the call's sizes and modes,
-  one per shape; int32 ``topk_idx`` is cast once and becomes the handle's copy;
+  one per plan (whose fields are the blocks' scalar members, by name), with every pointer member set
+  for the call; int32 ``topk_idx`` is cast once and becomes the handle's copy;
 * masked expert ids are reported by the next call, or silent with ELASTIC_EP_SKIP_INDEX_CHECK=1;
 * the environment's settings (``_env.Settings``) and the overlapped modes' block policy.
 """
@@ -55,16 +56,19 @@ class FakeRuntime:
         self.status = status  # what wait_dispatch_counts reports: 0 ok, 1 device / 2 CPU timeout, 3 refused
         self.calls = []
         self.params = []
-        self.pointers = []
+        self.pointers = []  # per launch: pointer member -> address
+        self.streams = []
         self.broken = False
         self.broken_reason = ""
         self.masked = masked
         self.raise_in = {}  # method name -> exception to raise there
 
-    def _call(self, name, params, pointers):
+    def _call(self, name, params, streams):
         self.calls.append(name)
         self.params.append(params)
-        self.pointers.append(pointers)
+        # The call's addresses, read now: the runtime reuses a block for the next call of the same plan.
+        self.pointers.append({f: getattr(params, f) for f in type(params).pointer_fields})
+        self.streams.append(streams)
         if name in self.raise_in:
             raise self.raise_in[name]
 
@@ -84,11 +88,9 @@ class FakeRuntime:
         out, self.masked = self.masked, (0, 0)
         return out
 
-    def dispatch(self, params, *pointers):
-        # x, sf, topk_idx, weights, copied, stats, psum_rank, psum_expert, unaligned, slot_idx, stream,
-        # wait_stream, direct_base, forward_dense: the binding's positional arguments
-        assert isinstance(params, _C.DispatchParams) and len(pointers) == 14
-        self._call("dispatch", params, pointers)
+    def dispatch(self, params, stream, wait_stream=-1):
+        assert isinstance(params, _C.DispatchParams)
+        self._call("dispatch", params, (stream, wait_stream))
 
     def wait_dispatch_counts(self, num_local_experts):
         self.calls.append("wait_dispatch_counts")
@@ -103,13 +105,13 @@ class FakeRuntime:
     def take_refusal(self):
         return [0], 1, E + 3
 
-    def dispatch_epilogue(self, params, *pointers):
-        assert isinstance(params, _C.EpilogueParams) and len(pointers) == 15  # ..., join_stream, forward_dense
-        self._call("dispatch_epilogue", params, pointers)
+    def dispatch_epilogue(self, params, stream, join_stream=-1):
+        assert isinstance(params, _C.EpilogueParams)
+        self._call("dispatch_epilogue", params, (stream, join_stream))
 
-    def combine(self, params, *pointers):
-        assert isinstance(params, _C.CombineParams) and len(pointers) == 13
-        self._call("combine", params, pointers)
+    def combine(self, params, stream, wait_event=0, wait_stream=-1, join_stream=-1):
+        assert isinstance(params, _C.CombineParams)
+        self._call("combine", params, (stream, wait_event, wait_stream, join_stream))
 
 
 @pytest.fixture
@@ -128,15 +130,13 @@ def streams(monkeypatch):
 def make_buffer(rt, comm, num_ranks=1, refuse_bad_ids=True, settings=None):
     """A NativeRuntime on the fake runtime (what its constructor sets, without CUDA)."""
     settings = settings or _env.Settings()
-    b = object.__new__(ll.ElasticBuffer)
+    b = object.__new__(ll.NativeRuntime)
     b._destroyed, b._rt, b.num_ranks, b.rank_idx = False, rt, num_ranks, 0
     b.device = -1  # CPU tensors stand in for the runtime's device
-    b.num_device_sms, b.comm_stream, b._comm_raw = 132, comm, 2
-    b.dispatch_overlap = ll.OverlapConfig(settings.dispatch_overlap, settings.dispatch_push_blocks)
-    b.combine_overlap = ll.OverlapConfig(settings.combine_overlap, settings.combine_push_blocks)
-    b.dispatch_pdl, b._notify_atomics, b._plans, b.buffer_id = settings.dispatch_pdl, 0, {}, 7
+    b.num_device_sms, b.comm_stream, b._comm_raw, b.buffer_id = 132, comm, 2, 7
     b._refuse_bad_ids, b.allow_multiple_reduction = refuse_bad_ids, True
     b.num_buffer_bytes, b.num_cpu_timeout_secs, b.explicitly_destroy = 64 * MIB2, 300, True
+    b._configure(settings)  # what the constructor reads for the operations
     return b
 
 
@@ -176,17 +176,17 @@ def combine(b, h=None, **kw):
     return b.combine(CombineArgs(**args))
 
 
-def fail_allocation(monkeypatch, rows):
-    """torch.empty raises an out-of-memory error for tensors of `rows` rows (the outputs of a call)."""
-    real = torch.empty
+def fail_allocation(monkeypatch, rows, ndim=2):
+    """Allocating an output of `rows` rows (`ndim` dimensions) raises an out-of-memory error: the runtime
+    allocates every output as ``new_empty`` of an input (on the runtime's device)."""
+    real = torch.Tensor.new_empty
 
-    def empty(*shape, **kw):
-        size = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
-        if len(size) == 2 and size[0] == rows:
+    def new_empty(self, size, *args, **kw):
+        if len(size) == ndim and size[0] == rows:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(*shape, **kw)
+        return real(self, size, *args, **kw)
 
-    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.Tensor, "new_empty", new_empty)
 
 
 # ------------------------------------------------------------------ dispatch: the push -> epilogue window
@@ -235,14 +235,8 @@ def test_dispatch_error_before_any_launch_leaves_buffer_usable(streams, monkeypa
     compute, comm, current = streams
     rt = FakeRuntime()
     b = make_buffer(rt, comm)
-    real = torch.empty
-
-    def empty(*shape, **kw):  # notify's outputs: one 1-D int32 allocation, before anything is queued
-        if shape and shape[0] == 1 + (E + 1) + E + T * K:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(*shape, **kw)
-
-    monkeypatch.setattr(torch, "empty", empty)
+    # notify's outputs: one 1-D int32 allocation, before anything is queued
+    fail_allocation(monkeypatch, 1 + (E + 1) + E + T * K, ndim=1)
     with pytest.raises(torch.OutOfMemoryError):
         dispatch(b, allocate_on_comm_stream=True)
     assert rt.calls == [] and not rt.broken
@@ -304,8 +298,58 @@ def test_parameter_blocks_are_bound_types_kept_per_shape(streams):
     c = rt.params[-1]
     assert (c.num_combined_tokens, c.hidden, c.num_topk, c.allow_multiple_reduction, c.overlap_push_blocks) == \
         (T, H, K, 1, 0)
-    x_ptr = rt.pointers[-1][0]
-    assert x_ptr != 0 and rt.pointers[-1][1] == 0  # data pointers; 0 for a tensor that is not given
+    # every pointer member set for the call: data pointers, 0 for a tensor that is not given
+    assert set(rt.pointers[-1]) == set(_C.CombineParams.pointer_fields)
+    assert rt.pointers[-1]["x"] != 0 and rt.pointers[-1]["topk_weights"] == 0
+
+
+@pytest.mark.parametrize("plan,block,per_call", [
+    ("DispatchPlan", "DispatchParams", {"host_tag"}),
+    ("EpiloguePlan", "EpilogueParams", {"recv_sf_token_stride", "recv_sf_hidden_stride"}),
+    ("CombinePlan", "CombineParams", set()),
+])
+def test_plans_are_the_parameter_blocks_scalar_members_by_name(plan, block, per_call):
+    from elastic_ep import _native_plans
+
+    plan, block = getattr(_native_plans, plan), getattr(_C, block)
+    members, pointers = set(block.fields), set(block.pointer_fields)
+    assert pointers <= members and not per_call & pointers
+    # every member is the plan's, a pointer (set per launch) or one of the few set per call
+    assert set(plan._fields) == members - pointers - per_call
+    # a block made from a plan by name carries its values
+    values = {f: i + 1 for i, f in enumerate(plan._fields)}
+    made = block(**plan(**values)._asdict())
+    assert {f: getattr(made, f) for f in plan._fields} == values
+    assert all(getattr(made, f) == 0 for f in pointers | per_call)  # not given: zero
+
+
+def test_parameter_blocks_bind_every_member_by_name():
+    p = _C.DispatchParams(num_tokens=5, zero_copy_x_offset=2 ** 40)
+    assert p.num_tokens == 5 and p.zero_copy_x_offset == 2 ** 40 and p.x == 0
+    with pytest.raises(TypeError, match="DispatchParams has no member 'num_token'"):
+        _C.DispatchParams(num_token=5)
+    with pytest.raises(TypeError):
+        _C.DispatchParams(5)  # by name only
+    with pytest.raises(OverflowError, match=r"DispatchParams.num_tokens: expected an int in \[-2\*\*31"):
+        p.num_tokens = 2 ** 31
+    with pytest.raises(TypeError, match="DispatchParams.hidden_bytes: expected an int, got 1.5"):
+        p.hidden_bytes = 1.5
+    with pytest.raises(OverflowError, match="DispatchParams.host_tag"):
+        p.host_tag = -1  # uint32
+    t = torch.zeros(3)
+    pointers = dict.fromkeys(_C.DispatchParams.pointer_fields, 0)
+    p.set(**{**pointers, "x": t, "sf": None, "topk_idx": 4096, "num_sms": 24})
+    assert (p.x, p.sf, p.topk_idx, p.num_sms) == (t.data_ptr(), 0, 4096, 24)
+    # a launch's pointers: every one by name, so none of an earlier launch survives
+    with pytest.raises(TypeError, match="every pointer member must be given.*missing sf, topk_idx"):
+        p.set(x=t)
+    with pytest.raises(TypeError, match="DispatchParams.x: expected an address"):
+        p.set(**{**pointers, "x": 1.5})
+    with pytest.raises(TypeError, match="by name only"):
+        p.set(1)
+    probe = _C.ScaleoutProbeParams(next=1, prev=3, src=2 ** 63, dst=16, bytes=32, round=7)
+    assert (probe.next, probe.prev, probe.src, probe.round) == (1, 3, 2 ** 63, 7)
+    assert _C.PpParams.pointer_fields == ("x",)
 
 
 def test_int32_topk_idx_is_cast_once_and_kept_in_the_handle(streams):
@@ -316,9 +360,10 @@ def test_int32_topk_idx_is_cast_once_and_kept_in_the_handle(streams):
     out = dispatch(b, topk_idx=idx32)
     assert out.handle.topk_idx.dtype == torch.int64 and torch.equal(out.handle.topk_idx, idx32.long())
     # the kernels read the cast tensor (the handle's copy); notify copies nothing more
-    assert rt.pointers[0][2] == out.handle.topk_idx.data_ptr() and rt.pointers[0][4] == 0
+    assert rt.pointers[0]["topk_idx"] == out.handle.topk_idx.data_ptr() and rt.pointers[0]["copied_topk_idx"] == 0
     out64 = dispatch(b, topk_idx=idx32.long())
-    assert rt.pointers[2][4] == out64.handle.topk_idx.data_ptr() != rt.pointers[2][2]  # notify copies int64 input
+    # notify copies int64 input
+    assert rt.pointers[2]["copied_topk_idx"] == out64.handle.topk_idx.data_ptr() != rt.pointers[2]["topk_idx"]
     # a handle given a 32-bit topk_idx: combine casts it for the kernels
     combine(b, handle(topk_idx=idx32))
     assert rt.calls[-1] == "combine"
@@ -330,7 +375,7 @@ def test_dispatch_push_beside_notify_unless_off_or_overlapped(streams):
     compute, comm, current = streams
     rt = FakeRuntime()
     b = make_buffer(rt, comm)
-    assert ll.ElasticBuffer.dispatch_pdl is True and b.dispatch_pdl is True  # the default
+    assert ll.NativeRuntime.dispatch_pdl is True and b.dispatch_pdl is True  # the default
     dispatch(b)
     assert rt.params[-2].concurrent_notify == 1 and rt.params[-2].overlap == 0
     b.dispatch_pdl = False
@@ -443,7 +488,7 @@ def test_overlap_policy(monkeypatch, op):
         return ll.OverlapConfig(*((s.dispatch_overlap, s.dispatch_push_blocks) if op == "DISPATCH" else
                                   (s.combine_overlap, s.combine_push_blocks)))
 
-    from elastic_ep._native_runtime import _overlap_push_blocks as pick
+    from elastic_ep._native_plans import overlap_push_blocks as pick
 
     assert not cfg().enabled and cfg().push_blocks is None  # sequential kernels by default
     assert pick(cfg(), 2, 132, 4096) == 0
@@ -462,6 +507,6 @@ def test_low_level_needs_cuda_and_a_known_window():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(ValueError, match="window must be 'nccl' or 'ipc', got 'shm'"):
-        ll.ElasticBuffer(0, 1, 0, None, MIB2, window="shm")
+        ll.NativeRuntime(0, 1, 0, None, MIB2, window="shm")
     with pytest.raises(RuntimeError, match="CUDA"):
-        ll.ElasticBuffer(0, 1, 1234, None, MIB2)
+        ll.NativeRuntime(0, 1, 1234, None, MIB2)

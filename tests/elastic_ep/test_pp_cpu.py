@@ -1,15 +1,14 @@
 """PP send/recv on the torch runtime over gloo: every received tensor equals, bitwise, what its sender
 sent (the receiver regenerates it from the same seed), in ring and all-pairs patterns with several
 tensors in flight per peer, random sizes and dtypes, the sender overwriting its tensor right after
-``pp_send``; the refusals; a receive from a peer that never sends times out naming op, rank and peer.
+``pp_send``. The refusals, and a receive from a peer that never sends timing out, are in
+``test_args_pp_cpu.py``.
 """
 import pytest
 import torch
 
-from tests._dist import init_gloo, run_workers
-from tests.elastic_ep._common import import_elastic_ep, ops_buffer, refusal_checker
-
-ep = import_elastic_ep()
+from tests._dist import run_workers
+from tests.elastic_ep._common import ops_buffer
 
 MiB2 = 2 << 20
 MAX_BYTES = 4096
@@ -87,44 +86,3 @@ def test_pp_patterns_bitwise(tmp_path, pattern, world):
     counts = run_workers(_worker, world, pattern, tmp_path=tmp_path, timeout=180)
     expect = 25 if pattern == "ring" else 4 * INFLIGHT * (world - 1)
     assert counts == [expect] * world
-
-
-def _refusal_worker(rank, world, rdzv):
-    group = init_gloo(rank, world, rdzv)
-    buf = ep.ElasticBuffer(group, num_bytes=MiB2, backend="torch", num_cpu_timeout_secs=2)
-    seen = []
-    bad = refusal_checker(seen)
-    x = torch.zeros(16)
-    bad("pp_set_config", lambda: buf.pp_send(x, 1 - rank))
-    bad("pp_set_config", lambda: buf.pp_recv(x, 1 - rank))
-    bad("num_max_tensor_bytes", lambda: buf.pp_set_config(0, 2))
-    bad("num_max_tensor_bytes", lambda: buf.pp_set_config(1.5, 2))
-    bad("num_max_inflight_tensors", lambda: buf.pp_set_config(64, 0))
-    bad("exceed the buffer", lambda: buf.pp_set_config(MiB2 // 8 + 1, 2))  # 4 x bytes x inflight > num_bytes
-    buf.pp_set_config(100, 2)  # 100 -> 128 bytes
-    bad("another rank", lambda: buf.pp_send(x, rank))
-    bad("src_rank_idx", lambda: buf.pp_recv(x, rank))
-    bad("dst_rank_idx", lambda: buf.pp_send(x, world))
-    bad("dst_rank_idx", lambda: buf.pp_send(x, -1))
-    bad("dst_rank_idx", lambda: buf.pp_send(x, 1.0))
-    bad("exceed num_max_tensor_bytes=128", lambda: buf.pp_send(torch.zeros(33), 1 - rank))
-    bad("contiguous", lambda: buf.pp_send(torch.zeros(4, 4)[:, 0], 1 - rank))
-    bad("expected a tensor", lambda: buf.pp_recv([0.0], 1 - rank))
-    bad("num_sms", lambda: buf.pp_send(x, 1 - rank, num_sms=-1))
-    # usable after the refusals; 128 bytes, the configured limit, pass
-    y = torch.arange(32, dtype=torch.float32) + rank
-    buf.pp_send(y, 1 - rank, num_sms=4)
-    z = torch.empty(32)
-    buf.pp_recv(z, 1 - rank)
-    assert torch.equal(z, torch.arange(32, dtype=torch.float32) + 1 - rank)
-    buf.barrier()
-    # a peer that never sends: rank 1's receive times out naming the op, the rank and the peer
-    if rank == 1:
-        with pytest.raises(TimeoutError, match=r"pp_recv from peer 0 .*rank 1 of 2"):
-            buf.pp_recv(z, 0)
-    return len(seen)
-
-
-def test_pp_refusals_and_timeout(tmp_path):
-    counts = run_workers(_refusal_worker, 2, tmp_path=tmp_path, timeout=120)
-    assert counts == [15, 15]

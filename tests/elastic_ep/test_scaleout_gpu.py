@@ -26,8 +26,8 @@ SRC, DST = 0, 1 << 20  # offsets in the buffer
 
 def _probe(buf, nxt, prv, nbytes, rnd):
     ws = int(_C.workspace_bytes())
-    buf.runtime._rt.scaleout_probe(nxt, prv, ws + SRC, ws + DST, nbytes, rnd,
-                                   torch.cuda.current_stream().cuda_stream)
+    params = _C.ScaleoutProbeParams(next=nxt, prev=prv, src=ws + SRC, dst=ws + DST, bytes=nbytes, round=rnd)
+    buf.runtime._rt.scaleout_probe(params, torch.cuda.current_stream().cuda_stream)
 
 
 def _ring_worker(rank, world, rdzv, scaleup):

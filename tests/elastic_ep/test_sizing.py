@@ -60,7 +60,7 @@ def test_deepseek_v3_at_ep8_by_hand():
     # Hybrid mode allowed or not: one NVLink domain of 8 is direct mode either way.
     assert calculate_elastic_buffer_size(8, **DSV3, allow_hybrid_mode=False, num_nvl_ranks=8) == 226 * MiB2
     # The public hint and the low level's DeepEP-named static agree (a rank count stands in for a comm).
-    assert ll.ElasticBuffer.calculate_buffer_size(8, 4096, 7168, 8, False, True, True) == 226 * MiB2
+    assert ll.NativeRuntime.calculate_buffer_size(8, 4096, 7168, 8, False, True, True) == 226 * MiB2
 
 
 def test_deepseek_v3_at_ep2_by_hand():
@@ -154,19 +154,19 @@ def test_bad_layout_arguments_raise_value_error(bad):
              num_scaleup_ranks=2, is_scaleup_nvlink=True)
     d.update(bad)
     with pytest.raises(ValueError, match="get_dispatch_buffer_size"):
-        ll.ElasticBuffer.get_dispatch_buffer_size(**d)
+        ll.NativeRuntime.get_dispatch_buffer_size(**d)
     if "num_sf_packs" in bad or "elem_size" in bad:
         return  # not arguments of the combine layout
     c = {k: d[k] for k in ("num_max_tokens_per_rank", "hidden", "num_topk", "num_scaleout_ranks", "num_scaleup_ranks",
                            "is_scaleup_nvlink")}
     with pytest.raises(ValueError, match="get_combine_buffer_size"):
-        ll.ElasticBuffer.get_combine_buffer_size(**c, allow_multiple_reduction=True)
+        ll.NativeRuntime.get_combine_buffer_size(**c, allow_multiple_reduction=True)
 
 
 @pytest.mark.parametrize("call", [
-    lambda: ll.ElasticBuffer.get_dispatch_buffer_size(2 ** 30, 2 ** 31 - 1, 0, 8, 2, 1, 8, True),
-    lambda: ll.ElasticBuffer.get_combine_buffer_size(2 ** 30, 2 ** 28, 32, 1, 64, True, True),
-    lambda: ll.ElasticBuffer.calculate_buffer_size(8, 2 ** 30, 2 ** 31 - 1, 8, False, True, True),
+    lambda: ll.NativeRuntime.get_dispatch_buffer_size(2 ** 30, 2 ** 31 - 1, 0, 8, 2, 1, 8, True),
+    lambda: ll.NativeRuntime.get_combine_buffer_size(2 ** 30, 2 ** 28, 32, 1, 64, True, True),
+    lambda: ll.NativeRuntime.calculate_buffer_size(8, 2 ** 30, 2 ** 31 - 1, 8, False, True, True),
     lambda: calculate_elastic_buffer_size(8, 2 ** 30, 2 ** 31 - 1, 8),
     lambda: C.get_dispatch_buffer_size(2 ** 31 - 1, 2 ** 31 - 1, 0, 32, 8, 2 ** 31 - 1, 2 ** 31 - 1, False),
     lambda: C.get_combine_buffer_size(2 ** 31 - 1, 2 ** 31 - 1, 32, 2 ** 31 - 1, 2 ** 31 - 1, False, False),

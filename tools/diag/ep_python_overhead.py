@@ -3,13 +3,14 @@
 
     python tools/diag/ep_python_overhead.py [--iters 2000] [--tokens 4096]
 
-``ElasticBuffer`` (validation into typed arguments) and the native runtime (allocations, parameter
-blocks, handle and event objects) run on CPU tensors against a stub ``_C.Runtime`` whose methods return
-at once, so what is timed is exactly the Python between the user's call and the native launches. The
-stub answers the CPU sync with the DeepSeek-V3 counts of EP 1 (every token local). Prints microseconds
+``ElasticBuffer`` (validation into typed arguments) and the native runtime (allocations, plans, the real
+``_C`` parameter blocks with the call's pointers set on them, handle and event objects) run on CPU
+tensors against a stub ``_C.Runtime`` whose launches return at once, so what is timed is exactly the
+Python between the user's call and the native launches. The stub answers the CPU sync with the
+DeepSeek-V3 counts of EP 1 (every token local). Prints microseconds
 per call (median over --iters) for a CPU-synced BF16 dispatch and a combine. A relative measure for
-changes to the Python path (the pybind11 calls themselves are not included; the GPU machine's CPU is
-slower): tools/diag/ep_host_profile.py measures the real calls on a GPU.
+changes to the Python path (filling the parameter blocks is included, the launch calls are not; a GPU
+host's CPU may be slower): tools/diag/ep_host_profile.py measures the real calls on a GPU.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ class _StubRuntime:
     def pending_health(self) -> int:
         return 0
 
-    def dispatch(self, params, *pointers) -> None:
+    def dispatch(self, params, stream, wait_stream=-1) -> None:
         pass
 
     def wait_dispatch_counts(self, L):
@@ -40,10 +41,10 @@ class _StubRuntime:
         return SimpleNamespace(status=0, num_recv_tokens=self.T, num_expanded_tokens=sum(per),
                                num_recv_tokens_per_expert=per, ranks_ready=1, experts_ready=L)
 
-    def dispatch_epilogue(self, params, *pointers) -> None:
+    def dispatch_epilogue(self, params, stream, join_stream=-1) -> None:
         pass
 
-    def combine(self, params, *pointers) -> None:
+    def combine(self, params, stream, wait_event=0, wait_stream=-1, join_stream=-1) -> None:
         pass
 
 
@@ -56,9 +57,8 @@ def make_buffer(T: int, E: int):
     low.rank_idx, low.num_ranks, low.num_buffer_bytes, low.buffer_id = 0, 1, 1 << 30, 1
     low.allow_multiple_reduction, low._destroyed, low.explicitly_destroy = True, False, True
     low.num_cpu_timeout_secs, low.device, low.num_device_sms = 100, 0, 132
-    low._rt, low._comm_raw, low.comm_stream = _StubRuntime(T, E), 1, None
-    low.dispatch_overlap, low.combine_overlap = _native_runtime.OverlapConfig(), _native_runtime.OverlapConfig()
-    low.dispatch_pdl, low._refuse_bad_ids, low._notify_atomics, low._plans = True, True, 0, {}
+    low._rt, low._comm_raw, low.comm_stream, low._refuse_bad_ids = _StubRuntime(T, E), 1, None, True
+    low._configure(_env.Settings())  # the operations' settings and parameter-block caches
     _native_runtime._current_raw_stream = lambda device: 0  # no CUDA here
     buf = object.__new__(fe.ElasticBuffer)
     buf.backend, buf.device, buf._serial, buf.runtime = "native", torch.device("cpu"), 1, low

@@ -1,6 +1,6 @@
 // elastic_ep/csrc/kernels/agrs.cuh -- AGRS (all-gather sessions) signals over the NVLink window (DeepEP
 // V2's all_gather / destroy_agrs_session). The data moves by copy engine (cudaMemcpyAsync into every
-// peer's session region, runtime.cpp); these one-block kernels order it:
+// peer's session region, host/ops_pp_agrs.cpp); these one-block kernels order it:
 //   gather done:  count the gather (agrs_local[0] = g), signal agrs_arrived[me] = g at every peer, wait
 //                 until every peer's agrs_arrived at this rank reaches g (its copies into my region of
 //                 this gather, and of every earlier one, have landed);
@@ -9,7 +9,7 @@
 //                 into a region whose owner may still read the previous session's results.
 // The counts live on the device, so a CUDA graph replays correctly. Every rank issues the same gathers
 // and sessions in the same order (a collective), which is what makes the counts agree.
-// Included once, by kernels.cu (the package's one CUDA translation unit).
+// Included once, by launch.cu (the package's one CUDA translation unit).
 #pragma once
 
 #include "device_common.cuh"

@@ -1,5 +1,5 @@
 // elastic_ep/csrc/kernels/barrier.cuh -- set-up (peer pointers of an NCCL window) and the NVLink barrier kernel.
-// Included once, by kernels.cu (the package's one CUDA translation unit).
+// Included once, by launch.cu (the package's one CUDA translation unit).
 #pragma once
 
 #include "device_common.cuh"

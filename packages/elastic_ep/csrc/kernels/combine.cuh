@@ -1,6 +1,6 @@
 // elastic_ep/csrc/kernels/combine.cuh -- combine: the push of rows back to their origin and the reduce in DeepEP's
 // order, as two kernels or one overlapped kernel.
-// Included once, by kernels.cu (the package's one CUDA translation unit).
+// Included once, by launch.cu (the package's one CUDA translation unit).
 #pragma once
 
 #include "device_common.cuh"

@@ -1,6 +1,6 @@
-// elastic_ep/csrc/kernels/device_common.cuh -- the device context every kernel builds (transport, workspace, deadlines), the
-// grid-counter slots, the entry barrier and the small warp/block helpers the kernel families share.
-// Included once, by kernels.cu (the package's one CUDA translation unit).
+// elastic_ep/csrc/kernels/device_common.cuh -- the device context every kernel builds (the scale-up
+// transport, workspace, deadlines), the grid-counter slots, the entry barrier and the small warp/block
+// helpers the kernel families share. Included once, by launch.cu (the package's one CUDA translation unit).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -10,9 +10,9 @@
 #include "commkit/atomics.hpp"
 #include "commkit/device_deadline.cuh"
 #include "commkit/timeout_record.hpp"
-#include "kernels.hpp"
+#include "launch.hpp"
 #include "sizing.hpp"
-#include "transport.cuh"
+#include "scaleup.cuh"
 #include "scaleout.cuh"
 
 namespace elastic_ep {
@@ -66,7 +66,7 @@ struct HybridDomains {
 
 
 struct Ctx {
-  LsaTransport tr;
+  ScaleupTransport tr;  // this rank's NVLink domain (scaleup.cuh); other domains: the SO parameter
   HybridDomains hd;  // CommView::num_scaleup_ranks
   WorkspaceLayout ws;
   uint64_t buf;  // offset of the buffer in the window
@@ -111,7 +111,7 @@ __device__ __forceinline__ uint64_t hybrid_stamp(uint64_t E, uint64_t where) {
 // [sender] once, and scaleout_seen counts the raises this rank consumed. A kernel's blocks each wait
 // (one thread per peer) for the next raise; its last block counts them (count_rail_signals), so no
 // block sees another's count change under it. SO: the scale-out transport (scaleout.cuh), which the
-// hybrid kernels take as a parameter: the NVLink emulation runs; GIN compiles (kernels.cu).
+// hybrid kernels take as a parameter: the NVLink emulation runs; GIN compiles (launch.cu).
 template <class SO>
 __device__ bool wait_rail_signal(const Ctx& cx, const SO& so, int src, uint32_t op, uint64_t timeout_ns) {
   const uint64_t want = commkit::ld_relaxed(cx.local_u64(cx.ws.scaleout_seen, src)) + 1u;

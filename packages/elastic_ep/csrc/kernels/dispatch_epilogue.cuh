@@ -1,6 +1,6 @@
 // elastic_ep/csrc/kernels/dispatch_epilogue.cuh -- dispatch, step 3: copy the received records into the output tensors
 // (non-expanded or expanded by expert, padding, scales, metadata).
-// Included once, by kernels.cu (the package's one CUDA translation unit).
+// Included once, by launch.cu (the package's one CUDA translation unit).
 #pragma once
 
 #include "device_common.cuh"

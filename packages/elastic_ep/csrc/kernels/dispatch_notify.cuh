@@ -1,6 +1,6 @@
 // elastic_ep/csrc/kernels/dispatch_notify.cuh -- dispatch, step 1: count tokens per rank/expert, give each token its slot,
 // exchange the counts and publish prefix sums and host counts.
-// Included once, by kernels.cu (the package's one CUDA translation unit).
+// Included once, by launch.cu (the package's one CUDA translation unit).
 #pragma once
 
 #include "device_common.cuh"

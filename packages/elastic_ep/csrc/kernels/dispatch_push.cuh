@@ -1,6 +1,6 @@
 // elastic_ep/csrc/kernels/dispatch_push.cuh -- dispatch, step 2: one warp per token writes its record into every
 // destination rank's receive area.
-// Included once, by kernels.cu (the package's one CUDA translation unit).
+// Included once, by launch.cu (the package's one CUDA translation unit).
 #pragma once
 
 #include "device_common.cuh"

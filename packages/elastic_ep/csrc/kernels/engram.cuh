@@ -1,6 +1,6 @@
 // elastic_ep/csrc/kernels/engram.cuh -- Engram fetch: table rows from the ranks' pinned host segments
 // (engram.hpp) into a device tensor, one warp per (token, entry), 16-byte words over PCIe.
-// Included once, by kernels.cu (the package's one CUDA translation unit).
+// Included once, by launch.cu (the package's one CUDA translation unit).
 #pragma once
 
 #include "device_common.cuh"

@@ -31,12 +31,12 @@
 //            unreduced: the reduce sums them in direct mode's order), then raises the peers' signals
 //   reduce   waits for the own domain's combine_done and one signal per rail peer, then direct mode's
 //
-// The forward kernels take the scale-out transport (SO, scaleout.cuh) as a parameter: kernels.cu launches
+// The forward kernels take the scale-out transport (SO, scaleout.cuh) as a parameter: launch.cu launches
 // them over the runtime's (GIN across NVLink domains, else the NVLink emulation). Notify and the entry
 // barriers reach other domains through it too (the rail peers), so nothing of hybrid mode's dispatch,
 // combine or barrier touches another domain's window directly: the runtime leaves those ranks' LSA
 // pointers null (CommView::peer_bases), on the emulation as over GIN.
-// Grid: num_sms blocks of kThreads; one warp per (source domain, token). Included once, by kernels.cu.
+// Grid: num_sms blocks of kThreads; one warp per (source domain, token). Included once, by launch.cu.
 #pragma once
 
 #include "device_common.cuh"

@@ -12,7 +12,7 @@
 // Every block waits for itself (thread 0), copies a stripe of 16-byte words, and the last block to
 // finish publishes the count. Point-to-point: no epoch and no entry barrier; the slots alias the
 // dispatch/combine and AGRS areas, so a buffer runs one kind of operation at a time.
-// Included once, by kernels.cu (the package's one CUDA translation unit).
+// Included once, by launch.cu (the package's one CUDA translation unit).
 #pragma once
 
 #include "device_common.cuh"

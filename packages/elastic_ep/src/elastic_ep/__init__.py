@@ -13,6 +13,20 @@ validates each call once and runs it on one of two runtimes (``elastic_ep._runti
 ``backend="auto"`` (the default) picks ``native`` for an NCCL group when the extension was built with
 CUDA, else ``torch``. Importing this package never needs a GPU; the buffer sizing lives in the extension
 ``elastic_ep._C``, which every build has (a host-only one without nvcc).
+
+The modules:
+
+* ``buffer``: ``ElasticBuffer``, which composes the parts below; ``_setup``: its constructor's checks,
+  domains and runtime choice; ``_sizing``: buffer sizes and the SM count model;
+* dispatch/combine: ``_checks`` (every argument check, into ``_runtime``'s typed arguments),
+  ``_runtime`` (the runtime interface), ``_native_runtime`` (over ``_native_window``, the window and its
+  life, and ``_native_plans``, the launch plans) and ``_torch_runtime`` (the two runtimes), ``_handle``
+  (``EPHandle``), ``_events`` (events), ``_nccl`` (communicators);
+* one module per DeepEP feature, each with its checks, its state and a native and a torch part over the
+  buffer's runtime: ``_agrs`` (all-gather sessions), ``_pp`` (pipeline send/recv), ``_engram`` (Engram);
+* hybrid mode: ``_domains`` (the group's domains, the GIN request, the SM / QP model) and ``_hybrid``
+  (the torch runtime's two-hop exchange, the forwarders' metadata);
+* ``_env`` (environment settings), ``_nvml`` (NVLink bandwidth), ``demo`` (``python -m elastic_ep.demo``).
 """
 import torch  # noqa: F401  (loaded before the extension, which relies on torch's CUDA libraries)
 

@@ -129,18 +129,21 @@ def check_tensor(name: str, t: Any, dtypes: Tuple[torch.dtype, ...], ndim: int, 
                  shape: Optional[Sequence[Optional[int]]] = None, contiguous: bool = True) -> None:
     """Raises ValueError naming ``name`` unless ``t`` is a dense tensor of one of ``dtypes``, ``ndim``
     dimensions, ``shape`` (None entries: any), on ``device`` and (``contiguous``) contiguous."""
+    # On every dispatch and combine: each tensor attribute is read once.
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {describe(t)}")
-    check_dense(name, t)
+    if t.layout != _STRIDED or t.is_nested:
+        check_dense(name, t)
     if t.dtype not in dtypes:
         raise ValueError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
+    size = t.shape
+    if len(size) != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(size)}")
     if shape is not None:
         for i, s in enumerate(shape):
-            if s is not None and t.shape[i] != s:
+            if s is not None and size[i] != s:
                 raise ValueError(f"{name}: expected shape {tuple('*' if v is None else v for v in shape)}, got shape "
-                                 f"{tuple(t.shape)}")
+                                 f"{tuple(size)}")
     if off_device(t, device):
         raise ValueError(f"{name}: expected a tensor on {device} (the buffer's device), got {t.device}")
     if contiguous and not t.is_contiguous():
@@ -225,6 +228,8 @@ def check_event(name: str, e: Any) -> None:
 def _raw_events(previous_event: Any, previous_event_before_epilogue: Any,
                 allocate_on_comm_stream: bool) -> Tuple[Optional[EventHandle], Optional[EventHandle]]:
     """Both event arguments checked, as the ``EventHandle`` behind each (or None)."""
+    if previous_event is None and previous_event_before_epilogue is None:
+        return None, None
     raw = []
     for name, e in (("previous_event", previous_event),
                     ("previous_event_before_epilogue", previous_event_before_epilogue)):
@@ -377,26 +382,8 @@ def dispatch_args(buf: Any, x: Any, topk_idx: Any, topk_weights: Any, stats: Any
         raise ValueError(f"buffer too small: this dispatch needs {need} bytes (max_tokens={M}, hidden={H}, "
                          f"topk={K}, sf packs={packs}), the buffer has {buf.num_bytes}; size it with "
                          "get_buffer_size_hint")
-    zc_off = -1
-    if zero_copy:
-        if type(zero_copy) is not bool:
-            raise ValueError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
-        if do_expand:
-            raise ValueError("zero_copy: only the non-expanded layout is returned as views (do_expand=False); the "
-                             "expanded rows' places are known only after the counts arrive")
-        if cached and handle.direct_base is None:
-            raise ValueError("zero_copy: the cached handle comes from a dispatch without zero_copy (it has no "
-                             "direct_base); make the first dispatch with zero_copy=True")
-        zkey = ("zero_copy", M, H, packs, K, elem)
-        zc = buf._need_cache.get(zkey)
-        if zc is None:
-            zc = buf._need_cache[zkey] = zero_copy_layout(buf.num_bytes, R, M, H, elem, packs, K,
-                                                          buf.allow_multiple_reduction)
-        zc_off, zc_need = zc
-        if zc_off < 0:
-            raise ValueError(f"buffer too small for zero_copy: it needs {zc_need} bytes (max_tokens={M}, hidden={H}, "
-                             f"topk={K}: the receive area of {R} x {M} rows after the records and the combine area), "
-                             f"the buffer has {buf.num_bytes}; size it with get_buffer_size_hint(..., zero_copy=True)")
+    zc_off = _zero_copy_offset(buf, zero_copy, do_expand, handle if cached else None, M, H, packs, K, elem) \
+        if zero_copy else -1
     if cached:
         check_views_alive(buf, handle, "dispatch")
         L = E // R
@@ -408,11 +395,40 @@ def dispatch_args(buf: Any, x: Any, topk_idx: Any, topk_weights: Any, stats: Any
             raw_recv_src_metadata=meta))
     sms = _num_sms(buf, int_arg("num_sms", num_sms, 0), E, K)
     qps = _num_qps(buf, num_qps)
-    # Positional: DispatchArgs' field order.
-    return DispatchArgs(x, sf, topk_idx, topk_weights, stats, handle if cached else None, T, H, K, E, M, a, sms, qps,
-                        prev, prev_epi, bool(async_with_compute_stream), bool(allocate_on_comm_stream),
-                        bool(do_handle_copy), bool(do_cpu_sync), bool(do_expand), bool(do_zero_padding),
-                        bool(use_tma_aligned_col_major_sf), bool(zero_copy), zc_off)
+    return DispatchArgs(
+        x=x, sf=sf, topk_idx=topk_idx, topk_weights=topk_weights, cumulative_local_expert_recv_stats=stats,
+        handle=handle if cached else None, num_tokens=T, hidden=H, num_topk=K, num_experts=E,
+        num_max_tokens_per_rank=M, expert_alignment=a, num_sms=sms, num_qps=qps, previous_event=prev,
+        previous_event_before_epilogue=prev_epi, async_with_compute_stream=bool(async_with_compute_stream),
+        allocate_on_comm_stream=bool(allocate_on_comm_stream), do_handle_copy=bool(do_handle_copy),
+        do_cpu_sync=bool(do_cpu_sync), do_expand=bool(do_expand), do_zero_padding=bool(do_zero_padding),
+        use_tma_aligned_col_major_sf=bool(use_tma_aligned_col_major_sf), zero_copy=bool(zero_copy),
+        zero_copy_x_offset=zc_off)
+
+
+def _zero_copy_offset(buf: Any, zero_copy: Any, do_expand: bool, handle: Optional[EPHandle], M: int, H: int,
+                      packs: int, K: int, elem: int) -> int:
+    """``dispatch(zero_copy=True)``'s checks; the offset of the zero-copy receive area in the buffer."""
+    R = buf.num_ranks
+    if type(zero_copy) is not bool:
+        raise ValueError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
+    if do_expand:
+        raise ValueError("zero_copy: only the non-expanded layout is returned as views (do_expand=False); the "
+                         "expanded rows' places are known only after the counts arrive")
+    if handle is not None and handle.direct_base is None:
+        raise ValueError("zero_copy: the cached handle comes from a dispatch without zero_copy (it has no "
+                         "direct_base); make the first dispatch with zero_copy=True")
+    zkey = ("zero_copy", M, H, packs, K, elem)
+    zc = buf._need_cache.get(zkey)
+    if zc is None:
+        zc = buf._need_cache[zkey] = zero_copy_layout(buf.num_bytes, R, M, H, elem, packs, K,
+                                                      buf.allow_multiple_reduction)
+    zc_off, zc_need = zc
+    if zc_off < 0:
+        raise ValueError(f"buffer too small for zero_copy: it needs {zc_need} bytes (max_tokens={M}, hidden={H}, "
+                         f"topk={K}: the receive area of {R} x {M} rows after the records and the combine area), "
+                         f"the buffer has {buf.num_bytes}; size it with get_buffer_size_hint(..., zero_copy=True)")
+    return zc_off
 
 
 def zero_copy_layout(buffer_bytes: int, num_ranks: int, num_max_tokens_per_rank: int, hidden: int, elem_size: int,
@@ -492,8 +508,10 @@ def combine_args(buf: Any, x: Any, handle: Any, topk_weights: Any, bias: Any, nu
     # Checked before the fallback: False or None would pick the handle's silently.
     sms = _num_sms(buf, int_arg("num_sms", num_sms, 0) or handle.num_sms, handle.num_experts, K)
     qps = _num_qps(buf, num_qps)
-    return CombineArgs(x, handle, topk_weights, b0, b1, sms, qps, prev, prev_epi, bool(async_with_compute_stream),
-                       bool(allocate_on_comm_stream))
+    return CombineArgs(x=x, handle=handle, topk_weights=topk_weights, bias_0=b0, bias_1=b1, num_sms=sms, num_qps=qps,
+                       previous_event=prev, previous_event_before_epilogue=prev_epi,
+                       async_with_compute_stream=bool(async_with_compute_stream),
+                       allocate_on_comm_stream=bool(allocate_on_comm_stream))
 
 
 # ---------------------------------------------------------------------------------------------- collective

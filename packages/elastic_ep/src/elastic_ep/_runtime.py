@@ -14,8 +14,9 @@ handle it was given); a cached dispatch and a combine take that one object back 
 from __future__ import annotations
 
 import abc
+import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -23,13 +24,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._events import EventHandle
     from ._handle import EPHandle
 
-__all__ = ["DispatchArgs", "CombineArgs", "DispatchResult", "AllGatherArgs", "Runtime"]
+__all__ = ["DispatchArgs", "CombineArgs", "DispatchResult", "Runtime"]
+
+# The typed arguments are built by keyword (``_checks``); keyword-only where dataclasses allow it.
+_KW_ONLY = {"kw_only": True} if sys.version_info >= (3, 10) else {}
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, **_KW_ONLY)
 class DispatchArgs:
-    """A validated dispatch (``_checks.dispatch_args``). Built positionally on the hot path: keep the
-    field order."""
+    """A validated dispatch (``_checks.dispatch_args``), built by keyword."""
 
     x: torch.Tensor                             # [T, H] bf16 or float8_e4m3fn, contiguous
     sf: Optional[torch.Tensor]                  # [T, P] float32 / int32 scales of FP8 x (any strides), else None
@@ -58,10 +61,10 @@ class DispatchArgs:
     zero_copy_x_offset: int = -1                # its offset in the buffer (zero_copy_layout), else -1
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, **_KW_ONLY)
 class CombineArgs:
-    """A validated combine (``_checks.combine_args``); ``x`` and ``topk_weights`` are in the runtime's
-    row order (a deterministic handle's permutation already undone). Built positionally."""
+    """A validated combine (``_checks.combine_args``), built by keyword; ``x`` and ``topk_weights`` are
+    in the runtime's row order (a deterministic handle's permutation already undone)."""
 
     x: torch.Tensor                             # [N, H] bf16 ([N_exp, H] when handle.do_expand)
     handle: "EPHandle"
@@ -74,19 +77,6 @@ class CombineArgs:
     previous_event_before_epilogue: Optional["EventHandle"]
     async_with_compute_stream: bool
     allocate_on_comm_stream: bool
-
-
-@dataclass(eq=False)
-class AllGatherArgs:
-    """A validated AGRS all-gather (``_checks_agrs_pp_engram.all_gather_args``): where each tensor's ``[R, ...]`` result
-    lies in the session region. Rank ``r``'s part of tensor ``i`` is the ``tensors[i].nbytes`` bytes at
-    ``offsets[i] + r * tensors[i].nbytes``."""
-
-    tensors: List[torch.Tensor]                 # contiguous, on the buffer's device, any dtype
-    offsets: List[int]                          # byte offsets in the session region, multiples of 32
-    inplace: List[bool]                         # the tensor already is this rank's part of its result
-    session_idx: int                            # >= 1, the session the gather belongs to
-    slot_idx: int                               # the gather's index in its session
 
 
 class DispatchResult(NamedTuple):
@@ -127,46 +117,3 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
         """The stream the operations run on (None where there is none: a CPU group)."""
-
-    # AGRS, PP and Engram: the torch runtime implements them; a runtime that does not keeps these.
-    def _not_implemented(self, op: str) -> NotImplementedError:
-        return NotImplementedError(f"elastic_ep.ElasticBuffer.{op}: the {self.backend} runtime does not implement it "
-                                   "yet; create the buffer with backend='torch' to use it")
-
-    def agrs_set_config(self, num_max_session_bytes: int) -> torch.Tensor:
-        """Flushes outstanding work on every rank (collective) and returns this rank's AGRS session
-        region, ``num_max_session_bytes`` uint8 (a multiple of 32), which all-gathers write into."""
-        raise self._not_implemented("agrs_set_config")
-
-    def all_gather(self, args: AllGatherArgs) -> Tuple[List[torch.Tensor], Callable[[], None]]:
-        """Starts the all-gather; returns the ``[R, ...]`` results (views of the session region, final
-        once the returned wait function ran) and that function."""
-        raise self._not_implemented("all_gather")
-
-    def agrs_end_session(self, session_idx: int) -> None:
-        """Ends session ``session_idx``: its gathers are complete on this rank before the region is reused."""
-        raise self._not_implemented("destroy_agrs_session")
-
-    def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
-        """Flushes outstanding work on every rank (collective) and sizes PP send/recv."""
-        raise self._not_implemented("pp_set_config")
-
-    def pp_send(self, x: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
-        """Sends ``x``'s bytes to ``dst_rank_idx`` (validated: another rank, within the configured size);
-        ``x`` may be reused when this returns (in stream order)."""
-        raise self._not_implemented("pp_send")
-
-    def pp_recv(self, x: torch.Tensor, src_rank_idx: int, num_sms: int = 0) -> None:
-        """Receives the next tensor ``src_rank_idx`` sent to this rank into ``x``."""
-        raise self._not_implemented("pp_recv")
-
-    def engram_write(self, storage: torch.Tensor, sf: Optional[torch.Tensor]) -> None:
-        """Installs this rank's shard ``[entries, hidden]`` of the Engram table (collective; every rank's
-        shard has the same shape and dtype, else every rank raises ``ValueError``)."""
-        raise self._not_implemented("engram_write")
-
-    def engram_fetch(self, indices: torch.Tensor,
-                     use_tma_aligned_col_major_sf: bool) -> Callable[[], Tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        """Starts gathering the rows of global entries ``indices`` (validated ``int32 [T, E]`` in range);
-        the hook returns ``(data [T, E * hidden], sf [T, E * packs] or None)``."""
-        raise self._not_implemented("engram_fetch")

@@ -1,7 +1,9 @@
-"""The torch runtime: ``elastic_ep``'s operations on ``torch.distributed`` collectives.
+"""The torch runtime: ``elastic_ep``'s dispatch, combine and barrier on ``torch.distributed`` collectives.
 
-It runs the whole API on any process group (gloo on the CPU in CI, NCCL on GPUs without the native
-kernels) and is the independent reference the GPU tests compare the native runtime against.
+It runs on any process group (gloo on the CPU in CI, NCCL on GPUs without the native kernels) and is
+the independent reference the GPU tests compare the native runtime against. AGRS, PP and Engram have
+their torch parts in their feature modules (``_agrs``, ``_pp``, ``_engram``), over this runtime's group,
+device, ``barrier`` and ``wait_work``.
 
 dispatch
     1. Each token goes once to every rank owning at least one of its top-k experts (expert ``e``
@@ -31,7 +33,7 @@ combine
 
 hybrid mode
     With more than one logical scale-out domain (``_domains``) the two exchanges above run as the
-    two-hop routing of ``_torch_hybrid`` (over rail peers, then inside the scale-up domain); it delivers
+    two-hop routing of ``_hybrid`` (over rail peers, then inside the scale-up domain); it delivers
     the same rows in the same order, so everything else here is unchanged and the outputs are bitwise
     direct mode's. The handle also carries the forwarders' metadata.
 
@@ -44,8 +46,7 @@ native kernels may produce.
 from __future__ import annotations
 
 import datetime
-import collections
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -53,11 +54,10 @@ import torch.distributed as dist
 from . import _C, _checks
 from ._env import Settings
 from ._events import EventHandle
-from ._engram import check_same_shards, gather_scales
 from ._domains import Domains
 from ._handle import EPHandle
-from ._torch_hybrid import HybridExchange, as_bytes as _as_bytes, from_bytes as _from_bytes
-from ._runtime import AllGatherArgs, CombineArgs, DispatchArgs, DispatchResult, Runtime
+from ._hybrid import HybridExchange, as_bytes as _as_bytes, from_bytes as _from_bytes
+from ._runtime import CombineArgs, DispatchArgs, DispatchResult, Runtime
 
 __all__ = ["TorchRuntime"]
 
@@ -91,24 +91,16 @@ class TorchRuntime(Runtime):
         self.shuffle_generator: Optional[torch.Generator] = None
         self._gloo = dist.get_backend(group) == "gloo"
         self._comm_stream = None
-        self._device = torch.device("cpu")
+        self.device = torch.device("cpu")
         if dist.get_backend(group) == "nccl":
-            self._device = torch.device("cuda", torch.cuda.current_device())
+            self.device = torch.device("cuda", torch.cuda.current_device())
             self._comm_stream = torch.cuda.Stream()
-        self._agrs_region: Optional[torch.Tensor] = None
-        self._agrs_pending: List[Tuple[object, str]] = []  # (work, what) of the session's gathers
-        self._pp_inflight = 0
-        self._engram_table: Optional[torch.Tensor] = None  # every rank's shard, [entries x R, hidden]
-        self._engram_sf: Optional[torch.Tensor] = None
-        self._pp_sends: Dict[int, Deque[Tuple[object, torch.Tensor]]] = {}  # per peer: (work, staged bytes)
-        # Hybrid mode (more than one scale-out domain): the two-hop exchange of _torch_hybrid.
+        # Hybrid mode (more than one scale-out domain): the two-hop exchange of _hybrid.
         self.hybrid = HybridExchange(domains, self._all_to_all) if domains is not None and domains.hybrid else None
 
     # ------------------------------------------------------------------ lifecycle / info
     def destroy(self) -> None:
         """Finishes outstanding work on every rank (collective)."""
-        self._agrs_wait_pending("destroy")
-        self._pp_flush("destroy")
         self.barrier(True, True)
         self.destroyed = True
 
@@ -123,7 +115,7 @@ class TorchRuntime(Runtime):
         makes this raise ``TimeoutError`` naming it (``monitored_barrier``); on NCCL groups the process
         group's own watchdog bounds it.
         """
-        if with_cpu_sync and self._device.type == "cuda":
+        if with_cpu_sync and self.device.type == "cuda":
             torch.cuda.synchronize()
         if self._gloo:
             try:
@@ -134,51 +126,10 @@ class TorchRuntime(Runtime):
                                    f"{self.num_cpu_timeout_secs} s: {e}") from None
         else:
             dist.barrier(group=self.group)
-        if with_cpu_sync and self._device.type == "cuda":
+        if with_cpu_sync and self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    # ------------------------------------------------------------------ AGRS
-    def agrs_set_config(self, num_max_session_bytes: int) -> torch.Tensor:
-        """Flushes (a barrier of every rank) and allocates the session region on this rank."""
-        self._agrs_wait_pending("agrs_set_config")
-        self.barrier(True, True)
-        self._agrs_region = torch.empty(num_max_session_bytes, dtype=torch.uint8, device=self._device)
-        return self._agrs_region
-
-    def all_gather(self, a: AllGatherArgs) -> Tuple[List[torch.Tensor], Callable[[], None]]:
-        """One ``all_gather_single`` of bytes per tensor into its place in the region (asynchronous);
-        the wait function waits for them, each with the ``num_cpu_timeout_secs`` deadline."""
-        R, region, outs, works = self.num_ranks, self._agrs_region, [], []
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        for i, (x, off, inplace) in enumerate(zip(a.tensors, a.offsets, a.inplace)):
-            n = x.nbytes
-            dst = region[off:off + R * n]
-            outs.append(dst.view(x.dtype).view(R, *x.shape))
-            if n == 0:
-                continue
-            src = x.reshape(-1).view(torch.uint8)
-            if inplace:  # the source is the destination's own part: the collective must not read what it writes
-                src = src.clone()
-            what = f"all_gather (session {a.session_idx}, gather {a.slot_idx}, tensor {i})"
-            works.append((gather(dst, src, group=self.group, async_op=True), what))
-        self._agrs_pending.extend(works)
-
-        def wait() -> None:
-            for work, what in works:
-                self._wait_work(work, what)
-
-        return outs, wait
-
-    def agrs_end_session(self, session_idx: int) -> None:
-        """Waits for every gather of the session (the region may be reused after this)."""
-        self._agrs_wait_pending(f"destroy_agrs_session (session {session_idx})")
-
-    def _agrs_wait_pending(self, op: str) -> None:
-        pending, self._agrs_pending = self._agrs_pending, []
-        for work, what in pending:
-            self._wait_work(work, f"{op}: {what}")
-
-    def _wait_work(self, work, what: str) -> None:
+    def wait_work(self, work, what: str) -> None:
         """Waits for an asynchronous collective with the ``num_cpu_timeout_secs`` deadline (gloo); on
         NCCL groups the current stream waits for it (the process group's watchdog bounds it)."""
         if not self._gloo:
@@ -189,60 +140,6 @@ class TorchRuntime(Runtime):
         except RuntimeError as e:
             raise TimeoutError(f"elastic_ep {what} did not complete on rank {self.rank_idx} of {self.num_ranks} "
                                f"within {self.num_cpu_timeout_secs} s: {e}") from None
-
-    # ------------------------------------------------------------------ Engram
-    # The reference keeps every rank's shard (gathered once by engram_write) in host memory, so a fetch
-    # is a local index_select, one-sided as DeepEP's RDMA gets.
-    def engram_write(self, storage: torch.Tensor, sf: Optional[torch.Tensor]) -> None:
-        self._engram_table = self._engram_sf = None
-        check_same_shards(self.group, storage, sf)
-        src = storage.reshape(-1).view(torch.uint8)
-        table = torch.empty(self.num_ranks * src.numel(), dtype=torch.uint8, device=self._device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._wait_work(gather(table, src, group=self.group, async_op=True), "engram_write")
-        self._engram_table = table.view(storage.dtype).view(self.num_ranks * storage.shape[0], storage.shape[1])
-        self._engram_sf = None if sf is None else sf.clone()
-        self.barrier(True, True)
-
-    def engram_fetch(self, indices: torch.Tensor, use_tma_aligned_col_major_sf: bool):
-        T, E = indices.shape
-        flat = indices.reshape(-1).long()
-        data = self._engram_table.index_select(0, flat).view(T, E * self._engram_table.shape[1])
-        sf = gather_scales(self._engram_sf, flat, T, E, use_tma_aligned_col_major_sf)
-
-        def hook() -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-            return data, sf
-
-        return hook
-
-    # ------------------------------------------------------------------ PP
-    # A send stages a copy of the bytes and posts an isend (tag 0: per peer pair, messages match in the
-    # order posted, so ordering holds per pair); at most num_max_inflight_tensors stay outstanding per
-    # peer, the oldest waited for first (the credit DeepEP's receiver returns). A receive waits.
-    def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
-        self._pp_flush("pp_set_config")
-        self.barrier(True, True)
-        self._pp_inflight = num_max_inflight_tensors
-
-    def pp_send(self, x: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
-        if x.nbytes == 0:
-            return
-        sends = self._pp_sends.setdefault(dst_rank_idx, collections.deque())
-        while sends and (len(sends) >= self._pp_inflight or sends[0][0].is_completed()):
-            self._wait_work(sends.popleft()[0], f"pp_send to peer {dst_rank_idx} (waiting for a free slot)")
-        staged = x.reshape(-1).view(torch.uint8).clone()
-        sends.append((dist.isend(staged, group=self.group, group_dst=dst_rank_idx), staged))
-
-    def pp_recv(self, x: torch.Tensor, src_rank_idx: int, num_sms: int = 0) -> None:
-        if x.nbytes == 0:
-            return
-        work = dist.irecv(x.reshape(-1).view(torch.uint8), group=self.group, group_src=src_rank_idx)
-        self._wait_work(work, f"pp_recv from peer {src_rank_idx}")
-
-    def _pp_flush(self, op: str) -> None:
-        for peer, sends in self._pp_sends.items():
-            while sends:
-                self._wait_work(sends.popleft()[0], f"{op}: pp_send to peer {peer}")
 
     # ------------------------------------------------------------------ exchange
     def _all_to_all(self, send: torch.Tensor, send_counts: List[int], stage: str,
@@ -259,7 +156,7 @@ class TorchRuntime(Runtime):
         this raise ``TimeoutError`` naming the stage and the rank (the group must then be recreated).
         On NCCL groups the process group's own watchdog bounds the wait.
         """
-        dev = self._device
+        dev = self.device
         R = self.num_ranks
         nb, example = bad_ids if bad_ids is not None else (0, 0)
         # [R, 3]: to each destination, (row count, this rank's bad ids, an example of one)
@@ -282,7 +179,7 @@ class TorchRuntime(Runtime):
         return recv, recv_counts
 
     def _wait(self, work, stage: str, counts: List[int]) -> None:
-        if self._device.type == "cuda":
+        if self.device.type == "cuda":
             work.wait()
             return
         try:
@@ -296,32 +193,21 @@ class TorchRuntime(Runtime):
                                f"{self.num_cpu_timeout_secs} s (local counts {counts}); a peer did not join")
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, a: DispatchArgs) -> DispatchResult:
-        """Sends each token to the ranks owning its experts (see the module docstring)."""
-        R, me = self.num_ranks, self.rank_idx
-        h = a.handle
-        cached_mode = h is not None
-        x, sf, topk_weights = a.x, a.sf, a.topk_weights
-        topk_idx = a.topk_idx.to(torch.int64)  # DeepEP's 32-bit topk_idx_t too
-        T, H, K = a.num_tokens, a.hidden, a.num_topk
-        num_experts, expert_alignment = a.num_experts, a.expert_alignment
-        num_max_tokens_per_rank = a.num_max_tokens_per_rank
-        do_expand, do_cpu_sync, do_zero_padding = a.do_expand, a.do_cpu_sync, a.do_zero_padding
-        use_tma_aligned_col_major_sf = a.use_tma_aligned_col_major_sf
-        cumulative_local_expert_recv_stats = a.cumulative_local_expert_recv_stats
-        L = num_experts // R
-        num_sf_packs = sf.shape[1] if sf is not None else 0
-        bad_ids = None
-        if self._check_ids and not cached_mode and not (topk_idx.is_cuda and torch.cuda.is_current_stream_capturing()):
-            bad_ids = _checks.count_bad_expert_ids(topk_idx, num_experts)
-        if a.previous_event is not None:
-            a.previous_event.current_stream_wait()
-        dev = x.device
+    def _send_records(self, a: DispatchArgs, topk_idx: torch.Tensor,
+                      L: int) -> Tuple[torch.Tensor, List[int], torch.Tensor, torch.Tensor]:
+        """Dispatch's send side: one record per (destination rank, token), ascending token per destination.
 
-        # ---- send side: one record per (destination rank, token), ascending token per destination
+        Returns:
+            ``(records [n, B] uint8 grouped by destination, count per destination, the token of each
+            record, dst_buffer_slot_idx [T, K])``: the slot each token takes in each destination's receive
+            buffer (its rank among the tokens this rank sends there), -1 for masked lanes (cached: the
+            handle's).
+        """
+        R, T, K = self.num_ranks, a.num_tokens, a.num_topk
+        x, sf, topk_weights, dev = a.x, a.sf, a.topk_weights, a.x.device
         # Ids outside [0, E) go nowhere (-1: masked); unless ELASTIC_EP_SKIP_INDEX_CHECK=1 they refuse the
-        # call below.
-        dst_rank = torch.where((topk_idx >= 0) & (topk_idx < num_experts), topk_idx // L,
+        # call (dispatch's first exchange).
+        dst_rank = torch.where((topk_idx >= 0) & (topk_idx < a.num_experts), topk_idx // L,
                                torch.full_like(topk_idx, -1))  # [T, K]
         goes_to = torch.stack([(dst_rank == d).any(dim=1) for d in range(R)], dim=0) if T else \
             torch.zeros((R, 0), dtype=torch.bool, device=dev)  # [R, T]
@@ -337,25 +223,46 @@ class TorchRuntime(Runtime):
                                                                dtype=torch.uint8, device=dev)
         order = [token_ids[goes_to[d]] for d in range(R)]
         send_counts = [int(o.numel()) for o in order]
-        send = record[torch.cat(order)] if T else record
-        # The slot each token takes in each destination's receive buffer (its rank among the tokens
-        # this rank sends there); -1 for masked lanes.
-        if cached_mode:
-            dst_buffer_slot_idx = h.dst_buffer_slot_idx
-        else:
-            slot_of = torch.full((R, T), -1, dtype=torch.int32, device=dev)
-            for d in range(R):
-                slot_of[d, order[d]] = torch.arange(send_counts[d], dtype=torch.int32, device=dev)
-            dst_buffer_slot_idx = torch.full((T, K), -1, dtype=torch.int32, device=dev)
-            if T:
-                valid = dst_rank >= 0
-                rows = token_ids.view(-1, 1).expand(T, K)
-                dst_buffer_slot_idx[valid] = slot_of[dst_rank[valid], rows[valid]]
+        sent_tokens = torch.cat(order) if T else token_ids
+        send = record[sent_tokens] if T else record
+        if a.handle is not None:
+            return send, send_counts, sent_tokens, a.handle.dst_buffer_slot_idx
+        slot_of = torch.full((R, T), -1, dtype=torch.int32, device=dev)
+        for d in range(R):
+            slot_of[d, order[d]] = torch.arange(send_counts[d], dtype=torch.int32, device=dev)
+        dst_buffer_slot_idx = torch.full((T, K), -1, dtype=torch.int32, device=dev)
+        if T:
+            valid = dst_rank >= 0
+            rows = token_ids.view(-1, 1).expand(T, K)
+            dst_buffer_slot_idx[valid] = slot_of[dst_rank[valid], rows[valid]]
+        return send, send_counts, sent_tokens, dst_buffer_slot_idx
 
+    def dispatch(self, a: DispatchArgs) -> DispatchResult:
+        """Sends each token to the ranks owning its experts (see the module docstring)."""
+        R, me = self.num_ranks, self.rank_idx
+        h = a.handle
+        cached_mode = h is not None
+        x, sf, topk_weights = a.x, a.sf, a.topk_weights
+        topk_idx = a.topk_idx.to(torch.int64)  # DeepEP's 32-bit topk_idx_t too
+        T, H, K = a.num_tokens, a.hidden, a.num_topk
+        num_experts, expert_alignment = a.num_experts, a.expert_alignment
+        num_max_tokens_per_rank = a.num_max_tokens_per_rank
+        do_expand, do_cpu_sync = a.do_expand, a.do_cpu_sync
+        cumulative_local_expert_recv_stats = a.cumulative_local_expert_recv_stats
+        L = num_experts // R
+        num_sf_packs = sf.shape[1] if sf is not None else 0
+        bad_ids = None
+        if self._check_ids and not cached_mode and not (topk_idx.is_cuda and torch.cuda.is_current_stream_capturing()):
+            bad_ids = _checks.count_bad_expert_ids(topk_idx, num_experts)
+        if a.previous_event is not None:
+            a.previous_event.current_stream_wait()
+        dev = x.device
+
+        send, send_counts, sent_tokens, dst_buffer_slot_idx = self._send_records(a, topk_idx, L)
         forward = (None, None)
         if self.hybrid is not None:
-            recv, recv_counts, forward = self.hybrid.dispatch(send, send_counts, torch.cat(order) if T else token_ids,
-                                                              T, num_max_tokens_per_rank, bad_ids, num_experts)
+            recv, recv_counts, forward = self.hybrid.dispatch(send, send_counts, sent_tokens, T, num_max_tokens_per_rank,
+                                                              bad_ids, num_experts)
         else:
             recv, recv_counts = self._all_to_all(send, send_counts, "dispatch", bad_ids, num_experts)
         N = recv.shape[0]
@@ -425,45 +332,8 @@ class TorchRuntime(Runtime):
         num_allocated = num_expanded_tokens if do_expand else num_recv_tokens
         if do_expand and N and int(exp_row.max()) >= num_allocated:
             raise RuntimeError("expanded rows exceed the (cached) expanded token count")
-        recv_x = torch.empty((num_allocated, H), dtype=x.dtype, device=dev)
-        recv_sf = None
-        if sf is not None:
-            if use_tma_aligned_col_major_sf:
-                ld = (num_allocated + 3) // 4 * 4
-                recv_sf = torch.empty_strided((num_allocated, num_sf_packs), (1, ld), dtype=sf.dtype, device=dev)
-            else:
-                recv_sf = torch.empty((num_allocated, num_sf_packs), dtype=sf.dtype, device=dev)
-        recv_topk_idx = None
-        recv_topk_weights = None
-        if do_expand:
-            sel = exp_row >= 0
-            rows_i = torch.arange(N, device=dev).view(-1, 1).expand(N, K)[sel]
-            dst = exp_row[sel]
-            recv_x[dst] = recv_rows[rows_i]
-            if recv_sf is not None:
-                recv_sf[dst] = recv_sf_rows[rows_i]
-            if recv_w is not None:
-                recv_topk_weights = torch.empty((num_allocated,), dtype=torch.float32, device=dev)
-                recv_topk_weights[dst] = recv_w[sel]
-            if do_zero_padding:
-                seg_end = starts + aligned
-                for e in range(L):  # padding rows of each expert segment
-                    a0, a1 = int(starts[e] + real[e]), int(seg_end[e])
-                    if a1 > a0:
-                        recv_x[a0:a1] = 0
-                        if recv_sf is not None:
-                            recv_sf[a0:a1] = 0
-                        if recv_topk_weights is not None:
-                            recv_topk_weights[a0:a1] = 0
-        else:
-            recv_x[:N] = recv_rows
-            if recv_sf is not None:
-                recv_sf[:N] = recv_sf_rows
-            recv_topk_idx = torch.empty((num_allocated, K), dtype=torch.int64, device=dev)
-            recv_topk_idx[:N] = local_idx
-            if recv_w is not None:
-                recv_topk_weights = torch.empty((num_allocated, K), dtype=torch.float32, device=dev)
-                recv_topk_weights[:N] = torch.where(is_local, recv_w, torch.zeros_like(recv_w))
+        recv_x, recv_sf, recv_topk_idx, recv_topk_weights = _place_received(
+            a, num_allocated, recv_rows, recv_sf_rows, recv_w, local_idx, exp_row, starts, aligned, real)
 
         new_handle = h
         if not cached_mode:
@@ -600,3 +470,56 @@ class TorchRuntime(Runtime):
             previous_event_before_epilogue.current_stream_wait()
         event = EventHandle() if async_with_compute_stream else None
         return combined_x, combined_topk_weights, event
+
+
+def _place_received(a: DispatchArgs, num_allocated: int, rows: torch.Tensor, sf_rows: Optional[torch.Tensor],
+                    w: Optional[torch.Tensor], local_idx: torch.Tensor, exp_row: torch.Tensor, starts: torch.Tensor,
+                    aligned: torch.Tensor, real: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor],
+                                                                         Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Dispatch's outputs ``(recv_x, recv_sf, recv_topk_idx, recv_topk_weights)`` of ``num_allocated`` rows
+    from the ``N`` received rows: in receive order, or (expand mode) each (row, local lane) at
+    ``exp_row``, the alignment gaps zeroed with ``do_zero_padding`` (segments at ``starts``, ``real`` rows
+    of ``aligned``)."""
+    N, K = local_idx.shape
+    H, dev, sf = a.hidden, rows.device, a.sf
+    recv_x = torch.empty((num_allocated, H), dtype=a.x.dtype, device=dev)
+    recv_sf = None
+    if sf is not None:
+        num_sf_packs = sf.shape[1]
+        if a.use_tma_aligned_col_major_sf:
+            ld = (num_allocated + 3) // 4 * 4
+            recv_sf = torch.empty_strided((num_allocated, num_sf_packs), (1, ld), dtype=sf.dtype, device=dev)
+        else:
+            recv_sf = torch.empty((num_allocated, num_sf_packs), dtype=sf.dtype, device=dev)
+    recv_topk_idx = None
+    recv_topk_weights = None
+    if a.do_expand:
+        sel = exp_row >= 0
+        rows_i = torch.arange(N, device=dev).view(-1, 1).expand(N, K)[sel]
+        dst = exp_row[sel]
+        recv_x[dst] = rows[rows_i]
+        if recv_sf is not None:
+            recv_sf[dst] = sf_rows[rows_i]
+        if w is not None:
+            recv_topk_weights = torch.empty((num_allocated,), dtype=torch.float32, device=dev)
+            recv_topk_weights[dst] = w[sel]
+        if a.do_zero_padding:
+            seg_end = starts + aligned
+            for e in range(real.numel()):  # padding rows of each expert segment
+                a0, a1 = int(starts[e] + real[e]), int(seg_end[e])
+                if a1 > a0:
+                    recv_x[a0:a1] = 0
+                    if recv_sf is not None:
+                        recv_sf[a0:a1] = 0
+                    if recv_topk_weights is not None:
+                        recv_topk_weights[a0:a1] = 0
+    else:
+        recv_x[:N] = rows
+        if recv_sf is not None:
+            recv_sf[:N] = sf_rows
+        recv_topk_idx = torch.empty((num_allocated, K), dtype=torch.int64, device=dev)
+        recv_topk_idx[:N] = local_idx
+        if w is not None:
+            recv_topk_weights = torch.empty((num_allocated, K), dtype=torch.float32, device=dev)
+            recv_topk_weights[:N] = torch.where(local_idx >= 0, w, torch.zeros_like(w))
+    return recv_x, recv_sf, recv_topk_idx, recv_topk_weights

@@ -21,124 +21,40 @@ num_topk=...)``, then per MoE layer::
 * ``deterministic=True`` sorts received rows by source token (inside each expert segment in expand
   mode); ``handle.recv_src_metadata`` then describes the sorted rows, as in DeepEP.
 
-Each call is validated once (``_checks``) into typed arguments for the buffer's runtime
-(``_runtime.Runtime``): ``"native"`` (``_native_runtime``: C++/CUDA kernels over an NCCL or CUDA-IPC
-window) or ``"torch"`` (``_torch_runtime``: ``torch.distributed`` collectives, gloo included);
-``backend="auto"`` picks native for NCCL groups when the kernels are built. DeepEP's AGRS, PP and Engram
-methods come from ``_ops_agrs_pp_engram`` (the torch runtime implements them).
+The buffer composes its parts: the constructor's checks and domains (``_setup``), the sizes
+(``_sizing``), a runtime for dispatch/combine (``_runtime.Runtime``: ``"native"``, ``_native_runtime``'s
+C++/CUDA kernels over an NCCL or CUDA-IPC window, or ``"torch"``, ``_torch_runtime``'s
+``torch.distributed`` collectives, gloo included; ``backend="auto"`` picks native for NCCL groups when the
+kernels are built), each call validated once by ``_checks``; and one object per DeepEP feature over the
+same runtime: AGRS (``_agrs``), PP send/recv (``_pp``) and Engram (``_engram``). Its methods are DeepEP's,
+each a thin call into one of them.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
-import math
-import warnings
 import weakref
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from . import _C, _checks, _domains, _env, _nvml
-from . import _ops_agrs_pp_engram as _ops
+from . import _agrs, _checks, _domains, _engram, _env, _pp, _setup, _sizing
 from ._checks import int_arg
 from ._domains import get_logical_domain_size, get_physical_domain_size
 from ._events import EventHandle, EventOverlap
 from ._handle import EPHandle
+from ._setup import NcclCommHandle, native_available
+from ._sizing import ALIGNMENT_BYTES, calculate_elastic_buffer_size, get_elastic_buffer_alignment
 
 __all__ = ["ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap", "NcclCommHandle", "native_available",
            "calculate_elastic_buffer_size", "get_elastic_buffer_alignment", "get_physical_domain_size",
            "get_logical_domain_size"]
 
-ALIGNMENT_BYTES = int(_C.get_elastic_buffer_alignment())
-_native_cache: Optional[Tuple[Any, Optional[str]]] = None
 _BUFFER_SERIALS = itertools.count(1)
 
 
-def _load_native() -> Tuple[Any, Optional[str]]:
-    """Import ``elastic_ep._native_runtime`` once; returns ``(module or None, reason it is unusable)``."""
-    global _native_cache
-    if _native_cache is None:
-        if not _C.built_with_cuda():
-            _native_cache = (None, "elastic_ep._C was built without CUDA (no nvcc at build time)")
-        else:
-            try:
-                from . import _native_runtime  # noqa: WPS433 (lazy: it checks the loaded NCCL at import)
-                _native_cache = (_native_runtime, None)
-            except Exception as e:  # noqa: BLE001 - any import failure means "not available"
-                _native_cache = (None, f"elastic_ep native backend unavailable: {type(e).__name__}: {e}")
-    return _native_cache
-
-
-def native_available() -> bool:
-    """True when the native kernels can be used (extension built with CUDA and a GPU present)."""
-    return _load_native()[0] is not None and torch.cuda.is_available()
-
-
-class NcclCommHandle:
-    """DeepEP's ``ElasticBuffer.nccl_comm_handle``: ``get()`` is the buffer's ``ncclComm_t`` as an int
-    (0 without an NCCL communicator: the torch runtime, or the CUDA-IPC window)."""
-
-    __slots__ = ("_comm",)
-
-    def __init__(self, comm: int) -> None:
-        self._comm = comm
-
-    def get(self) -> int:
-        return self._comm
-
-    def __repr__(self) -> str:
-        return f"NcclCommHandle({self._comm:#x})"
-
-
-def calculate_elastic_buffer_size(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
-                                  use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
-                                  allow_multiple_reduction: bool = True, num_nvl_ranks: Optional[int] = None, *,
-                                  zero_copy: bool = False) -> int:
-    """Bytes of the buffer for a configuration (DeepEP V2's ``calculate_buffer_size``, computed by ``_C``).
-
-    Arguments:
-        num_ranks: ranks in the group.
-        num_max_tokens_per_rank: most tokens any rank dispatches at once.
-        hidden: hidden size.
-        num_topk: experts per token; 0 sizes for the worst case (32).
-        use_fp8_dispatch: FP8 rows plus scale packs (one 4-byte pack per 32 elements).
-        allow_hybrid_mode, allow_multiple_reduction: as the buffer's options.
-        num_nvl_ranks: ranks inside one NVLink domain (default: all of them).
-        zero_copy: also room for ``dispatch(zero_copy=True)`` (its receive area after the records and
-            the combine area; ours, not DeepEP's).
-
-    Returns:
-        The 2 MiB-aligned maximum of the dispatch and combine layouts (with ``zero_copy``: at least the
-        zero-copy layout's size).
-    """
-    # Only None means "all of them": 0 is a bad count, not the default.
-    R, M, H, K, nvl = _checks.c_ints(num_ranks=num_ranks, num_max_tokens_per_rank=num_max_tokens_per_rank,
-                                     hidden=hidden, num_topk=num_topk,
-                                     num_nvl_ranks=num_ranks if num_nvl_ranks is None else num_nvl_ranks)
-    size = int(_C.calculate_elastic_buffer_size(R, M, H, K, bool(use_fp8_dispatch), bool(allow_hybrid_mode),
-                                                bool(allow_multiple_reduction), nvl))
-    if zero_copy:
-        k = K or _checks.MAX_TOPK
-        packs = (H + 31) // 32 if use_fp8_dispatch else 0
-        size = max(size, _checks.zero_copy_layout(0, R, M, H, 1 if use_fp8_dispatch else 2, packs, k,
-                                                  bool(allow_multiple_reduction))[1])
-    return size
-
-
-def get_elastic_buffer_alignment() -> int:
-    """The alignment every buffer size has: 2 MiB (``ALIGNMENT_BYTES``), as DeepEP's."""
-    return ALIGNMENT_BYTES
-
-
-def _release_native(runtime: Any, destroy_comm: Any, comm: int) -> None:
-    """Finaliser of a buffer with its own communicator: the window first, then the communicator."""
-    try:
-        runtime.destroy()
-    finally:
-        destroy_comm(comm)
-
-
-class ElasticBuffer(_ops.AgrsPpEngramOps):
+class ElasticBuffer:
     """Expert-parallel dispatch/combine buffer, API-compatible with DeepEP V2's ``ElasticBuffer``.
 
     Arguments:
@@ -192,7 +108,6 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
         self.group = group
         self.rank = self.rank_idx = dist.get_rank(group)  # rank_idx: DeepEP's name
         self.num_ranks = dist.get_world_size(group)
-        pg_backend = dist.get_backend(group)
         self._serial = next(_BUFFER_SERIALS)
         self.destroyed = False
         self._owned_comm = 0
@@ -201,93 +116,30 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
         # Each rank checks its own arguments, then every rank learns the others' outcome before anything
         # collective: a rank whose arguments are refused must not leave its peers in this constructor's
         # collectives, where its next call would complete them or they would wait for the group's timeout.
-        err, native = None, None
+        err, o = None, None
         try:
             self._settings = _env.Settings.read()
-            num_cpu_bytes = int_arg("num_cpu_bytes", num_cpu_bytes, 0, _checks.INT64_MAX)
-            if num_cpu_bytes % ALIGNMENT_BYTES:
-                raise ValueError(f"num_cpu_bytes: expected a multiple of {ALIGNMENT_BYTES} (see "
-                                 f"get_engram_storage_size_hint), got {num_cpu_bytes}")
-            if backend not in ("auto", "native", "torch"):
-                raise ValueError(f"backend: expected 'auto', 'native' or 'torch', got {backend!r}")
-            if window not in ("auto", "nccl", "ipc"):
-                raise ValueError(f"window: expected 'auto', 'nccl' or 'ipc', got {window!r}")
-            if window == "ipc" and backend == "torch":
-                raise ValueError("window='ipc' is the native backend's window; backend='torch' has none")
-            num_max_tokens_per_rank = int_arg("num_max_tokens_per_rank", num_max_tokens_per_rank, 0)
-            hidden = int_arg("hidden", hidden, 0)
-            num_topk = int_arg("num_topk", num_topk, 0)
-            if num_topk > _checks.MAX_TOPK:
-                raise ValueError(f"num_topk: expected 0..{_checks.MAX_TOPK}, got {num_topk}")
-            if hidden % 16 if use_fp8_dispatch else hidden % 8:
-                raise ValueError(f"hidden: a row must be a multiple of 16 bytes (hidden % 8 == 0 for bf16, % 16 with "
-                                 f"use_fp8_dispatch), got {hidden}")
-            if num_bytes is not None:
-                num_bytes = int_arg("num_bytes", num_bytes, 1, _checks.INT64_MAX, " (the native runtime takes an int64)")
-            int_arg("sl_idx", sl_idx, 0)
-            num_allocated_qps = int_arg("num_allocated_qps", num_allocated_qps, 0)
-            # Whole seconds >= 1: the runtime keeps seconds as an int, where 0 means "no deadline".
-            c_int = " (the native runtime takes a C int)"
-            num_cpu_timeout_secs = int_arg("num_cpu_timeout_secs", num_cpu_timeout_secs, 1, _checks.INT32_MAX, c_int)
-            num_gpu_timeout_secs = int_arg("num_gpu_timeout_secs", num_gpu_timeout_secs, 1, _checks.INT32_MAX, c_int)
-            ipc = window == "ipc"
-            if backend == "auto" and ipc:
-                backend = "native"  # the window exists only there: say why if it cannot be had (below)
-            if backend == "auto":
-                backend = "native" if (pg_backend == "nccl" and native_available()) else "torch"
-                if backend == "torch" and pg_backend == "nccl" and torch.cuda.is_available():
-                    # An NCCL group on a GPU would have used the native kernels: say why it cannot, once,
-                    # rather than run the (much slower) reference backend silently.
-                    warnings.warn(f"elastic_ep: backend='auto' falls back to the torch backend: {_load_native()[1]}",
-                                  RuntimeWarning, stacklevel=2)
-            if backend == "native":
-                native, why = _load_native()
-                if native is None:
-                    raise RuntimeError(why)
-                if not torch.cuda.is_available():
-                    raise RuntimeError("the native elastic_ep backend needs a CUDA GPU; none is visible")
-                if pg_backend != "nccl" and not ipc:
-                    raise ValueError(f"group: the native backend needs an NCCL process group (or window='ipc'), got "
-                                     f"{pg_backend!r}")
-            self.backend = backend
-            on_gpu = pg_backend == "nccl" or backend == "native"
-            self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-            self.window = ("ipc" if ipc else "nccl") if backend == "native" else None
-            if num_bytes is None and (num_max_tokens_per_rank <= 0 or hidden <= 0):
-                raise ValueError("num_bytes=None needs num_max_tokens_per_rank > 0 and hidden > 0 to size the "
-                                 f"buffer, got num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}")
-            if num_bytes is not None and num_bytes % ALIGNMENT_BYTES:
-                raise ValueError(f"num_bytes: expected a positive multiple of {ALIGNMENT_BYTES} "
-                                 f"(see get_buffer_size_hint), got {num_bytes}")
+            o = _setup.check_options(dist.get_backend(group), num_bytes, num_cpu_bytes, num_max_tokens_per_rank,
+                                     hidden, num_topk, use_fp8_dispatch, sl_idx, num_allocated_qps,
+                                     num_cpu_timeout_secs, num_gpu_timeout_secs, backend, window)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             err = e
         _checks.raise_if_any_rank_failed(group, err, "ElasticBuffer: creating the buffer")
+        self.backend, self.window, self.device = o.backend, o.window, o.device
         # The domains (collective: every rank's node), then the size they call for.
         try:
-            self.domains = _domains.detect(group, allow_hybrid_mode, self._settings.num_scaleup_ranks)
-            # DeepEP's automatic count (hybrid allowed: 129, or 65 with MT4131 NICs, which a machine without
-            # RDMA lacks; direct: 17): the GIN contexts of hybrid mode across nodes, and what
-            # get_theoretical_num_qps and the num_qps bound read.
-            self.num_allocated_qps = _domains.num_allocated_qps(allow_hybrid_mode, num_allocated_qps)
-            gin_request = None
-            if backend == "native":
-                # Several NVLink domains need GIN (say what is missing); the override needs none.
-                gin = native.railed_gin_type(group) if self.domains.num_rdma_ranks > 1 and not ipc else None
-                gin_request = _domains.native_gin_request(self.domains, ipc, gin, native.nccl_version(),
-                                                          self.num_allocated_qps, sl_idx, num_cpu_bytes)
-            if num_bytes is None:
-                num_bytes = calculate_elastic_buffer_size(self.num_ranks, num_max_tokens_per_rank, hidden, num_topk,
-                                                          use_fp8_dispatch, allow_hybrid_mode,
-                                                          allow_multiple_reduction, self.domains.num_scaleup_ranks)
+            self.domains, self.num_allocated_qps, gin_request, self.num_bytes = _setup.plan_domains(
+                group, o, self._settings.num_scaleup_ranks, use_fp8_dispatch, allow_hybrid_mode,
+                allow_multiple_reduction, sl_idx)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             err = e
         _checks.raise_if_any_rank_failed(group, err, "ElasticBuffer: the group's domains")
-        self.num_bytes, self.num_cpu_bytes = int(num_bytes), num_cpu_bytes
-        self.num_max_tokens_per_rank, self.hidden, self.num_topk = num_max_tokens_per_rank, hidden, num_topk
+        self.num_cpu_bytes = o.num_cpu_bytes
+        self.num_max_tokens_per_rank, self.hidden, self.num_topk = o.num_max_tokens_per_rank, o.hidden, o.num_topk
         self.use_fp8_dispatch, self.deterministic = use_fp8_dispatch, deterministic
         self.allow_hybrid_mode, self.allow_multiple_reduction = allow_hybrid_mode, allow_multiple_reduction
         self.prefer_overlap_with_compute, self.explicitly_destroy = prefer_overlap_with_compute, explicitly_destroy
-        self.num_cpu_timeout_secs, self.num_gpu_timeout_secs = num_cpu_timeout_secs, num_gpu_timeout_secs
+        self.num_cpu_timeout_secs, self.num_gpu_timeout_secs = o.num_cpu_timeout_secs, o.num_gpu_timeout_secs
         if self._settings.buffer_debug:  # DeepEP's switch for the same report
             print(f"elastic_ep: rank {self.rank}/{self.num_ranks}: buffer of {self.num_bytes} bytes, "
                   f"backend {self.backend}", flush=True)
@@ -298,30 +150,12 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
         self._routing_cache: Dict[tuple, Tuple[int, int]] = {}
         self._need_cache: Dict[tuple, int] = {}
         self._combine_need_cache: Dict[tuple, int] = {}
-        self._pp_max_bytes = 0  # pp_set_config's num_max_tensor_bytes (0: not configured)
-        self._engram_shape: Tuple[int, ...] = ()  # (entries per rank, hidden, element size) after engram_write
-        # AGRS session state (agrs_set_config / create_agrs_session / all_gather).
-        self._agrs_region: Optional[torch.Tensor] = None
-        self._agrs_max_gathers = 0
-        self._agrs_in_session = False
-        self._agrs_offset = self._agrs_slot = self._agrs_session_idx = 0
-        if self.backend == "native":
-            self.runtime, self.nccl_comm, self._owned_comm, self.comm_source = native.NativeRuntime.create(
-                group, self.num_bytes, allow_multiple_reduction, num_cpu_timeout_secs, num_gpu_timeout_secs,
-                explicitly_destroy, self.window, self._settings, self._serial,
-                num_scaleup_ranks=self.domains.num_scaleup_ranks if self.domains.hybrid else 0, gin=gin_request)
-            if self._owned_comm and not explicitly_destroy:
-                # Freed with the object, as promised: the runtime's window, then the communicator under it
-                # (never at interpreter exit: peers may be gone by then, and the exit releases both).
-                self._comm_finalizer = weakref.finalize(self, _release_native, self.runtime, native.destroy_nccl_comm,
-                                                        self._owned_comm)
-                self._comm_finalizer.atexit = False
-            if num_cpu_bytes:
-                self.runtime.open_engram(group, num_cpu_bytes)
-        else:
-            from ._torch_runtime import TorchRuntime
-            self.runtime = TorchRuntime(group, allow_multiple_reduction, num_cpu_timeout_secs, self._settings,
-                                        self._serial, self.domains)
+        self._open_runtime(gin_request)
+        # DeepEP's features over the same runtime and window (Engram opens its host segments: collective).
+        rt, b = self.runtime, self.backend
+        self._agrs = _agrs.AllGatherSessions(rt, b, group, self.num_bytes, self.device)
+        self._pp = _pp.PipelineSendRecv(rt, b, group, self.num_bytes, self.device)
+        self._engram = _engram.Engram(rt, b, group, self.num_bytes, self.num_cpu_bytes, self.num_allocated_qps, self.device)
         self.nccl_comm_handle = NcclCommHandle(self.nccl_comm)
         # DeepEP's logical and physical rank indices.
         d = self.domains
@@ -330,66 +164,32 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
         self.num_rdma_ranks, self.num_nvlink_ranks = d.physical
         dist.barrier(group=group)
 
+    def _open_runtime(self, gin_request: Optional[Dict[str, Any]]) -> None:
+        """Collective: ``self.runtime`` of the chosen backend (native: its window and communicator)."""
+        if self.backend == "torch":
+            from ._torch_runtime import TorchRuntime
+
+            self.runtime = TorchRuntime(self.group, self.allow_multiple_reduction, self.num_cpu_timeout_secs,
+                                        self._settings, self._serial, self.domains)
+            return
+        native = _setup.load_native()[0]
+        self.runtime, self.nccl_comm, self._owned_comm, self.comm_source = native.NativeRuntime.create(
+            self.group, self.num_bytes, self.allow_multiple_reduction, self.num_cpu_timeout_secs,
+            self.num_gpu_timeout_secs, self.explicitly_destroy, self.window, self._settings, self._serial,
+            num_scaleup_ranks=self.domains.num_scaleup_ranks if self.domains.hybrid else 0, gin=gin_request)
+        if self._owned_comm and not self.explicitly_destroy:
+            # Freed with the object, as promised: the runtime's window, then the communicator under it
+            # (never at interpreter exit: peers may be gone by then, and the exit releases both).
+            self._comm_finalizer = weakref.finalize(self, _setup.release_native, self.runtime, self._owned_comm)
+            self._comm_finalizer.atexit = False
+
     # ------------------------------------------------------------------ sizing
-    @staticmethod
-    def get_buffer_size_hint(group: dist.ProcessGroup, num_max_tokens_per_rank: int, hidden: int,
-                             num_topk: int = 0, use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
-                             allow_multiple_reduction: bool = True, *, zero_copy: bool = False) -> int:
-        """Bytes a buffer needs for this configuration on ``group`` (2 MiB aligned): DeepEP's
-        ``calculate_buffer_size`` (``zero_copy``: with room for ``dispatch(zero_copy=True)`` too).
-
-        Not collective, so it cannot ask the other ranks for their nodes: the scale-up domain is
-        ``ELASTIC_EP_NUM_SCALEUP_RANKS`` when set, else the launcher's ranks per node
-        (``LOCAL_WORLD_SIZE``, torchrun's) with hybrid mode allowed, else every rank
-        (``_domains.local_scaleup_ranks``). A buffer created with ``num_bytes=None`` sizes itself from
-        the domains it detects."""
-        R = dist.get_world_size(group)
-        U = _domains.local_scaleup_ranks(R, bool(allow_hybrid_mode), _env.num_scaleup_ranks(),
-                                         _env.local_world_size())
-        return calculate_elastic_buffer_size(R, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
-                                             allow_hybrid_mode, allow_multiple_reduction, U, zero_copy=zero_copy)
-
-    @staticmethod
-    def get_engram_storage_size_hint(num_entries: int, hidden: int, num_max_tokens_per_rank: int,
-                                     dtype: torch.dtype = torch.bfloat16) -> Tuple[int, int]:
-        """``(num_gpu_bytes, num_cpu_bytes)`` an Engram storage would need (DeepEP's hint): entries of ``hidden`` elements rounded up to 32 B, ``num_max_tokens_per_rank``
-        on the GPU and ``num_entries`` on the CPU, each total 2 MiB-aligned."""
-        num_entries, hidden = int_arg("num_entries", num_entries, 0), int_arg("hidden", hidden, 0)
-        num_max_tokens_per_rank = int_arg("num_max_tokens_per_rank", num_max_tokens_per_rank, 0)
-        entry = _align(hidden * _checks.itemsize(dtype), 32)
-        return _align(entry * num_max_tokens_per_rank, ALIGNMENT_BYTES), _align(entry * num_entries, ALIGNMENT_BYTES)
-
-    @staticmethod
-    def get_pp_buffer_size_hint(num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> int:
-        """Bytes PP send/recv would need (DeepEP's hint): four regions of
-        ``num_max_inflight_tensors`` slots of ``num_max_tensor_bytes`` rounded up to 32 B, 2 MiB-aligned."""
-        num_max_tensor_bytes = int_arg("num_max_tensor_bytes", num_max_tensor_bytes, 0)
-        num_max_inflight_tensors = int_arg("num_max_inflight_tensors", num_max_inflight_tensors, 0)
-        return _align(4 * num_max_inflight_tensors * _align(num_max_tensor_bytes, 32), ALIGNMENT_BYTES)
-
-    @staticmethod
-    def get_agrs_num_max_session_bytes(group: dist.ProcessGroup,
-                                       shapes: Union[Tuple[int, ...], Sequence[Tuple[int, ...]]],
-                                       dtype: torch.dtype) -> int:
-        """Bytes one AGRS session gathering tensors of ``shapes`` (one shape or a sequence of them) would
-        use (DeepEP's hint): the sum of ``ranks x elements x itemsize``, each rounded up to 32 B."""
-        if not _checks.is_sequence(shapes) or not shapes:
-            raise ValueError(f"shapes: expected a shape or a non-empty sequence of shapes, got {shapes!r}")
-        if not _checks.is_sequence(shapes[0]):  # one shape (a torch.Size starts with an int too)
-            shapes = (shapes,)
-        for i, shape in enumerate(shapes):
-            if not _checks.is_sequence(shape):
-                raise ValueError(f"shapes[{i}]: expected a shape (a sequence of ints), got {shape!r}")
-            for d in shape:
-                int_arg(f"shapes[{i}]", d, 0)
-        size = _checks.itemsize(dtype)
-        R = dist.get_world_size(group)
-        return sum(_align(R * math.prod(s) * size, 32) for s in shapes)
-
-    @staticmethod
-    def get_agrs_buffer_size_hint(group: dist.ProcessGroup, num_max_session_bytes: int) -> int:
-        """``num_max_session_bytes`` rounded up to 2 MiB (DeepEP's AGRS buffer hint)."""
-        return _align(int_arg("num_max_session_bytes", num_max_session_bytes, 0), ALIGNMENT_BYTES)
+    get_buffer_size_hint = staticmethod(_sizing.get_buffer_size_hint)
+    # DeepEP's per-feature hints, each with its feature.
+    get_engram_storage_size_hint = staticmethod(_engram.get_engram_storage_size_hint)
+    get_pp_buffer_size_hint = staticmethod(_pp.get_pp_buffer_size_hint)
+    get_agrs_num_max_session_bytes = staticmethod(_agrs.get_agrs_num_max_session_bytes)
+    get_agrs_buffer_size_hint = staticmethod(_agrs.get_agrs_buffer_size_hint)
 
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
                                 rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
@@ -416,38 +216,8 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
         Raises:
             ValueError: a bad argument (naming it).
         """
-        num_experts, num_topk = int_arg("num_experts", num_experts), int_arg("num_topk", num_topk)
-        num_scaleout_topk = int_arg("num_scaleout_topk", num_scaleout_topk, 0)
-        if num_scaleout_topk and not self.domains.hybrid:
-            raise ValueError(f"num_scaleout_topk: expected 0 in direct mode (one scale-out domain), got "
-                             f"{num_scaleout_topk}")
-        if num_scaleout_topk > self.domains.num_scaleout_ranks:
-            raise ValueError(f"num_scaleout_topk: expected at most the {self.domains.num_scaleout_ranks} scale-out "
-                             f"domains, got {num_scaleout_topk}")
-        nvlink_gbs = _checks.real_arg("nvlink_gbs", nvlink_gbs, 0)
-        rdma_gbs = _checks.real_arg("rdma_gbs", rdma_gbs, 0)
-        sm_read_gbs = _checks.real_arg("sm_read_gbs", sm_read_gbs, 0, lo_inclusive=False)
-        sm_write_gbs = _checks.real_arg("sm_write_gbs", sm_write_gbs, 0, lo_inclusive=False)
-        if self._settings.num_sms:
-            return self._settings.num_sms
-        R = self.num_ranks
-        if num_experts <= 0 or num_experts % R or not 0 < num_topk <= num_experts:
-            raise ValueError(f"num_experts / num_topk: expected a positive multiple of {R} experts and 1.."
-                             f"num_experts per token, got {num_experts} / {num_topk}")
-        if R == 1:
-            return self._device_sms
-        if not nvlink_gbs:
-            props = torch.cuda.get_device_properties(self.device) if self.device.type == "cuda" else None
-            nvlink_gbs = _nvml.nvlink_gbs(_nvml.pci_bus_id(props))
-        if not rdma_gbs:
-            rdma_gbs = nvlink_gbs if self.domains.num_rdma_ranks == 1 else _domains.NIC_GBS
-        need = _domains.theoretical_num_sms(self.domains, num_experts, num_topk, num_scaleout_topk, rdma_gbs,
-                                            nvlink_gbs, sm_read_gbs, sm_write_gbs)
-        n = max(4, math.ceil(need * 1.25))
-        n += n % 2
-        if not self.prefer_overlap_with_compute:
-            n = max(n, 64)
-        return min(n, self._device_sms)
+        return _sizing.theoretical_num_sms(self, num_experts, num_topk, num_scaleout_topk, rdma_gbs, nvlink_gbs,
+                                           sm_read_gbs, sm_write_gbs)
 
     def _sms_for(self, num_experts: int, num_topk: int) -> int:
         """The SM count of a call with ``num_sms=0`` (cached per shape)."""
@@ -503,6 +273,9 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
             return
         self.destroyed = True
         try:
+            self._agrs.flush("destroy")
+            self._pp.flush("destroy")
+            self._engram.close()  # the host segments, before the runtime's window goes
             self.runtime.destroy()
         finally:
             self._abort_owned_comm()
@@ -514,7 +287,9 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
             self._comm_finalizer = None
         comm, self._owned_comm = self._owned_comm, 0
         if comm:
-            _load_native()[0].destroy_nccl_comm(comm)
+            from . import _nccl  # noqa: WPS433 (loaded with the native runtime)
+
+            _nccl.destroy_nccl_comm(comm)
 
     def __enter__(self) -> "ElasticBuffer":
         self._check_alive()
@@ -655,6 +430,165 @@ class ElasticBuffer(_ops.AgrsPpEngramOps):
         combined_x, combined_w, event = self.runtime.combine(a)
         return combined_x, combined_w, EventOverlap(event)
 
+    # ------------------------------------------------------------------ Engram (_engram)
+    def engram_write(self, storage: torch.Tensor, sf: Optional[torch.Tensor] = None) -> None:
+        """Installs this rank's shard of the Engram table in its CPU segment (collective, as DeepEP).
 
-def _align(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
+        Rank ``r``'s ``storage`` holds global entries ``[r * num_entries, (r + 1) * num_entries)``.
+
+        Arguments:
+            storage: ``[num_entries, hidden]`` bf16, or float8_e4m3fn with ``sf``; at most ``num_cpu_bytes``;
+                the same shape and dtype on every rank.
+            sf: FP8 only: ``[num_entries * R, num_sf_packs]`` float32 or int32 (four UE8M0 exponents)
+                scale factors of every global entry, the same on every rank.
+
+        Raises:
+            ValueError: bad arguments on any rank, or shards that differ between ranks (every rank raises).
+        """
+        self._check_alive()
+        self._engram.write(storage, sf)
+
+    def engram_fetch(self, indices: torch.Tensor, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = False):
+        """Gathers table rows by global entry index from whichever rank holds them (local: no peer takes part).
+
+        Arguments:
+            indices: ``[T, E]`` int32 global entry indices, each in ``[0, num_entries * R)``.
+            num_qps: accepted (no RDMA); more than ``num_allocated_qps`` raises, as DeepEP.
+            use_tma_aligned_col_major_sf: FP8: scale factors column-major, rows padded to 4.
+
+        Returns:
+            A hook; its call returns ``(data [T, E * hidden], sf [T, E * num_sf_packs] or None)``: token
+            ``t``'s entries concatenated along the hidden dimension.
+
+        Raises:
+            ValueError: no table, bad ``indices`` (any index outside the table: DeepEP reads those unchecked).
+        """
+        self._check_alive()
+        return self._engram.fetch(indices, num_qps, use_tma_aligned_col_major_sf)
+
+    # ------------------------------------------------------------------ PP send/recv (_pp)
+    def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
+        """Sizes pipeline send/recv (collective; flushes earlier work on every rank, as DeepEP).
+
+        Arguments:
+            num_max_tensor_bytes: the largest tensor sent (rounded up to 32).
+            num_max_inflight_tensors: tensors sent to one peer and not yet received there; a further
+                ``pp_send`` to that peer waits (with the CPU timeout) until the peer received one.
+            DeepEP V2's four regions of ``num_max_inflight_tensors x num_max_tensor_bytes`` must fit
+            ``num_bytes`` (``get_pp_buffer_size_hint``).
+
+        Raises:
+            ValueError: a bad value on any rank (every rank raises).
+        """
+        self._check_alive()
+        self._pp.set_config(num_max_tensor_bytes, num_max_inflight_tensors)
+
+    def pp_send(self, t: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
+        """Sends ``t`` to rank ``dst_rank_idx`` (any other rank; DeepEP V2 allows the previous and next
+        rank only). Tensors sent to one rank arrive in the order sent; ``t`` may be reused on return.
+
+        Arguments:
+            t: a contiguous tensor of at most ``num_max_tensor_bytes``; the receiver passes a tensor of
+                the same number of bytes (its dtype and shape are the receiver's, not checked).
+            dst_rank_idx: the receiving rank.
+            num_sms: SMs the native kernel copies with (0: one per 256 KiB, at most 32); the torch
+                backend uses none.
+
+        Raises:
+            ValueError: not configured, a bad tensor, this rank or no rank as ``dst_rank_idx``.
+            TimeoutError: (torch backend) ``num_max_inflight_tensors`` sent to that rank stay unreceived
+                past the CPU timeout. The native backend waits on the GPU, in stream order: a slot that
+                stays taken past ``num_gpu_timeout_secs`` makes the next call raise ``CommTimeoutError``
+                naming ``pp_send``, this rank and the peer.
+        """
+        self._check_alive()
+        self._pp.send(t, dst_rank_idx, num_sms)
+
+    def pp_recv(self, t: torch.Tensor, src_rank_idx: int, num_sms: int = 0) -> None:
+        """Receives into ``t`` the oldest tensor rank ``src_rank_idx`` sent to this rank and this rank has
+        not received yet (``t`` holds it on return, in stream order). Arguments as ``pp_send``.
+
+        Raises:
+            ValueError: as ``pp_send``; TimeoutError (torch backend): nothing arrives within
+                ``num_cpu_timeout_secs``; native: the next call raises ``CommTimeoutError`` naming
+                ``pp_recv``, this rank and the peer when nothing arrived within ``num_gpu_timeout_secs``.
+        """
+        self._check_alive()
+        self._pp.recv(t, src_rank_idx, num_sms)
+
+    # ------------------------------------------------------------------ AGRS (all-gather sessions, _agrs)
+    def agrs_set_config(self, num_max_session_bytes: int, num_max_all_gathers_per_session: int) -> None:
+        """Sizes AGRS sessions (collective; flushes earlier work on every rank, as DeepEP).
+
+        Arguments:
+            num_max_session_bytes: most bytes of gathered results per session (``get_agrs_num_max_session_bytes``
+                computes it), at most the buffer's ``num_bytes``; rounded up to 32.
+            num_max_all_gathers_per_session: most ``all_gather`` calls per session, 1..32.
+
+        Raises:
+            ValueError: a bad value, or inside a session, on any rank (every rank raises).
+        """
+        self._check_alive()
+        self._agrs.set_config(num_max_session_bytes, num_max_all_gathers_per_session)
+
+    def create_agrs_session(self) -> None:
+        """Starts an AGRS session (local, no communication). Raises ``ValueError`` inside a session."""
+        self._check_alive()
+        self._agrs.create_session()
+
+    def destroy_agrs_session(self) -> None:
+        """Ends the AGRS session: its gathers complete before the region is reused (their results stay
+        readable until the next session's gathers overwrite them). Raises ``ValueError`` outside one."""
+        self._check_alive()
+        self._agrs.destroy_session()
+
+    @contextlib.contextmanager
+    def agrs_new_session(self, enabled: bool = True):
+        """``create_agrs_session`` on entry and ``destroy_agrs_session`` on exit (also on an exception);
+        ``enabled=False``: a no-op, as DeepEP's."""
+        if not enabled:
+            yield
+            return
+        self.create_agrs_session()
+        try:
+            yield
+        finally:
+            self.destroy_agrs_session()
+
+    def agrs_get_inplace_tensor(self, shapes, dtype: torch.dtype):
+        """Views of this rank's part of the next all-gather(s) of this session, for a producer to write in
+        place: ``all_gather`` of these tensors (same order, as the next call) copies nothing locally.
+
+        Arguments:
+            shapes: one shape, or a sequence of shapes (one per tensor of the next ``all_gather``).
+            dtype: any torch dtype.
+
+        Returns:
+            One tensor for one shape, a tuple for a sequence (contents undefined until written).
+
+        Raises:
+            ValueError: not configured, outside a session, the session's bytes or gathers exhausted, bad shapes.
+        """
+        self._check_alive()
+        return self._agrs.inplace_tensors(shapes, dtype)
+
+    def all_gather(self, t):
+        """Gathers a tensor (or several) from every rank into the session region (collective).
+
+        Arguments:
+            t: a contiguous tensor of any dtype on the buffer's device, or a non-empty sequence of them;
+                every rank passes the same shapes and dtypes in the same order (not checked). Shapes may
+                differ from one call to the next.
+
+        Returns:
+            ``(gathered, wait)`` for a tensor, ``(*gathered, wait)`` for a sequence: ``gathered`` is
+            ``[R, *t.shape]`` (row ``r`` is rank ``r``'s tensor), a view of the session region to read
+            after ``wait()``; ``wait`` must be called inside the same session.
+
+        Raises:
+            ValueError: not configured, outside a session, over the session's bytes or gathers, a
+                non-contiguous / other-device tensor, or a tensor inside the region that is not this
+                rank's part of this gather.
+        """
+        self._check_alive()
+        return self._agrs.all_gather(t)
