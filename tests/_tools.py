@@ -15,6 +15,11 @@ def load_tool(name: str) -> ModuleType:
     if TOOLS not in sys.path:
         sys.path.append(TOOLS)
     path = os.path.join(TOOLS, f"{name}.py")
+    loaded = sys.modules.get(name)
+    if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") == path:
+        # Once per process: a second module object would make the first one's functions unpicklable
+        # (spawned ranks look them up by name) and its dataclasses other classes.
+        return loaded
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses (and pickling) look their module up there

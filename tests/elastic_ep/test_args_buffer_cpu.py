@@ -159,7 +159,7 @@ def _cpp_exceptions(ep, group, seen) -> None:
         try:
             native_rt.check_healthy()
         except _C.CommError as e:
-            assert "destroyed" in str(e) and getattr(e, "where", "").startswith("runtime.cpp:"), (e, e.where)
+            assert "destroyed" in str(e) and getattr(e, "where", "").startswith("health.cpp:"), (e, e.where)
         else:
             raise AssertionError("check_healthy() after destroy did not raise")
     assert torch.cuda.is_available() and (torch.ones(4, device="cuda") * 2).sum().item() == 8.0
