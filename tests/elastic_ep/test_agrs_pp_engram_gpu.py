@@ -22,7 +22,8 @@ import torch
 
 from tests._dist import run_workers
 from tests.elastic_ep import test_agrs_cpu, test_engram_cpu, test_pp_cpu
-from tests.elastic_ep._common import expect_timeout, import_elastic_ep, init_ep_group
+from tests.elastic_ep._common import import_elastic_ep, init_ep_group
+from tests.elastic_ep._workers import expect_timeout
 
 ep = import_elastic_ep()
 MiB2 = 2 << 20

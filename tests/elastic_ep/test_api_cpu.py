@@ -10,7 +10,7 @@ comparison and the deterministic sort are exercised on the CPU too.
 import pytest
 
 from tests._dist import run_workers
-from tests.elastic_ep._common import matrix_worker
+from tests.elastic_ep._workers import matrix_worker
 
 SMALL = dict(hidden=256, topk=4, experts=16, max_tokens=48, tokens=[40, 0, 48, 17])
 BUFFERS = [dict(allow_multiple_reduction=True, deterministic=False),

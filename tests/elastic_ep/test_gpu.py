@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests._dist import run_workers
-from tests.elastic_ep._common import expect_timeout, matrix_worker, soak_worker
+from tests.elastic_ep._workers import expect_timeout, matrix_worker, soak_worker
 
 SMALL = dict(hidden=512, topk=8, experts=32, max_tokens=96, tokens=[96, 0, 61, 7])
 BUFFERS = [dict(allow_multiple_reduction=True, deterministic=False),
@@ -341,7 +341,8 @@ def refusal_worker(rank, world, rdzv, window="auto"):
     statistics, and then run a valid dispatch + combine bitwise equal to the oracle on the same buffer."""
     import time
 
-    from tests.elastic_ep._common import import_elastic_ep, init_ep_group, make_inputs, raise_failures, run_case
+    from tests.elastic_ep._common import import_elastic_ep, init_ep_group, make_inputs, raise_failures
+    from tests.elastic_ep._workers import run_case
 
     ep = import_elastic_ep()
     group = init_ep_group(rank, world, rdzv, window)
@@ -397,7 +398,8 @@ def test_native_bad_ids_refused(tmp_path):
 
 def reuse_worker(rank, world, rdzv):
     from tests._dist import init_nccl
-    from tests.elastic_ep._common import import_elastic_ep, raise_failures, run_case
+    from tests.elastic_ep._common import import_elastic_ep, raise_failures
+    from tests.elastic_ep._workers import run_case
 
     ep = import_elastic_ep()
     group = init_nccl(rank, world, rdzv)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests._dist import run_workers
-from tests.elastic_ep._common import matrix_worker
+from tests.elastic_ep._workers import matrix_worker
 
 SMALL = dict(hidden=256, topk=4, experts=16, max_tokens=48, tokens=[40, 0, 48, 17])
 BUFFERS = [dict(allow_multiple_reduction=True, deterministic=False),
@@ -120,8 +120,8 @@ def _forward_worker(rank, world, rdzv, cfg):
     import torch.distributed as dist
 
     from tests._dist import init_gloo
-    from tests.elastic_ep._common import (check_forward_metadata, gather_inputs, import_elastic_ep, make_inputs,
-                                          scaleup_override)
+    from tests.elastic_ep._common import gather_inputs, import_elastic_ep, make_inputs, scaleup_override
+    from tests.elastic_ep._workers import check_forward_metadata
 
     ep = import_elastic_ep()
     group = init_gloo(rank, world, rdzv)

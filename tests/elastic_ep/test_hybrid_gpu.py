@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests._dist import run_workers
-from tests.elastic_ep._common import case_matrix, expect_timeout, matrix_worker, soak_worker
+from tests.elastic_ep._workers import case_matrix, expect_timeout, matrix_worker, soak_worker
 
 SMALL = dict(hidden=256, topk=4, experts=16, max_tokens=48, tokens=[40, 0, 48, 17])
 BUFFERS = [dict(allow_multiple_reduction=True, deterministic=False),
@@ -49,8 +49,8 @@ def test_native_hybrid_epoch_wrap(tmp_path):
 
 
 def _forward_worker(rank, world, rdzv, cfg):
-    from tests.elastic_ep._common import (check_forward_metadata, gather_inputs, import_elastic_ep, init_ep_group,
-                                          make_inputs, scaleup_override)
+    from tests.elastic_ep._common import gather_inputs, import_elastic_ep, init_ep_group, make_inputs, scaleup_override
+    from tests.elastic_ep._workers import check_forward_metadata
 
     ep = import_elastic_ep()
     group = init_ep_group(rank, world, rdzv, "ipc")

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests._dist import run_workers
-from tests.elastic_ep._common import expect_timeout, import_elastic_ep, init_ep_group
+from tests.elastic_ep._common import import_elastic_ep, init_ep_group
+from tests.elastic_ep._workers import expect_timeout
 
 ep = import_elastic_ep()
 from elastic_ep import _C  # noqa: E402
