@@ -196,6 +196,62 @@ def test_size_hints_static():
 H, K, M = 128, 4, 24
 
 
+def _deterministic_sort_checks(ep, group, buf, x, idx, w, E, rank):
+    """EPHandle.deterministic_sort and the deterministic buffer against ``buf`` (a non-deterministic
+    one); returns the deterministic buffer."""
+    # ---- EPHandle.deterministic_sort on a non-deterministic buffer gives the deterministic buffer's
+    # outputs. Expanded rows arrive in a random order inside each expert segment (as the native
+    # kernels' may), so the sort has something to do.
+    det = ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, num_topk=K, deterministic=True,
+                           backend="torch")
+    for b, seed in ((buf, 1), (det, 2)):
+        b.runtime.shuffle_generator = torch.Generator().manual_seed(100 * seed + rank)
+    for expand in (False, True):
+        modes = dict(do_expand=expand, do_zero_padding=expand)
+        rx, ri, rw, h, _ = buf.dispatch(x, idx, w, None, E, None, 4, **modes)
+        dx, di, dw, dh, _ = det.dispatch(x, idx, w, None, E, None, 4, **modes)
+        assert h.cached_recv_src_metadata_before_sort is None
+        if expand:
+            # upstream: a cached expanded dispatch is placed through recv_src_metadata, and sorting its
+            # outputs does nothing (here on a handle never sorted: nothing moves, nothing is stored)
+            ux, _, uw, _, _ = buf.dispatch(x, topk_weights=w, handle=h, **modes)
+            before = ux.clone()
+            h.deterministic_sort(False, True, ux, None, None, uw, None)
+            assert torch.equal(ux, before) and h.perm is None and h.cached_recv_src_metadata_before_sort is None
+        pre_sort = h.recv_src_metadata.clone()
+        assert expand != torch.equal(rx, dx)  # shuffled expanded rows: the sort below has work to do
+        h.deterministic_sort(True, False, rx, None, ri, rw, None)
+        # upstream's plain attribute: a clone of the metadata the sort replaced
+        saved = h.cached_recv_src_metadata_before_sort
+        assert torch.equal(saved, pre_sort) and saved is not h.raw_recv_src_metadata
+        assert torch.equal(rx, dx) and torch.equal(rw, dw) and torch.equal(h.recv_src_metadata, dh.recv_src_metadata)
+        assert (ri is None and di is None) if expand else torch.equal(ri, di)
+        h.deterministic_sort(True, False, rx, None, ri, rw, None)  # already sorted: nothing moves
+        assert torch.equal(rx, dx)
+        # a cached dispatch of this buffer returns the backend's order; the cached sort fixes it
+        cx_, ci_, cw_, _, _ = buf.dispatch(x, topk_weights=w, handle=h, **modes)
+        h.deterministic_sort(False, True, cx_, None, ci_, cw_, None)
+        assert torch.equal(cx_, dx) and torch.equal(cw_, dw)
+        # combine reads the backend's metadata and undoes the permutation, as for the deterministic buffer
+        a = buf.combine(rx * 3, h, rw)
+        b_ = det.combine(dx * 3, dh, dw)
+        assert torch.equal(a[0], b_[0]) and torch.equal(a[1], b_[1])
+        h.cached_recv_src_metadata_before_sort = None  # assignable; nothing reads it here
+        assert torch.equal(buf.combine(rx * 3, h, rw)[0], a[0])
+    try:
+        h.deterministic_sort(True, False, rx, None, None, rw, torch.zeros(1))
+    except ValueError as e:
+        assert "channel_linked_list" in str(e)
+    else:
+        raise AssertionError("a hybrid-mode linked list was accepted")
+    # async deterministic dispatch: the returned event works as upstream's (wait, then context manager)
+    ax, _, _, _, aev = det.dispatch(x, idx, w, None, E, None, None, async_with_compute_stream=True)
+    aev.current_stream_wait()
+    with aev:
+        pass
+    return det
+
+
 def api_worker(rank, world, rdzv):
     from tests._dist import init_gloo
     from tests.elastic_ep._common import make_inputs
@@ -295,56 +351,7 @@ def api_worker(rank, world, rdzv):
     with buf.agrs_new_session(enabled=False):  # a no-op upstream too
         pass
 
-    # ---- EPHandle.deterministic_sort on a non-deterministic buffer gives the deterministic buffer's
-    # outputs. Expanded rows arrive in a random order inside each expert segment (as the native
-    # kernels' may), so the sort has something to do.
-    det = ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H, num_topk=K, deterministic=True,
-                           backend="torch")
-    for b, seed in ((buf, 1), (det, 2)):
-        b.runtime.shuffle_generator = torch.Generator().manual_seed(100 * seed + rank)
-    for expand in (False, True):
-        modes = dict(do_expand=expand, do_zero_padding=expand)
-        rx, ri, rw, h, _ = buf.dispatch(x, idx, w, None, E, None, 4, **modes)
-        dx, di, dw, dh, _ = det.dispatch(x, idx, w, None, E, None, 4, **modes)
-        assert h.cached_recv_src_metadata_before_sort is None
-        if expand:
-            # upstream: a cached expanded dispatch is placed through recv_src_metadata, and sorting its
-            # outputs does nothing (here on a handle never sorted: nothing moves, nothing is stored)
-            ux, _, uw, _, _ = buf.dispatch(x, topk_weights=w, handle=h, **modes)
-            before = ux.clone()
-            h.deterministic_sort(False, True, ux, None, None, uw, None)
-            assert torch.equal(ux, before) and h.perm is None and h.cached_recv_src_metadata_before_sort is None
-        pre_sort = h.recv_src_metadata.clone()
-        assert expand != torch.equal(rx, dx)  # shuffled expanded rows: the sort below has work to do
-        h.deterministic_sort(True, False, rx, None, ri, rw, None)
-        # upstream's plain attribute: a clone of the metadata the sort replaced
-        saved = h.cached_recv_src_metadata_before_sort
-        assert torch.equal(saved, pre_sort) and saved is not h.raw_recv_src_metadata
-        assert torch.equal(rx, dx) and torch.equal(rw, dw) and torch.equal(h.recv_src_metadata, dh.recv_src_metadata)
-        assert (ri is None and di is None) if expand else torch.equal(ri, di)
-        h.deterministic_sort(True, False, rx, None, ri, rw, None)  # already sorted: nothing moves
-        assert torch.equal(rx, dx)
-        # a cached dispatch of this buffer returns the backend's order; the cached sort fixes it
-        cx_, ci_, cw_, _, _ = buf.dispatch(x, topk_weights=w, handle=h, **modes)
-        h.deterministic_sort(False, True, cx_, None, ci_, cw_, None)
-        assert torch.equal(cx_, dx) and torch.equal(cw_, dw)
-        # combine reads the backend's metadata and undoes the permutation, as for the deterministic buffer
-        a = buf.combine(rx * 3, h, rw)
-        b_ = det.combine(dx * 3, dh, dw)
-        assert torch.equal(a[0], b_[0]) and torch.equal(a[1], b_[1])
-        h.cached_recv_src_metadata_before_sort = None  # assignable; nothing reads it here
-        assert torch.equal(buf.combine(rx * 3, h, rw)[0], a[0])
-    try:
-        h.deterministic_sort(True, False, rx, None, None, rw, torch.zeros(1))
-    except ValueError as e:
-        assert "channel_linked_list" in str(e)
-    else:
-        raise AssertionError("a hybrid-mode linked list was accepted")
-    # async deterministic dispatch: the returned event works as upstream's (wait, then context manager)
-    ax, _, _, _, aev = det.dispatch(x, idx, w, None, E, None, None, async_with_compute_stream=True)
-    aev.current_stream_wait()
-    with aev:
-        pass
+    det = _deterministic_sort_checks(ep, group, buf, x, idx, w, E, rank)
     for b in (buf, direct, few, det):
         b.destroy()
     return N
