@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 
 def git_revision() -> str:
-    """The source revision to record with a result: ``$COMMKIT_GIT_REV`` if set (the GPU machine's copy
+    """The source revision to record with a result: ``$COMMKIT_GIT_REV`` if set (a GPU machine's copy
     of the tree has no ``.git``; tools/gpu.sh passes it on), else ``git rev-parse``, with ``-dirty``
     appended when tracked files differ from that commit (the result is then not of that revision);
     "unknown" if neither."""

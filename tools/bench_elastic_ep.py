@@ -19,7 +19,7 @@ Measurements per case, over the iterations. Each iteration starts aligned on eve
 ``bench_kineto`` does with ``barrier_comm_profiling``: a 256 MiB L2 flush, a host barrier, then a tiny
 all-reduce (the GPUs leave it together) and a ~0.4 ms GEMM queued behind it, so that every host has
 enqueued the call before its GPU reaches it. Without that, the first kernel of a rank whose host is
-late (by 100+ us on the GPU machine's VM) is counted on the other rank as waiting time, which is
+late (by 100+ us on the H100/H200 VMs we measure on) is counted on the other rank as waiting time, which is
 host skew, not communication (``--align barrier`` measures that way: barrier, then the call):
 * kernel time: device time of the elastic_ep kernels of the call, from the CUDA profiler (Kineto):
   the time at least one of them runs (the union of their intervals, so overlapping kernels count

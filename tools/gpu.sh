@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU machine's one command: build the packages, then run one preset; logs, junit XML, JSON and
+# The one command on a GPU machine (H100/H200): build the packages, then run one preset; logs, junit XML, JSON and
 # plots land in OUT_DIR.
 #
 #   bash tools/gpu.sh OUT_DIR [PRESET] [package=NAME[,NAME..]] [OPTIONS] [-- ARGS..]

@@ -20,7 +20,7 @@ if [ "$gpu" = auto ]; then
   { [ -e /dev/nvidia0 ] || nvidia-smi -L >/dev/null 2>&1; } && gpu=1
 fi
 if [ "$gpu" = 1 ]; then
-  export COMMKIT_SKIP_BUILD=${COMMKIT_SKIP_BUILD:-1}  # tools/gpu.sh builds, with the GPU machine's settings
+  export COMMKIT_SKIP_BUILD=${COMMKIT_SKIP_BUILD:-1}  # tools/gpu.sh builds, with a GPU machine's settings
 fi
 # shellcheck source=tools/setup_env.sh
 source "$ROOT/tools/setup_env.sh"

@@ -1,4 +1,4 @@
-"""Buffer sizing (csrc/sizing.hpp, the one implementation, bound into every build of ``_C``) against DeepEP
+"""Buffer sizing (csrc/kernels/sizing.hpp, the one implementation, bound into every build of ``_C``) against DeepEP
 V2's published formulas, worked out by hand here:
 
 * dispatch record = hidden * elem | sf packs * 4 | K * 4 (idx) | K * 4 (weights) | 8 B source meta, each

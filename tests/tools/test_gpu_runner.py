@@ -1,4 +1,4 @@
-"""tools/gpu.sh, the GPU machine's one runner, checked on the CPU through --dry-run (which prints the
+"""tools/gpu.sh, the one runner on a GPU machine, checked on the CPU through --dry-run (which prints the
 settings and every command it would run, and builds, runs and writes nothing); the smoke marker's
 selection; and tools/env.sh as the one place of the environment settings."""
 import os

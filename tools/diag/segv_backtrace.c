@@ -1,4 +1,4 @@
-/* LD_PRELOAD shim for the GPU machine (no gdb there): prints a native backtrace on SIGSEGV.
+/* LD_PRELOAD shim for a GPU machine without gdb: prints a native backtrace on SIGSEGV.
  * gcc -shared -fPIC -o /tmp/segv.so tools/diag/segv_backtrace.c */
 #include <execinfo.h>
 #include <signal.h>
