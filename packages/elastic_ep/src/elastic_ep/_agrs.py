@@ -30,7 +30,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ._checks import check_dense, describe, int_arg, is_sequence, itemsize, off_device, raise_if_any_rank_failed
+from ._checks import check_dense, describe, int_arg, is_sequence, itemsize, off_device, on_every_rank
 from ._sizing import ALIGNMENT_BYTES, align
 
 __all__ = ["AllGatherArgs", "AllGatherSessions", "AgrsPart", "NativeAgrs", "TorchAgrs", "MAX_AGRS_PER_SESSION",
@@ -285,12 +285,8 @@ class AllGatherSessions:
 
     # ------------------------------------------------------------------ operations (ElasticBuffer's)
     def set_config(self, num_max_session_bytes: Any, num_max_all_gathers_per_session: Any) -> None:
-        err, cfg = None, None
-        try:
-            cfg = self._config_args(num_max_session_bytes, num_max_all_gathers_per_session)
-        except ValueError as e:
-            err = e
-        raise_if_any_rank_failed(self.group, err, "agrs_set_config")
+        cfg = on_every_rank(self.group, "agrs_set_config", self._config_args, num_max_session_bytes,
+                            num_max_all_gathers_per_session)
         self.region = self.part.set_config(cfg[0])
         self.max_gathers = cfg[1]
 

@@ -533,3 +533,16 @@ def raise_if_any_rank_failed(group: dist.ProcessGroup, err: Optional[BaseExcepti
         raise err
     kind = ValueError if all(is_value for _, (_, is_value) in failed) else RuntimeError
     raise kind(f"{what} failed on " + "; ".join(f"rank {r}: {msg}" for r, (msg, _) in failed))
+
+
+def on_every_rank(group: dist.ProcessGroup, what: str, step: Any, *args: Any) -> Any:
+    """Collective: ``step(*args)`` on this rank, then every rank learns whether it raised ``ValueError`` on
+    some rank (``raise_if_any_rank_failed``), so a configuration one rank refuses is refused by all.
+    Returns ``step``'s value."""
+    err, out = None, None
+    try:
+        out = step(*args)
+    except ValueError as e:
+        err = e
+    raise_if_any_rank_failed(group, err, what)
+    return out

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from ._checks import _num_qps, check_tensor, describe, int_arg, itemsize, raise_if_any_rank_failed
+from ._checks import (_num_qps, check_tensor, describe, int_arg, itemsize, on_every_rank,
+                      raise_if_any_rank_failed)
 from ._sizing import ALIGNMENT_BYTES, align
 
 __all__ = ["Engram", "EngramPart", "NativeEngram", "TorchEngram", "check_same_shards", "gather_scales",
@@ -259,12 +260,7 @@ class Engram:
                                  f"{example}; DeepEP V2 reads such indices unchecked")
 
     def write(self, storage: Any, sf: Any) -> None:
-        err = None
-        try:
-            self._write_args(storage, sf)
-        except ValueError as e:
-            err = e
-        raise_if_any_rank_failed(self.group, err, "engram_write")
+        on_every_rank(self.group, "engram_write", self._write_args, storage, sf)
         self.shape = ()
         self.part.write(storage, sf)
         self.shape = (storage.shape[0], storage.shape[1], storage.element_size())

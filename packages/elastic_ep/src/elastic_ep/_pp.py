@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from ._checks import INT32_MAX, check_dense, describe, int_arg, off_device, raise_if_any_rank_failed
+from ._checks import INT32_MAX, check_dense, describe, int_arg, off_device, on_every_rank
 from ._sizing import ALIGNMENT_BYTES, align
 
 __all__ = ["PipelineSendRecv", "PpPart", "NativePp", "TorchPp", "get_pp_buffer_size_hint"]
@@ -195,19 +195,11 @@ class PipelineSendRecv:
         return peer, int_arg("num_sms", num_sms, 0, INT32_MAX)
 
     def set_config(self, num_max_tensor_bytes: Any, num_max_inflight_tensors: Any) -> None:
-        err, cfg = None, None
-        try:
-            cfg = self._config_args(num_max_tensor_bytes, num_max_inflight_tensors)
-        except ValueError as e:
-            err = e
-        raise_if_any_rank_failed(self.group, err, "pp_set_config")
-        try:
-            # The native runtime refuses while tensors delivered to this rank were not received: every
-            # rank learns it, so none goes on with a configuration the others refused.
-            self.part.set_config(*cfg)
-        except ValueError as e:
-            err = e
-        raise_if_any_rank_failed(self.group, err, "pp_set_config")
+        cfg = on_every_rank(self.group, "pp_set_config", self._config_args, num_max_tensor_bytes,
+                            num_max_inflight_tensors)
+        # The native runtime refuses while tensors delivered to this rank were not received: every rank
+        # learns it, so none goes on with a configuration the others refused.
+        on_every_rank(self.group, "pp_set_config", self.part.set_config, *cfg)
         self.max_bytes = cfg[0]
 
     def send(self, t: Any, dst_rank_idx: Any, num_sms: Any) -> None:
