@@ -23,13 +23,14 @@ _CUDA_AVAILABLE = torch.cuda.is_available  # the real one: the stand-ins pretend
 P, KW = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
 NO = inspect.Parameter.empty
 
-# LTX's public Python class as its model code calls it: (name, kind, default) after self.
+# LTX's public Python class as its model code calls it: (name, kind, default) after self. The copy flag is
+# keyword-only there and positional in LTX's C++ class (``send_recv_heads(x, copy_output)``): ours takes both.
 LTX_SIGNATURES = {
     "__init__": [("rank", P, NO), ("world_size", P, NO), ("seqlen", P, NO), ("hidden_dim", P, NO),
                  ("num_sms", P, NO), ("tensor_dtype", P, NO), ("group", P, None), ("timeout_seconds", P, None)],
-    "send_recv_heads": [("x", P, NO), ("copy_out", KW, False)],
-    "gather_heads": [("x", P, NO), ("copy_out", KW, False)],
-    "allgather": [("x", P, NO), ("copy_out", KW, False)],
+    "send_recv_heads": [("x", P, NO), ("copy_out", P, False)],
+    "gather_heads": [("x", P, NO), ("copy_out", P, False)],
+    "allgather": [("x", P, NO), ("copy_out", P, False)],
     "set_rank_tokens": [("rank_num_tokens", P, NO)],
     "set_timeout_seconds": [("seconds", P, NO)],
     "destroy": [],
@@ -122,6 +123,33 @@ def test_copy_flag_both_spellings(stand_ins, spelling):
         a.destroy()
 
 
+def test_copy_flag_positional_as_ltx_cpp_calls_it(stand_ins):
+    """LTX's C++ class takes the flag second, positionally: ``send_recv_heads(x, True)`` (and the same for
+    ``gather_heads`` and ``allgather``) copies, ``(x, False)`` returns a view, as the keyword forms do."""
+    a = _synced()
+    try:
+        lo, hi = a._core.buffer_ptr, a._core.buffer_ptr + a._core.buffer_bytes
+        x = torch.zeros(1, 5, 8, 32, dtype=BF16)
+        view = a.send_recv_heads(x, False)
+        assert lo <= view.data_ptr() < hi, "send_recv_heads(x, False): a view into the shared buffer"
+        fresh = a.send_recv_heads(x, True)
+        assert not lo <= fresh.data_ptr() < hi, "send_recv_heads(x, True): a fresh tensor"
+        assert torch.equal(fresh, view)
+        assert not lo <= a.gather_heads(fresh, True).data_ptr() < hi
+        assert lo <= a.gather_heads(fresh, False).data_ptr() < hi
+        t = torch.zeros(1, 5, 1, 8, dtype=BF16)
+        assert not lo <= a.allgather(t, True).data_ptr() < hi
+        assert lo <= a.allgather(t, False).data_ptr() < hi
+        with pytest.raises(ValueError, match="send_recv_heads: pass copy_out .* or copy_output, not both"):
+            a.send_recv_heads(x, True, copy_output=True)
+        with pytest.raises(ValueError, match="allgather: copy_out must be a bool, got int"):
+            a.allgather(t, 1)
+        with pytest.raises(TypeError):
+            a.gather_heads(fresh, True, False)  # the C++ form has no third positional argument
+    finally:
+        a.destroy()
+
+
 def test_copy_flag_refusals(stand_ins):
     a = _synced()
     try:
@@ -137,7 +165,7 @@ def test_copy_flag_refusals(stand_ins):
             with pytest.raises(ValueError, match=f"{name}: copy_output must be a bool, got str"):
                 call(x, copy_output="yes")
             with pytest.raises(TypeError):
-                call(x, True)  # keyword-only, as in LTX's class
+                call(x, False, False)  # the flag is the only positional argument after x (LTX's C++ form)
         assert a._core.calls == 0, "a refused call must not launch"
     finally:
         a.destroy()

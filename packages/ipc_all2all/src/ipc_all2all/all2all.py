@@ -414,7 +414,7 @@ class All2All:
                               ob * orows * oheads, D, stream)
         return out
 
-    def send_recv_heads(self, x: torch.Tensor, *, copy_out: bool = False, copy_output: Optional[bool] = None,
+    def send_recv_heads(self, x: torch.Tensor, copy_out: bool = False, *, copy_output: Optional[bool] = None,
                         fp8_wire: bool = False) -> torch.Tensor:
         """Scatters heads, gathers tokens: ``x[b, local_tokens, H, D] -> [b, total_tokens, H/W, D]``.
 
@@ -423,6 +423,8 @@ class All2All:
                 by ``world_size`` and ``H/W * D * element size`` a multiple of 16 bytes.
             copy_out: return a fresh tensor instead of a view into the shared buffer (outside a
                 capture, always fresh once a call of this instance was captured in a CUDA graph).
+                Positional too: LTX's C++ class takes it second (``send_recv_heads(x, True)``), its
+                Python class by keyword.
             copy_output: the same flag under this package's older name (give one of the two).
             fp8_wire: send e4m3 plus one fp32 scale per head vector instead of bf16 (bf16 instance
                 and input, ``D`` in 16..256, a power of two): about half the bytes on NVLink, lossy
@@ -440,7 +442,7 @@ class All2All:
             return ops.send_recv_heads(x, self, fp8_wire=fp8_wire)
         return self._run(OP_SEND_RECV_HEADS, x, copy, fp8_wire)
 
-    def gather_heads(self, x: torch.Tensor, *, copy_out: bool = False, copy_output: Optional[bool] = None,
+    def gather_heads(self, x: torch.Tensor, copy_out: bool = False, *, copy_output: Optional[bool] = None,
                      fp8_wire: bool = False) -> torch.Tensor:
         """Inverse of :meth:`send_recv_heads`: ``x[b, total_tokens, H/W, D] -> [b, local_tokens, H, D]``.
 
@@ -457,7 +459,7 @@ class All2All:
             return ops.gather_heads(x, self, fp8_wire=fp8_wire)
         return self._run(OP_GATHER_HEADS, x, copy, fp8_wire)
 
-    def allgather(self, x: torch.Tensor, *, copy_out: bool = False,
+    def allgather(self, x: torch.Tensor, copy_out: bool = False, *,
                   copy_output: Optional[bool] = None) -> torch.Tensor:
         """Concatenates every rank's tokens: ``x[b, local_tokens, h, d] -> [b, total_tokens, h, d]``.
 
