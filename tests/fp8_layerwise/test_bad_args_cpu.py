@@ -4,6 +4,8 @@ is created, exchanged or poisoned, after which a correct call still works (CPU b
 Each case here got something else before: a TypeError or AttributeError from inside the binding,
 torch or json; a wait until an exchange's timeout; a poisoned transport; or a silently wrong result
 (a shifted shard, an empty reference, a poison code taken from a float)."""
+import json
+import os
 import threading
 import time
 
@@ -315,3 +317,56 @@ def test_file_exchange_object_json_refuses_leaves_the_rounds_in_step(tmp_path):
         th.join(30)
     assert not errs, errs
     assert got == {0: [{"r": 0}, {"r": 1}], 1: [{"r": 0}, {"r": 1}]}
+
+
+# Another local user must not be able to plant or read the files of a FileExchange (they carry the
+# shared-memory names): its folder must be this user's and writable by nobody else, and not a link.
+def test_file_exchange_refuses_a_folder_others_can_write(tmp_path):
+    d = tmp_path / "shared"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    with pytest.raises(ValueError, match=r"^directory: .*shared is writable by its group or by others \(mode 0777\)"):
+        F.FileExchange(d, 0, 1)
+    os.chmod(d, 0o770)
+    with pytest.raises(ValueError, match=r"mode 0770"):
+        F.FileExchange(d, 0, 1)
+    os.chmod(d, 0o755)  # readable, not writable by others: accepted (the files inside are 0600)
+    with F.FileExchange(d, 0, 1) as ex:
+        assert ex(["ok"]) == [["ok"]]
+
+
+def test_file_exchange_refuses_a_symbolic_link(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(ValueError, match=r"^directory: .*link is a symbolic link"):
+        F.FileExchange(link, 0, 1)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+def test_file_exchange_refuses_a_folder_of_another_user(tmp_path):
+    d = tmp_path / "theirs"
+    d.mkdir(mode=0o700)
+    os.chown(d, 65534, 65534)
+    with pytest.raises(ValueError, match=r"^directory: .*theirs belongs to uid 65534, not to this user"):
+        F.FileExchange(d, 0, 1)
+
+
+def test_file_exchange_refuses_a_planted_session_folder(tmp_path):
+    """session.json names a session whose folder is a link to someone else's: the joining rank raises
+    at once instead of writing its seat there, and rank 0's clean-up does not follow the link."""
+    from fp8_layerwise import exchange as X
+
+    d = tmp_path / "x"
+    d.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (d / "s.planted").symlink_to(elsewhere)
+    me = {"nonce": "planted", "pid": os.getpid(), "start": X._proc_start_time(os.getpid()), "world_size": 2}
+    (d / "session.json").write_text(json.dumps(me))
+    with pytest.raises(ValueError, match="the session folder s.planted that session.json names is a symbolic link"):
+        F.FileExchange(d, 1, 2, timeout_s=5)(["rank 1"])
+    assert list(elsewhere.iterdir()) == [], "nothing was written through the link"
+    F.FileExchange(d, 0, 1)._remove_dead_sessions()
+    assert elsewhere.is_dir() and (d / "s.planted").is_symlink()

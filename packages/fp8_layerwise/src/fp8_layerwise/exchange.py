@@ -12,6 +12,7 @@ import os
 import pathlib
 import secrets
 import shutil
+import stat
 import time
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -26,6 +27,27 @@ def _proc_start_time(pid: int) -> Optional[int]:
     except (TypeError, ValueError, OverflowError):
         return None
     return start or None
+
+
+def _private_folder_problem(path: pathlib.Path) -> Optional[str]:
+    """Why ``path`` is not a folder only this user controls, or None. Another local user who owns the
+    folder, may write into it, or swapped it for a symbolic link could plant session and round files
+    (which carry shared-memory names) or read ours."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None  # nothing there to trust or distrust (a session that ended)
+    except OSError as e:
+        return f"cannot be inspected ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a folder"
+    if st.st_uid != os.geteuid():
+        return f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"is writable by its group or by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
 
 
 def _write_private(path: pathlib.Path, text: str) -> None:
@@ -68,6 +90,9 @@ class FileExchange:
         _check_seconds("timeout_s", timeout_s)
         self.dir = pathlib.Path(directory)
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        problem = _private_folder_problem(self.dir)
+        _check(problem is None, f"directory: {self.dir} {problem}; FileExchange needs a folder of this user "
+                                "that nobody else can write (e.g. tempfile.mkdtemp(), or chmod 700)")
         self.rank, self.world_size, self.timeout_s, self.round = rank, world_size, float(timeout_s), 0
         self.session: Optional[pathlib.Path] = None
         self._closed = False
@@ -92,6 +117,8 @@ class FileExchange:
     def _remove_dead_sessions(self) -> None:
         """Best effort: remove session folders whose leader process is gone (a crashed run's)."""
         for d in self.dir.glob("s.*"):
+            if _private_folder_problem(d) is not None:
+                continue  # not ours to read or remove
             try:
                 leader = json.loads((d / "leader.json").read_text())
             except (OSError, ValueError):
@@ -113,6 +140,9 @@ class FileExchange:
                 elif not self._leader_alive(leader):
                     why = f"the session it names was left by process {leader.get('pid')}, which is gone"
                 else:
+                    problem = _private_folder_problem(session)
+                    _check(problem is None, f"FileExchange in {self.dir}: the session folder {session.name} that "
+                                            f"{self.SESSION_FILE} names {problem}; refusing to join it")
                     try:
                         os.close(os.open(session / f"join.{self.rank}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
                         return session
