@@ -338,3 +338,19 @@ def test_layer_call_arguments_are_integers_named_by_argument():
         with t.layer(1, 0, 4) as layer:
             layer.run(lambda e, slots: [v.fill_(e + 1) for row in slots for v in row])
         assert all(bool((t.expert_view(k, e) == e + 1).all()) for k in range(4) for e in range(4))
+
+
+@pytest.mark.parametrize("slots", [0, 1, 17, 1 << 40])
+def test_native_attach_refuses_a_corrupted_num_slots(region, slots):
+    # The header's num_slots (written once by initialize_control) bounds every slot index into the
+    # control block's ready[] and ack[] arrays of 16: a corrupted word is refused on attach, by name,
+    # before any index is taken modulo it.
+    import ctypes
+
+    _C.initialize_fp8_layerwise_control(region.ptr, 8192, 2, 2)
+    ctypes.c_uint64.from_address(region.ptr + 32).value = slots  # Header: magic, version, struct_bytes, tp_size, num_slots
+    with pytest.raises(ValueError, match=f"control region's num_slots {slots} is outside 2..16"):
+        _low_level(region, 0)
+    ctypes.c_uint64.from_address(region.ptr + 32).value = 2
+    t, keep = _low_level(region, 0)
+    t.close()

@@ -59,6 +59,11 @@ Control* checked_control(uintptr_t ptr, size_t size, int tp) {
                " != ", sizeof(Control), " (incompatible build)");
   CK_CHECK_ARG(c->header.tp_size == static_cast<uint64_t>(tp), "control region was initialized for tp_size ",
                c->header.tp_size, ", transport has tp_size ", tp);
+  // Every slot index below is taken modulo this value and indexes ready[] and ack[] of kMaxSlots
+  // entries: a header word that another writer corrupted must not reach them.
+  const uint64_t slots = c->header.num_slots;
+  CK_CHECK_ARG(slots >= 2 && slots <= static_cast<uint64_t>(kMaxSlots), "control region's num_slots ", slots,
+               " is outside 2..", kMaxSlots, " (corrupted, or initialized by another build)");
   return c;
 }
 
