@@ -168,3 +168,26 @@ def test_buffer_sizes_follow_the_logical_domains(nodes, per_node):
     assert got == ep.calculate_elastic_buffer_size(R, M, H, K, num_nvl_ranks=per_node)
     if nodes > 1:
         assert got != ep.calculate_elastic_buffer_size(R, M, H, K, allow_hybrid_mode=False)
+
+
+def test_a_build_without_gin_refuses_hybrid_across_domains_before_any_communicator(monkeypatch):
+    """A group spanning NVLink domains needs the GIN transport; a build without it (ELASTIC_EP_GIN=OFF, the
+    default) is refused while the domains are planned, naming the build option, before the native
+    runtime makes a communicator (it would refuse only after creating torch's and its own)."""
+    from elastic_ep import _C, _nccl, _setup
+    import torch
+
+    d = dm.make_domains(16, 3, (2, 8), True, None)
+    monkeypatch.setattr(dm, "detect", lambda group, allow_hybrid, override: d)
+    monkeypatch.setattr(dm, "num_allocated_qps", lambda allow_hybrid, n: 129)
+    monkeypatch.setattr(_nccl, "railed_gin_type", lambda group: 3)
+    monkeypatch.setattr(_nccl, "nccl_version", lambda: 23007)
+    o = _setup.Options("native", "nccl", torch.device("cpu"), 1 << 21, 0, 64, 128, 4, 0, 60, 60)
+    for with_gin in (False, True):
+        monkeypatch.setattr(_C, "built_with_gin", lambda: with_gin)
+        if with_gin:
+            _, _, req, _ = _setup.plan_domains(None, o, None, False, True, True, 3)
+            assert req["ginConnectionType"] == "rail"
+        else:
+            with pytest.raises(RuntimeError, match="needs the GIN scale-out transport.*ELASTIC_EP_GIN=ON"):
+                _setup.plan_domains(None, o, None, False, True, True, 3)

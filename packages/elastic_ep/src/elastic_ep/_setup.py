@@ -153,6 +153,12 @@ def plan_domains(group: dist.ProcessGroup, o: Options, num_scaleup_override: Opt
         gin = _nccl.railed_gin_type(group) if domains.num_rdma_ranks > 1 and not ipc else None
         gin_request = _domains.native_gin_request(domains, ipc, gin, _nccl.nccl_version(), num_allocated_qps,
                                                   sl_idx, o.num_cpu_bytes)
+        if gin_request is not None and not _C.built_with_gin():
+            # Before any communicator is made: the runtime would refuse it only after creating two.
+            raise RuntimeError("hybrid mode across NVLink domains needs the GIN scale-out transport, which this "
+                               "build of elastic_ep leaves out (it has not run on a real network yet): rebuild it "
+                               "with the CMake option ELASTIC_EP_GIN=ON (pip install --no-build-isolation "
+                               "-Ccmake.define.ELASTIC_EP_GIN=ON packages/elastic_ep)")
     num_bytes = o.num_bytes
     if num_bytes is None:
         num_bytes = calculate_elastic_buffer_size(dist.get_world_size(group), o.num_max_tokens_per_rank, o.hidden,
