@@ -303,6 +303,39 @@ def test_parameter_blocks_are_bound_types_kept_per_shape(streams):
     assert rt.pointers[-1]["x"] != 0 and rt.pointers[-1]["topk_weights"] == 0
 
 
+def test_plan_key_is_every_scalar_argument_and_the_build_sees_nothing_else(streams):
+    # A block is reused only for a call its build could not tell apart: the build is given the scalar
+    # fields of DispatchArgs (a new int / bool field joins the key by being declared) and reads them by name.
+    from dataclasses import fields
+
+    from elastic_ep import _native_plans
+    from elastic_ep._native_runtime import _DISPATCH_SCALARS
+
+    scalars = {f.name for f in fields(DispatchArgs) if f.type in ("int", "bool")}
+    assert set(_DISPATCH_SCALARS.names) == scalars and {"num_tokens", "do_expand", "zero_copy_x_offset"} <= scalars
+    a = dispatch_args(expert_alignment=4)
+    view = _DISPATCH_SCALARS.view(_DISPATCH_SCALARS.read(a))
+    assert view.expert_alignment == 4 and view.num_tokens == T
+    with pytest.raises(AttributeError):
+        view.x  # noqa: B018 - a tensor is not part of the key, so a build cannot read one
+    # Every scalar changes the key, and so the blocks: one new block pair per distinct call.
+    compute, comm, current = streams
+    rt = FakeRuntime()
+    b = make_buffer(rt, comm)
+    dispatch(b)
+    dispatch(b, num_qps=1)                      # no effect on a plan, still its own key
+    dispatch(b, num_sms=64)
+    dispatch(b, num_sms=64)                     # the same call: the same blocks
+    assert rt.params[4] is rt.params[6] and rt.params[5] is rt.params[7]
+    assert rt.params[4].num_sms == 64 and rt.params[0].num_sms == 132
+    assert b._dispatch_blocks_of.cache_info().currsize == 3
+    # The settings read per call are part of the key too; the cache keeps at most _MAX_PLANS.
+    b.dispatch_pdl = False
+    dispatch(b)
+    assert rt.params[-2].concurrent_notify == 0 and rt.params[0].concurrent_notify == 1
+    assert b._dispatch_blocks_of.cache_info().maxsize == _native_plans._MAX_PLANS
+
+
 @pytest.mark.parametrize("plan,block,per_call", [
     ("DispatchPlan", "DispatchParams", {"host_tag"}),
     ("EpiloguePlan", "EpilogueParams", {"recv_sf_token_stride", "recv_sf_hidden_stride"}),

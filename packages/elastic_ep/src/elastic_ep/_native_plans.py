@@ -4,15 +4,17 @@ overlapped modes' block policy.
 A plan is a frozen ``NamedTuple`` of the scalars of one launch whose field names are exactly the
 members of the kernels' parameter block (``csrc/kernels/launch.hpp``, bound by name in
 ``csrc/bindings/params.cpp``), so the block is made from the plan by name,
-``_C.DispatchParams(**plan._asdict())``, once per plan (``PlanCache``). Before each launch the runtime
-sets the call's tensor addresses on the block (``block.set(x=..., ...)``, every pointer member by name)
-and passes it with the streams: ``_rt.dispatch(block, stream, wait_stream)``.
+``_C.DispatchParams(**plan._asdict())``. Before each launch the runtime sets the call's tensor addresses
+on the block (``block.set(x=..., ...)``, every pointer member by name) and passes it with the streams:
+``_rt.dispatch(block, stream, wait_stream)``.
 
-Per call the runtime writes the plan's fields by name into a fresh record (``PlanCache.fields()``,
-``__slots__`` of the plan's fields: a misspelt or missing field raises) and asks for its block
-(``PlanCache.block``): the record is read in the plan's field order, so nothing depends on the order
-the fields are written in. (Constructing the ``NamedTuple`` by keyword on every call would cost
-microseconds: a Python call with 18 keyword arguments does.)
+Blocks are made by a build function of the runtime, memoised by ``plan_cache`` on the arguments it is
+given by name: the scalar fields of the call's typed arguments (``ScalarFields``: every int and bool
+field of ``DispatchArgs``, read as one tuple, viewed by name inside the build) and the few settings
+besides them. The build sees nothing else of the call, so a block is never reused for a call it does not
+fit, and a new scalar argument reaches the cache key by being a field of ``DispatchArgs``. Per call this
+costs one attribute read per scalar and one keyed lookup (plans built by keyword on every call would
+cost microseconds: a Python call with 18 keyword arguments does).
 
 What is not in a plan: the pointer members (``_C.*Params.pointer_fields``, per call), the epilogue's
 receive strides (``recv_sf_token_stride`` / ``recv_sf_hidden_stride``, per call: they follow the
@@ -20,13 +22,16 @@ received count) and the dispatch's ``host_tag`` (the runtime's).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple, Optional, Type
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 from . import _C
 
-__all__ = ["DispatchPlan", "EpiloguePlan", "CombinePlan", "PlanCache", "OverlapConfig", "overlap_push_blocks"]
+__all__ = ["DispatchPlan", "EpiloguePlan", "CombinePlan", "ScalarFields", "plan_cache", "OverlapConfig",
+           "overlap_push_blocks"]
 
-_MAX_PLANS = 256  # parameter blocks kept per runtime and kind (shapes seen; cleared when full)
+_MAX_PLANS = 256  # parameter blocks kept per runtime and kind (the least recently used dropped first)
 
 
 class DispatchPlan(NamedTuple):
@@ -85,42 +90,36 @@ class CombinePlan(NamedTuple):
     overlap_push_blocks: int        # 0: push and reduce as two kernels
 
 
-class PlanCache:
-    """The plans of one launch kind and the parameter block of each plan seen (at most ``_MAX_PLANS``,
-    then cleared), made once from the plan's fields by name.
+def plan_cache(build: Callable[..., Any]) -> Callable[..., Any]:
+    """``build`` memoised on its arguments (at most ``_MAX_PLANS`` results, least recently used dropped
+    first; ``cache_info()`` / ``cache_clear()`` as ``functools.lru_cache``). ``build`` must make its
+    blocks from its arguments only: they are the cache key."""
+    return functools.lru_cache(maxsize=_MAX_PLANS)(build)
+
+
+class ScalarFields:
+    """The int and bool fields of a typed-arguments dataclass (``DispatchArgs``), in its field order.
+
+    ``read(args)`` is their values as one tuple (a plan cache key, one attribute read each: compiled from
+    the field names as ``namedtuple`` compiles its constructor); ``view(values)`` gives them back by
+    name to a plan build, which so cannot read a tensor, an event or anything else not in the key.
 
     Arguments:
-        plan: the plan type (``DispatchPlan`` ...).
-        make: the block's class (``_C.DispatchParams`` ...), called with the plan's fields as keywords.
+        cls: the dataclass; a field annotated ``int`` or ``bool`` is a scalar.
     """
 
-    __slots__ = ("plan", "fields", "_make", "_read", "_blocks")
+    __slots__ = ("names", "read", "_view")
 
-    def __init__(self, plan: Type[NamedTuple], make: Callable[..., Any]) -> None:
-        self.plan = plan
-        #: A fresh record of the plan's fields, to set by name (every one of them).
-        self.fields = type(f"{plan.__name__}Fields", (), {"__slots__": plan._fields})
-        self._make = make
-        # The record's fields as a tuple in the plan's order, compiled from the plan's own field names
-        # (as namedtuple compiles its constructor): twice as fast as operator.attrgetter on every call.
-        self._read = eval(f"lambda r: ({''.join(f'r.{f}, ' for f in plan._fields)})")  # noqa: S307
-        self._blocks: Dict[tuple, Any] = {}
+    def __init__(self, cls: type) -> None:
+        self.names: Tuple[str, ...] = tuple(
+            f.name for f in dataclasses.fields(cls) if f.type in ("int", "bool", int, bool))
+        self.read: Callable[[Any], tuple] = eval(  # noqa: S307 - names are the dataclass's own identifiers
+            f"lambda a: ({''.join(f'a.{n}, ' for n in self.names)})")
+        self._view = NamedTuple(f"{cls.__name__}Scalars", [(n, object) for n in self.names])
 
-    def block(self, fields: Any) -> Any:
-        """The block of the plan ``fields`` holds (the same object for equal plans until the cache is
-        cleared). Raises AttributeError naming a field that was not set."""
-        key = self._read(fields)
-        block = self._blocks.get(key)
-        if block is None:
-            if len(self._blocks) >= _MAX_PLANS:
-                self._blocks.clear()
-            plan = self.plan._make(key)
-            block = self._blocks[plan] = self._make(**plan._asdict())
-        return block
-
-    def plans(self) -> list:
-        """The plans whose blocks are kept (tests, diagnostics)."""
-        return list(self._blocks)
+    def view(self, values: tuple) -> Any:
+        """``values`` (a ``read`` result) by field name."""
+        return self._view._make(values)
 
 
 class OverlapConfig:

@@ -25,7 +25,7 @@ hybrid mode (``num_scaleup_ranks``, set by the buffer from its logical domains; 
 
 The runtime takes validated arguments (``DispatchArgs`` / ``CombineArgs``, see ``_checks``). Each launch
 has a plan (``_native_plans``: the scalars, by the parameter block's member names) whose block is made
-once; the call's tensors go onto the block by name before the launch. Launch one process per GPU;
+once per plan; the call's tensors go onto the block by name before the launch. Launch one process per GPU;
 every rank calls every operation in the same order.
 """
 from __future__ import annotations
@@ -38,7 +38,8 @@ from . import _C, _env
 from ._events import EventHandle
 from ._handle import EPHandle
 from ._hybrid import forward_metadata
-from ._native_plans import CombinePlan, DispatchPlan, EpiloguePlan, OverlapConfig, PlanCache, overlap_push_blocks
+from ._native_plans import (CombinePlan, DispatchPlan, EpiloguePlan, OverlapConfig, ScalarFields, overlap_push_blocks,
+                            plan_cache)
 from ._native_window import (ALL_QUEUED, EPILOGUE_OWED, NOTHING_QUEUED, CommError, CommTimeoutError,  # noqa: F401
                              NativeWindow, stream_wait)
 from ._nccl import (check_nccl_version, create_nccl_comm, destroy_nccl_comm, get_local_nccl_unique_id,  # noqa: F401
@@ -53,6 +54,7 @@ __all__ = ["NativeRuntime", "OverlapConfig", "topk_idx_t", "get_local_nccl_uniqu
 topk_idx_t = torch.int64
 _SF_PACK_ALIGN = int(_C.NUM_ALIGNED_SF_PACKS)
 _NO_STREAM = -1  # the runtime's "no stream" (0 is a real one: the legacy default stream, torch's default)
+_DISPATCH_SCALARS = ScalarFields(DispatchArgs)  # the dispatch plans' key (see _native_plans)
 
 
 def get_elastic_buffer_alignment() -> int:
@@ -75,19 +77,6 @@ def _forward_metadata_of(forward_dense: torch.Tensor, num_scaleup_ranks: int,
         forward = forward_metadata(rows[:, 0], rows[:, 1], num_scaleup_ranks)
     torch.cuda.current_stream().wait_stream(stream)
     return forward
-
-
-def _set_shape(plan: Any, a: DispatchArgs, hidden_bytes: int, cached: bool) -> None:
-    """The fields a dispatch's notify + push and epilogue plans share, on either's record."""
-    sf = a.sf
-    plan.num_max_tokens_per_rank = a.num_max_tokens_per_rank
-    plan.hidden_bytes = hidden_bytes
-    plan.num_sf_packs = sf.shape[1] if sf is not None else 0
-    plan.sf_token_stride, plan.sf_hidden_stride = sf.stride() if sf is not None else (0, 0)
-    plan.num_experts = a.num_experts
-    plan.num_topk = a.num_topk
-    plan.expert_alignment = a.expert_alignment
-    plan.cached = cached
 
 
 class _Sent:
@@ -126,9 +115,8 @@ class NativeRuntime(NativeWindow):
         self.dispatch_pdl = settings.dispatch_pdl
         self._notify_atomics = int(settings.test_notify_atomics)
         self._drop_scaleout_signals = int(settings.test_drop_scaleout_signals)
-        self._dispatch_plans = PlanCache(DispatchPlan, _C.DispatchParams)
-        self._epilogue_plans = PlanCache(EpiloguePlan, _C.EpilogueParams)
-        self._combine_plans = PlanCache(CombinePlan, _C.CombineParams)
+        self._dispatch_blocks_of = plan_cache(self._make_dispatch_blocks)
+        self._combine_block_of = plan_cache(self._make_combine_block)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, a: DispatchArgs) -> DispatchResult:
@@ -188,40 +176,47 @@ class NativeRuntime(NativeWindow):
 
     def _dispatch_blocks(self, a: DispatchArgs) -> Tuple[Any, Any]:
         """The parameter blocks of the call's notify + push and epilogue (pointers not set yet)."""
-        R, M, num_sms = self.num_ranks, a.num_max_tokens_per_rank, a.num_sms
-        hybrid = self.num_scaleup_ranks > 0
+        sf, ov = a.sf, self.dispatch_overlap
+        return self._dispatch_blocks_of(
+            _DISPATCH_SCALARS.read(a), cached=a.handle is not None, element_size=a.x.element_size(),
+            sf_layout=(sf.shape[1], *sf.stride()) if sf is not None else (0, 0, 0),
+            epilogue_gated=a.previous_event_before_epilogue is not None, pdl=self.dispatch_pdl,
+            overlap=ov.enabled, push_blocks=ov.push_blocks)
+
+    def _make_dispatch_blocks(self, scalars: tuple, *, cached: bool, element_size: int,
+                              sf_layout: Tuple[int, int, int], epilogue_gated: bool, pdl: bool, overlap: bool,
+                              push_blocks: Optional[int]) -> Tuple[Any, Any]:
+        """``_dispatch_blocks``' blocks, made from its arguments only (``plan_cache``): ``scalars`` are the
+        call's ``DispatchArgs`` scalar fields, the rest what the plans need besides them. The runtime's
+        own sizes (ranks, domains, device SMs, test switches) are fixed at its creation."""
+        a = _DISPATCH_SCALARS.view(scalars)
+        num_sms = a.num_sms
         # Overlapped dispatch: the push gets `push_sms` blocks, the epilogue (on the runtime's second
         # stream, beside the push) the rest. Not when an event must gate the epilogue, nor with a grid
         # larger than the GPU: the epilogue's blocks wait for the push's, so both must fit at once.
         push_sms = 0
-        if self.dispatch_overlap.enabled and a.previous_event_before_epilogue is None and \
-                num_sms <= self.num_device_sms and not hybrid:
-            push_sms = overlap_push_blocks(self.dispatch_overlap, R, num_sms, M)
-        overlap = push_sms > 0
-        cached = a.handle is not None
-        hidden_bytes = a.hidden * a.x.element_size()
-        p = self._dispatch_plans.fields()
-        _set_shape(p, a, hidden_bytes, cached)
-        p.num_tokens = a.num_tokens
-        p.num_sms = push_sms if overlap else num_sms
-        p.notify_atomic_masks = self._notify_atomics
-        # Expert ids outside [-1, E): with a CPU sync notify counts them and the dispatch is refused on
-        # every rank (nothing is written, every host raises, the buffer stays usable); without one,
-        # notify masks them and the next call raises (_alive). ELASTIC_EP_SKIP_INDEX_CHECK=1: masked.
-        p.refuse_bad_ids = a.do_cpu_sync and not cached and self._refuse_bad_ids
-        p.overlap = overlap
-        p.concurrent_notify = self.dispatch_pdl and not overlap and not hybrid
-        p.zero_copy = a.zero_copy
-        p.zero_copy_x_offset = a.zero_copy_x_offset if a.zero_copy else 0
-        p.test_drop_scaleout_signals = self._drop_scaleout_signals
-        e = self._epilogue_plans.fields()
-        _set_shape(e, a, hidden_bytes, cached)
-        e.do_expand = a.do_expand
-        e.do_zero_padding = a.do_zero_padding
-        e.num_sms = num_sms - push_sms
-        e.overlap = overlap
-        e.zero_copy = a.zero_copy
-        return self._dispatch_plans.block(p), self._epilogue_plans.block(e)
+        if overlap and not epilogue_gated and num_sms <= self.num_device_sms and not self.num_scaleup_ranks:
+            push_sms = overlap_push_blocks(OverlapConfig(overlap, push_blocks), self.num_ranks, num_sms,
+                                           a.num_max_tokens_per_rank)
+        overlapped = push_sms > 0
+        packs, sf_token_stride, sf_hidden_stride = sf_layout
+        shape = dict(sf_token_stride=sf_token_stride, sf_hidden_stride=sf_hidden_stride,
+                     num_max_tokens_per_rank=a.num_max_tokens_per_rank, hidden_bytes=a.hidden * element_size,
+                     num_sf_packs=packs, num_experts=a.num_experts, num_topk=a.num_topk,
+                     expert_alignment=a.expert_alignment, cached=cached)
+        notify = DispatchPlan(
+            **shape, num_tokens=a.num_tokens, num_sms=push_sms if overlapped else num_sms,
+            notify_atomic_masks=self._notify_atomics,
+            # Expert ids outside [-1, E): with a CPU sync notify counts them and the dispatch is refused
+            # on every rank (nothing is written, every host raises, the buffer stays usable); without
+            # one, notify masks them and the next call raises (_alive). ELASTIC_EP_SKIP_INDEX_CHECK=1: masked.
+            refuse_bad_ids=a.do_cpu_sync and not cached and self._refuse_bad_ids,
+            overlap=overlapped, concurrent_notify=pdl and not overlapped and not self.num_scaleup_ranks,
+            zero_copy=a.zero_copy, zero_copy_x_offset=a.zero_copy_x_offset if a.zero_copy else 0,
+            test_drop_scaleout_signals=self._drop_scaleout_signals)
+        epilogue = EpiloguePlan(**shape, do_expand=a.do_expand, do_zero_padding=a.do_zero_padding,
+                                num_sms=num_sms - push_sms, overlap=overlapped, zero_copy=a.zero_copy)
+        return _C.DispatchParams(**notify._asdict()), _C.EpilogueParams(**epilogue._asdict())
 
     def _notify_outputs(self, a: DispatchArgs) -> _Sent:
         """What notify writes, allocated (cached mode: the handle's); nothing is queued yet."""
@@ -400,17 +395,20 @@ class NativeRuntime(NativeWindow):
 
     def _combine_block(self, a: CombineArgs, T: int, K: int, wait_event: int) -> Any:
         """The parameter block of the call's combine (pointers not set yet)."""
-        h = a.handle
-        M = h.num_max_tokens_per_rank
-        p = self._combine_plans.fields()
-        p.num_combined_tokens = T
-        p.num_max_tokens_per_rank = M
-        p.hidden = a.x.shape[1]
-        p.num_experts = h.num_experts
-        p.num_topk = K
-        p.use_expanded_layout = h.do_expand
-        p.allow_multiple_reduction = self.allow_multiple_reduction
-        p.num_sms = a.num_sms
-        p.overlap_push_blocks = 0 if wait_event or self.num_scaleup_ranks or not self.combine_overlap.enabled else \
-            overlap_push_blocks(self.combine_overlap, self.num_ranks, a.num_sms, M)
-        return self._combine_plans.block(p)
+        h, ov = a.handle, self.combine_overlap
+        return self._combine_block_of(
+            num_combined_tokens=T, num_max_tokens_per_rank=h.num_max_tokens_per_rank, hidden=a.x.shape[1],
+            num_experts=h.num_experts, num_topk=K, use_expanded_layout=h.do_expand, num_sms=a.num_sms,
+            reduce_gated=bool(wait_event), overlap=ov.enabled, push_blocks=ov.push_blocks)
+
+    def _make_combine_block(self, *, reduce_gated: bool, overlap: bool, push_blocks: Optional[int],
+                            **shape: Any) -> Any:
+        """``_combine_block``'s block, made from its arguments only (``plan_cache``); ``shape`` are the
+        plan's fields given per call."""
+        push = 0
+        # One overlapped kernel unless an event gates the reduce (two kernels then) or in hybrid mode.
+        if overlap and not reduce_gated and not self.num_scaleup_ranks:
+            push = overlap_push_blocks(OverlapConfig(overlap, push_blocks), self.num_ranks, shape["num_sms"],
+                                       shape["num_max_tokens_per_rank"])
+        plan = CombinePlan(**shape, allow_multiple_reduction=self.allow_multiple_reduction, overlap_push_blocks=push)
+        return _C.CombineParams(**plan._asdict())

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["DispatchArgs", "CombineArgs", "DispatchResult", "Runtime"]
 
 # The typed arguments are built by keyword (``_checks``); keyword-only where dataclasses allow it.
-_KW_ONLY = {"kw_only": True} if sys.version_info >= (3, 10) else {}
+_KW_ONLY = {"kw_only": True, "slots": True} if sys.version_info >= (3, 10) else {}
 
 
 @dataclass(eq=False, **_KW_ONLY)
