@@ -135,16 +135,11 @@ class NativeRuntime(NativeWindow):
             raise ValueError("zero_copy: not available in hybrid mode (the forwarders write records, not the "
                              "dense receive area); call dispatch with zero_copy=False")
         notify, epilogue = self._dispatch_blocks(a)
-        # The default stream set-up (no events, outputs on the compute stream) is done by the runtime
-        # around its launches; the other modes go through the stream_control_* methods.
         fast = a.previous_event is None and not a.allocate_on_comm_stream and not a.async_with_compute_stream
         compute_stream = None
         stage = NOTHING_QUEUED  # how far this call got, for _abandon if anything below raises
         try:
-            if not fast:
-                # Stream control; every allocation below happens after it (on the comm stream if asked).
-                compute_stream = self.stream_control_prologue(a.previous_event, a.allocate_on_comm_stream)
-            compute_raw = _current_raw_stream(self.device) if fast else _NO_STREAM
+            compute_stream, compute_raw = self._enter_streams(a, fast)
             sent = self._notify_outputs(a)
             # From here until the epilogue is queued, this rank owes its peers the rest of the operation
             # (set before the call: a launch error inside it may come after notify was queued).
@@ -173,6 +168,16 @@ class NativeRuntime(NativeWindow):
             raise
         h = a.handle if a.handle is not None else self._new_handle(a, sent, recv)
         return DispatchResult(recv.x, recv.sf, recv.topk_idx, recv.topk_weights, h, event)
+
+    def _enter_streams(self, a: Any, fast: bool) -> Tuple[Optional[torch.cuda.Stream], int]:
+        """``(compute stream to restore or None, raw compute stream for the launches or _NO_STREAM)``.
+
+        ``fast`` (no events, outputs on the compute stream): the runtime orders its launches after the
+        compute stream itself; otherwise the stream control switches streams here, before any output
+        is allocated (on the comm stream if asked)."""
+        if fast:
+            return None, _current_raw_stream(self.device)
+        return self.stream_control_prologue(a.previous_event, a.allocate_on_comm_stream), _NO_STREAM
 
     def _dispatch_blocks(self, a: DispatchArgs) -> Tuple[Any, Any]:
         """The parameter blocks of the call's notify + push and epilogue (pointers not set yet)."""
@@ -363,9 +368,7 @@ class NativeRuntime(NativeWindow):
         compute_stream = None
         stage = NOTHING_QUEUED  # how far this call got, for _abandon if anything below raises
         try:
-            if not fast:
-                compute_stream = self.stream_control_prologue(a.previous_event, a.allocate_on_comm_stream)
-            compute_raw = _current_raw_stream(self.device) if fast else _NO_STREAM
+            compute_stream, compute_raw = self._enter_streams(a, fast)
             topk_idx = h.topk_idx
             if topk_idx.dtype is not torch.int64:  # a handle given a 32-bit topk_idx: the kernels read int64
                 topk_idx = topk_idx.to(torch.int64)
