@@ -66,19 +66,54 @@ def test_installed_packages_import_without_gpu(tmp_path):
     assert res.returncode == 0, res.stderr
 
 
-def test_elastic_ep_refuses_older_runtime_nccl(tmp_path):
-    if importlib.util.find_spec("elastic_ep") is None:
-        pytest.skip("elastic_ep is not installed")
+def _import_low_level_with_nccl(tmp_path, version_expr: str):
+    """Imports elastic_ep._low_level in a fresh process whose _C reports the loaded NCCL as
+    ``version_expr`` (a Python expression over ``c``); prints the ImportError or "ok"."""
     code = ("import elastic_ep._C as c\n"
             "if not c.built_with_cuda(): raise SystemExit(3)\n"
-            "c.nccl_version = lambda: c.nccl_build_version() - 1\n"
-            "try:\n import elastic_ep._low_level\nexcept ImportError as e: print(e)\nelse: raise SystemExit(4)\n")
+            f"c.nccl_version = lambda: {version_expr}\n"
+            "try:\n import elastic_ep._low_level\nexcept ImportError as e: print(e)\nelse: print('ok')\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=NO_GPU, capture_output=True, text=True,
                          timeout=120)
     if res.returncode == 3:
         pytest.skip("elastic_ep was built without CUDA")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "was built against NCCL" in res.stdout and "older" in res.stdout
+    return res.stdout.strip()
+
+
+def test_elastic_ep_nccl_range_at_import(tmp_path):
+    # The floor (2.28.9, torch 2.11's NCCL) and anything newer load; an older library is refused by name.
+    if importlib.util.find_spec("elastic_ep") is None:
+        pytest.skip("elastic_ep is not installed")
+    out = _import_low_level_with_nccl(tmp_path, "22808")
+    assert "needs NCCL >= 2.28.9" in out and "2.28.8" in out, out
+    assert _import_low_level_with_nccl(tmp_path, "c.nccl_build_version() + 100") == "ok"
+    from elastic_ep import _C
+    if _C.nccl_build_version() >= 22900:
+        # Headers with the versioned device-API structures, library 2.28.x: LSA through 2.28.x's layout.
+        assert _import_low_level_with_nccl(tmp_path, "22809") == "ok"
+        assert (_C.devcomm_abi(22809, False), _C.devcomm_abi(22809, True)) == ("legacy_lsa_only", "unsupported")
+        assert _C.devcomm_abi(_C.nccl_build_version(), True) == "same" == _C.devcomm_abi(23203, False)
+    else:
+        assert "rebuild elastic_ep against NCCL >= 2.29 headers" in _import_low_level_with_nccl(tmp_path, "22900")
+        assert _C.devcomm_abi(22900, False) == "unsupported" and _C.devcomm_abi(22809, True) == "same"
+
+
+def test_elastic_ep_links_no_nccl_function_newer_than_the_floor():
+    # A build against newer headers must load with NCCL 2.28.9: every libnccl function the extension
+    # links is one that release exports (data/nccl_2.28.9_exports.txt: `nm -D --defined-only` of torch
+    # 2.11's libnccl.so.2); newer ones are looked up at run time.
+    spec = importlib.util.find_spec("elastic_ep._C")
+    nm = shutil.which("nm")
+    if spec is None or nm is None:
+        pytest.skip("needs the installed elastic_ep extension and nm")
+    res = subprocess.run([nm, "-D", "--undefined-only", spec.origin], capture_output=True, text=True, timeout=60)
+    used = {line.split()[-1] for line in res.stdout.splitlines() if line.split()[-1].startswith("nccl")}
+    if not used:
+        pytest.skip("elastic_ep was built without CUDA (links no NCCL)")
+    floor = set(open(os.path.join(ROOT, "tests", "elastic_ep", "data", "nccl_2.28.9_exports.txt")).read().split())
+    assert "ncclDevCommCreate" in used and "ncclCommWindowRegister" in used
+    assert used <= floor, f"linked NCCL functions 2.28.9 does not export: {sorted(used - floor)}"
 
 
 def test_elastic_ep_build_needs_nccl_device_api(tmp_path):

@@ -89,6 +89,19 @@ void bind_comm(py::module_& m) {
   m.def("nccl_comm_gin_properties", &comm_gin_properties, py::arg("comm"),
         "(ginType, railedGinType, nLsaTeams) from ncclCommQueryProperties, or None below NCCL 2.29.");
   m.def(
+      "devcomm_abi",
+      [](int nccl_version, bool use_gin) {
+        switch (devcomm_abi(nccl_version, use_gin)) {
+          case DevcommAbi::kSame: return "same";
+          case DevcommAbi::kLegacyLsaOnly: return "legacy_lsa_only";
+          default: return "unsupported";
+        }
+      },
+      py::arg("nccl_version"), py::arg("use_gin"),
+      "How a device communicator is made with a libnccl of `nccl_version` (NCCL_VERSION_CODE) from the headers "
+      "this extension was built with: 'same' layout, 'legacy_lsa_only' (2.28.x library, newer headers: LSA "
+      "only, no GIN) or 'unsupported' (2.28.x headers on a 2.29+ library, or GIN across generations).");
+  m.def(
       "gin_devcomm_request",
       [](int contexts, int signals, int queue_depth, int traffic_class, const std::string& connection,
          bool exclusive) {

@@ -3,6 +3,7 @@
 #include "host/comm.hpp"
 
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <nccl.h>
 
 #include <cstring>
@@ -15,6 +16,22 @@
 #endif
 
 namespace elastic_ep {
+namespace {
+
+// A function only newer NCCLs export, looked up in the libnccl this extension loaded rather than linked:
+// a build against newer headers must still load with an older NCCL (torch 2.11 ships 2.28.9). Null when
+// the library lacks it.
+void* nccl_optional_symbol(const char* name) {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&ncclGetVersion), &info) == 0 || info.dli_fname == nullptr) return nullptr;
+  void* lib = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);  // the loaded one, never a second copy
+  if (lib == nullptr) return nullptr;
+  void* sym = dlsym(lib, name);
+  dlclose(lib);  // drops the reference RTLD_NOLOAD took; the library stays loaded
+  return sym;
+}
+
+}  // namespace
 
 int nccl_runtime_version() {
   int v = 0;
@@ -59,7 +76,10 @@ std::tuple<int, int> nccl_comm_rank_size(int64_t comm) {
 std::optional<std::tuple<int, int, int>> comm_gin_properties(int64_t comm) {
   CK_CHECK_ARG(comm != 0, "null NCCL communicator");
   int gin = -1, railed = -1, lsa_teams = -1;
-  const int res = elastic_ep::nccl_comm_gin_properties(reinterpret_cast<void*>(comm), &gin, &railed, &lsa_teams);
+  // Looked up per call (set-up only): the first caller's answer would do, but this keeps no global state.
+  void* query = nccl_runtime_version() >= 22900 ? nccl_optional_symbol("ncclCommQueryProperties") : nullptr;
+  const int res =
+      elastic_ep::nccl_comm_gin_properties(reinterpret_cast<void*>(comm), query, &gin, &railed, &lsa_teams);
   if (res == -1) return std::nullopt;
   CK_CHECK(res == int(ncclSuccess), "ncclCommQueryProperties failed: ", ncclGetErrorString(ncclResult_t(res)));
   return std::make_tuple(gin, railed, lsa_teams);

@@ -7,7 +7,7 @@
 //   destroy_nccl_comm(comm)           ncclCommAbort: frees it without waiting for peers that are gone
 //   nccl_comm_rank_size(comm)         (rank, size) of a communicator
 //   comm_gin_properties(comm)         (ginType, railedGinType, nLsaTeams) from ncclCommQueryProperties,
-//                                     or nullopt when the headers predate it (< 2.29)
+//                                     or nullopt when the headers or the loaded NCCL predate it (< 2.29)
 // Bad arguments raise commkit::ValueError, NCCL failures commkit::Error.
 #pragma once
 

@@ -5,6 +5,7 @@
 #include <nccl.h>
 
 #include "commkit/check.hpp"
+#include "host/comm.hpp"
 #include "host/trace.hpp"
 #include "host/window.hpp"
 
@@ -36,9 +37,20 @@ void NcclWindow::connect(const GinRequest* gin, int scaleup) {
   // Device communicator: LSA only (no GIN requested, so it works on machines without a NIC), or with
   // the GIN contexts of hybrid mode across NVLink domains.
   const bool use_gin = gin != nullptr;
-  trace(debug_, "rank %d: ncclDevCommCreate (NCCL headers %d, GIN %d)\n", rank, NCCL_VERSION_CODE, int(use_gin));
+  const int runtime = nccl_runtime_version();
+  trace(debug_, "rank %d: ncclDevCommCreate (NCCL headers %d, library %d, GIN %d)\n", rank, NCCL_VERSION_CODE,
+        runtime, int(use_gin));
+  if (devcomm_abi(runtime, use_gin) == DevcommAbi::kUnsupported) {
+    failed_everywhere_ = true;  // every rank loads the same NCCL
+    CK_THROW("elastic_ep was built against NCCL ", NCCL_VERSION_CODE, " headers and the loaded libnccl is ", runtime,
+             use_gin ? ": hybrid mode over GIN needs a libnccl of the same device-API generation as the headers "
+                       "(both >= 2.29 or both 2.28.x); load NCCL >= 2.29 or rebuild against the loaded NCCL's headers"
+                     : ": the NCCL 2.29+ library reads device-API structures with a version header that 2.28.x "
+                       "headers do not write; rebuild elastic_ep against NCCL >= 2.29 headers (NCCL_HOME or the "
+                       "nvidia-nccl wheel) or load NCCL 2.28.x");
+  }
   int lsa_rank = -1;
-  const int res = devcomm_create(comm_, gin, &devcomm_, &lsa_rank, &lsa_size_);
+  const int res = devcomm_create(comm_, gin, runtime, &devcomm_, &lsa_rank, &lsa_size_);
   if (res != int(ncclSuccess)) {
     failed_everywhere_ = true;  // every rank of the same job gets the same answer
     CK_THROW("ncclDevCommCreate failed: ", ncclGetErrorString(ncclResult_t(res)),

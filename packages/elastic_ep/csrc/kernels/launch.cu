@@ -13,6 +13,7 @@
 // operation's kernels finished reading the (aliased) buffer.
 #include <algorithm>
 #include <cstring>
+#include <new>
 
 #include "kernels/device_common.cuh"
 #include "kernels/barrier.cuh"
@@ -121,43 +122,86 @@ GinRequestApplied gin_request_applied(const GinRequest& gin) {
                            gin_get_exclusive(r, 0)};
 }
 
-int devcomm_create(void* nccl_comm, const GinRequest* gin, void** out_devcomm, int* out_lsa_rank, int* out_lsa_size) {
+namespace {
+constexpr int kVersionedDevApi = 22900;  // NCCL 2.29: size/magic/version in front of the device-API structures
+constexpr bool kHeadersVersioned = NCCL_VERSION_CODE >= kVersionedDevApi;
+// 2.28.x's ncclDevComm begins with these members (no header); only lsaRank / lsaSize are read here.
+struct LegacyDevCommHead {
+  int rank, n_ranks;
+  uint32_t n_ranks_rcp32;
+  int lsa_rank, lsa_size;
+};
+// The device communicator is written by the loaded library, in its own layout: room for either layout.
+constexpr size_t kDevCommBytes = sizeof(ncclDevComm) > 4096 ? sizeof(ncclDevComm) : 4096;
+constexpr std::align_val_t kDevCommAlign{64};
+}  // namespace
+
+DevcommAbi devcomm_abi(int nccl_runtime_version, bool use_gin) {
+  const bool runtime_versioned = nccl_runtime_version >= kVersionedDevApi;
+  if (runtime_versioned == kHeadersVersioned) return DevcommAbi::kSame;
+  if (kHeadersVersioned && !use_gin) return DevcommAbi::kLegacyLsaOnly;
+  return DevcommAbi::kUnsupported;
+}
+
+int devcomm_create(void* nccl_comm, const GinRequest* gin, int nccl_runtime_version, void** out_devcomm,
+                   int* out_lsa_rank, int* out_lsa_size) {
 #if !ELASTIC_EP_WITH_GIN
   if (gin != nullptr) return int(ncclInvalidUsage);  // GIN contexts only in a build with ELASTIC_EP_GIN=ON
 #endif
-  ncclDevCommRequirements reqs = base_requirements();
-  fill_gin(reqs, gin);
-  auto* dc = new ncclDevComm();
-  const ncclResult_t res = ncclDevCommCreate(static_cast<ncclComm_t>(nccl_comm), &reqs, dc);
+  const DevcommAbi abi = devcomm_abi(nccl_runtime_version, gin != nullptr);
+  if (abi == DevcommAbi::kUnsupported) return int(ncclInvalidUsage);
+  void* dc = ::operator new(kDevCommBytes, kDevCommAlign);
+  std::memset(dc, 0, kDevCommBytes);
+  ncclResult_t res;
+  if (abi == DevcommAbi::kLegacyLsaOnly) {
+    // 2.28.x reads its requirements without the header; all zero asks for LSA only (no multimem,
+    // barriers or GIN), which is all direct mode uses. The buffer is larger than that struct.
+    alignas(16) unsigned char legacy[sizeof(ncclDevCommRequirements)] = {};
+    res = ncclDevCommCreate(static_cast<ncclComm_t>(nccl_comm),
+                            reinterpret_cast<const ncclDevCommRequirements*>(legacy), static_cast<ncclDevComm*>(dc));
+  } else {
+    ncclDevCommRequirements reqs = base_requirements();
+    fill_gin(reqs, gin);
+    res = ncclDevCommCreate(static_cast<ncclComm_t>(nccl_comm), &reqs, static_cast<ncclDevComm*>(dc));
+  }
   if (res != ncclSuccess) {
-    delete dc;
+    ::operator delete(dc, kDevCommAlign);
     return int(res);
   }
-  *out_lsa_rank = dc->lsaRank;
-  *out_lsa_size = dc->lsaSize;
+  if (abi == DevcommAbi::kLegacyLsaOnly) {
+    LegacyDevCommHead head;
+    std::memcpy(&head, dc, sizeof(head));
+    *out_lsa_rank = head.lsa_rank;
+    *out_lsa_size = head.lsa_size;
+  } else {
+    *out_lsa_rank = static_cast<ncclDevComm*>(dc)->lsaRank;
+    *out_lsa_size = static_cast<ncclDevComm*>(dc)->lsaSize;
+  }
   *out_devcomm = dc;
   return int(ncclSuccess);
 }
 
-int nccl_comm_gin_properties(void* nccl_comm, int* out_gin_type, int* out_railed_gin_type, int* out_num_lsa_teams) {
+int nccl_comm_gin_properties(void* nccl_comm, void* query_properties, int* out_gin_type, int* out_railed_gin_type,
+                             int* out_num_lsa_teams) {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
+  if (query_properties == nullptr) return -1;  // the loaded library predates the call
+  using Query = ncclResult_t (*)(ncclComm_t, ncclCommProperties_t*);
   ncclCommProperties_t props = NCCL_COMM_PROPERTIES_INITIALIZER;
-  const ncclResult_t res = ncclCommQueryProperties(static_cast<ncclComm_t>(nccl_comm), &props);
+  const ncclResult_t res = reinterpret_cast<Query>(query_properties)(static_cast<ncclComm_t>(nccl_comm), &props);
   if (res != ncclSuccess) return int(res);
   *out_gin_type = int(props.ginType);
   *out_railed_gin_type = int(props.railedGinType);
   *out_num_lsa_teams = props.nLsaTeams;
   return int(ncclSuccess);
 #else
-  (void)nccl_comm, (void)out_gin_type, (void)out_railed_gin_type, (void)out_num_lsa_teams;
+  (void)nccl_comm, (void)query_properties, (void)out_gin_type, (void)out_railed_gin_type, (void)out_num_lsa_teams;
   return -1;  // these headers predate ncclCommQueryProperties
 #endif
 }
 
 void devcomm_destroy(void* nccl_comm, void* devcomm) {
-  auto* dc = static_cast<ncclDevComm*>(devcomm);
-  ncclDevCommDestroy(static_cast<ncclComm_t>(nccl_comm), dc);
-  delete dc;
+  ncclDevCommDestroy(static_cast<ncclComm_t>(nccl_comm), static_cast<ncclDevComm*>(devcomm));
+  ::operator delete(devcomm, kDevCommAlign);
 }
 
 void launch_resolve_peers(void* window, int first, int lsa_size, void** out_peer_bases, void* stream) {

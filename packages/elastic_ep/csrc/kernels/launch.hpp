@@ -197,14 +197,25 @@ struct GinRequestApplied {
 #if COMMKIT_WITH_CUDA
 // NCCL device communicator: LSA, plus GIN when `gin` is given (the runtime's hybrid mode across NVLink
 // domains; only in a build with ELASTIC_EP_WITH_GIN, else ncclInvalidUsage). Return ncclResult_t codes;
-// never throw.
-int devcomm_create(void* nccl_comm, const GinRequest* gin, void** out_devcomm, int* out_lsa_rank, int* out_lsa_size);
+// never throw. `nccl_runtime_version` (ncclGetVersion of the loaded libnccl) picks the structure layout
+// that library reads (devcomm_abi): a build against newer headers runs LSA-only on an older NCCL.
+int devcomm_create(void* nccl_comm, const GinRequest* gin, int nccl_runtime_version, void** out_devcomm,
+                   int* out_lsa_rank, int* out_lsa_size);
+// Whether devcomm_create can talk to a libnccl of `nccl_runtime_version` (NCCL_VERSION_CODE) from the
+// headers this package was built with: NCCL 2.29 put a size/magic/version header in front of
+// ncclDevCommRequirements and ncclDevComm, which 2.28.x lacks. Newer headers on an older library: LSA
+// only, through 2.28.x's layout (GIN structures are read by the kernels, so GIN needs the same layout);
+// headers older than 2.29 on a 2.29+ library: refused (the library checks the header's magic).
+enum class DevcommAbi { kSame, kLegacyLsaOnly, kUnsupported };
+DevcommAbi devcomm_abi(int nccl_runtime_version, bool use_gin);
 // The requirements devcomm_create would pass for `gin`, read back (host only: no NCCL call), so the CPU
 // suite checks the request against the headers the package was built with.
 GinRequestApplied gin_request_applied(const GinRequest& gin);
-// ncclCommQueryProperties (NCCL >= 2.29): GIN types (ncclGinType_t) and LSA team count; returns the
-// ncclResult_t, or -1 when the headers the package was built with predate the call.
-int nccl_comm_gin_properties(void* nccl_comm, int* out_gin_type, int* out_railed_gin_type, int* out_num_lsa_teams);
+// ncclCommQueryProperties (NCCL >= 2.29, never linked: `query_properties` is its address in the loaded
+// libnccl, or null): GIN types (ncclGinType_t) and LSA team count; returns the ncclResult_t, or -1 when
+// the headers the package was built with or the loaded library predate the call.
+int nccl_comm_gin_properties(void* nccl_comm, void* query_properties, int* out_gin_type, int* out_railed_gin_type,
+                             int* out_num_lsa_teams);
 void devcomm_destroy(void* nccl_comm, void* devcomm);
 // out_peer_bases[first + p] = the LSA address of LSA peer p's window, p < lsa_size (the caller zeroes the
 // rest: ranks of other NVLink domains have none).

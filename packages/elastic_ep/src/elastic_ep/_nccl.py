@@ -33,16 +33,29 @@ def nccl_version() -> int:
     return int(_C.nccl_version())
 
 
+#: The oldest NCCL elastic_ep runs on (window registration, device communicators, LSA pointers; torch
+#: 2.11's NCCL). Newer releases are used as they are: the native code picks the device-API structure
+#: layout of the loaded library (``_C.devcomm_abi``) and looks up functions newer than this one at run time.
+NCCL_MIN_VERSION = 22809
+
+
 def check_nccl_version() -> None:
-    """Raises ImportError when the loaded NCCL is older than the one elastic_ep was compiled against (the
-    device-API structures change between releases, so an older library would read them wrongly)."""
+    """Raises ImportError when the loaded NCCL cannot serve this build: older than 2.28.9, or a 2.29+
+    library with an extension built against 2.28.x headers (NCCL 2.29 put a version header in front of
+    the device-API structures, which those headers do not write). A library older than the headers is
+    fine from 2.28.9 on (direct mode; hybrid mode over GIN is refused when its window is made)."""
     if not _C.built_with_cuda():
         return
     built, loaded = int(_C.nccl_build_version()), int(_C.nccl_version())
-    if loaded < built:
-        raise ImportError(f"elastic_ep was built against NCCL {_version_str(built)} but this process loaded NCCL "
-                          f"{_version_str(loaded)} (older); rebuild elastic_ep here (pip install "
-                          f"--no-build-isolation) or install nvidia-nccl-cu13>={_version_str(built)}")
+    if loaded < NCCL_MIN_VERSION:
+        raise ImportError(f"elastic_ep needs NCCL >= {_version_str(NCCL_MIN_VERSION)}, this process loaded NCCL "
+                          f"{_version_str(loaded)}; install nvidia-nccl-cu13>={_version_str(NCCL_MIN_VERSION)} "
+                          "(or -cu12), or load a newer libnccl first")
+    if _C.devcomm_abi(loaded, False) == "unsupported":
+        raise ImportError(f"elastic_ep was built against NCCL {_version_str(built)} headers, whose device-API "
+                          f"structures NCCL {_version_str(loaded)} (loaded) no longer reads; rebuild elastic_ep "
+                          "against NCCL >= 2.29 headers (pip install --no-build-isolation with nvidia-nccl-cu13 "
+                          "of that version installed, or NCCL_HOME)")
 
 
 if not _env.skip_nccl_version_check():
