@@ -52,8 +52,9 @@ class FakeStream:
 class FakeRuntime:
     """The native runtime's host interface (``_C.Runtime``), recording what the Python layer asks of it."""
 
-    def __init__(self, status=0, masked=(0, 0)):
+    def __init__(self, status=0, masked=(0, 0), geometry=None):
         self.status = status  # what wait_dispatch_counts reports: 0 ok, 1 device / 2 CPU timeout, 3 refused
+        self.geometry = geometry  # a pending (peer, word, theirs, mine) of a geometry refusal (status 4)
         self.calls = []
         self.params = []
         self.pointers = []  # per launch: pointer member -> address
@@ -73,7 +74,11 @@ class FakeRuntime:
             raise self.raise_in[name]
 
     def pending_health(self):
-        return (2 if self.broken else 0) | (4 if self.masked[0] else 0)
+        return (2 if self.broken else 0) | (4 if self.masked[0] else 0) | (8 if self.geometry else 0)
+
+    def take_geometry_mismatch(self):
+        out, self.geometry = self.geometry, None
+        return out
 
     def mark_broken(self, reason):
         self.calls.append("mark_broken")
@@ -253,6 +258,52 @@ def test_dispatch_refused_keeps_buffer_usable_and_restores_stream(streams):
     assert "mark_broken" not in rt.calls and not rt.broken
     assert current[0] is compute and compute.waited_for[-1] == "comm"
     b._alive()  # still usable
+
+
+@pytest.mark.parametrize("word,theirs,mine,says", [
+    (1, 256, 512, "bytes per row of x (hidden x element size): rank 1 passed 256, rank 0 (this one) 512"),
+    (0, 64, 48, "num_max_tokens_per_rank: rank 1 passed 64, rank 0 (this one) 48"),
+    (2, (16 << 16) | (2 << 8) | 0, (16 << 16) | (4 << 8) | 0, "num_topk: rank 1 passed 2, rank 0 (this one) 4"),
+    (3, (4 << 8) | 1, (1 << 8) | 1, "expert_alignment: rank 1 passed 4, rank 0 (this one) 1"),
+])
+def test_dispatch_refused_for_a_peers_geometry_names_the_argument(streams, word, theirs, mine, says):
+    # CPU sync: notify flags the host words (status 4) and reports the first differing word; the
+    # dispatch raises at once, nothing is owed (the push ended the operation), the buffer stays usable.
+    compute, comm, current = streams
+    rt = FakeRuntime(status=4, geometry=(1, word, theirs, mine))
+    b = make_buffer(rt, comm)
+    with pytest.raises(ValueError, match="different arguments") as info:
+        dispatch(b, allocate_on_comm_stream=True)
+    assert says in str(info.value) and "no row moved" in str(info.value)
+    assert "num_experts:" not in str(info.value)  # only the argument that differs is named
+    assert "dispatch_epilogue" not in rt.calls and "mark_broken" not in rt.calls and not rt.broken
+    assert current[0] is compute
+    b._alive()  # reported once: still usable
+
+
+def test_geometry_refusal_without_cpu_sync_is_raised_by_the_next_call(streams):
+    # Without a CPU sync (or cached) the host learns of the refusal from the health word: the next
+    # call raises before launching anything, once.
+    compute, comm, current = streams
+    rt = FakeRuntime()
+    b = make_buffer(rt, comm)
+    dispatch(b, do_cpu_sync=False)
+    rt.geometry = (1, 3, (1 << 8) | 1, (1 << 8) | 0)
+    launched = len(rt.calls)
+    with pytest.raises(ValueError, match="zero_copy: rank 1 passed 1, rank 0 \\(this one\\) 0"):
+        dispatch(b, do_cpu_sync=False)
+    assert len(rt.calls) == launched
+    dispatch(b, do_cpu_sync=False)  # usable again
+    assert rt.calls[-1] == "dispatch_epilogue"
+
+
+def test_geometry_fields_unpack_every_word():
+    from elastic_ep._native_window import geometry_fields
+
+    assert geometry_fields(2, (256 << 16) | (8 << 8) | 56, (288 << 16) | (8 << 8) | 56) == (
+        ("num_experts", "num_topk", "scale packs per token (mod 256)"), (256, 8, 56), (288, 8, 56))
+    assert geometry_fields(3, (128 << 8) | 1, 1 << 8) == (("expert_alignment", "zero_copy"), (128, 1), (1, 0))
+    assert geometry_fields(0, 4096, 2048)[1:] == ((4096,), (2048,))
 
 
 def test_dispatch_cpu_timeout_keeps_runtime_reason(streams):

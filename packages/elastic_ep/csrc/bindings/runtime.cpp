@@ -186,6 +186,9 @@ void bind_runtime(py::module_& m) {
            py::arg("num_local_experts"))
       .def("take_refusal", [](Runtime& r) { return commkit::without_gil([&] { return r.take_refusal(); }); })
       .def("take_masked_ids", &Runtime::take_masked_ids)
+      .def("take_geometry_mismatch", &Runtime::take_geometry_mismatch,
+           "(peer, geometry word, the peer's word, this rank's word) of a dispatch notify refused for a peer's "
+           "geometry, once; None when none is pending")
       .def("dispatch_epilogue", &Runtime::dispatch_epilogue, py::arg("params"), py::arg("stream"),
            py::arg("join_stream") = kNoStream,
            "The copy epilogue (hybrid mode: the forward kernel first); `params` carries the tensors' addresses.")

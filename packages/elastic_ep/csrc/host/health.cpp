@@ -79,6 +79,8 @@ int Runtime::pending_health() const {
   int bits = broken_ ? int(kHealthBroken) : 0;
   if (commkit::ld_acquire(&hl.timeout.at<commkit::TimeoutRecord>(host_ws_.get())->flag) == 1u) bits |= kHealthTimeout;
   if (commkit::ld_acquire(&hl.ids.at<uint64_t>(host_ws_.get())[2]) != masked_ids_seen_) bits |= kHealthMaskedIds;
+  if (commkit::ld_acquire(&hl.geometry.at<uint64_t>(host_ws_.get())[0]) != geometry_refusals_seen_)
+    bits |= kHealthGeometry;
   return bits;
 }
 
@@ -90,10 +92,13 @@ void Runtime::debug_seed_epoch(uint64_t last_epoch) {
   char* base = static_cast<char*>(window_->mem());
   CK_CUDA_CHECK(cudaMemcpy(base + ws.grid_counter.offset + 4ull * kGridCounterEpochSlot, &last_epoch,
                            sizeof(last_epoch), cudaMemcpyHostToDevice));
-  const std::vector<uint64_t> words(std::max(kMaxRanks, kMaxExperts), uint64_t(uint32_t(last_epoch)) << 32);
+  const std::vector<uint64_t> words(std::max(kMaxRanks * kGeometryWords, kMaxExperts),
+                                    uint64_t(uint32_t(last_epoch)) << 32);
   CK_CUDA_CHECK(cudaMemcpy(base + ws.rank_count.offset, words.data(), 8ull * kMaxRanks, cudaMemcpyHostToDevice));
   CK_CUDA_CHECK(
       cudaMemcpy(base + ws.expert_count.offset, words.data(), 8ull * kMaxExperts, cudaMemcpyHostToDevice));
+  CK_CUDA_CHECK(cudaMemcpy(base + ws.geometry.offset, words.data(), 8ull * kMaxRanks * kGeometryWords,
+                           cudaMemcpyHostToDevice));
   for (int half = 0; half < 2; ++half)  // hybrid notify's relayed words carry the tag too
     CK_CUDA_CHECK(cudaMemcpy(base + ws.count_relay.offset + half * 8ull * kMaxRanks, words.data(),
                              half == 0 ? 8ull * kMaxRanks : 8ull * kMaxExperts, cudaMemcpyHostToDevice));

@@ -77,7 +77,8 @@ DispatchCounts Runtime::wait_dispatch_counts(int num_local_experts) {
   auto* expert_words = hl.expert_count.at<uint64_t>(host_ws_.get());
   const uint64_t tag = host_tag_;
   int ready_ranks = 0, ready_experts = 0;
-  int num_recv = 0, num_expanded = 0;
+  int64_t num_recv = 0, num_expanded = 0;  // 64-bit: peers' words are summed before they are checked
+  bool geometry = false;
   std::vector<int> per_expert, refused;
   per_expert.reserve(num_local_experts);
   // Each word carries the dispatch's tag, so words are taken one by one as they land.
@@ -87,14 +88,15 @@ DispatchCounts Runtime::wait_dispatch_counts(int num_local_experts) {
           const uint64_t w = commkit::ld_acquire(&rank_words[ready_ranks]);
           if ((w >> 32) != tag) return false;
           if (w & kRefusedBit) refused.push_back(ready_ranks);
-          num_recv += int(w & kCountMask);
+          geometry |= (w & kGeometryBit) != 0;
+          num_recv += int64_t(w & kCountMask);
           ++ready_ranks;
         }
         while (ready_experts < num_local_experts) {
           const uint64_t w = commkit::ld_acquire(&expert_words[ready_experts]);
           if ((w >> 32) != tag) return false;
-          per_expert.push_back(int(w & 0xffffffffu));
-          num_expanded += int(w & 0xffffffffu);
+          per_expert.push_back(int(w & 0x7fffffffu));
+          num_expanded += int64_t(w & 0x7fffffffu);
           ++ready_experts;
         }
         return true;
@@ -107,14 +109,20 @@ DispatchCounts Runtime::wait_dispatch_counts(int num_local_experts) {
   DispatchCounts out;
   out.ranks_ready = ready_ranks;
   out.experts_ready = ready_experts;
+  if (status == 0 && geometry) {
+    out.status = 4;  // take_geometry_mismatch says which peer and word
+    return out;
+  }
   if (status == 0 && !refused.empty()) {
     refused_ranks_ = refused;
     out.status = 3;
     return out;
   }
   out.status = status;
-  out.num_recv_tokens = num_recv;
-  out.num_expanded_tokens = num_expanded;
+  CK_CHECK(num_recv <= INT32_MAX && num_expanded <= INT32_MAX, "dispatch: the peers' counts add up to ", num_recv,
+           " received and ", num_expanded, " expanded rows, past what a dispatch can receive (a corrupted count word)");
+  out.num_recv_tokens = int(num_recv);
+  out.num_expanded_tokens = int(num_expanded);
   out.num_recv_tokens_per_expert = std::move(per_expert);
   return out;
 }
@@ -135,6 +143,15 @@ std::tuple<std::vector<int>, int64_t, int64_t> Runtime::take_refusal() {
       [] { return 0; });
   if (status != 0) return {ranks, -1, 0};  // the report did not arrive: the count is unknown
   return {ranks, int64_t(w & 0xffffffffu), int64_t(words[1])};
+}
+
+std::optional<std::tuple<int, int, int64_t, int64_t>> Runtime::take_geometry_mismatch() {
+  if (destroyed_ || !host_ws_) return std::nullopt;
+  auto* g = host_workspace_layout().geometry.at<uint64_t>(host_ws_.get());
+  const uint64_t total = commkit::ld_acquire(&g[0]);  // acquire: the report words were written before
+  if (total == geometry_refusals_seen_) return std::nullopt;
+  geometry_refusals_seen_ = total;
+  return std::make_tuple(int(g[1] >> 8), int(g[1] & 0xffu), int64_t(g[2]), int64_t(g[3]));
 }
 
 std::pair<int64_t, int64_t> Runtime::take_masked_ids() {

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -52,7 +53,8 @@ struct RuntimeOptions {
 
 // What wait_dispatch_counts found: status 0 = ready, 1 = a device wait expired (see take_timeout),
 // 2 = the CPU wait expired (the buffer is then marked unusable), 3 = the dispatch was refused (see
-// take_refusal; the buffer stays usable). The counts are valid with status 0; ranks_ready and
+// take_refusal; the buffer stays usable), 4 = refused because some rank's dispatch geometry differs
+// (see take_geometry_mismatch; usable too). The counts are valid with status 0; ranks_ready and
 // experts_ready say how far the wait got.
 struct DispatchCounts {
   int status = 0;
@@ -123,8 +125,9 @@ class Runtime {
   void debug_seed_epoch(uint64_t last_epoch);
   // Bits of what take_timeout / broken / take_masked_ids would report, in one cheap call:
   // kHealthTimeout (a device timeout record is pending), kHealthBroken (unusable or destroyed),
-  // kHealthMaskedIds (masked expert ids not reported yet). 0 = nothing to report.
-  enum HealthBits { kHealthTimeout = 1, kHealthBroken = 2, kHealthMaskedIds = 4 };
+  // kHealthMaskedIds (masked expert ids not reported yet), kHealthGeometry (a dispatch refused for a
+  // peer's geometry not reported yet). 0 = nothing to report.
+  enum HealthBits { kHealthTimeout = 1, kHealthBroken = 2, kHealthMaskedIds = 4, kHealthGeometry = 8 };
   int pending_health() const;
 
   // ---- EP operations (ops_ep.cpp). Health (timeouts, destroyed) is checked by the Python layer
@@ -145,6 +148,10 @@ class Runtime {
   // Ids outside [-1, E) that notify masked in dispatches launched without the check (no CPU sync)
   // since the last call: (count, the last such id). Never throws.
   std::pair<int64_t, int64_t> take_masked_ids();
+  // The last dispatch notify refused because a peer's geometry differed from this rank's, once:
+  // (peer, geometry word index, the peer's word, this rank's word), or nullopt when none is pending
+  // (wait_dispatch_counts status 4 right after a CPU-synced one; pending_health otherwise).
+  std::optional<std::tuple<int, int, int64_t, int64_t>> take_geometry_mismatch();
   // The copy epilogue; with `join_stream` (kNoStream for none) that stream then waits for `stream`.
   void dispatch_epilogue(const EpilogueParams& p, int64_t stream, int64_t join_stream = kNoStream);
   // Push then reduce; with `wait_event` (a cudaEvent_t, 0 for none) the reduce also waits for it, so
@@ -227,6 +234,7 @@ class Runtime {
   uint32_t host_tag_ = 0;
   std::vector<int> refused_ranks_;  // of the last refused dispatch (see take_refusal)
   uint64_t masked_ids_seen_ = 0;
+  uint64_t geometry_refusals_seen_ = 0;
   bool destroyed_ = false;
   bool broken_ = false;
   std::string broken_reason_;

@@ -130,6 +130,40 @@ struct NoScaleout {
   __device__ void put_value(int, uint64_t, uint64_t) const {}
 };
 
+// Word w of this rank's dispatch geometry (sizing.hpp kGeometryWords): what must be equal on every
+// rank for the records one rank writes to be where and what its peers read.
+__device__ __forceinline__ uint32_t dispatch_geometry_word(const DispatchParams& p, int w) {
+  switch (w) {
+    case 0: return uint32_t(p.num_max_tokens_per_rank);
+    case 1: return uint32_t(p.hidden_bytes);
+    case 2: return (uint32_t(p.num_experts) << 16) | (uint32_t(p.num_topk) << 8) | (uint32_t(p.num_sf_packs) & 0xffu);
+    default: return (uint32_t(p.expert_alignment < 0xffffff ? p.expert_alignment : 0xffffff) << 8) |
+                    uint32_t(p.zero_copy != 0);
+  }
+}
+// Direct mode: this rank's geometry words to every peer (block 0 of notify, at entry).
+__device__ void publish_geometry(const Ctx& cx, const DispatchParams& p, uint64_t E) {
+  const uint64_t tag = uint64_t(uint32_t(E)) << 32;
+  for (int i = threadIdx.x; i < cx.tr.num_ranks * kGeometryWords; i += blockDim.x) {
+    const int r = i / kGeometryWords, w = i % kGeometryWords;
+    cx.tr.put_u64(r, cx.ws.geometry.offset + 8ull * (uint64_t(cx.tr.rank) * kGeometryWords + w),
+                  tag | dispatch_geometry_word(p, w));
+  }
+}
+// Direct mode, every thread of a block: waits for every peer's geometry words of epoch E and compares
+// them with this rank's. Returns false when a wait expired; `*mismatch` (shared, -1 before) gets the
+// first differing (peer * kGeometryWords + word) found.
+__device__ bool check_geometry(const Ctx& cx, const DispatchParams& p, uint64_t E, uint32_t op, int* mismatch) {
+  bool ok = true;
+  for (int i = threadIdx.x; i < cx.tr.num_ranks * kGeometryWords && ok; i += blockDim.x) {
+    const int r = i / kGeometryWords, w = i % kGeometryWords;
+    const uint64_t* word = cx.local_u64(cx.ws.geometry, i);
+    ok = commkit::wait_tag_ge(word, uint32_t(E), cx.timeout_ns, cx.rec, op, cx.tr.rank, r);
+    if (ok && uint32_t(commkit::ld_relaxed(word)) != dispatch_geometry_word(p, w)) atomicCAS(mismatch, -1, i);
+  }
+  return !__syncthreads_or(!ok);
+}
+
 // "Entered epoch E" to rank r (one thread per peer): a store over NVLink, or in hybrid mode to a rail
 // peer a value put over the scale-out transport (the word needs no ordering: it says this rank's
 // earlier kernels, which the stream ordered before this one, finished with the buffer).

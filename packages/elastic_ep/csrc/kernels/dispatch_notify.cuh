@@ -42,6 +42,29 @@ __device__ void notify_outcome(const Ctx& cx, uint64_t E, NotifyStatus status) {
   if (threadIdx.x == 0) commkit::st_release_gpu(cx.counter_u64(kCtrDispatchOutcome), (E << 2) | uint64_t(status));
 }
 
+// A peer's dispatch geometry differs from this rank's (direct mode; `at` = peer * kGeometryWords +
+// word): refused on every rank alike, before any count or record is used. The host words carry the
+// geometry bit (a CPU-synced host raises at once), the report which peer and word (a host without CPU
+// sync raises at its next call); the push writes nothing to a peer of another geometry and ends the
+// operation, an epilogue launched without CPU sync returns at once.
+__device__ void refuse_geometry(const Ctx& cx, const CommView& c, const DispatchParams& p, uint64_t E, int L, int at) {
+  const auto hl = host_workspace_layout();
+  const uint64_t tag = uint64_t(p.host_tag) << 32;
+  auto* host_rank = hl.rank_count.at<uint64_t>(c.host_workspace);
+  auto* host_expert = hl.expert_count.at<uint64_t>(c.host_workspace);
+  for (int s = threadIdx.x; s < c.num_ranks; s += kThreads) commkit::st_relaxed(&host_rank[s], tag | kGeometryBit);
+  for (int l = threadIdx.x; l < L; l += kThreads) commkit::st_relaxed(&host_expert[l], tag);
+  if (threadIdx.x == 0) {
+    uint64_t* g = hl.geometry.at<uint64_t>(c.host_workspace);
+    const int w = at % kGeometryWords;
+    commkit::st_relaxed(&g[1], (uint64_t(at / kGeometryWords) << 8) | uint64_t(w));
+    commkit::st_relaxed(&g[2], uint64_t(commkit::ld_relaxed(cx.local_u64(cx.ws.geometry, at)) & 0xffffffffull));
+    commkit::st_relaxed(&g[3], uint64_t(dispatch_geometry_word(p, w)));
+    commkit::st_release(&g[0], commkit::ld_relaxed(&g[0]) + 1u);
+  }
+  notify_outcome(cx, E, kNotifyRefused);
+}
+
 // Slots: a token bound for rank r gets slot = number of earlier tokens of this rank bound for r (a
 // token counts once per rank, however many of its experts live there).
 // Grid: notify_split(T).blocks blocks (1 in cached mode), block b counting the tokens of its range
@@ -74,8 +97,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
   uint32_t* wmask = notify_dyn;
   int* wpre = reinterpret_cast<int*>(notify_dyn + kWarps * R);
 
-  // Publish "entered E" first so peers can start while we count.
+  // Publish "entered E" first so peers can start while we count; direct mode: the call's geometry too.
   if (blockIdx.x == 0 && tid < R) publish_entry(cx, so, tid, E);
+  if (blockIdx.x == 0 && !cx.hd.on) publish_geometry(cx, p, E);
   // The push may be this grid's programmatic dependent (launch_dispatch): it may launch once every
   // block of this grid has started, and then waits for kCtrDispatchReady itself.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -288,6 +312,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
   if (ok) ok = wait_entry(cx, tid, E, kOpDispatchNotify);
   bool failed = __syncthreads_or(!ok);
   if (!failed && !p.cached && cx.hd.on) failed = __syncthreads_or(!relay_counts(cx, L, E));
+  // Direct mode: a peer with another geometry is refused before any of its counts is read.
+  __shared__ int s_geometry;
+  if (tid == 0) s_geometry = -1;
+  __syncthreads();
+  if (!failed && !cx.hd.on) failed = !check_geometry(cx, p, E, kOpDispatchNotify, &s_geometry);
+  if (!failed && s_geometry >= 0) {
+    refuse_geometry(cx, c, p, E, L, s_geometry);
+    return;
+  }
   if (failed || p.cached) {
     notify_outcome(cx, E, failed ? kNotifyFailed : kNotifyOk);
     return;

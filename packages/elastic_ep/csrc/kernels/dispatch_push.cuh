@@ -95,7 +95,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
       ready = commkit::wait_ge(cx.counter_u64(kCtrDispatchReady), E, cx.arrival_timeout(), cx.rec, kOpDispatchNotify,
                                rank, rank);
     // (Block-uniform short circuit: the entry barrier runs in every thread or in none.)
-    const bool failed = __syncthreads_or(!ready) || !entry_barrier(cx, so, E, kOpDispatchNotify, false);
+    bool failed = __syncthreads_or(!ready) || !entry_barrier(cx, so, E, kOpDispatchNotify, false);
+    // Direct mode: nothing goes to peers before their geometry is known to be this rank's (notify
+    // refuses the dispatch on a difference; this block then pushes nothing, like a failed wait).
+    __shared__ int s_geometry;
+    if (tid == 0) s_geometry = -1;
+    __syncthreads();
+    if (!failed && !hd.on) failed = !check_geometry(cx, p, E, kOpDispatchNotify, &s_geometry) || s_geometry >= 0;
     if (tid == 0) {
       block_skip = failed ? 1 : 0;
       if (failed) commkit::st_relaxed(&cx.counters[kCtrDispatchPushFailed], 1u);

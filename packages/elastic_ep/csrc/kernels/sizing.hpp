@@ -340,10 +340,18 @@ CK_HD constexpr SizingDomain sizing_domain(int64_t num_ranks, int64_t num_nvl_ra
 }
 
 // Per-rank count words of dispatch notify, to the peers (tag = epoch) and to the host (tag = the
-// call's host tag): (tag << 32) | refused bit | token count. The refused bit says the rank passed
-// expert ids outside [-1, E) to a CPU-synced dispatch, which every rank then refuses.
+// call's host tag): (tag << 32) | refused bit | geometry bit | token count. The refused bit says the
+// rank passed expert ids outside [-1, E) to a CPU-synced dispatch, which every rank then refuses; the
+// geometry bit (host words only) that some rank's dispatch geometry differs from this rank's
+// (kGeometryWords), which every rank refuses alike.
 constexpr uint64_t kRefusedBit = 1ull << 31;
-constexpr uint64_t kCountMask = kRefusedBit - 1ull;
+constexpr uint64_t kGeometryBit = 1ull << 30;
+constexpr uint64_t kCountMask = kGeometryBit - 1ull;
+// Dispatch geometry: every rank sends each peer these words of its call, (epoch << 32) | value, and
+// compares the peers' with its own before any record is read or written (dispatch_geometry_word):
+// [0] num_max_tokens_per_rank, [1] hidden bytes (hidden x element size), [2] (num_experts << 16) |
+// (num_topk << 8) | scale packs (mod 256), [3] (expert_alignment, at most 2^24 - 1) << 8 | zero_copy.
+constexpr int kGeometryWords = 4;
 // grid_counter words kGridCounterEpochSlot and the next hold the u64 epoch of the last completed
 // operation (launch.cu; 8-byte aligned: the region is 128-byte aligned and the slot even).
 constexpr int kGridCounterEpochSlot = 8;
@@ -389,6 +397,8 @@ struct WorkspaceLayout {
   Region count_relay;      // u64[kMaxRanks + kMaxExperts] hybrid notify: the counts each rail peer sends
                            //                    this rank's domain, (epoch<<32)|tokens, which this rank
                            //                    passes on (hybrid_count_relay; written by the rail peers)
+  Region geometry;         // u64[kMaxRanks][kGeometryWords] (epoch<<32)|word w of the peer's dispatch
+                           //                    geometry (written by the peer; direct mode)
   uint64_t bytes;          // total, 2 MiB aligned
 };
 
@@ -418,6 +428,7 @@ CK_HD constexpr WorkspaceLayout workspace_layout() {
   w.scaleout_signal = l.add(8ull * (kMaxRanks + kScaleoutExtraSignals), 128);
   w.scaleout_seen = l.add(8ull * kMaxRanks, 128);
   w.count_relay = l.add(8ull * (kMaxRanks + kMaxExperts), 128);
+  w.geometry = l.add(8ull * kMaxRanks * kGeometryWords, 128);
   w.bytes = l.total(uint64_t(kBufferAlignmentBytes));
   return w;
 }
@@ -431,6 +442,9 @@ struct HostWorkspaceLayout {
   Region ids;           // u64[4]: [0] (tag<<32)|ids outside [-1, E) that made notify refuse a
                         // CPU-synced dispatch, [1] one such id; [2] running total of such ids notify
                         // masked (no CPU sync), [3] the last one (see launch.hpp)
+  Region geometry;      // u64[4]: [0] running total of dispatches notify refused for a geometry
+                        // mismatch, [1] (peer << 8) | geometry word of the last one, [2] the peer's
+                        // word, [3] this rank's (written before [0] is raised)
   uint64_t bytes;
 };
 
@@ -441,6 +455,7 @@ CK_HD constexpr HostWorkspaceLayout host_workspace_layout() {
   h.expert_count = l.add(8ull * kMaxLocalExperts, 64);
   h.timeout = l.add(64, 64);
   h.ids = l.add(32, 64);
+  h.geometry = l.add(32, 64);
   h.bytes = l.total(4096);
   return h;
 }

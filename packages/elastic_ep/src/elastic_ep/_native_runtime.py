@@ -150,7 +150,7 @@ class NativeRuntime(NativeWindow):
                 # Refused on every rank: the push ended the operation without an epilogue, so nothing
                 # is owed and the buffer stays usable.
                 stage = ALL_QUEUED
-                raise self._refused_error(a.num_experts)
+                raise self._geometry_error() or self._refused_error(a.num_experts)
             recv = self._receive_outputs(a, sent, counts)
             self._launch_epilogue(epilogue, a, sent, recv, compute_raw)
             stage = ALL_QUEUED
@@ -291,7 +291,7 @@ class NativeRuntime(NativeWindow):
                 "kernel publishes them only once every peer's counts arrived; a num_gpu_timeout_secs shorter than "
                 "num_cpu_timeout_secs makes the device deadline report first, naming the peer); destroy this "
                 "buffer and create a new one", R + L, c.ranks_ready + c.experts_ready)
-        elif c.status == 3:
+        elif c.status in (3, 4):  # refused on every rank: bad expert ids, or a rank's other geometry
             return None
         return c.num_recv_tokens, c.num_expanded_tokens, c.num_recv_tokens_per_expert
 

@@ -26,7 +26,7 @@ from ._nccl import (all_ok, comm_arg, destroy_nccl_comm, get_logical_domain_size
                     torch_nccl_comm)
 from ._runtime import Runtime
 
-__all__ = ["NativeWindow", "CommError", "CommTimeoutError"]
+__all__ = ["NativeWindow", "CommError", "CommTimeoutError", "geometry_fields"]
 
 CommError = _C.CommError
 CommTimeoutError = _C.CommTimeoutError
@@ -61,6 +61,21 @@ class _DeviceMemory:
     def __init__(self, ptr: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2,
                                          "strides": None}
+
+
+def geometry_fields(word: int, theirs: int, mine: int) -> Tuple[Tuple[str, ...], Tuple[int, ...], Tuple[int, ...]]:
+    """The arguments packed into dispatch geometry word ``word`` (csrc/kernels/sizing.hpp kGeometryWords),
+    and their values in two ranks' words: ``(names, theirs, mine)``."""
+    def unpack(v: int) -> Tuple[int, ...]:
+        if word in (0, 1):
+            return (v,)
+        if word == 2:
+            return (v >> 16, (v >> 8) & 0xFF, v & 0xFF)
+        return (v >> 8, v & 1)
+    names = {0: ("num_max_tokens_per_rank",), 1: ("bytes per row of x (hidden x element size)",),
+             2: ("num_experts", "num_topk", "scale packs per token (mod 256)")}.get(
+                 word, ("expert_alignment", "zero_copy"))
+    return names, unpack(int(theirs)), unpack(int(mine))
 
 
 class NativeWindow(Runtime):
@@ -258,8 +273,11 @@ class NativeWindow(Runtime):
                             "a new one")
         # Taken even when they are not reported, so that pending_health() is 0 again (the cheap path).
         num_bad, example = self._rt.take_masked_ids()
+        geometry = self._geometry_error()  # a dispatch without CPU sync (or cached) refused since the last call
         if num_bad and self._refuse_bad_ids:  # ELASTIC_EP_SKIP_INDEX_CHECK=1: masked silently, as documented
             raise ValueError(self._masked_ids_message(num_bad, example))
+        if geometry is not None:
+            raise geometry
 
     def _masked_ids_message(self, num_bad: int, example: int) -> str:
         msg = (f"topk_idx: an earlier dispatch without CPU sync had {num_bad} expert ids outside [-1, num_experts) "
@@ -284,6 +302,22 @@ class NativeWindow(Runtime):
                 return ValueError(f"{expert_ids_error(num_bad, example, num_experts)} ({note})")
             return ValueError(f"topk_idx: expert ids must be in [-1, {num_experts}) ({note})")
         return ValueError(f"dispatch refused: {note}")
+
+    def _geometry_error(self) -> Optional[ValueError]:
+        """The ValueError of the dispatch notify refused because a peer's geometry differed from this
+        rank's (every rank refused it; no row moved; the buffer stays usable), or None when none is
+        pending."""
+        found = self._rt.take_geometry_mismatch()
+        if found is None:
+            return None
+        peer, word, theirs, mine = found
+        diffs = [f"{name}: rank {peer} passed {a}, rank {self.rank_idx} (this one) {b}"
+                 for name, a, b in zip(*geometry_fields(word, theirs, mine)) if a != b]
+        return ValueError("dispatch: the ranks called it with different arguments ("
+                          + "; ".join(diffs or [f"geometry word {word}: {theirs} vs {mine}"])
+                          + "), so every rank refused it: no row moved and the buffer stays usable. Every rank "
+                          "must pass the same num_max_tokens_per_rank, hidden size and dtype of x, num_experts, "
+                          "top-k, scale packs, expert_alignment and zero_copy to each dispatch.")
 
     def _cpu_timeout(self, what: str, detail: str, expected: int, observed: int) -> Exception:
         err = CommTimeoutError(f"elastic_ep {what} timed out after {self.num_cpu_timeout_secs} s "
