@@ -555,3 +555,4 @@ def test_lowlevel_ep2_modes_notify_atomic_masks(tmp_path):
     cases = _atomic_mask_cases(R)
     assert run_workers(_worker_modes, R, cases, tmp_path=tmp_path, timeout=200,
                        env={"ELASTIC_EP_TEST_NOTIFY_ATOMICS": "1"}) == [len(cases)] * R
+

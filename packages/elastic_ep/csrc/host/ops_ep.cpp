@@ -32,7 +32,38 @@ void Runtime::barrier(int64_t stream) {
   CK_CUDA_CHECK(cudaGetLastError());
 }
 
+namespace {
+
+// What the kernels index, re-checked on the raw runtime (the Python layer checks it first; a caller of
+// _C.Runtime directly must not make a kernel write past an array or the buffer). ValueError.
+void check_dispatch_shape(const char* op, int num_ranks, int64_t buffer_bytes, int num_tokens, int64_t max_tokens,
+                          int num_experts, int num_topk, int64_t hidden_bytes, int64_t num_sf_packs,
+                          bool zero_copy) {
+  CK_CHECK_ARG(num_topk >= 1 && num_topk <= kMaxTopk, op, ": num_topk must be in [1, ", kMaxTopk, "], got ", num_topk);
+  CK_CHECK_ARG(max_tokens >= 1 && num_tokens >= 0 && num_tokens <= max_tokens, op, ": need 0 <= num_tokens (",
+               num_tokens, ") <= num_max_tokens_per_rank (", max_tokens, ")");
+  CK_CHECK_ARG(num_experts >= num_ranks && num_experts <= kMaxExperts && num_experts % num_ranks == 0 &&
+                   num_experts / num_ranks <= kMaxLocalExperts,
+               op, ": num_experts (", num_experts, ") must be a multiple of the ", num_ranks, " ranks, at most ",
+               kMaxExperts, " and ", kMaxLocalExperts, " per rank");
+  CK_CHECK_ARG(hidden_bytes > 0 && hidden_bytes % 16 == 0 && num_sf_packs >= 0, op,
+               ": bytes per row must be a positive multiple of 16, got ", hidden_bytes, " (", num_sf_packs,
+               " scale packs)");
+  const int64_t need =
+      zero_copy ? 0
+                : buffer_layout_bytes(dispatch_token_layout(hidden_bytes, 1, num_sf_packs, num_topk).bytes, num_ranks,
+                                      max_tokens);
+  CK_CHECK_ARG(need <= buffer_bytes, op, ": ", num_ranks, " x ", max_tokens, " records of ", hidden_bytes,
+               " bytes need ", need, " bytes of buffer, this one has ", buffer_bytes);
+}
+
+}  // namespace
+
 void Runtime::dispatch(const DispatchParams& p, int64_t stream, int64_t wait_stream) {
+  check_dispatch_shape("dispatch", num_ranks_, num_buffer_bytes_, p.num_tokens, p.num_max_tokens_per_rank,
+                       p.num_experts, p.num_topk, p.hidden_bytes, p.num_sf_packs, p.zero_copy != 0);
+  CK_CHECK_ARG(p.expert_alignment >= 1 && p.num_sms >= 1, "dispatch: need expert_alignment >= 1 and num_sms >= 1, got ",
+               p.expert_alignment, " and ", p.num_sms);
   set_device();
   stream_wait(stream, wait_stream, event_in_.get());
   DispatchParams q = p;
@@ -185,6 +216,12 @@ void Runtime::dispatch_epilogue(const EpilogueParams& p, int64_t stream, int64_t
 
 void Runtime::combine(const CombineParams& p, int64_t stream, uint64_t wait_event, int64_t wait_stream,
                       int64_t join_stream) {
+  CK_CHECK_ARG(p.num_sms >= 1 && p.hidden > 0 && p.hidden % 8 == 0, "combine: need num_sms >= 1 and a hidden that is "
+               "a positive multiple of 8, got ", p.num_sms, " and ", p.hidden);
+  CK_CHECK_ARG(p.num_topk >= 1 && p.num_topk <= kMaxTopk && p.num_combined_tokens >= 0 &&
+                   p.num_combined_tokens <= p.num_max_tokens_per_rank,
+               "combine: need 1 <= num_topk <= ", kMaxTopk, " and num_combined_tokens <= num_max_tokens_per_rank, got ",
+               p.num_topk, ", ", p.num_combined_tokens, " and ", p.num_max_tokens_per_rank);
   set_device();
   stream_wait(stream, wait_stream, event_in_.get());
   auto* s = reinterpret_cast<void*>(stream);
