@@ -66,3 +66,29 @@ def test_expert_id_count_and_example():
     assert _checks.count_bad_expert_ids(bad.int(), 8)[0] == 2  # 32-bit ids too
     with pytest.raises(ValueError, match=r"expert ids must be in \[-1, 8\), got 2 outside it \(e\.g\. 8\)"):
         raise _checks.expert_ids_error(2, 8, 8)
+
+
+def _agree_worker(rank, world, rdzv):
+    from elastic_ep import _checks as checks
+    from tests._dist import init_gloo
+
+    group = init_gloo(rank, world, rdzv)
+    same = dict(num_bytes=1 << 30, allow_multiple_reduction=1, num_scaleup_ranks=0)
+    checks.agree_on_every_rank(group, "ElasticBuffer (native)", same, device="cpu")
+    odd = dict(same, num_bytes=(1 << 30) + (4096 if rank == 2 else 0))
+    try:
+        checks.agree_on_every_rank(group, "ElasticBuffer (native)", odd, device="cpu")
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_window_arguments_agreed_on_every_rank(tmp_path):
+    # A rank created with another buffer size would be written past by its peers: every rank refuses,
+    # naming the argument and each rank's value (one fixed-size int64 all-gather, nothing unpickled).
+    from tests._dist import run_workers
+
+    out = run_workers(_agree_worker, 3, tmp_path=tmp_path, timeout=90)
+    want = ("ElasticBuffer (native): num_bytes must be the same on every rank (a rank with a larger one would "
+            "write past its peers' memory), got rank 0: 1073741824, rank 1: 1073741824, rank 2: 1073745920")
+    assert out == [want] * 3

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections.abc
 import math
 import operator
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -546,3 +546,28 @@ def on_every_rank(group: dist.ProcessGroup, what: str, step: Any, *args: Any) ->
         err = e
     raise_if_any_rank_failed(group, err, what)
     return out
+
+
+def agree_on_every_rank(group: dist.ProcessGroup, what: str, values: Dict[str, int],
+                        device: Union[str, torch.device] = "cuda") -> None:
+    """Collective: every rank of ``group`` passes the same ``values`` (ints, the same names in the same
+    order on every rank), or every rank raises ``ValueError`` naming the first that differs, the ranks
+    and their values. One all-gather of a fixed-size int64 record: nothing a peer sends is unpickled.
+
+    Arguments:
+        group: the process group; ``device``: where its collectives take tensors ("cuda" for NCCL).
+        what: the call, for the message (e.g. "ElasticBuffer(...)").
+        values: argument name -> value.
+    """
+    names = list(values)
+    mine = torch.tensor([int(values[n]) for n in names], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    rows = [t.tolist() for t in every]
+    for i, name in enumerate(names):
+        seen = [row[i] for row in rows]
+        if len(set(seen)) > 1:
+            by_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(seen))
+            raise ValueError(f"{what}: {name} must be the same on every rank (a rank with a larger one would "
+                             f"write past its peers' memory), got {by_rank}")
+

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _env
-from ._checks import c_ints, expert_ids_error, raise_if_any_rank_failed
+from ._checks import agree_on_every_rank, c_ints, expert_ids_error, raise_if_any_rank_failed
 from ._events import EventHandle
 from ._nccl import (all_ok, comm_arg, destroy_nccl_comm, get_logical_domain_size, need_cuda, new_nccl_comm,
                     torch_nccl_comm)
@@ -176,6 +176,11 @@ class NativeWindow(Runtime):
             communicator was found)``.
         """
         rank, R = dist.get_rank(group), dist.get_world_size(group)
+        # Before any memory is registered: every rank's window must have the layout its peers write into.
+        agree_on_every_rank(group, "ElasticBuffer (native)", dict(
+            num_bytes=num_buffer_bytes, allow_multiple_reduction=int(allow_multiple_reduction),
+            num_scaleup_ranks=num_scaleup_ranks, gin=int(gin is not None), window=int(window == "ipc")),
+            device="cpu" if dist.get_backend(group) == "gloo" else "cuda")
         kw = dict(num_buffer_bytes=num_buffer_bytes, allow_multiple_reduction=allow_multiple_reduction,
                   num_cpu_timeout_secs=num_cpu_timeout_secs, num_gpu_timeout_secs=num_gpu_timeout_secs,
                   explicitly_destroy=explicitly_destroy, settings=settings, buffer_id=buffer_id,
