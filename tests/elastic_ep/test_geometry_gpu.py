@@ -67,3 +67,45 @@ def geometry_worker(rank, world, rdzv, field, cpu_sync):
 def test_native_dispatch_refuses_a_rank_with_other_geometry(tmp_path, field, cpu_sync):
     res = run_workers(geometry_worker, 2, field, cpu_sync, tmp_path=tmp_path, timeout=150)
     assert res == ["refused", "refused"]
+
+
+def corrupt_worker(rank, world, rdzv, kind):
+    """Rank 0 sends rank 1 a corrupted word (ELASTIC_EP_TEST_CORRUPT, read when the buffer is made):
+    a count above num_max_tokens_per_rank, or records naming source tokens outside rank 0's range. Rank 1
+    reports a protocol error naming rank 0 (at once for the count, which notify checks before sizing
+    anything; at its next call for the records, which the epilogue checks as it copies) and writes
+    nothing where the word points; rank 0 learns of rank 1 through a named timeout, never a hang."""
+    import os
+
+    from tests.elastic_ep._common import import_elastic_ep, init_ep_group, make_inputs
+
+    if rank == 0:
+        os.environ["ELASTIC_EP_TEST_CORRUPT"] = kind
+    ep = import_elastic_ep()
+    group = init_ep_group(rank, world, rdzv, "ipc")
+    E = 8 * world
+    buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, backend="native",
+                           num_cpu_timeout_secs=15, num_gpu_timeout_secs=5, explicitly_destroy=True, window="ipc")
+    inp = make_inputs(rank, T, H, K, E, "bf16", 7, "cuda")
+    got = "no error"
+    try:
+        recv, _, w, handle, _ = buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"],
+                                             num_experts=E)
+        torch.cuda.synchronize()
+        buf.combine(recv, handle, topk_weights=w)
+        torch.cuda.synchronize()
+        buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], num_experts=E)
+    except (ep.CommError, ep.CommTimeoutError) as e:
+        got = f"{type(e).__name__}: {e}"
+    buf.destroy()
+    torch.cuda.synchronize()  # the context stays usable
+    return got
+
+
+@pytest.mark.multigpu(2, shared_ok=True)
+@pytest.mark.parametrize("kind,says", [("count", f"rank 0 sent a count of {T + 1} tokens"),
+                                       ("source", "a record in rank 0's area names source token")])
+def test_native_dispatch_reports_a_corrupted_peer_word(tmp_path, kind, says):
+    zero, one = run_workers(corrupt_worker, 2, kind, tmp_path=tmp_path, timeout=150)
+    assert one.startswith("CommError") and "protocol error" in one and says in one, one
+    assert zero == "no error" or ("CommTimeoutError" in zero and "peer 1" in zero), zero

@@ -260,52 +260,6 @@ def test_dispatch_refused_keeps_buffer_usable_and_restores_stream(streams):
     b._alive()  # still usable
 
 
-@pytest.mark.parametrize("word,theirs,mine,says", [
-    (1, 256, 512, "bytes per row of x (hidden x element size): rank 1 passed 256, rank 0 (this one) 512"),
-    (0, 64, 48, "num_max_tokens_per_rank: rank 1 passed 64, rank 0 (this one) 48"),
-    (2, (16 << 16) | (2 << 8) | 0, (16 << 16) | (4 << 8) | 0, "num_topk: rank 1 passed 2, rank 0 (this one) 4"),
-    (3, (4 << 8) | 1, (1 << 8) | 1, "expert_alignment: rank 1 passed 4, rank 0 (this one) 1"),
-])
-def test_dispatch_refused_for_a_peers_geometry_names_the_argument(streams, word, theirs, mine, says):
-    # CPU sync: notify flags the host words (status 4) and reports the first differing word; the
-    # dispatch raises at once, nothing is owed (the push ended the operation), the buffer stays usable.
-    compute, comm, current = streams
-    rt = FakeRuntime(status=4, geometry=(1, word, theirs, mine))
-    b = make_buffer(rt, comm)
-    with pytest.raises(ValueError, match="different arguments") as info:
-        dispatch(b, allocate_on_comm_stream=True)
-    assert says in str(info.value) and "no row moved" in str(info.value)
-    assert "num_experts:" not in str(info.value)  # only the argument that differs is named
-    assert "dispatch_epilogue" not in rt.calls and "mark_broken" not in rt.calls and not rt.broken
-    assert current[0] is compute
-    b._alive()  # reported once: still usable
-
-
-def test_geometry_refusal_without_cpu_sync_is_raised_by_the_next_call(streams):
-    # Without a CPU sync (or cached) the host learns of the refusal from the health word: the next
-    # call raises before launching anything, once.
-    compute, comm, current = streams
-    rt = FakeRuntime()
-    b = make_buffer(rt, comm)
-    dispatch(b, do_cpu_sync=False)
-    rt.geometry = (1, 3, (1 << 8) | 1, (1 << 8) | 0)
-    launched = len(rt.calls)
-    with pytest.raises(ValueError, match="zero_copy: rank 1 passed 1, rank 0 \\(this one\\) 0"):
-        dispatch(b, do_cpu_sync=False)
-    assert len(rt.calls) == launched
-    dispatch(b, do_cpu_sync=False)  # usable again
-    assert rt.calls[-1] == "dispatch_epilogue"
-
-
-def test_geometry_fields_unpack_every_word():
-    from elastic_ep._native_window import geometry_fields
-
-    assert geometry_fields(2, (256 << 16) | (8 << 8) | 56, (288 << 16) | (8 << 8) | 56) == (
-        ("num_experts", "num_topk", "scale packs per token (mod 256)"), (256, 8, 56), (288, 8, 56))
-    assert geometry_fields(3, (128 << 8) | 1, 1 << 8) == (("expert_alignment", "zero_copy"), (128, 1), (1, 0))
-    assert geometry_fields(0, 4096, 2048)[1:] == ((4096,), (2048,))
-
-
 def test_dispatch_cpu_timeout_keeps_runtime_reason(streams):
     compute, comm, current = streams
     rt = FakeRuntime(status=2)
@@ -535,18 +489,19 @@ def test_settings_read_every_variable(monkeypatch):
     names = ["EP_BUFFER_DEBUG", "EP_REUSE_NCCL_COMM", "ELASTIC_EP_NUM_SMS", "ELASTIC_EP_SKIP_INDEX_CHECK",
              "ELASTIC_EP_DISPATCH_PDL", "ELASTIC_EP_DISPATCH_OVERLAP", "ELASTIC_EP_DISPATCH_PUSH_BLOCKS",
              "ELASTIC_EP_COMBINE_OVERLAP", "ELASTIC_EP_COMBINE_PUSH_BLOCKS", "ELASTIC_EP_HOST_WAIT_YIELD_US",
-             "ELASTIC_EP_TEST_NOTIFY_ATOMICS", "EP_AVOID_RECORD_STREAM", "ELASTIC_EP_SKIP_NCCL_VERSION_CHECK"]
+             "ELASTIC_EP_TEST_NOTIFY_ATOMICS", "EP_AVOID_RECORD_STREAM", "ELASTIC_EP_SKIP_NCCL_VERSION_CHECK",
+             "ELASTIC_EP_TEST_CORRUPT"]
     for n in names:
         monkeypatch.delenv(n, raising=False)
     assert _env.Settings.read() == _env.Settings()  # the defaults
     assert not _env.avoid_record_stream() and not _env.skip_nccl_version_check()
-    values = dict(zip(names, ["1", "0", "24", "1", "0", "1", "5", "1", "7", "-3", "1", "1", "1"]))
+    values = dict(zip(names, ["1", "0", "24", "1", "0", "1", "5", "1", "7", "-3", "1", "1", "1", "source"]))
     for n, v in values.items():
         monkeypatch.setenv(n, v)
     assert _env.Settings.read() == _env.Settings(
         buffer_debug=True, reuse_nccl_comm=False, num_sms=24, skip_index_check=True, dispatch_pdl=False,
         dispatch_overlap=True, dispatch_push_blocks=5, combine_overlap=True, combine_push_blocks=7,
-        host_wait_yield_us=0, test_notify_atomics=True)
+        host_wait_yield_us=0, test_notify_atomics=True, test_corrupt=2)
     assert _env.avoid_record_stream() and _env.skip_nccl_version_check()
     monkeypatch.setenv("EP_BUFFER_DEBUG", "0")
     assert not _env.Settings.read().buffer_debug

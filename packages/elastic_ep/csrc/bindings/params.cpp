@@ -43,6 +43,7 @@ const FieldTable<DispatchParams>& fields_of<DispatchParams>() {
       EP_FIELD(DispatchParams, direct_base),
       EP_FIELD(DispatchParams, forward_dense),
       EP_FIELD(DispatchParams, test_drop_scaleout_signals),
+      EP_FIELD(DispatchParams, test_corrupt),
   }};
   return t;
 }

@@ -38,7 +38,7 @@ constexpr unsigned kFull = 0xffffffffu;
 enum CounterSlot { kCtrDispatchPush = 0, kCtrDispatchEpilogue = 1, kCtrCombinePush = 2, kCtrCombineReduce = 3,
                    kCtrDispatchPushFailed = 4, kCtrDispatchNotify = 5, kCtrCombineTicket = 6,
                    kCtrCombineOverlapDone = 7, kCtrEpoch = kGridCounterEpochSlot, kCtrDispatchReady = 10,
-                   kCtrDispatchOutcome = 12, kCtrHybridForward = 14 };
+                   kCtrDispatchOutcome = 12, kCtrHybridForward = 14, kCtrProtocolReported = 15 };
 enum NotifyStatus : uint64_t { kNotifyOk = 0, kNotifyFailed = 1, kNotifyRefused = 2 };
 static_assert(kCtrEpoch % 2 == 0 && kCtrDispatchReady % 2 == 0 && kCtrDispatchOutcome % 2 == 0,
               "each u64 word needs an 8-byte aligned pair of slots");
@@ -141,6 +141,22 @@ __device__ __forceinline__ uint32_t dispatch_geometry_word(const DispatchParams&
                     uint32_t(p.zero_copy != 0);
   }
 }
+// A refusal or protocol error for the host (HostWorkspaceLayout::geometry): which peer, what, both
+// values; the running total last, so the host reads a complete report.
+__device__ void report_to_host(const CommView& c, int peer, int what, uint64_t theirs, uint64_t mine) {
+  uint64_t* g = host_workspace_layout().geometry.at<uint64_t>(c.host_workspace);
+  commkit::st_relaxed(&g[1], (uint64_t(peer) << 8) | uint64_t(what));
+  commkit::st_relaxed(&g[2], theirs);
+  commkit::st_relaxed(&g[3], mine);
+  commkit::st_release(&g[0], commkit::ld_relaxed(&g[0]) + 1u);
+}
+// A protocol error found by any thread of any block: the first one is reported (the runtime is then
+// unusable; the flag is never cleared).
+__device__ void report_protocol_once(const Ctx& cx, const CommView& c, int peer, int what, uint64_t theirs,
+                                     uint64_t mine) {
+  if (atomicCAS(&cx.counters[kCtrProtocolReported], 0u, 1u) == 0u) report_to_host(c, peer, what, theirs, mine);
+}
+
 // Direct mode: this rank's geometry words to every peer (block 0 of notify, at entry).
 __device__ void publish_geometry(const Ctx& cx, const DispatchParams& p, uint64_t E) {
   const uint64_t tag = uint64_t(uint32_t(E)) << 32;

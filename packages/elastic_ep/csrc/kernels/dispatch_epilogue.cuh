@@ -124,7 +124,16 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
     }
     const unsigned lanes = __ballot_sync(kFull, local >= 0);
     const int master = lanes ? __ffs(lanes) - 1 : 0;
-    if (!own) src_global = *reinterpret_cast<const volatile int*>(rec + tl.src_meta.offset);
+    if (!own) {
+      src_global = *reinterpret_cast<const volatile int*>(rec + tl.src_meta.offset);
+      // A record in source s's area names one of s's tokens; anything else is a corrupted word, which
+      // would send combine's rows to a wrong or non-existent rank: reported, and a safe id kept.
+      const int64_t first = int64_t(s) * p.num_max_tokens_per_rank;
+      if (src_global < first || src_global >= first + p.num_max_tokens_per_rank) {
+        if (lane == 0) report_protocol_once(cx, c, s, kProtocolSource, uint64_t(uint32_t(src_global)), uint64_t(s));
+        src_global = int(first);
+      }
+    }
     int my_row = -1;
     if (!p.do_expand) {
       if (lane < K) {
@@ -137,9 +146,19 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView
         const int k = __ffs(d) - 1;
         const int l = __shfl_sync(kFull, local, k);
         int pos = 0;
-        if (lane == 0)
-          pos = p.cached ? p.recv_src_metadata[int64_t(i) * M + 2 + k] : start[l] + atomicAdd(&cursor[l], 1);
+        if (lane == 0) {
+          if (p.cached) {
+            pos = p.recv_src_metadata[int64_t(i) * M + 2 + k];
+          } else {
+            // Rows past the expert's count come only from records whose ids disagree with the counts
+            // their senders sent (a corrupted word): reported, never written past the segment.
+            const int n = atomicAdd(&cursor[l], 1);
+            pos = n < unal[l] ? start[l] + n : -1;
+            if (pos < 0) report_protocol_once(cx, c, s, kProtocolPlacement, uint64_t(l), uint64_t(unal[l]));
+          }
+        }
         pos = __shfl_sync(kFull, pos, 0);
+        if (pos < 0) continue;
         if (lane == k) my_row = pos;
         copy_row(pos);
         const float wk = __shfl_sync(kFull, w, k);

@@ -42,26 +42,20 @@ __device__ void notify_outcome(const Ctx& cx, uint64_t E, NotifyStatus status) {
   if (threadIdx.x == 0) commkit::st_release_gpu(cx.counter_u64(kCtrDispatchOutcome), (E << 2) | uint64_t(status));
 }
 
-// A peer's dispatch geometry differs from this rank's (direct mode; `at` = peer * kGeometryWords +
-// word): refused on every rank alike, before any count or record is used. The host words carry the
-// geometry bit (a CPU-synced host raises at once), the report which peer and word (a host without CPU
-// sync raises at its next call); the push writes nothing to a peer of another geometry and ends the
-// operation, an epilogue launched without CPU sync returns at once.
-__device__ void refuse_geometry(const Ctx& cx, const CommView& c, const DispatchParams& p, uint64_t E, int L, int at) {
+// Notify refuses the dispatch on every rank alike (a peer's geometry differs: every rank sees it) or on
+// this one (a corrupted count word from `peer`), before any count or record is used: the host words
+// carry the geometry bit (a CPU-synced host raises at once), the report says which peer and what (a
+// host without CPU sync raises at its next call); the push writes nothing to a peer of another geometry
+// and ends the operation, an epilogue launched without CPU sync returns at once.
+__device__ void refuse_dispatch(const CommView& c, const DispatchParams& p, uint64_t E, const Ctx& cx, int L,
+                                int peer, int what, uint64_t theirs, uint64_t mine) {
   const auto hl = host_workspace_layout();
   const uint64_t tag = uint64_t(p.host_tag) << 32;
   auto* host_rank = hl.rank_count.at<uint64_t>(c.host_workspace);
   auto* host_expert = hl.expert_count.at<uint64_t>(c.host_workspace);
   for (int s = threadIdx.x; s < c.num_ranks; s += kThreads) commkit::st_relaxed(&host_rank[s], tag | kGeometryBit);
   for (int l = threadIdx.x; l < L; l += kThreads) commkit::st_relaxed(&host_expert[l], tag);
-  if (threadIdx.x == 0) {
-    uint64_t* g = hl.geometry.at<uint64_t>(c.host_workspace);
-    const int w = at % kGeometryWords;
-    commkit::st_relaxed(&g[1], (uint64_t(at / kGeometryWords) << 8) | uint64_t(w));
-    commkit::st_relaxed(&g[2], uint64_t(commkit::ld_relaxed(cx.local_u64(cx.ws.geometry, at)) & 0xffffffffull));
-    commkit::st_relaxed(&g[3], uint64_t(dispatch_geometry_word(p, w)));
-    commkit::st_release(&g[0], commkit::ld_relaxed(&g[0]) + 1u);
-  }
+  if (threadIdx.x == 0) report_to_host(c, peer, what, theirs, mine);
   notify_outcome(cx, E, kNotifyRefused);
 }
 
@@ -282,7 +276,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
     const uint64_t tag = uint64_t(uint32_t(E)) << 32;
     const HybridDomains& hd = cx.hd;
     for (int r = tid; r < R; r += kThreads) {
-      const uint64_t w = tag | refuse_bit | uint64_t(running[r]);
+      uint64_t w = tag | refuse_bit | uint64_t(running[r]);
+      if (p.test_corrupt == 1 && r == (rank + 1) % R && r != rank)
+        w = tag | refuse_bit | uint64_t(p.num_max_tokens_per_rank + 1);
       if (hd.local(r))
         cx.tr.put_u64(r, cx.ws.rank_count.offset + 8ull * rank, w);
       else
@@ -318,7 +314,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
   __syncthreads();
   if (!failed && !cx.hd.on) failed = !check_geometry(cx, p, E, kOpDispatchNotify, &s_geometry);
   if (!failed && s_geometry >= 0) {
-    refuse_geometry(cx, c, p, E, L, s_geometry);
+    const int at = s_geometry, w = at % kGeometryWords;
+    refuse_dispatch(c, p, E, cx, L, at / kGeometryWords, w,
+                    commkit::ld_relaxed(cx.local_u64(cx.ws.geometry, at)) & 0xffffffffull,
+                    dispatch_geometry_word(p, w));
     return;
   }
   if (failed || p.cached) {
@@ -340,6 +339,24 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c
     return;
   }
 
+  // Peers' counts bound what the epilogue reads (at most M records from each, K rows per record and
+  // expert): a larger one is a corrupted word, refused on this rank before anything is read or sized.
+  __shared__ int s_bad_count;
+  if (tid == 0) s_bad_count = -1;
+  __syncthreads();
+  for (int s = tid; s < R; s += kThreads)
+    if ((*cx.local_u64(cx.ws.rank_count, s) & kCountMask) > uint64_t(p.num_max_tokens_per_rank))
+      atomicCAS(&s_bad_count, -1, s);
+  for (int i = tid; i < R * L; i += kThreads)
+    if ((*cx.local_u64(cx.ws.expert_count, i) & 0xffffffffull) > uint64_t(K) * uint64_t(p.num_max_tokens_per_rank))
+      atomicCAS(&s_bad_count, -1, i / L);
+  __syncthreads();
+  if (s_bad_count >= 0) {
+    const int s = s_bad_count;
+    refuse_dispatch(c, p, E, cx, L, s, kProtocolCount, *cx.local_u64(cx.ws.rank_count, s) & kCountMask,
+                    uint64_t(p.num_max_tokens_per_rank));
+    return;
+  }
   // Reuse the shared arrays: running[] = tokens from each source, expert_cnt[] = aligned per local expert.
   const int A = p.expert_alignment;
   const auto hl = host_workspace_layout();

@@ -190,7 +190,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, 
           cx.tr.put_u32(r, off + tl.topk_idx.offset + 4ull * lane, uint32_t(int32_t(owner >= 0 ? e : -1)));
           cx.tr.put_u32(r, off + tl.topk_weights.offset + 4ull * lane, __float_as_uint(w));
         }
-        if (lane == 0) cx.tr.put_u32(r, off + tl.src_meta.offset, uint32_t(rank * p.num_max_tokens_per_rank + t));
+        if (lane == 0) {
+          const int64_t src = int64_t(rank) * p.num_max_tokens_per_rank + t +
+                              (p.test_corrupt == 2 && r != rank ? int64_t(R) * p.num_max_tokens_per_rank : 0);
+          cx.tr.put_u32(r, off + tl.src_meta.offset, uint32_t(src));
+        }
       }
       if (p.overlap) {
         // Every destination's record is complete: count it into the receiver's arrival counter of

@@ -103,6 +103,10 @@ struct DispatchParams {
   // Tests only (ELASTIC_EP_TEST_DROP_SCALEOUT_SIGNALS=1): the push raises no scale-out signal, so the
   // rail peers' forwarders time out naming the scale-out stage.
   int test_drop_scaleout_signals;
+  // Tests only (ELASTIC_EP_TEST_CORRUPT): 1 = the count word notify sends rank (rank + 1) % R claims
+  // num_max_tokens_per_rank + 1 tokens; 2 = the records the push writes to peers name a source token
+  // outside every rank's range. The receivers must report a protocol error and write nothing past.
+  int test_corrupt;
 };
 
 struct EpilogueParams {

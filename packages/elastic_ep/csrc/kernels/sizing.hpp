@@ -352,6 +352,11 @@ constexpr uint64_t kCountMask = kGeometryBit - 1ull;
 // [0] num_max_tokens_per_rank, [1] hidden bytes (hidden x element size), [2] (num_experts << 16) |
 // (num_topk << 8) | scale packs (mod 256), [3] (expert_alignment, at most 2^24 - 1) << 8 | zero_copy.
 constexpr int kGeometryWords = 4;
+// Protocol errors notify and the epilogue report through the same words (HostWorkspaceLayout::geometry):
+// a peer's count above num_max_tokens_per_rank (peer's count, M), a peer's record naming a source token
+// outside that peer's range (the record's source id, the peer), an expanded row past its expert's
+// count (local expert, its count). Nothing is written where such a word points.
+constexpr int kProtocolCount = 4, kProtocolSource = 5, kProtocolPlacement = 6;
 // grid_counter words kGridCounterEpochSlot and the next hold the u64 epoch of the last completed
 // operation (launch.cu; 8-byte aligned: the region is 128-byte aligned and the slot even).
 constexpr int kGridCounterEpochSlot = 8;
@@ -442,9 +447,10 @@ struct HostWorkspaceLayout {
   Region ids;           // u64[4]: [0] (tag<<32)|ids outside [-1, E) that made notify refuse a
                         // CPU-synced dispatch, [1] one such id; [2] running total of such ids notify
                         // masked (no CPU sync), [3] the last one (see launch.hpp)
-  Region geometry;      // u64[4]: [0] running total of dispatches notify refused for a geometry
-                        // mismatch, [1] (peer << 8) | geometry word of the last one, [2] the peer's
-                        // word, [3] this rank's (written before [0] is raised)
+  Region geometry;      // u64[4]: [0] running total of refusals reported, [1] (peer << 8) | what of the
+                        // last one, [2] the peer's value, [3] this rank's (written before [0] is
+                        // raised). What: a geometry word 0..3 (kGeometryWords), or a protocol error
+                        // (kProtocolCount, kProtocolSource, kProtocolPlacement: a corrupted peer word)
   uint64_t bytes;
 };
 

@@ -53,6 +53,9 @@ class Settings:
     #: ELASTIC_EP_TEST_NOTIFY_ATOMICS=1: notify's shared-atomics path (the one above 32 ranks), for tests.
     test_notify_atomics: bool = False
     test_drop_scaleout_signals: bool = False
+    #: ELASTIC_EP_TEST_CORRUPT=count|source: this rank's dispatch sends a peer a corrupted count word or
+    #: corrupted record source ids (fault-injection tests; 0 off, 1 count, 2 source).
+    test_corrupt: int = 0
     #: ELASTIC_EP_NUM_SCALEUP_RANKS=N: logical scale-up domains of N ranks (hybrid mode inside one node).
     num_scaleup_ranks: Optional[int] = None
 
@@ -77,6 +80,7 @@ class Settings:
             host_wait_yield_us=max(0, _int("ELASTIC_EP_HOST_WAIT_YIELD_US", 20000)),
             test_notify_atomics=_is("ELASTIC_EP_TEST_NOTIFY_ATOMICS", "1"),
             test_drop_scaleout_signals=_is("ELASTIC_EP_TEST_DROP_SCALEOUT_SIGNALS", "1"),
+            test_corrupt={"count": 1, "source": 2}.get(os.environ.get("ELASTIC_EP_TEST_CORRUPT", ""), 0),
             num_scaleup_ranks=num_scaleup_ranks(),
         )
 

@@ -55,6 +55,7 @@ class DispatchPlan(NamedTuple):
     zero_copy: bool
     zero_copy_x_offset: int
     test_drop_scaleout_signals: int  # ELASTIC_EP_TEST_DROP_SCALEOUT_SIGNALS
+    test_corrupt: int                # ELASTIC_EP_TEST_CORRUPT
 
 
 class EpiloguePlan(NamedTuple):

@@ -108,6 +108,7 @@ class NativeRuntime(NativeWindow):
 
     dispatch_pdl: bool = True
     _drop_scaleout_signals: int = 0  # ELASTIC_EP_TEST_DROP_SCALEOUT_SIGNALS (tests)
+    _test_corrupt: int = 0           # ELASTIC_EP_TEST_CORRUPT (tests)
 
     def _configure(self, settings: _env.Settings) -> None:
         self.dispatch_overlap = OverlapConfig(settings.dispatch_overlap, settings.dispatch_push_blocks)
@@ -115,6 +116,7 @@ class NativeRuntime(NativeWindow):
         self.dispatch_pdl = settings.dispatch_pdl
         self._notify_atomics = int(settings.test_notify_atomics)
         self._drop_scaleout_signals = int(settings.test_drop_scaleout_signals)
+        self._test_corrupt = int(settings.test_corrupt)
         self._dispatch_blocks_of = plan_cache(self._make_dispatch_blocks)
         self._combine_block_of = plan_cache(self._make_combine_block)
 
@@ -218,7 +220,7 @@ class NativeRuntime(NativeWindow):
             refuse_bad_ids=a.do_cpu_sync and not cached and self._refuse_bad_ids,
             overlap=overlapped, concurrent_notify=pdl and not overlapped and not self.num_scaleup_ranks,
             zero_copy=a.zero_copy, zero_copy_x_offset=a.zero_copy_x_offset if a.zero_copy else 0,
-            test_drop_scaleout_signals=self._drop_scaleout_signals)
+            test_drop_scaleout_signals=self._drop_scaleout_signals, test_corrupt=self._test_corrupt)
         epilogue = EpiloguePlan(**shape, do_expand=a.do_expand, do_zero_padding=a.do_zero_padding,
                                 num_sms=num_sms - push_sms, overlap=overlapped, zero_copy=a.zero_copy)
         return _C.DispatchParams(**notify._asdict()), _C.EpilogueParams(**epilogue._asdict())

@@ -63,6 +63,15 @@ class _DeviceMemory:
                                          "strides": None}
 
 
+# What notify / the epilogue report besides geometry words (csrc/kernels/sizing.hpp kProtocol*).
+_PROTOCOL_ERRORS = {
+    4: "rank {peer} sent a count of {theirs} tokens, more than num_max_tokens_per_rank={mine} (a corrupted count word)",
+    5: "a record in rank {peer}'s area names source token {theirs}, outside that rank's range (a corrupted record)",
+    6: "records from rank {peer} put more rows into local expert {theirs} than the {mine} its count said (a "
+       "corrupted record or count)",
+}
+
+
 def geometry_fields(word: int, theirs: int, mine: int) -> Tuple[Tuple[str, ...], Tuple[int, ...], Tuple[int, ...]]:
     """The arguments packed into dispatch geometry word ``word`` (csrc/kernels/sizing.hpp kGeometryWords),
     and their values in two ranks' words: ``(names, theirs, mine)``."""
@@ -308,14 +317,20 @@ class NativeWindow(Runtime):
             return ValueError(f"topk_idx: expert ids must be in [-1, {num_experts}) ({note})")
         return ValueError(f"dispatch refused: {note}")
 
-    def _geometry_error(self) -> Optional[ValueError]:
-        """The ValueError of the dispatch notify refused because a peer's geometry differed from this
-        rank's (every rank refused it; no row moved; the buffer stays usable), or None when none is
-        pending."""
+    def _geometry_error(self) -> Optional[Exception]:
+        """The error of a dispatch refused for a peer's word, or None when none is pending: a ValueError
+        when the peer's geometry differed (every rank refused it; no row moved; the buffer stays
+        usable), a CommError (the buffer marked unusable) for a corrupted count or record word."""
         found = self._rt.take_geometry_mismatch()
         if found is None:
             return None
         peer, word, theirs, mine = found
+        if word in _PROTOCOL_ERRORS:
+            what = _PROTOCOL_ERRORS[word].format(peer=peer, theirs=theirs, mine=mine)
+            msg = (f"dispatch [rank {self.rank_idx}]: protocol error: {what}; nothing was written where it "
+                   "points. This buffer is unusable: destroy it on every rank and create a new one")
+            self._rt.mark_broken(msg)
+            return CommError(msg)
         diffs = [f"{name}: rank {peer} passed {a}, rank {self.rank_idx} (this one) {b}"
                  for name, a, b in zip(*geometry_fields(word, theirs, mine)) if a != b]
         return ValueError("dispatch: the ranks called it with different arguments ("
