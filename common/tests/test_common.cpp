@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -23,6 +24,7 @@
 #include "commkit/deadline.hpp"
 #include "commkit/ipc_handle.hpp"
 #include "commkit/layout.hpp"
+#include "commkit/process.hpp"
 #include "commkit/shm.hpp"
 #include "commkit/timeout_record.hpp"
 
@@ -389,6 +391,88 @@ void timeout_record_tests() {
   });
 }
 
+// ---- peer processes
+pid_t spawn_sleeper() {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::pause();
+    ::_exit(0);
+  }
+  return pid;
+}
+
+void process_tests() {
+  run("process: this process is alive under its start time, not under another", [] {
+    const commkit::ProcessId me = commkit::this_process();
+    EXPECT(me.pid == uint64_t(::getpid()) && me.start != 0 && me.boot != 0 && me.pid_ns != 0);
+    EXPECT(commkit::process_alive(me.pid, me.start) && commkit::process_alive(me.pid, 0));
+    EXPECT(!commkit::process_alive(me.pid, me.start + 1));  // the pid names another process now
+  });
+  run("process: a killed child is dead as a zombie and after it was reaped", [] {
+    const pid_t child = spawn_sleeper();
+    const uint64_t start = commkit::process_start_time(uint64_t(child));
+    EXPECT(start != 0 && commkit::process_alive(uint64_t(child), start));
+    ::kill(child, SIGKILL);
+    bool dead = false;
+    for (int i = 0; i < 200 && !dead; ++i) {  // the kernel makes it a zombie shortly
+      dead = !commkit::process_alive(uint64_t(child), start);
+      if (!dead) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT(dead);
+    ::waitpid(child, nullptr, 0);
+    EXPECT(!commkit::process_alive(uint64_t(child), start) && commkit::process_start_time(uint64_t(child)) == 0);
+  });
+  run("peer watch: a peer's death on this host claims the timeout record naming it, within periods", [] {
+    const pid_t child = spawn_sleeper();
+    commkit::ProcessId peer = commkit::this_process();
+    peer.pid = uint64_t(child);
+    peer.start = commkit::process_start_time(peer.pid);
+    commkit::ProcessId elsewhere = peer;
+    elsewhere.boot ^= 1;  // another kernel: its pid means nothing here, so it is not watched
+    commkit::TimeoutRecord rec{};
+    commkit::clear_timeout_record(&rec);
+    commkit::PeerWatch watch(&rec, 14, 0, {commkit::this_process(), peer, elsewhere}, 10);
+    EXPECT(watch.num_watched() == 1 && watch.dead_peer() == -1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT(commkit::ld_acquire(&rec.flag) == 0u);  // alive: nothing reported
+    const auto t0 = std::chrono::steady_clock::now();
+    ::kill(child, SIGKILL);
+    while (commkit::ld_acquire(&rec.flag) == 0u &&
+           std::chrono::steady_clock::now() - t0 < std::chrono::seconds(2))
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    ::waitpid(child, nullptr, 0);
+    EXPECT(rec.flag == 1u && rec.op == 14u && rec.rank == 0 && rec.peer == 1 && rec.expected == int64_t(child));
+    EXPECT(watch.dead_peer() == 1);
+  });
+  run("peer watch: a record a device deadline claimed first is kept; stopping joins at once", [] {
+    const pid_t child = spawn_sleeper();
+    commkit::ProcessId peer = commkit::this_process();
+    peer.pid = uint64_t(child);
+    peer.start = commkit::process_start_time(peer.pid);
+    commkit::TimeoutRecord rec{};
+    commkit::clear_timeout_record(&rec);
+    rec.op = 3;
+    rec.peer = 5;
+    commkit::st_release(&rec.flag, 1u);
+    {
+      commkit::PeerWatch watch(&rec, 14, 0, {commkit::this_process(), peer}, 5);
+      ::kill(child, SIGKILL);
+      ::waitpid(child, nullptr, 0);
+      for (int i = 0; i < 100 && watch.dead_peer() < 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      EXPECT(watch.dead_peer() == 1);
+    }
+    EXPECT(rec.op == 3u && rec.peer == 5);
+    const auto t0 = std::chrono::steady_clock::now();
+    { commkit::PeerWatch idle(&rec, 14, 0, {commkit::this_process()}, 60000); }  // nobody to watch: no thread
+    {
+      // A live peer and a 60 s period: the destructor wakes the thread instead of waiting it out.
+      commkit::PeerWatch slow(&rec, 14, 0, {commkit::this_process(), commkit::this_process()}, 60000);
+      EXPECT(slow.num_watched() == 1);
+    }
+    EXPECT(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1));
+  });
+}
+
 }  // namespace
 
 int main() {
@@ -398,6 +482,7 @@ int main() {
   layout_tests();
   ipc_and_shm_tests();
   timeout_record_tests();
+  process_tests();
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

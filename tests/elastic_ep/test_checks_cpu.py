@@ -75,6 +75,9 @@ def _agree_worker(rank, world, rdzv):
     group = init_gloo(rank, world, rdzv)
     same = dict(num_bytes=1 << 30, allow_multiple_reduction=1, num_scaleup_ranks=0)
     checks.agree_on_every_rank(group, "ElasticBuffer (native)", same, device="cpu")
+    # uint64 values (process ids: a boot-id hash above 2^63) come back as they were sent
+    ids = checks.gather_ints(group, [(1 << 64) - 1 - rank, rank], "cpu", unsigned=True)
+    assert ids == [[(1 << 64) - 1 - r, r] for r in range(world)], ids
     odd = dict(same, num_bytes=(1 << 30) + (4096 if rank == 2 else 0))
     try:
         checks.agree_on_every_rank(group, "ElasticBuffer (native)", odd, device="cpu")

@@ -207,10 +207,10 @@ PYBIND11_MODULE(_C, m) {
       .def("unlink", &commkit::ShmSegment::unlink)
       .def("close", &commkit::ShmSegment::close);
   m.def("shm_free_bytes", &commkit::shm_free_bytes);
-  m.def("process_start_time", &live_start_time, py::arg("pid"));
+  m.def("process_start_time", &commkit::process_start_time, py::arg("pid"));
   // Test hooks for the liveness check (tests/fp8_layerwise/test_liveness_records.py): the per-rank
   // (pid, start time) records live in the control region at offsets Python does not know.
-  m.def("_debug_rank_process_alive", &rank_process_alive, py::arg("pid"), py::arg("recorded_start"),
+  m.def("_debug_rank_process_alive", &commkit::process_alive, py::arg("pid"), py::arg("recorded_start"),
         "Test hook: the transport's liveness predicate for a rank record (pid, start time recorded on "
         "attach): False when the pid is gone, a zombie, or now names a process with another start time.");
   m.def("_debug_set_rank_process", &debug_set_rank_process, py::arg("control_ptr"), py::arg("control_size"),

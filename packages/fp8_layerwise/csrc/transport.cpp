@@ -71,44 +71,6 @@ Control* checked_control(uintptr_t ptr, size_t size, int tp) {
 
 size_t control_bytes() { return kControlBytes; }
 
-uint64_t live_start_time(uint64_t pid) {
-  char path[64];
-  std::snprintf(path, sizeof(path), "/proc/%llu/stat", static_cast<unsigned long long>(pid));
-  FILE* f = std::fopen(path, "r");
-  if (f == nullptr) return 0;
-  char buf[1024];
-  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
-  std::fclose(f);
-  buf[n] = '\0';
-  const char* p = std::strrchr(buf, ')');  // the command name may contain spaces and parens
-  if (p == nullptr) return 0;
-  ++p;
-  char state = 0;
-  uint64_t start = 0;
-  int field = 2;
-  const char* tok = p;
-  while (*tok != '\0' && field < 22) {
-    while (*tok == ' ') ++tok;
-    ++field;
-    if (field == 3) state = *tok;
-    if (field == 22) {
-      start = std::strtoull(tok, nullptr, 10);
-      break;
-    }
-    while (*tok != '\0' && *tok != ' ') ++tok;
-  }
-  if (state == 'Z' || state == 'X' || state == 'x') return 0;
-  return start == 0 ? 1 : start;
-}
-
-bool rank_process_alive(uint64_t pid, uint64_t recorded_start) {
-  const uint64_t start = live_start_time(pid);
-  if (start == 0) return false;  // no such process, or a zombie
-  // The pid names another process now (pid reuse): the rank's own process is gone.
-  if (recorded_start != 0 && start != recorded_start) return false;
-  return true;
-}
-
 size_t control_struct_bytes() { return sizeof(Control); }
 
 void debug_set_rank_process(uintptr_t control_ptr, size_t control_size, int rank, uint64_t pid,
@@ -200,7 +162,7 @@ Transport::Impl::Impl(uintptr_t control_ptr, size_t control_size, int rank, int 
   // A record left by a process that is gone (dead, a zombie, or its pid now another process's)
   // does not block the seat; one of a live process does, unless it is this process (re-attach).
   CK_CHECK_ARG(ld_acquire(&me.status) != kRankAttached ||
-                   !rank_process_alive(ld_relaxed(&me.pid), ld_relaxed(&me.pid_start)) ||
+                   !commkit::process_alive(ld_relaxed(&me.pid), ld_relaxed(&me.pid_start)) ||
                    ld_relaxed(&me.pid) == static_cast<uint64_t>(::getpid()),
                "rank ", rank_, " is already attached by live process ", ld_relaxed(&me.pid));
   generation_ = ld_acquire(&c_->layer.generation);
@@ -220,7 +182,7 @@ Transport::Impl::Impl(uintptr_t control_ptr, size_t control_size, int rank, int 
   }
   st_relaxed(&me.departed_blame, uint64_t{0});
   st_relaxed(&me.pid, static_cast<uint64_t>(::getpid()));
-  st_relaxed(&me.pid_start, live_start_time(static_cast<uint64_t>(::getpid())));
+  st_relaxed(&me.pid_start, commkit::process_start_time(static_cast<uint64_t>(::getpid())));
   st_release(&me.status, static_cast<uint64_t>(kRankAttached));
 
   worker_ = std::thread(&Impl::consumer_main, this);

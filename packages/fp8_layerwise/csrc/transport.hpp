@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "commkit/check.hpp"
+#include "commkit/process.hpp"
 #include "control.hpp"
 
 namespace fp8lw {
@@ -162,14 +163,10 @@ class ShardWriter {
 };
 
 size_t control_bytes();
-// /proc/<pid>/stat start time (field 22); 0 when the process is gone or a zombie. With the pid it
-// names a process across pid reuse (liveness checks, FileExchange's session leader).
-uint64_t live_start_time(uint64_t pid);
-// Whether the process a rank recorded on attach (its pid and that pid's start time then) is still
-// running: false when the pid is gone or a zombie, and when it now names another process (a pid
-// reused after the rank died: the start time differs). recorded_start 0 (unknown) trusts the pid.
-// The liveness check of every wait (check_peers) asks this about each rank it depends on.
-bool rank_process_alive(uint64_t pid, uint64_t recorded_start);
+// Liveness of a rank's process: commkit::process_start_time (its /proc start time; 0 when gone or a
+// zombie; with the pid it names one process across pid reuse) recorded on attach, and
+// commkit::process_alive(pid, recorded start), which the check of every wait (check_peers) asks about
+// each rank it depends on (commkit/process.hpp).
 size_t control_struct_bytes();
 // Test hook (bound as _C._debug_set_rank_process): stores (pid, start_time) as rank's process in
 // the control region and marks the rank attached, as a rank of that process would have left its

@@ -140,7 +140,7 @@ void Transport::Impl::check_peers(uint32_t mask, const char* what, bool record) 
     if (status == kRankClosed && closed < 0) closed = r;
     if (status != kRankAttached) continue;  // not attached yet: only the deadline applies
     const uint64_t pid = ld_relaxed(&rs.pid);
-    if (!rank_process_alive(pid, ld_relaxed(&rs.pid_start)))
+    if (!commkit::process_alive(pid, ld_relaxed(&rs.pid_start)))
       departed(r, commkit::str("rank ", r, " (pid ", pid, ") died"), what, record);
   }
   if (closed >= 0) departed(closed, commkit::str("rank ", closed, " closed its transport"), what, record);

@@ -58,7 +58,8 @@ CK_HD constexpr bool fp8_wire_head_dim_ok(int64_t d) { return d == 16 || d == 32
 // Operation codes, also the `op` of a TimeoutRecord (op = kind * 4 + phase). The record holds
 // failures that are not timeouts too (kPhaseMismatch, kPhaseBroken); the host tells them apart by
 // the phase.
-enum Op : int { kSendRecvHeads = 0, kGatherHeads = 1, kAllGather = 2 };
+enum Op : int { kSendRecvHeads = 0, kGatherHeads = 1, kAllGather = 2,
+                kPeerWatch = 3 };  // not a call: commkit::PeerWatch found a peer's process gone (op kPeerWatch * 4)
 enum Phase : int {
   kPhaseEntry = 0,       // timeout: the peer never entered the call (expected/observed: call numbers)
   kPhaseCompletion = 1,  // timeout: the peer's data never arrived (expected/observed: call numbers)

@@ -17,6 +17,9 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "Native core of ipc_all2all (raw pointers; use the ipc_all2all Python package).";
   commkit::register_python_errors(m);
   m.def("built_with_cuda", [] { return bool(COMMKIT_WITH_CUDA); });
+  m.def(
+      "this_process", [] { return commkit::as_tuple(commkit::this_process()); },
+      "(kernel boot id hash, PID-namespace inode, pid, start time) of this process, for Core.watch_peers.");
   m.attr("FP8_RECORD_PAD") = ipc_all2all::kFp8RecordPad;
   m.attr("MAX_WORLD_SIZE") = ipc_all2all::kMaxWorld;
   m.attr("NUM_SLOTS") = ipc_all2all::kNumSlots;
@@ -150,6 +153,13 @@ PYBIND11_MODULE(_C, m) {
       .def("fp8_unpack", &Core::fp8_unpack, py::arg("in_ptr"), py::arg("out_ptr"), py::arg("groups"),
            py::arg("head_dim"), py::arg("stream"))
       .def("check", &Core::check)
+      .def(
+          "watch_peers",
+          [](Core& c, const std::vector<commkit::ProcessIdTuple>& ids, int period_ms) {
+            c.watch_peers(commkit::process_ids(ids), period_ms);
+          },
+          py::arg("process_ids"), py::arg("period_ms"),
+          "Watch the peers' processes on this host (process_ids[r] = rank r's this_process()); period_ms 0: off")
       .def("synchronize", &Core::synchronize, py::arg("stream"), py::call_guard<commkit::GilRelease>())
       .def("set_timeout_seconds", &Core::set_timeout_seconds)
       .def_property_readonly("timeout_seconds", &Core::timeout_seconds)

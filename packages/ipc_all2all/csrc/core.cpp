@@ -54,6 +54,7 @@ const char* op_name(uint32_t op) {
     case kAllGather * 4 + kPhaseCompletion: return "allgather (completion: peer's data never arrived)";
     case kAllGather * 4 + kPhaseMismatch: return "allgather (entry handshake: peer entered another call)";
     case kAllGather * 4 + kPhaseBroken: return "allgather (abandoned: the instance failed)";
+    case kPeerWatch * 4: return "ipc_all2all peer watch (a peer's process on this host died)";
     default: return "unknown ipc_all2all operation";
   }
 }
@@ -348,6 +349,16 @@ void Core::fp8_unpack(uint64_t in_ptr, uint64_t out_ptr, int64_t groups, int hea
 #endif
 }
 
+void Core::watch_peers(const std::vector<commkit::ProcessId>& peers, int period_ms) {
+  const std::lock_guard<std::recursive_mutex> lock(mu_);
+  CK_CHECK(!destroyed_ && rec_host_ != nullptr, "watch_peers: this All2All instance was destroyed");
+  CK_CHECK_ARG(int(peers.size()) == world_, "watch_peers: expected one process id per rank (", world_, "), got ",
+               peers.size());
+  watch_.reset();
+  if (period_ms > 0)
+    watch_ = std::make_unique<commkit::PeerWatch>(rec_host_, uint32_t(kPeerWatch * 4), rank_, peers, period_ms);
+}
+
 void Core::check() {
   const std::lock_guard<std::recursive_mutex> lock(mu_);
   if (destroyed_ || rec_host_ == nullptr) return;
@@ -360,6 +371,11 @@ void Core::check() {
   broken_ = true;
   const uint32_t phase = r.op % 4;
   broken_reason_ = std::string("a device-side failure in ") + op_name(r.op);
+  if (r.op == kPeerWatch * 4) {
+    broken_reason_ = commkit::str("rank ", r.peer, "'s process died");
+    CK_CHECK_RANK(false, r.rank, r.peer, "rank ", r.peer, "'s process (pid ", r.expected,
+                  ") on this host died; the call waiting for it was ended at once", kRecreate);
+  }
   if (phase == kPhaseMismatch || phase == kPhaseBroken)
     CK_CHECK_RANK(false, r.rank, r.peer, failure_message(r));
   // Entry timeouts record call numbers in the handshake word's high half.
@@ -435,6 +451,7 @@ void Core::destroy(bool free_buffer) {
     }
   const cudaError_t closed = commkit::close_ipc_handles(peers);
   if (first == cudaSuccess) first = closed;
+  watch_.reset();  // its thread writes the record freed below
   if (rec_host_) {
     cudaError_t e = cudaFreeHost(rec_host_);
     if (first == cudaSuccess) first = e;

@@ -5,12 +5,14 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "a2a_types.hpp"
 #include "commkit/ipc_handle.hpp"
+#include "commkit/process.hpp"
 #include "commkit/timeout_record.hpp"
 
 namespace ipc_all2all {
@@ -81,6 +83,10 @@ class Core {
   // for a call the peer ran differently or a call abandoned because the instance had failed. Any
   // record leaves the instance broken: later calls are refused (destroy and recreate).
   void check();
+  // Watches the peers' processes on this host (commkit::PeerWatch, every period_ms; 0: off):
+  // peers[r] = rank r's commkit::this_process(), exchanged by the caller. A dead one ends this rank's
+  // waits at once through the record; check() then raises commkit::Error naming it.
+  void watch_peers(const std::vector<commkit::ProcessId>& peers, int period_ms);
   void synchronize(uint64_t stream);  // waits for `stream` and the instance's last call, then check()
   void set_timeout_seconds(double s);
   double timeout_seconds() const { return timeout_ns_ * 1e-9; }
@@ -110,6 +116,7 @@ class Core {
   std::string handle_;
   commkit::TimeoutRecord* rec_host_ = nullptr;
   commkit::TimeoutRecord* rec_dev_ = nullptr;
+  std::unique_ptr<commkit::PeerWatch> watch_;  // writes *rec_host_: reset before it is freed
   uint64_t calls_ = 0, captured_calls_ = 0;
   std::array<uint64_t, kNumSlots> slot_capture_{};
   void* last_done_ = nullptr;    // cudaEvent_t recorded after the last eager call

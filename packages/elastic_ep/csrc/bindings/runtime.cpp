@@ -77,6 +77,9 @@ void bind_options(py::module_& m) {
 }  // namespace
 
 void bind_comm(py::module_& m) {
+  m.def(
+      "this_process", [] { return commkit::as_tuple(commkit::this_process()); },
+      "(kernel boot id hash, PID-namespace inode, pid, start time) of this process, for Runtime.watch_peers.");
   m.def("nccl_version", &nccl_runtime_version, "NCCL_VERSION_CODE of the loaded libnccl");
   m.def("nccl_build_version", &nccl_build_version, "NCCL_VERSION_CODE of the headers at build time");
   m.def("get_local_nccl_unique_id", [] { return py::bytes(get_local_nccl_unique_id()); });
@@ -186,6 +189,15 @@ void bind_runtime(py::module_& m) {
            py::arg("num_local_experts"))
       .def("take_refusal", [](Runtime& r) { return commkit::without_gil([&] { return r.take_refusal(); }); })
       .def("take_masked_ids", &Runtime::take_masked_ids)
+      .def(
+          "watch_peers",
+          [](Runtime& r, const std::vector<commkit::ProcessIdTuple>& ids, int period_ms) {
+            r.watch_peers(commkit::process_ids(ids), period_ms);
+          },
+          py::arg("process_ids"), py::arg("period_ms"),
+          "Watch the peers' processes on this host: process_ids[r] = rank r's this_process(); a dead one ends "
+          "this rank's waits at once, reported by take_timeout (peer = that rank). period_ms 0: off.")
+      .def_property_readonly("num_watched_peers", &Runtime::num_watched_peers)
       .def("take_geometry_mismatch", &Runtime::take_geometry_mismatch,
            "(peer, geometry word, the peer's word, this rank's word) of a dispatch notify refused for a peer's "
            "geometry, once; None when none is pending")

@@ -32,6 +32,7 @@ const char* op_name(uint32_t op) {
       return "elastic_ep hybrid combine scale-up stage (the forwarder waiting for a domain peer's partials)";
     case kOpCombineScaleout:
       return "elastic_ep hybrid combine scale-out stage (waiting for a rail peer's forwarded partials)";
+    case kOpPeerDied: return "elastic_ep peer watch (a peer's process on this host died)";
     default: return "elastic_ep operation";
   }
 }
@@ -71,6 +72,16 @@ Runtime::TimeoutInfo Runtime::take_timeout() {
   broken_ = true;
   broken_reason_ = info.operation + " timed out earlier";
   return info;
+}
+
+void Runtime::watch_peers(const std::vector<commkit::ProcessId>& peers, int period_ms) {
+  CK_CHECK(!destroyed_ && host_ws_, "the elastic buffer was destroyed");
+  CK_CHECK_ARG(int(peers.size()) == num_ranks_, "watch_peers: expected one process id per rank (", num_ranks_,
+               "), got ", peers.size());
+  watch_.reset();
+  if (period_ms <= 0) return;
+  watch_ = std::make_unique<commkit::PeerWatch>(host_workspace_layout().timeout.at<commkit::TimeoutRecord>(host_ws_.get()),
+                                                uint32_t(kOpPeerDied), rank_, peers, period_ms);
 }
 
 int Runtime::pending_health() const {

@@ -210,6 +210,7 @@ Teardown Runtime::quiesce() {
 }
 
 void Runtime::release(Teardown how) noexcept {
+  watch_.reset();  // its thread writes the timeout record in the host workspace
   // Events and the stream are local and may go with work pending on them (CUDA frees them once it
   // completes).
   for (CudaEvent* ev : {&event_in_, &event_out_, &notify_done_, &epi_done_}) ev->reset();

@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "commkit/process.hpp"
 #include "host/cuda_owned.hpp"
 #include "host/window.hpp"
 #include "kernels/launch.hpp"
@@ -129,6 +130,12 @@ class Runtime {
   // peer's geometry not reported yet). 0 = nothing to report.
   enum HealthBits { kHealthTimeout = 1, kHealthBroken = 2, kHealthMaskedIds = 4, kHealthGeometry = 8 };
   int pending_health() const;
+  // Watches the peers' processes on this host (commkit::PeerWatch; `peers[r]` = rank r's
+  // commkit::this_process(), exchanged by the caller), every period_ms (0: no watch): a dead one ends
+  // this rank's waits at once through the timeout record (op kOpPeerDied, peer = that rank). Stopped
+  // by destroy. (health.cpp)
+  void watch_peers(const std::vector<commkit::ProcessId>& peers, int period_ms);
+  int num_watched_peers() const { return watch_ ? watch_->num_watched() : 0; }
 
   // ---- EP operations (ops_ep.cpp). Health (timeouts, destroyed) is checked by the Python layer
   // before each launch (pending_health).
@@ -222,6 +229,7 @@ class Runtime {
   IpcWindow* ipc_ = nullptr;      // window_ when it is the CUDA-IPC one
   DeviceMemory domain_peer_bases_;  // hybrid mode: device [num_ranks], null outside the own domain
   HostMemory host_ws_;            // cudaHostAlloc mapped
+  std::unique_ptr<commkit::PeerWatch> watch_;  // writes host_ws_'s timeout record: reset before it goes
   void* host_ws_dev_ = nullptr;
   CudaEvent event_in_;    // stream_wait before an operation's first launch
   CudaEvent event_out_;   // stream_wait after its last launch

@@ -48,6 +48,8 @@ enum OpCode : uint32_t {
   kOpDispatchScaleout = 11,
   kOpCombineScaleup = 12,
   kOpCombineScaleout = 13,
+  // Not a device wait: the host's peer watch (commkit::PeerWatch) found a peer's process gone.
+  kOpPeerDied = 14,
 };
 const char* op_name(uint32_t op);
 

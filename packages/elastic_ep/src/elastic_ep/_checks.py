@@ -560,10 +560,7 @@ def agree_on_every_rank(group: dist.ProcessGroup, what: str, values: Dict[str, i
         values: argument name -> value.
     """
     names = list(values)
-    mine = torch.tensor([int(values[n]) for n in names], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    rows = [t.tolist() for t in every]
+    rows = gather_ints(group, [int(values[n]) for n in names], device)
     for i, name in enumerate(names):
         seen = [row[i] for row in rows]
         if len(set(seen)) > 1:
@@ -571,3 +568,15 @@ def agree_on_every_rank(group: dist.ProcessGroup, what: str, values: Dict[str, i
             raise ValueError(f"{what}: {name} must be the same on every rank (a rank with a larger one would "
                              f"write past its peers' memory), got {by_rank}")
 
+
+def gather_ints(group: dist.ProcessGroup, values: Sequence[int], device: Union[str, torch.device] = "cuda",
+                unsigned: bool = False) -> List[List[int]]:
+    """Collective: every rank's ``values`` (the same count on every rank), by rank, through one
+    fixed-size int64 all-gather: nothing a peer sends is unpickled. ``unsigned``: the values are
+    uint64 (carried through int64 and back)."""
+    top = 1 << 64
+    wrap = [v - top if unsigned and v >= (1 << 63) else v for v in values]
+    mine = torch.tensor(wrap, dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return [[v + top if unsigned and v < 0 else v for v in t.tolist()] for t in every]

@@ -53,6 +53,9 @@ class Settings:
     #: ELASTIC_EP_TEST_NOTIFY_ATOMICS=1: notify's shared-atomics path (the one above 32 ranks), for tests.
     test_notify_atomics: bool = False
     test_drop_scaleout_signals: bool = False
+    #: ELASTIC_EP_PEER_WATCH_MS: how often the runtime checks that the peers' processes on this host
+    #: still run (a dead one ends this rank's waits at once); 0 turns the watch off.
+    peer_watch_ms: int = 200
     #: ELASTIC_EP_TEST_CORRUPT=count|source: this rank's dispatch sends a peer a corrupted count word or
     #: corrupted record source ids (fault-injection tests; 0 off, 1 count, 2 source).
     test_corrupt: int = 0
@@ -80,6 +83,7 @@ class Settings:
             host_wait_yield_us=max(0, _int("ELASTIC_EP_HOST_WAIT_YIELD_US", 20000)),
             test_notify_atomics=_is("ELASTIC_EP_TEST_NOTIFY_ATOMICS", "1"),
             test_drop_scaleout_signals=_is("ELASTIC_EP_TEST_DROP_SCALEOUT_SIGNALS", "1"),
+            peer_watch_ms=max(0, _int("ELASTIC_EP_PEER_WATCH_MS", 200)),
             test_corrupt={"count": 1, "source": 2}.get(os.environ.get("ELASTIC_EP_TEST_CORRUPT", ""), 0),
             num_scaleup_ranks=num_scaleup_ranks(),
         )

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _env
-from ._checks import agree_on_every_rank, c_ints, expert_ids_error, raise_if_any_rank_failed
+from ._checks import agree_on_every_rank, c_ints, expert_ids_error, gather_ints, raise_if_any_rank_failed
 from ._events import EventHandle
 from ._nccl import (all_ok, comm_arg, destroy_nccl_comm, get_logical_domain_size, need_cuda, new_nccl_comm,
                     torch_nccl_comm)
@@ -184,16 +184,29 @@ class NativeWindow(Runtime):
             ``(runtime, nccl_comm or 0, the communicator the caller must abort when done or 0, how the
             communicator was found)``.
         """
-        rank, R = dist.get_rank(group), dist.get_world_size(group)
-        # Before any memory is registered: every rank's window must have the layout its peers write into.
-        agree_on_every_rank(group, "ElasticBuffer (native)", dict(
-            num_bytes=num_buffer_bytes, allow_multiple_reduction=int(allow_multiple_reduction),
-            num_scaleup_ranks=num_scaleup_ranks, gin=int(gin is not None), window=int(window == "ipc")),
-            device="cpu" if dist.get_backend(group) == "gloo" else "cuda")
         kw = dict(num_buffer_bytes=num_buffer_bytes, allow_multiple_reduction=allow_multiple_reduction,
                   num_cpu_timeout_secs=num_cpu_timeout_secs, num_gpu_timeout_secs=num_gpu_timeout_secs,
                   explicitly_destroy=explicitly_destroy, settings=settings, buffer_id=buffer_id,
                   num_scaleup_ranks=num_scaleup_ranks, gin=gin)
+        # Before any memory is registered: every rank's window must have the layout its peers write into.
+        device = "cpu" if dist.get_backend(group) == "gloo" else "cuda"
+        agree_on_every_rank(group, "ElasticBuffer (native)", dict(
+            num_bytes=num_buffer_bytes, allow_multiple_reduction=int(allow_multiple_reduction),
+            num_scaleup_ranks=num_scaleup_ranks, gin=int(gin is not None), window=int(window == "ipc")),
+            device=device)
+        rt, comm, own, how = cls._create(group, window, kw, settings)
+        # Every rank's process id, then the watch that ends this rank's waits when a peer on this host
+        # dies (collective, like the creation; the ids are fixed-size integers).
+        if settings.peer_watch_ms > 0:
+            ids = gather_ints(group, list(_C.this_process()), device, unsigned=True)
+            rt._rt.watch_peers([tuple(i) for i in ids], settings.peer_watch_ms)
+        return rt, comm, own, how
+
+    @classmethod
+    def _create(cls, group: dist.ProcessGroup, window: str, kw: Dict[str, Any],
+                settings: _env.Settings) -> Tuple["NativeWindow", int, int, str]:
+        """``create``'s runtime on the window it picks (see there)."""
+        rank, R = dist.get_rank(group), dist.get_world_size(group)
         if window == "ipc":
             rt = cls(rank, R, 0, window="ipc", **kw)
             handles: List[Any] = [None] * R
@@ -279,6 +292,10 @@ class NativeWindow(Runtime):
         # Device timeouts are raised here, from Python, as data the runtime reports (a C++ exception
         # crossing into Python once crashed the process on a GPU host).
         info = self._rt.take_timeout()
+        if info is not None and info.operation.startswith("elastic_ep peer watch"):
+            raise CommError(f"elastic_ep [rank {self.rank_idx}]: rank {info.peer}'s process (pid {info.expected}) on "
+                            "this host died; the operation waiting for it was ended at once. The CUDA context is "
+                            "usable; destroy this buffer and create a new one with the ranks that are left")
         if info is not None:
             raise _timeout_error(info, "the CUDA context is usable but this buffer's signals are out of step: "
                                        "destroy it and create a new one")

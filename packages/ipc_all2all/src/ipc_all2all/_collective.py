@@ -57,6 +57,26 @@ def error_payload(err: BaseException) -> tuple:
     return ("error", f"{type(err).__name__}: {err}")
 
 
+def watch_peers(obj, group, world: int) -> None:
+    """Collective: every rank's process id (one all-gather of four uint64 as int64: nothing a peer sends
+    is unpickled), then ``obj``'s peer watch, which ends this rank's waits at once when a peer's process
+    on this host dies (every ``IPC_ALL2ALL_PEER_WATCH_MS`` ms, default 200; 0 turns it off)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    period = int(os.environ.get("IPC_ALL2ALL_PEER_WATCH_MS", "200") or 0)
+    if period <= 0:
+        return
+    top = 1 << 64
+    mine = torch.tensor([v - top if v >= top // 2 else v for v in _C.this_process()], dtype=torch.int64,
+                        device="cpu" if dist.get_backend(group) == "gloo" else "cuda")
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    obj._core.watch_peers([tuple(v + top if v < 0 else v for v in t.tolist()) for t in every], period)
+
+
 def exchange(obj, err: Optional[BaseException], payload: tuple, group, rank: int, world: int, what: str) -> None:
     """The collective half of a construction.
 
@@ -103,6 +123,7 @@ def exchange(obj, err: Optional[BaseException], payload: tuple, group, rank: int
             discard(obj)
             raise CommError(f"{what}: opening the peers' buffers failed on "
                             + "; ".join(f"rank {r}: {m}" for r, m in bad))
+        watch_peers(obj, group, world)
     except BaseException:
         # The exchange itself failed (a peer died, the group timed out, an interrupt): the buffer and
         # the peers' mappings must not wait for the garbage collector.
