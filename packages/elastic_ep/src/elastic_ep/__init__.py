@@ -31,6 +31,8 @@ The modules:
 import torch  # noqa: F401  (loaded before the extension, which relies on torch's CUDA libraries)
 
 from . import _C
+from ._v1_buffer import Buffer
+from ._v1_config import Config
 from .buffer import (ALIGNMENT_BYTES, ElasticBuffer, EPHandle, EventHandle, EventOverlap, NcclCommHandle,
                      calculate_elastic_buffer_size, get_elastic_buffer_alignment, get_logical_domain_size,
                      get_physical_domain_size, native_available)
@@ -41,6 +43,7 @@ topk_idx_t = torch.int64
 CommError = _C.CommError
 CommTimeoutError = _C.CommTimeoutError
 
-__all__ = ["CommError", "CommTimeoutError", "ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap",
-           "NcclCommHandle", "native_available", "ALIGNMENT_BYTES", "topk_idx_t", "calculate_elastic_buffer_size",
-           "get_elastic_buffer_alignment", "get_physical_domain_size", "get_logical_domain_size"]
+__all__ = ["Buffer", "Config", "CommError", "CommTimeoutError", "ElasticBuffer", "EPHandle", "EventHandle",
+           "EventOverlap", "NcclCommHandle", "native_available", "ALIGNMENT_BYTES", "topk_idx_t",
+           "calculate_elastic_buffer_size", "get_elastic_buffer_alignment", "get_physical_domain_size",
+           "get_logical_domain_size"]
