@@ -145,6 +145,7 @@ PYBIND11_MODULE(_C, m) {
           "Moves the instance's ordering point to now on `stream`: after the caller's own read of the slot "
           "(copy_output), so a next call on another stream also waits for that read.")
       .def_property_readonly("broken", &Core::broken)
+      .def_property_readonly("dead_peer", &Core::dead_peer, "the rank the peer watch found dead, or -1")
       .def_property_readonly("destroyed", &Core::destroyed)
       .def("slot_offset", &Core::slot_offset)
       .def("launch", &Core::launch, py::arg("op"), py::arg("x_ptr"), py::arg("stream"), py::arg("batch"),

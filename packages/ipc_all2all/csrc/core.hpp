@@ -87,6 +87,8 @@ class Core {
   // peers[r] = rank r's commkit::this_process(), exchanged by the caller. A dead one ends this rank's
   // waits at once through the record; check() then raises commkit::Error naming it.
   void watch_peers(const std::vector<commkit::ProcessId>& peers, int period_ms);
+  // The rank whose process the watch found dead, or -1.
+  int dead_peer() const { return watch_ ? watch_->dead_peer() : -1; }
   void synchronize(uint64_t stream);  // waits for `stream` and the instance's last call, then check()
   void set_timeout_seconds(double s);
   double timeout_seconds() const { return timeout_ns_ * 1e-9; }

@@ -297,11 +297,18 @@ class Buffer:
             raise ValueError("allocate_on_comm_stream: needs previous_event and async_finish=True (as DeepEP V1)")
         if previous_event is not None:
             _checks.check_event("previous_event", previous_event)
+            # Either way the current stream waits: it then makes what this layer adds (routing, weight
+            # pieces), and the communication stream waits for an event recorded after that (_after_inputs).
+            previous_event.current_stream_wait()
             if not allocate_on_comm_stream:
-                previous_event.current_stream_wait()
                 previous_event = None
         return dict(previous_event=previous_event, async_with_compute_stream=bool(async_finish),
                     allocate_on_comm_stream=bool(allocate_on_comm_stream))
+
+    def _after_inputs(self, ev: dict) -> dict:
+        """``ev`` for the ``ElasticBuffer`` call, its ``previous_event`` (if any) recorded now on the current
+        stream, which waited for the caller's and made the inputs this layer adds."""
+        return dict(ev, previous_event=self.capture()) if ev["previous_event"] is not None else ev
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Event = None,
@@ -396,7 +403,8 @@ class Buffer:
         try:
             recv, recv_idx, recv_w, h, event = buf.dispatch(
                 x, topk_idx=routing, topk_weights=weights, num_experts=eb_experts, num_max_tokens_per_rank=M,
-                expert_alignment=alignment if topk_idx is not None else 1, num_sms=num_sms, do_cpu_sync=nwt == 0, **ev)
+                expert_alignment=alignment if topk_idx is not None else 1, num_sms=num_sms, do_cpu_sync=nwt == 0,
+                **self._after_inputs(ev))
         except ValueError as e:
             if not ranked or "expert ids" not in str(e):
                 raise
@@ -439,7 +447,7 @@ class Buffer:
         self._check_handle(handle, buf)
         if topk_idx is not None or topk_weights is not None:
             raise ValueError("topk_idx / topk_weights: must be None in cached mode (as DeepEP V1)")
-        recv, _, _, _, event = buf.dispatch(x, handle=handle.ep_handle, num_sms=num_sms, **ev)
+        recv, _, _, _, event = buf.dispatch(x, handle=handle.ep_handle, num_sms=num_sms, **self._after_inputs(ev))
         deferred = Deferred()
         recv = self._fit_recv(recv, handle.num_rows, deferred)
         deferred.schedule(event, ev["async_with_compute_stream"])
@@ -551,7 +559,7 @@ class Buffer:
             pieces = [payload[:, c:c + width].contiguous() for c in range(0, payload.shape[1], width)]
         # The pieces are written on this stream: a communication stream that waits for previous_event only
         # must also wait for them.
-        pieces_ev = dict(ev, previous_event=self.capture()) if ev["previous_event"] is not None else ev
+        pieces_ev = self._after_inputs(ev)
         combined_x, _, event = buf.combine(x[:rows], h, bias=bias, num_sms=num_sms, **ev)
         if not pieces:
             return combined_x, None, event

@@ -529,7 +529,8 @@ class All2All:
     def destroy(self) -> None:
         """Releases the buffer and the peers' mappings. Collective for instances from :meth:`from_group`
         (every rank waits for its GPU, then for the others, so nobody frees memory a peer still
-        writes); with the low-level constructor the caller must ensure that. Idempotent.
+        writes; not after a peer's process died); with the low-level constructor the caller must ensure that.
+        Idempotent.
 
         Zero-copy views that are still referenced keep this rank's buffer allocated (it is freed when
         the last of them is dropped), so reading one after ``destroy()`` cannot touch freed or reused
@@ -537,7 +538,9 @@ class All2All:
         _lifetime.release_deferred()
         if self._core.destroyed:
             return
-        if self._collective:
+        # A peer whose process died never reaches the barrier (and gloo fails on its closed socket):
+        # the survivors' kernels have left (the peer watch ended their waits), so nothing is in flight.
+        if self._collective and self._core.dead_peer < 0:
             import torch.distributed as dist
 
             torch.cuda.synchronize(self.device)
