@@ -75,13 +75,14 @@ for pkg in $PKGS; do
   echo "wheel: $(basename "$whl") ($(wc -l <"$OUT/$pkg/wheel-contents.txt") files, no results;" \
        "list: $OUT/$pkg/wheel-contents.txt)"
   "$VENV/bin/python" -m pip install -q --no-deps --force-reinstall "$whl"  # even if $PY has this version
-  ver=$(sed -n 's/^version = "\(.*\)"$/\1/p' "$ROOT/packages/$pkg/pyproject.toml")
+  ver=$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' "$ROOT/packages/$pkg/src/$pkg/__init__.py")
   (cd "$OUT" && "$VENV/bin/python" - "$pkg" "$ver" "$VENV" <<'PY')
-import importlib, os, sys
+import importlib, importlib.metadata as md, os, sys
 pkg, ver, venv = sys.argv[1:]
 m, c = importlib.import_module(pkg), importlib.import_module(pkg + "._C")
 assert os.path.realpath(m.__file__).startswith(os.path.realpath(venv) + "/"), f"{pkg} came from {m.__file__}"
-assert m.__version__ == ver, f"{pkg}.__version__ is {m.__version__!r}, pyproject.toml says {ver!r}"
+assert m.__version__ == ver == md.version(pkg.replace("_", "-")), \
+    f"{pkg}.__version__ is {m.__version__!r}, its metadata {md.version(pkg.replace('_', '-'))!r}, the source {ver!r}"
 print("imported", pkg, m.__version__, "built_with_cuda", c.built_with_cuda())
 PY
   "$VENV/bin/python" -m pip uninstall -q -y "$(echo "$pkg" | tr _ -)"

@@ -18,9 +18,10 @@
 # The other requirements (requirements-dev.txt, checked with their dependencies like `pip check`, and
 # for elastic_ep an NCCL >= 2.28.9 with device-API headers: nvidia-nccl-cu13, unless NCCL_HOME or
 # NCCL_ROOT names one) are looked up with importlib.metadata; pip runs only for what is missing.
-# Then the packages are built with --no-build-isolation against that torch (COMMKIT_PACKAGES, default
-# all three; COMMKIT_SKIP_BUILD=1 reuses what is installed); CUDA sources are compiled for sm_90a
-# whenever nvcc is found (COMMKIT_BUILD_CUDA=ON makes nvcc mandatory, OFF skips them).
+# Then the packages are built into that environment with --no-build-isolation (COMMKIT_PACKAGES, default
+# all three; COMMKIT_SKIP_BUILD=1 reuses what is installed): the build itself needs no torch, the tests
+# and the main job do. CUDA sources are compiled for CUDAARCHS (default sm_90a) whenever nvcc is found
+# (COMMKIT_BUILD_CUDA=ON makes nvcc mandatory, OFF skips them).
 # One line says which environment and torch are used. Exports COMMKIT_ROOT, COMMKIT_PYTHON (the chosen
 # interpreter, absolute) and PYTHON (the same, for tools/gpu.sh).
 set -euo pipefail

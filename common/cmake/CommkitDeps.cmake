@@ -1,16 +1,21 @@
 # Shared build logic of the three packages (include()d by each package's CMakeLists.txt and by the
 # top-level superbuild). Provides:
-#   commkit_setup()                        Python, pybind11, torch location, CUDA auto-detection
+#   commkit_setup()                        Python, pybind11, CUDA auto-detection
 #   commkit_find_nccl([OPTIONAL])          imported target commkit::nccl (+ COMMKIT_NCCL_VERSION_CODE);
 #                                          OPTIONAL: COMMKIT_NCCL_FOUND OFF instead of an error when absent
 #   commkit_add_extension(<target> MODULE <name> SOURCES .. [CUDA_SOURCES ..] [NCCL] [DESTINATION d])
-#   commkit_use_torch(<target>)            link libtorch for a package that needs its C++ API
+#
+# torch is not needed to build: no extension includes a torch header or links libtorch (they take raw
+# pointers and stream handles), so pybind11 and NCCL are found without importing torch and a wheel
+# built here works with any torch the user has.
 #
 # CUDA tiers (COMMKIT_BUILD_CUDA = AUTO | ON | OFF; env var of the same name overrides):
 #   OFF   host code only (the extension reports built_with_cuda() == False)
-#   AUTO  compile the CUDA sources when nvcc is found, for sm_90a only (CMAKE_CUDA_ARCHITECTURES)
+#   AUTO  compile the CUDA sources when nvcc is found, for CMAKE_CUDA_ARCHITECTURES (-D or the CUDAARCHS
+#         environment variable; default 90a)
 #   ON    as AUTO, but fail when nvcc is missing
-# Kernels take raw pointers and include no torch header, so a CPU-only torch still builds them.
+# COMMKIT_RELOCATABLE=ON (release wheels): the extension's run path holds only $ORIGIN-relative folders
+# (NVIDIA's wheels beside it in site-packages), never a folder of the build machine.
 include_guard(GLOBAL)
 
 macro(commkit_setup)
@@ -22,6 +27,10 @@ macro(commkit_setup)
     endif()
   endif()
   set(COMMKIT_BUILD_CUDA "${COMMKIT_BUILD_CUDA}" CACHE STRING "AUTO, ON or OFF")
+  if(NOT DEFINED COMMKIT_RELOCATABLE AND DEFINED ENV{COMMKIT_RELOCATABLE})
+    set(COMMKIT_RELOCATABLE "$ENV{COMMKIT_RELOCATABLE}")
+  endif()
+  option(COMMKIT_RELOCATABLE "run paths relative to site-packages only (release wheels)" OFF)
 
   find_package(Python 3.9 REQUIRED COMPONENTS Interpreter Development.Module)
 
@@ -36,29 +45,6 @@ macro(commkit_setup)
     find_package(pybind11 CONFIG REQUIRED)
   endif()
 
-  # torch: located through torch.utils.cmake_prefix_path (linked only by commkit_use_torch). In the
-  # superbuild the packages inherit the top level's answer (importing torch costs seconds each time).
-  if(NOT DEFINED COMMKIT_TORCH_CMAKE_PREFIX)
-    execute_process(
-      COMMAND "${Python_EXECUTABLE}" -c
-              "import torch, torch.utils; print(torch.utils.cmake_prefix_path); print(torch.__version__); print(torch.version.cuda or '')"
-      OUTPUT_VARIABLE _ck_torch_out OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _ck_rc ERROR_QUIET)
-    if(NOT _ck_rc EQUAL 0)
-      message(FATAL_ERROR "commkit: torch is not importable by ${Python_EXECUTABLE}; install torch first "
-                          "and build with --no-build-isolation")
-    endif()
-    string(REPLACE "\n" ";" _ck_torch_out "${_ck_torch_out}")
-    list(GET _ck_torch_out 0 COMMKIT_TORCH_CMAKE_PREFIX)
-    list(GET _ck_torch_out 1 COMMKIT_TORCH_VERSION)
-    list(LENGTH _ck_torch_out _ck_n)
-    set(COMMKIT_TORCH_CUDA "")
-    if(_ck_n GREATER 2)
-      list(GET _ck_torch_out 2 COMMKIT_TORCH_CUDA)
-    endif()
-    list(APPEND CMAKE_PREFIX_PATH "${COMMKIT_TORCH_CMAKE_PREFIX}")
-    message(STATUS "commkit: torch ${COMMKIT_TORCH_VERSION} (CUDA '${COMMKIT_TORCH_CUDA}') at ${COMMKIT_TORCH_CMAKE_PREFIX}")
-  endif()
-
   set(COMMKIT_WITH_CUDA OFF)
   if(NOT COMMKIT_BUILD_CUDA STREQUAL "OFF")
     include(CheckLanguage)
@@ -67,13 +53,19 @@ macro(commkit_setup)
     endif()
     check_language(CUDA)
     if(CMAKE_CUDA_COMPILER)
+      # enable_language() would take CUDAARCHS itself, but only when nothing set the variable first.
       if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "")
-        set(CMAKE_CUDA_ARCHITECTURES 90a)
+        if(DEFINED ENV{CUDAARCHS} AND NOT "$ENV{CUDAARCHS}" STREQUAL "")
+          set(CMAKE_CUDA_ARCHITECTURES "$ENV{CUDAARCHS}")
+        else()
+          set(CMAKE_CUDA_ARCHITECTURES 90a)
+        endif()
       endif()
       enable_language(CUDA)
       find_package(CUDAToolkit REQUIRED)
       set(COMMKIT_WITH_CUDA ON)
-      message(STATUS "commkit: CUDA ${CMAKE_CUDA_COMPILER_VERSION}, kernels for sm_${CMAKE_CUDA_ARCHITECTURES}")
+      list(JOIN CMAKE_CUDA_ARCHITECTURES ", sm_" _ck_archs)
+      message(STATUS "commkit: CUDA ${CMAKE_CUDA_COMPILER_VERSION}, kernels for sm_${_ck_archs}")
     elseif(COMMKIT_BUILD_CUDA STREQUAL "ON")
       message(FATAL_ERROR "commkit: COMMKIT_BUILD_CUDA=ON but no CUDA compiler (nvcc) was found")
     else()
@@ -109,8 +101,8 @@ function(commkit_find_nccl)
       set(COMMKIT_NCCL_FOUND OFF PARENT_SCOPE)
       return()
     endif()
-    message(FATAL_ERROR "commkit: NCCL not found. Install nvidia-nccl-cu13 (or -cu12), which the CUDA "
-                        "build of torch brings, or set NCCL_HOME to a folder with include/nccl.h")
+    message(FATAL_ERROR "commkit: NCCL not found. Install nvidia-nccl-cu13 (or -cu12; the CUDA build of torch "
+                        "brings one), or set NCCL_HOME to a folder with include/nccl.h")
   endif()
   find_library(_ck_nccl_lib NAMES libnccl.so.2 nccl PATHS "${_root}/lib" "${_root}/lib64" NO_DEFAULT_PATH)
   if(NOT _ck_nccl_lib)
@@ -161,19 +153,19 @@ function(commkit_add_extension target)
     commkit_find_nccl()
     target_link_libraries(${target} PRIVATE commkit::nccl)
     target_compile_definitions(${target} PRIVATE COMMKIT_BUILD_NCCL_VERSION_CODE=${COMMKIT_NCCL_VERSION_CODE})
-    # The wheel's lib folder relative to site-packages/<pkg>/, then the build-time location.
-    set_target_properties(${target} PROPERTIES INSTALL_RPATH "$ORIGIN/../nvidia/nccl/lib;${COMMKIT_NCCL_ROOT}/lib"
-                          BUILD_RPATH "${COMMKIT_NCCL_ROOT}/lib")
+    # libnccl.so.2 comes from NVIDIA's wheel (nvidia-nccl-cu12 and -cu13 both install it into
+    # site-packages/nvidia/nccl/lib) and is never bundled; torch, when imported first, has loaded the
+    # same soname already. A development build also keeps the NCCL it was built against, for an
+    # extension loaded through a symbolic link (where $ORIGIN is the link's folder).
+    set(_rpath "$ORIGIN/../nvidia/nccl/lib")
+    if(NOT COMMKIT_RELOCATABLE)
+      list(APPEND _rpath "${COMMKIT_NCCL_ROOT}/lib")
+    endif()
+    set_target_properties(${target} PROPERTIES INSTALL_RPATH "${_rpath}" BUILD_RPATH "${COMMKIT_NCCL_ROOT}/lib")
     set(COMMKIT_NCCL_VERSION_CODE ${COMMKIT_NCCL_VERSION_CODE} PARENT_SCOPE)
     set(COMMKIT_NCCL_HAS_DEVICE_API ${COMMKIT_NCCL_HAS_DEVICE_API} PARENT_SCOPE)
   endif()
   if(A_DESTINATION)
     install(TARGETS ${target} LIBRARY DESTINATION "${A_DESTINATION}")
   endif()
-endfunction()
-
-function(commkit_use_torch target)
-  find_package(Torch REQUIRED CONFIG)
-  find_library(_ck_torch_python torch_python PATHS "${TORCH_INSTALL_PREFIX}/lib" REQUIRED)
-  target_link_libraries(${target} PRIVATE ${TORCH_LIBRARIES} ${_ck_torch_python})
 endfunction()

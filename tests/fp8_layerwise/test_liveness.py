@@ -1,5 +1,5 @@
 """Host liveness: the native /proc/<pid>/stat reader behind every liveness check
-(``_C.process_start_time``, csrc ``live_start_time``) and FileExchange's session-leader check,
+(``_C.process_start_time``, ``commkit::process_start_time`` in common/) and FileExchange's session-leader check,
 which tells a live leader from a dead one whose pid another process now has (start times differ).
 
 The expected start times come from this file's own reading of /proc/<pid>/stat (proc(5): field 2 is

@@ -324,7 +324,7 @@ class Buffer:
                 stream after ``previous_event``; the event returned with ``async_finish`` is already met).
 
         Returns:
-            ``(num_tokens_per_rank [R] int32, None (DeepEP V1's RDMA counts: one NVLink domain),
+            ``(num_tokens_per_rank [R] int32, None (DeepEP V1's RDMA counts; one NVLink domain),
             num_tokens_per_expert [E] int32 ((token, lane) pairs per expert), is_token_in_rank [T, R] bool,
             event)``.
 
