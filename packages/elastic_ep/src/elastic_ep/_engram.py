@@ -80,15 +80,26 @@ def _hook(data: torch.Tensor, sf: Optional[torch.Tensor]) -> Hook:
 
 def open_engram_store(group: dist.ProcessGroup, num_cpu_bytes: int) -> "_C.EngramStore":
     """Collective: this rank's segment, attached to every peer's (names exchanged over ``group``), each
-    name unlinked once every rank attached (so no exit path leaves one behind)."""
+    name unlinked once every rank attached.
+
+    Every rank arrives (a barrier) before any creates its segment, which may be many GB: a rank that
+    died or gave up before that leaves no segment anywhere, and no name waits in /dev/shm for a peer that
+    never comes. From its creation on, every exit path of this call unlinks this rank's name and a
+    failure closes the segment.
+
+    Raises:
+        RuntimeError / ValueError: a rank could not create or attach (every rank raises, naming it), or
+            the group's collectives failed (a peer gone).
+    """
     rank, R = dist.get_rank(group), dist.get_world_size(group)
+    dist.barrier(group=group)
     store, err = None, None
     try:
         store = _C.EngramStore(rank=rank, num_ranks=R, num_bytes=num_cpu_bytes)
     except Exception as e:  # noqa: BLE001 - e.g. /dev/shm too small: every rank raises below
         err = e
-    raise_if_any_rank_failed(group, err, "num_cpu_bytes: creating the Engram host segment")
     try:
+        raise_if_any_rank_failed(group, err, "num_cpu_bytes: creating the Engram host segment")
         names = [None] * R
         dist.all_gather_object(names, store.name, group=group)
         err = None
@@ -96,9 +107,14 @@ def open_engram_store(group: dist.ProcessGroup, num_cpu_bytes: int) -> "_C.Engra
             store.attach(names=names)
         except Exception as e:  # noqa: BLE001 - reported to every rank
             err = e
-        raise_if_any_rank_failed(group, err, "num_cpu_bytes: attaching the peers' Engram segments", cleanup=store.close)
+        raise_if_any_rank_failed(group, err, "num_cpu_bytes: attaching the peers' Engram segments")
+    except BaseException:
+        if store is not None:
+            store.close()  # unlinks a name still linked, unmaps
+        raise
     finally:
-        store.unlink()
+        if store is not None:
+            store.unlink()
     return store
 
 
