@@ -444,6 +444,19 @@ void process_tests() {
     EXPECT(rec.flag == 1u && rec.op == 14u && rec.rank == 0 && rec.peer == 1 && rec.expected == int64_t(child));
     EXPECT(watch.dead_peer() == 1);
   });
+  run("heartbeat: beats at once and every period, stops when destroyed", [] {
+    uint64_t word = 0;
+    {
+      commkit::Heartbeat beat(&word, 5);
+      EXPECT(word != 0 && commkit::heartbeat_age_ns(&word) < 1000000000ull);
+      const uint64_t first = word;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      EXPECT(word > first && commkit::heartbeat_age_ns(&word) < 40000000ull);
+    }
+    const uint64_t last = word;
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    EXPECT(word == last && commkit::heartbeat_age_ns(&word) >= 30000000ull);
+  });
   run("peer watch: a record a device deadline claimed first is kept; stopping joins at once", [] {
     const pid_t child = spawn_sleeper();
     commkit::ProcessId peer = commkit::this_process();

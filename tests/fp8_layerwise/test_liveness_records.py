@@ -1,7 +1,7 @@
 """The transport's liveness check of a rank record: (pid, /proc start time recorded on attach).
 
 Every blocked wait checks, each ``liveness_ms``, that the ranks it depends on are alive
-(csrc/transport.cpp ``check_peers`` -> ``rank_process_alive``). A rank's pid alone does not say
+(csrc/transport_poison.cpp ``check_peers`` -> ``commkit::process_alive``). A rank's pid alone does not say
 that: after the rank died its pid may be reused by an unrelated live process. The start time the
 rank recorded tells the two apart, and this file checks that it does, through two test hooks of
 the native module (the records live in the control region at offsets Python does not know):

@@ -340,7 +340,7 @@ def test_reset_while_a_producer_thread_is_inside_the_writer():
         t.close()
 
 
-# Byte offsets in the control block (csrc/control.hpp, version 6) for tests that forge one field.
+# Byte offsets in the control block (csrc/control.hpp, version 7) for tests that forge one field.
 _LAYER_PRODUCER_DONE = 384 + 4 * 8  # LayerState follows Header (64) and PoisonRecord (320)
 _RANKS, _RANK_BYTES = 512, 320  # RankState[8] follows ProducerStats
 _RANK_CONSUMER_DONE, _RANK_STATUS = 8, 24

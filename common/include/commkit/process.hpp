@@ -23,6 +23,11 @@
 //                               expires in the same instant may mix its fields in; either way the
 //                               operation ends). dead_peer() is that rank, or -1. The destructor
 //                               stops and joins the thread.
+//   Heartbeat(word, period_ms)  a host thread that stores monotonic_ns() into `word` (shared memory)
+//                               now and every period, until destroyed: how a peer that cannot see this
+//                               process's pid (another PID namespace: one container per rank) tells it
+//                               is alive. heartbeat_age_ns(word) is how long ago it last beat
+//                               (CLOCK_MONOTONIC is one clock for every PID namespace of a kernel).
 // Errors: none thrown by the watch; this_process() throws commkit::Error when /proc is unreadable.
 #pragma once
 
@@ -52,6 +57,23 @@ ProcessIdTuple as_tuple(const ProcessId& id);
 std::vector<ProcessId> process_ids(const std::vector<ProcessIdTuple>& tuples);
 bool process_alive(uint64_t pid, uint64_t start);
 ProcessId this_process();
+
+class Heartbeat {
+ public:
+  Heartbeat(uint64_t* word, int period_ms);
+  ~Heartbeat();
+  Heartbeat(const Heartbeat&) = delete;
+  Heartbeat& operator=(const Heartbeat&) = delete;
+
+ private:
+  uint64_t* word_;
+  int period_ms_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+uint64_t heartbeat_age_ns(const uint64_t* word);
 
 class PeerWatch {
  public:

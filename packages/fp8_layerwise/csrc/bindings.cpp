@@ -214,9 +214,15 @@ PYBIND11_MODULE(_C, m) {
         "Test hook: the transport's liveness predicate for a rank record (pid, start time recorded on "
         "attach): False when the pid is gone, a zombie, or now names a process with another start time.");
   m.def("_debug_set_rank_process", &debug_set_rank_process, py::arg("control_ptr"), py::arg("control_size"),
-        py::arg("rank"), py::arg("pid"), py::arg("start_time"),
-        "Test hook: record (pid, start_time) as `rank`'s process in an initialized control region and mark "
-        "the rank attached, so the transport's liveness checks judge that record. Forges a rank: tests only.");
+        py::arg("rank"), py::arg("pid"), py::arg("start_time"), py::arg("boot") = 0, py::arg("pid_ns") = 0,
+        py::arg("heartbeat_ns") = 0,
+        "Test hook: record (pid, start_time[, boot, pid_ns, heartbeat_ns]) as `rank`'s process in an initialized "
+        "control region and mark the rank attached, so the transport's liveness checks judge that record. "
+        "Forges a rank: tests only.");
+  m.def(
+      "this_process", [] { return commkit::as_tuple(commkit::this_process()); },
+      "(kernel boot id hash, PID-namespace inode, pid, start time) of this process");
+  m.def("_debug_monotonic_ns", &commkit::monotonic_ns, "CLOCK_MONOTONIC in ns (the heartbeats' clock; tests)");
 
   py::class_<ShardSpec>(m, "ShardSpec")
       .def(py::init([](uintptr_t base, uint64_t expert_stride, uint64_t row_stride, uint64_t rows, uint64_t row_bytes,

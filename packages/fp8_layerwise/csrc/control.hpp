@@ -26,8 +26,8 @@ constexpr int kKinds = 4;  // w13 FP8, w13 scale (fp32), w2 FP8, w2 scale (fp32)
 constexpr size_t kControlBytes = 8192;  // the region size callers allocate (as in KTransformers')
 constexpr uint64_t kMagic = 0x4b4346503857314cULL;  // "L1W8PFCK" little-endian: ours, not KTransformers'
 // 4: RankState carries the attach geometry; 5: and departed_blame; 6: PoisonRecord::peer and
-// LayerState::run_epoch.
-constexpr uint64_t kVersion = 6;
+// LayerState::run_epoch; 7: RankState's boot / pid_ns / heartbeat_ns.
+constexpr uint64_t kVersion = 7;
 constexpr uint64_t kPoisonClaimed = ~0ull;
 
 enum ErrorCode : int {
@@ -90,6 +90,12 @@ struct alignas(64) RankState {
   uint64_t status;      // RankStatus
   uint64_t pid;
   uint64_t pid_start;   // /proc/<pid>/stat starttime: tells a recycled pid from the live rank
+  // Where the pid means something (commkit::ProcessId): a peer of another kernel boot or PID namespace
+  // (one container per rank) judges this rank by heartbeat_ns instead (CLOCK_MONOTONIC, beaten by a
+  // thread of this rank while it is attached). 0 = unknown (the pid alone is judged).
+  uint64_t boot;
+  uint64_t pid_ns;
+  uint64_t heartbeat_ns;
   uint64_t reset_request;    // generation + 1 once this rank called reset()
   uint64_t consumer_parked;  // generation + 1 once this rank's consumer drained after a poison
   uint64_t h2d_ns;

@@ -74,7 +74,7 @@ size_t control_bytes() { return kControlBytes; }
 size_t control_struct_bytes() { return sizeof(Control); }
 
 void debug_set_rank_process(uintptr_t control_ptr, size_t control_size, int rank, uint64_t pid,
-                            uint64_t start_time) {
+                            uint64_t start_time, uint64_t boot, uint64_t pid_ns, uint64_t heartbeat_ns) {
   CK_CHECK_ARG(control_ptr != 0, "control_ptr is null");
   CK_CHECK_ARG(control_ptr % 64 == 0, "control_ptr must be 64-byte aligned, got 0x", commkit::hex(control_ptr));
   CK_CHECK_ARG(control_size >= kControlBytes, "control region must be at least ", kControlBytes, " bytes, got ",
@@ -89,6 +89,9 @@ void debug_set_rank_process(uintptr_t control_ptr, size_t control_size, int rank
   auto& rs = c->ranks[rank];
   st_relaxed(&rs.pid, pid);
   st_relaxed(&rs.pid_start, start_time);
+  st_relaxed(&rs.boot, boot);
+  st_relaxed(&rs.pid_ns, pid_ns);
+  st_relaxed(&rs.heartbeat_ns, heartbeat_ns);
   st_release(&rs.status, static_cast<uint64_t>(kRankAttached));
 }
 
@@ -181,8 +184,12 @@ Transport::Impl::Impl(uintptr_t control_ptr, size_t control_size, int rank, int 
     }
   }
   st_relaxed(&me.departed_blame, uint64_t{0});
-  st_relaxed(&me.pid, static_cast<uint64_t>(::getpid()));
-  st_relaxed(&me.pid_start, commkit::process_start_time(static_cast<uint64_t>(::getpid())));
+  const commkit::ProcessId self = commkit::this_process();
+  st_relaxed(&me.pid, self.pid);
+  st_relaxed(&me.pid_start, self.start);
+  st_relaxed(&me.boot, self.boot);
+  st_relaxed(&me.pid_ns, self.pid_ns);
+  heartbeat_ = std::make_unique<commkit::Heartbeat>(&me.heartbeat_ns, int(heartbeat_period_ms()));
   st_release(&me.status, static_cast<uint64_t>(kRankAttached));
 
   worker_ = std::thread(&Impl::consumer_main, this);

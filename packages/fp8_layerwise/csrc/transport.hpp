@@ -168,12 +168,12 @@ size_t control_bytes();
 // commkit::process_alive(pid, recorded start), which the check of every wait (check_peers) asks about
 // each rank it depends on (commkit/process.hpp).
 size_t control_struct_bytes();
-// Test hook (bound as _C._debug_set_rank_process): stores (pid, start_time) as rank's process in
-// the control region and marks the rank attached, as a rank of that process would have left its
+// Test hook (bound as _C._debug_set_rank_process): stores (pid, start_time[, boot, pid_ns,
+// heartbeat_ns]) as rank's process in the control region and marks the rank attached, as a rank of that process would have left its
 // record, so that tests can make the liveness checks judge records that no real rank can produce
 // (a live pid with another process's start time). Not for production use: it forges a rank.
 void debug_set_rank_process(uintptr_t control_ptr, size_t control_size, int rank, uint64_t pid,
-                            uint64_t start_time);
+                            uint64_t start_time, uint64_t boot = 0, uint64_t pid_ns = 0, uint64_t heartbeat_ns = 0);
 void initialize_control(uintptr_t control_ptr, size_t control_size, int tp_size, int num_slots);
 
 class Transport {

@@ -145,6 +145,7 @@ bool Transport::Impl::close() noexcept {
   }
   drained_ = wait_calls_left();
   if (worker_.joinable()) worker_.join();
+  heartbeat_.reset();
   {
     // The owner may unmap the region right after close(): keep what accessors still report.
     std::lock_guard<std::mutex> g(final_mu_);

@@ -235,6 +235,14 @@ class Transport::Impl {
   std::atomic<int64_t> inflight_calls_{0};  // public calls of any thread inside api() right now
   bool drained_ = true;                     // what close() returned (under close_mu_)
   std::thread worker_;
+  std::unique_ptr<commkit::Heartbeat> heartbeat_;  // beats ranks[rank_].heartbeat_ns while attached
+  const commkit::ProcessId self_ = commkit::this_process();  // whose pids this process can judge
+  // A peer in another PID namespace is dead after this long without a heartbeat (its beats come every
+  // 10-100 ms; the margin covers a descheduled beating thread).
+  static constexpr uint64_t kHeartbeatStaleMs = 2000;
+  // How often this rank beats: its liveness interval, within [10, 100] ms (a peer in another PID
+  // namespace declares it dead after kHeartbeatStaleMs without a beat).
+  uint64_t heartbeat_period_ms() const { return std::min<uint64_t>(std::max<uint64_t>(opt_.liveness_ms, 10), 100); }
   std::mutex init_mu_;
   std::condition_variable init_cv_;
   bool init_done_ = false;

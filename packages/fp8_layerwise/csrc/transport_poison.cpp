@@ -139,9 +139,16 @@ void Transport::Impl::check_peers(uint32_t mask, const char* what, bool record) 
     const uint64_t status = ld_acquire(&rs.status);
     if (status == kRankClosed && closed < 0) closed = r;
     if (status != kRankAttached) continue;  // not attached yet: only the deadline applies
-    const uint64_t pid = ld_relaxed(&rs.pid);
-    if (!commkit::process_alive(pid, ld_relaxed(&rs.pid_start)))
-      departed(r, commkit::str("rank ", r, " (pid ", pid, ") died"), what, record);
+    const uint64_t pid = ld_relaxed(&rs.pid), boot = ld_relaxed(&rs.boot), ns = ld_relaxed(&rs.pid_ns);
+    if (boot == 0 || (boot == self_.boot && ns == self_.pid_ns)) {  // its pid names it here
+      if (!commkit::process_alive(pid, ld_relaxed(&rs.pid_start)))
+        departed(r, commkit::str("rank ", r, " (pid ", pid, ") died"), what, record);
+    } else if (boot == self_.boot) {  // another PID namespace (a container per rank): its heartbeat
+      const uint64_t age = commkit::heartbeat_age_ns(&rs.heartbeat_ns);
+      if (age > kHeartbeatStaleMs * 1000000ull)
+        departed(r, commkit::str("rank ", r, " (pid ", pid, " in another PID namespace) died: no heartbeat for ",
+                                 age / 1000000ull, " ms"), what, record);
+    }  // another kernel: its pid and clock mean nothing here; the deadline applies
   }
   if (closed >= 0) departed(closed, commkit::str("rank ", closed, " closed its transport"), what, record);
 }

@@ -363,9 +363,12 @@ void Core::check() {
   const std::lock_guard<std::recursive_mutex> lock(mu_);
   if (destroyed_ || rec_host_ == nullptr) return;
   if (commkit::ld_acquire(&rec_host_->flag) == 0) return;
-  // flag 2 means a device thread is still filling the record; it finishes within microseconds.
+  // flag 2 means a device thread is still filling the record; it finishes within microseconds. A record
+  // still not complete after that is left for the next check: its fields may be torn, and clearing it
+  // would let the writer's final flag = 1 revive it for a later call.
   for (int i = 0; i < 1000000 && commkit::ld_acquire(&rec_host_->flag) != 1u; ++i) {
   }
+  if (commkit::ld_acquire(&rec_host_->flag) != 1u) return;
   const commkit::TimeoutRecord r = *rec_host_;
   commkit::clear_timeout_record(rec_host_);
   broken_ = true;

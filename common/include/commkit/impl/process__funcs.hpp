@@ -12,6 +12,7 @@
 
 #include "commkit/atomics.hpp"
 #include "commkit/check.hpp"
+#include "commkit/deadline.hpp"
 
 namespace commkit {
 
@@ -74,6 +75,29 @@ inline ProcessId this_process() {
   id.pid = static_cast<uint64_t>(::getpid());
   id.start = process_start_time(id.pid);
   return id;
+}
+
+inline Heartbeat::Heartbeat(uint64_t* word, int period_ms) : word_(word), period_ms_(period_ms > 0 ? period_ms : 1) {
+  st_release(word_, monotonic_ns());
+  thread_ = std::thread([this] {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!cv_.wait_for(lock, std::chrono::milliseconds(period_ms_), [this] { return stop_; }))
+      st_release(word_, monotonic_ns());
+  });
+}
+
+inline Heartbeat::~Heartbeat() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+inline uint64_t heartbeat_age_ns(const uint64_t* word) {
+  const uint64_t beat = ld_acquire(word), now = monotonic_ns();
+  return now > beat ? now - beat : 0;
 }
 
 inline PeerWatch::PeerWatch(TimeoutRecord* rec, uint32_t op, int rank, std::vector<ProcessId> peers, int period_ms)
