@@ -78,6 +78,11 @@ def _agree_worker(rank, world, rdzv):
     # uint64 values (process ids: a boot-id hash above 2^63) come back as they were sent
     ids = checks.gather_ints(group, [(1 << 64) - 1 - rank, rank], "cpu", unsigned=True)
     assert ids == [[(1 << 64) - 1 - r, r] for r in range(world)], ids
+    # bytes of any length and value (an IPC handle, a host name, an error message), never unpickled
+    mine = bytes(range(256))[: 3 * rank] + (b"\xff\x00" if rank == 1 else b"")
+    got = checks.gather_bytes(group, mine, "cpu")
+    assert got == [bytes(range(256))[: 3 * r] + (b"\xff\x00" if r == 1 else b"") for r in range(world)], got
+    assert checks.gather_bytes(group, b"", "cpu") == [b""] * world
     odd = dict(same, num_bytes=(1 << 30) + (4096 if rank == 2 else 0))
     try:
         checks.agree_on_every_rank(group, "ElasticBuffer (native)", odd, device="cpu")

@@ -521,18 +521,21 @@ def raise_if_any_rank_failed(group: dist.ProcessGroup, err: Optional[BaseExcepti
     rank's exception, or None). If it did, ``cleanup`` runs and every rank raises: a rank that failed
     its own exception, the others one naming each failed rank and its error (a ``ValueError`` when all
     of those are, else a ``RuntimeError``). So no rank goes on while a peer gave up."""
-    mine = None if err is None else (f"{type(err).__name__}: {err}", isinstance(err, ValueError))
-    statuses: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(statuses, mine, group=group)
-    failed = [(r, st) for r, st in enumerate(statuses) if st is not None]
+    # b"" (no failure), or b"V" (a ValueError) / b"E" and the message: bytes, never unpickled.
+    mine = b""
+    if err is not None:
+        text = f"{type(err).__name__}: {err}".encode("utf-8", "replace")[:4096]
+        mine = (b"V" if isinstance(err, ValueError) else b"E") + text
+    failed = [(r, st[1:].decode("utf-8", "replace"), st[:1] == b"V")
+              for r, st in enumerate(gather_bytes(group, mine)) if st]
     if not failed:
         return
     if cleanup is not None:
         cleanup()
     if err is not None:
         raise err
-    kind = ValueError if all(is_value for _, (_, is_value) in failed) else RuntimeError
-    raise kind(f"{what} failed on " + "; ".join(f"rank {r}: {msg}" for r, (msg, _) in failed))
+    kind = ValueError if all(is_value for _, _, is_value in failed) else RuntimeError
+    raise kind(f"{what} failed on " + "; ".join(f"rank {r}: {msg}" for r, msg, _ in failed))
 
 
 def on_every_rank(group: dist.ProcessGroup, what: str, step: Any, *args: Any) -> Any:
@@ -567,6 +570,29 @@ def agree_on_every_rank(group: dist.ProcessGroup, what: str, values: Dict[str, i
             by_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(seen))
             raise ValueError(f"{what}: {name} must be the same on every rank (a rank with a larger one would "
                              f"write past its peers' memory), got {by_rank}")
+
+
+def group_device(group: dist.ProcessGroup) -> str:
+    """Where ``group``'s collectives take tensors: the CPU for gloo, else the current CUDA device."""
+    return "cpu" if dist.get_backend(group) == "gloo" else "cuda"
+
+
+def gather_bytes(group: dist.ProcessGroup, data: bytes, device: Optional[str] = None) -> List[bytes]:
+    """Collective: every rank's ``data`` (any length; the same call on every rank), by rank: the lengths,
+    then the bytes padded to the longest, through two fixed-size all-gathers. Unlike
+    ``all_gather_object`` nothing a peer sends is unpickled."""
+    device = device or group_device(group)
+    lengths = [row[0] for row in gather_ints(group, [len(data)], device)]
+    width = max(lengths)
+    if width == 0:
+        return [b""] * len(lengths)
+    mine = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    mine = mine.to(device)
+    every = [torch.empty_like(mine) for _ in lengths]
+    dist.all_gather(every, mine, group=group)
+    return [bytes(t[:n].cpu().tolist()) for t, n in zip(every, lengths)]
 
 
 def gather_ints(group: dist.ProcessGroup, values: Sequence[int], device: Union[str, torch.device] = "cuda",

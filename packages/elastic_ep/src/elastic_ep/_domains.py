@@ -33,6 +33,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
+from ._checks import gather_bytes
 from ._env import num_scaleup_ranks
 
 __all__ = ["Domains", "physical_from_nodes", "physical_from_lsa", "logical_domains", "make_domains",
@@ -268,9 +269,7 @@ def expected_distinct(num_groups: int, num_experts: int, num_topk: int) -> float
 def node_key(group: dist.ProcessGroup) -> Tuple[str, ...]:
     """Every rank's node key (its host name), gathered over ``group`` (collective): what the physical
     domains come from when no NCCL communicator can tell (a gloo group)."""
-    keys = [None] * dist.get_world_size(group)
-    dist.all_gather_object(keys, socket.gethostname(), group=group)
-    return tuple(str(k) for k in keys)
+    return tuple(k.decode("utf-8", "replace") for k in gather_bytes(group, socket.gethostname().encode()))
 
 
 def local_scaleup_ranks(num_ranks: int, allow_hybrid_mode: bool, override: Optional[int],

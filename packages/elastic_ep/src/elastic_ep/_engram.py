@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from ._checks import (_num_qps, check_tensor, describe, int_arg, itemsize, on_every_rank,
+from ._checks import (_num_qps, check_tensor, describe, gather_bytes, int_arg, itemsize, on_every_rank,
                       raise_if_any_rank_failed)
 from ._sizing import ALIGNMENT_BYTES, align
 
@@ -50,8 +50,7 @@ def check_same_shards(group: dist.ProcessGroup, storage: torch.Tensor, sf: Optio
     """Collective: raises ``ValueError`` on every rank unless every rank's ``storage`` (and ``sf``) has the
     same shape and dtype."""
     meta = (tuple(storage.shape), str(storage.dtype), None if sf is None else (tuple(sf.shape), str(sf.dtype)))
-    metas: List[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(metas, meta, group=group)
+    metas = [m.decode() for m in gather_bytes(group, repr(meta).encode())]
     if any(m != metas[0] for m in metas):
         raise ValueError("storage / sf: expected the same shapes and dtypes on every rank, got "
                          + "; ".join(f"rank {r}: {m}" for r, m in enumerate(metas)))
@@ -100,8 +99,7 @@ def open_engram_store(group: dist.ProcessGroup, num_cpu_bytes: int) -> "_C.Engra
         err = e
     try:
         raise_if_any_rank_failed(group, err, "num_cpu_bytes: creating the Engram host segment")
-        names = [None] * R
-        dist.all_gather_object(names, store.name, group=group)
+        names = gather_bytes(group, bytes(store.name))
         err = None
         try:
             store.attach(names=names)

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _env
-from ._checks import agree_on_every_rank, c_ints, expert_ids_error, gather_ints, raise_if_any_rank_failed
+from ._checks import (agree_on_every_rank, c_ints, expert_ids_error, gather_bytes, gather_ints, group_device,
+                      raise_if_any_rank_failed)
 from ._events import EventHandle
 from ._nccl import (all_ok, comm_arg, destroy_nccl_comm, get_logical_domain_size, need_cuda, new_nccl_comm,
                     torch_nccl_comm)
@@ -189,7 +190,7 @@ class NativeWindow(Runtime):
                   explicitly_destroy=explicitly_destroy, settings=settings, buffer_id=buffer_id,
                   num_scaleup_ranks=num_scaleup_ranks, gin=gin)
         # Before any memory is registered: every rank's window must have the layout its peers write into.
-        device = "cpu" if dist.get_backend(group) == "gloo" else "cuda"
+        device = group_device(group)
         agree_on_every_rank(group, "ElasticBuffer (native)", dict(
             num_bytes=num_buffer_bytes, allow_multiple_reduction=int(allow_multiple_reduction),
             num_scaleup_ranks=num_scaleup_ranks, gin=int(gin is not None), window=int(window == "ipc")),
@@ -209,8 +210,7 @@ class NativeWindow(Runtime):
         rank, R = dist.get_rank(group), dist.get_world_size(group)
         if window == "ipc":
             rt = cls(rank, R, 0, window="ipc", **kw)
-            handles: List[Any] = [None] * R
-            dist.all_gather_object(handles, rt.get_local_ipc_handle(), group=group)
+            handles = gather_bytes(group, bytes(rt.get_local_ipc_handle()))
             err = None
             try:
                 rt.sync(handles)  # the caller's barrier follows: nobody writes before all are open

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _domains, _env
-from ._checks import INT64_MAX, int_arg
+from ._checks import INT64_MAX, gather_bytes, int_arg
 
 __all__ = ["need_cuda", "nccl_version", "railed_gin_type", "check_nccl_version", "get_local_nccl_unique_id", "create_nccl_comm",
            "destroy_nccl_comm", "comm_arg", "get_physical_domain_size", "get_logical_domain_size", "torch_nccl_comm",
@@ -147,9 +147,7 @@ def railed_gin_type(group: dist.ProcessGroup) -> Optional[int]:
 def new_nccl_comm(group: dist.ProcessGroup) -> int:
     """A new communicator over the ranks of ``group`` (unique id from rank 0, exchanged over the group)."""
     rank = dist.get_rank(group)
-    uid = get_local_nccl_unique_id() if rank == 0 else None
-    ids: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(ids, uid, group=group)
-    return create_nccl_comm(ids[0], dist.get_world_size(group), rank)
+    uid = get_local_nccl_unique_id() if rank == 0 else b""
+    return create_nccl_comm(gather_bytes(group, uid)[0], dist.get_world_size(group), rank)
 
 
