@@ -263,22 +263,48 @@ def _check_group(group: Any) -> None:
            f"group must be a torch.distributed ProcessGroup (this TP group) or None, got {type(group).__name__}")
 
 
+#: The largest exchanged object (as JSON) of a group exchange: what Transport exchanges is a few hundred
+#: bytes (pids, names, geometry); every rank sends a record of this size.
+GROUP_RECORD_BYTES = 16384
+
+
 def group_exchange(group=None) -> Callable[[Any], List[Any]]:
     """All-gather through a torch.distributed group (gloo is enough).
+
+    Each object travels as JSON (as :class:`FileExchange` writes it) in a fixed-size byte record
+    (``GROUP_RECORD_BYTES``, one all-gather), so nothing a peer sends is unpickled.
 
     Arguments:
         group: the TP group, its group rank r being TP rank r (None: WORLD).
 
     Returns:
         ``exchange(obj) -> [obj of group rank 0, obj of group rank 1, ...]``, as ``Transport`` takes it.
+
+    Raises:
+        ValueError (from the returned function): an object that is not JSON or longer than the record.
     """
+    import torch
     import torch.distributed as dist
 
     _check_group(group)
 
     def _exchange(obj):
-        out = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, obj, group=group)
+        text = json.dumps(obj).encode()
+        _check(len(text) + 4 <= GROUP_RECORD_BYTES,
+               f"exchange: the object takes {len(text)} bytes as JSON, the record holds {GROUP_RECORD_BYTES - 4}")
+        record = torch.zeros(GROUP_RECORD_BYTES, dtype=torch.uint8)
+        record[:4] = torch.tensor(list(len(text).to_bytes(4, "little")), dtype=torch.uint8)
+        record[4:4 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+        if dist.get_backend(group) != "gloo":
+            record = record.cuda()
+        every = [torch.empty_like(record) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, record, group=group)
+        out = []
+        for r, got in enumerate(every):
+            raw = bytes(got.cpu().tolist())
+            n = int.from_bytes(raw[:4], "little")
+            _check(n <= GROUP_RECORD_BYTES - 4, f"exchange: group rank {r} sent a record claiming {n} bytes")
+            out.append(json.loads(raw[4:4 + n].decode()))
         return out
 
     return _exchange
