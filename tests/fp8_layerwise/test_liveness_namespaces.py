@@ -9,7 +9,6 @@ see. Shown with forged records (``_C._debug_set_rank_process``) and with a real 
 /proc and reported the live rank dead at once.
 """
 import ctypes
-import mmap
 import os
 import shutil
 import signal
@@ -19,32 +18,14 @@ import threading
 import time
 
 import pytest
-import torch
 
 import fp8_layerwise as F
 from fp8_layerwise import _C
+from tests.fp8_layerwise.test_liveness_records import _control, _rank0
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/ns/pid"), reason="needs Linux PID namespaces")
 
-LIVENESS_MS = 20
 STALE_S = 2.0  # transport_impl.hpp kHeartbeatStaleMs
-
-
-def _control(tp=2):
-    ctl = mmap.mmap(-1, 8192)
-    ptr = ctypes.addressof(ctypes.c_char.from_buffer(ctl))
-    _C.initialize_fp8_layerwise_control(ptr, 8192, tp, 2)
-    return ctl, ptr
-
-
-def _rank0(ptr, timeout_ms, nb=16, experts=4, slots=2, tp=2):
-    k = [torch.zeros(4096, dtype=torch.uint8) for _ in range(4)]
-    dst = [torch.zeros(experts * nb, dtype=torch.uint8) for _ in range(4)]
-    host = [k[i].data_ptr() for _ in range(slots) for i in range(4)]
-    all_ = [k[i].data_ptr() for _ in range(slots) for _ in range(tp) for i in range(4)]
-    t = _C.FP8LayerwiseTransport(ptr, 8192, 0, tp, -1, host, [d.data_ptr() for d in dst], all_, [nb] * 4, experts,
-                                 timeout_ms, backend="cpu", liveness_ms=LIVENESS_MS)
-    return t, (k, dst)
 
 
 def _run(t):
@@ -63,8 +44,8 @@ def _forged(ptr, pid, start, boot, pid_ns, beat):
 @pytest.mark.parametrize("case", ["beating", "stale", "other kernel"])
 def test_a_rank_in_another_pid_namespace_is_judged_by_its_heartbeat(case):
     boot, ns, _, _ = _C.this_process()
-    ctl, ptr = _control()
-    t, keep = _rank0(ptr, 1500 if case != "stale" else 10000)
+    ctl, ptr = _control(2)
+    t, keep = _rank0(ptr, 2, 1500 if case != "stale" else 10000)
     stop = threading.Event()
     # Its pid is 1 in its own namespace; here pid 1 is another process (or none) with another start time.
     other = dict(boot=boot if case != "other kernel" else boot ^ 1, pid_ns=ns + 1)
@@ -118,7 +99,7 @@ def test_real_rank_in_another_pid_namespace_is_alive_then_dead():
             line = p.stdout.readline().split()
             assert line[:1] == ["attached"], line
             assert int(line[1]) != p.pid  # its pid in its own namespace: meaningless here
-            t, keep = _rank0(seg.ptr, 1500)
+            t, keep = _rank0(seg.ptr, 2, 1500)
             try:
                 exc, dt = _run(t)  # rank 1 lives but never joins: a timeout naming it, not PeerDied
                 assert type(exc) is F.TransportTimeout and exc.peer == 1, exc
@@ -131,7 +112,7 @@ def test_real_rank_in_another_pid_namespace_is_alive_then_dead():
             p.send_signal(signal.SIGKILL)  # --kill-child: the namespace's process dies with it
             p.wait(30)
             _C.initialize_fp8_layerwise_control(seg.ptr, 8192, 2, 2)  # rank 0 starts over, and rank 1's
-            t, keep = _rank0(seg.ptr, 30000)                        # record is put back as it left it
+            t, keep = _rank0(seg.ptr, 2, 30000)                     # record is put back as it left it
             _C._debug_set_rank_process(seg.ptr, 8192, 1, pid, start, boot=boot, pid_ns=ns,
                                        heartbeat_ns=_C._debug_monotonic_ns())
             try:
