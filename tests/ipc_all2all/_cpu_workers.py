@@ -1,6 +1,8 @@
 """Worker bodies of the CPU multi-process tests (importable by spawned children)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tests._dist import init_gloo
@@ -111,6 +113,9 @@ def worker_ltx_constructor_with_group(rank, world, rdzv):
     a = ipc_all2all.All2All(rank, world, 16, 256, 8, torch.bfloat16, group=group, timeout_seconds=3)
     out["handles"] = a._core.handles
     out["core_args"] = a._core.args
+    # the peer watch got every rank's process id (pid third), in rank order, and the default period
+    ids, period = a._core.watched
+    out["watched"] = (len(ids), ids[rank][2] == os.getpid(), period)
     out.update(collective=a.collective, group_is=a.group is group, buffer_size=a.buffer_size,
                runtime=type(a.runtime).__name__)
     barriers = []

@@ -17,6 +17,7 @@ class RecordingCore:
 
     def __init__(self, cap, buf):
         self.calls, self.destroyed, self.broken, self.cap = 0, False, False, cap
+        self.dead_peer, self.watched = -1, None  # the peer watch: nobody found dead; what it was given
         self.buffer_ptr = buf.data_ptr()
         self.buffer_bytes = buf.numel()
         self.launches = []
@@ -50,6 +51,9 @@ class RecordingCore:
 
     def open_peers(self, handles):
         self.handles = handles
+
+    def watch_peers(self, process_ids, period_ms):
+        self.watched = (list(process_ids), period_ms)
 
     def destroy(self, free_buffer=True):
         self.destroyed = True

@@ -203,6 +203,7 @@ def test_ltx_constructor_with_a_group_is_collective(tmp_path):
     for rank, r in enumerate(res):
         assert r["handles"] == [b"handle of rank 0", b"handle of rank 1"], r
         assert r["core_args"] == (rank, 2, 16 * 256 * 2, 8, 3.0), r
+        assert r["watched"] == (2, True, 200), r  # every rank's process id went to the peer watch
         assert r["collective"] and r["group_is"] and r["buffer_size"] == 16 * 256 * 2, r
         assert r["runtime"] == "Runtime" and r["destroy_barriers"] == 1, r
         name, msg = r["mismatch"]

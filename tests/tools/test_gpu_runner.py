@@ -21,7 +21,9 @@ NVLS_VARS = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DI
 
 def _clean_env():
     env = dict(os.environ)
-    for k in ("COMMKIT_REQUIRE_GPU", "COMMKIT_TEST_SHARE_GPU", "COMMKIT_GIT_REV", "PYTHON"):
+    # gpu.sh sets these unless they are set: the tests check its defaults (CI exports its own CUDAARCHS).
+    for k in ("COMMKIT_REQUIRE_GPU", "COMMKIT_TEST_SHARE_GPU", "COMMKIT_GIT_REV", "PYTHON", "CUDAARCHS",
+              "COMMKIT_BUILD_CUDA"):
         env.pop(k, None)
     return env
 
