@@ -69,23 +69,23 @@ def test_expert_id_count_and_example():
 
 
 def _agree_worker(rank, world, rdzv):
-    from elastic_ep import _checks as checks
+    from elastic_ep import _collective as collective
     from tests._dist import init_gloo
 
     group = init_gloo(rank, world, rdzv)
     same = dict(num_bytes=1 << 30, allow_multiple_reduction=1, num_scaleup_ranks=0)
-    checks.agree_on_every_rank(group, "ElasticBuffer (native)", same, device="cpu")
+    collective.agree_on_every_rank(group, "ElasticBuffer (native)", same, device="cpu")
     # uint64 values (process ids: a boot-id hash above 2^63) come back as they were sent
-    ids = checks.gather_ints(group, [(1 << 64) - 1 - rank, rank], "cpu", unsigned=True)
+    ids = collective.gather_ints(group, [(1 << 64) - 1 - rank, rank], "cpu", unsigned=True)
     assert ids == [[(1 << 64) - 1 - r, r] for r in range(world)], ids
     # bytes of any length and value (an IPC handle, a host name, an error message), never unpickled
     mine = bytes(range(256))[: 3 * rank] + (b"\xff\x00" if rank == 1 else b"")
-    got = checks.gather_bytes(group, mine, "cpu")
+    got = collective.gather_bytes(group, mine, "cpu")
     assert got == [bytes(range(256))[: 3 * r] + (b"\xff\x00" if r == 1 else b"") for r in range(world)], got
-    assert checks.gather_bytes(group, b"", "cpu") == [b""] * world
+    assert collective.gather_bytes(group, b"", "cpu") == [b""] * world
     odd = dict(same, num_bytes=(1 << 30) + (4096 if rank == 2 else 0))
     try:
-        checks.agree_on_every_rank(group, "ElasticBuffer (native)", odd, device="cpu")
+        collective.agree_on_every_rank(group, "ElasticBuffer (native)", odd, device="cpu")
     except ValueError as e:
         return str(e)
     return "accepted"

@@ -30,7 +30,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ._checks import check_dense, describe, int_arg, is_sequence, itemsize, off_device, on_every_rank
+from ._checks import check_dense, describe, int_arg, is_sequence, itemsize, off_device
+from ._collective import on_every_rank
 from ._sizing import ALIGNMENT_BYTES, align
 
 __all__ = ["AllGatherArgs", "AllGatherSessions", "AgrsPart", "NativeAgrs", "TorchAgrs", "MAX_AGRS_PER_SESSION",

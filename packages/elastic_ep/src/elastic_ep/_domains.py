@@ -33,7 +33,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from ._checks import gather_bytes
+from ._collective import gather_bytes
 from ._env import num_scaleup_ranks
 
 __all__ = ["Domains", "physical_from_nodes", "physical_from_lsa", "logical_domains", "make_domains",

@@ -20,14 +20,14 @@ Both gather the scales (a table every rank holds) on the device (``gather_scales
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import _C
-from ._checks import (_num_qps, check_tensor, describe, gather_bytes, int_arg, itemsize, on_every_rank,
-                      raise_if_any_rank_failed)
+from ._checks import _num_qps, check_tensor, describe, int_arg, itemsize
+from ._collective import gather_bytes, on_every_rank, raise_if_any_rank_failed
 from ._sizing import ALIGNMENT_BYTES, align
 
 __all__ = ["Engram", "EngramPart", "NativeEngram", "TorchEngram", "check_same_shards", "gather_scales",

@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _env
-from ._checks import (agree_on_every_rank, c_ints, expert_ids_error, gather_bytes, gather_ints, group_device,
-                      raise_if_any_rank_failed)
+from ._checks import c_ints, expert_ids_error
+from ._collective import (agree_on_every_rank, all_ok, gather_bytes, gather_ints, group_device,
+                          raise_if_any_rank_failed)
 from ._events import EventHandle
-from ._nccl import (all_ok, comm_arg, destroy_nccl_comm, get_logical_domain_size, need_cuda, new_nccl_comm,
+from ._nccl import (comm_arg, destroy_nccl_comm, get_logical_domain_size, need_cuda, new_nccl_comm,
                     torch_nccl_comm)
 from ._runtime import Runtime
 

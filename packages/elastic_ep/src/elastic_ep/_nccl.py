@@ -2,17 +2,18 @@
 of the loaded NCCL, unique ids, creating and aborting communicators, torch's own communicator of a group."""
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import _C, _domains, _env
-from ._checks import INT64_MAX, gather_bytes, int_arg
+from ._checks import INT64_MAX, int_arg
+from ._collective import gather_bytes
 
 __all__ = ["need_cuda", "nccl_version", "railed_gin_type", "check_nccl_version", "get_local_nccl_unique_id", "create_nccl_comm",
            "destroy_nccl_comm", "comm_arg", "get_physical_domain_size", "get_logical_domain_size", "torch_nccl_comm",
-           "new_nccl_comm", "all_ok"]
+           "new_nccl_comm"]
 
 
 def need_cuda(what: str) -> None:
@@ -119,12 +120,6 @@ def get_logical_domain_size(nccl_comm: int, allow_hybrid_mode: bool = True) -> T
     S, U, _ = _domains.logical_domains(physical[0] * physical[1], physical, bool(allow_hybrid_mode),
                                        _env.num_scaleup_ranks())
     return S, U
-
-
-def all_ok(group: dist.ProcessGroup, ok: bool) -> bool:
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device="cuda")
-    dist.all_reduce(flag, group=group)
-    return int(flag.item()) == 0
 
 
 def torch_nccl_comm(group: dist.ProcessGroup) -> int:

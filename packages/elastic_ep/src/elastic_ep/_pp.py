@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from ._checks import INT32_MAX, check_dense, describe, int_arg, off_device, on_every_rank
+from ._checks import INT32_MAX, check_dense, describe, int_arg, off_device
+from ._collective import on_every_rank
 from ._sizing import ALIGNMENT_BYTES, align
 
 __all__ = ["PipelineSendRecv", "PpPart", "NativePp", "TorchPp", "get_pp_buffer_size_hint"]

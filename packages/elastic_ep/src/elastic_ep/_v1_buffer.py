@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _C, _checks
+from . import _C, _checks, _collective
 from ._checks import check_tensor, int_arg
 from ._domains import get_physical_domain_size
 from ._events import EventHandle, EventOverlap
@@ -115,7 +115,7 @@ class Buffer:
             int_arg("num_qps_per_rank", num_qps_per_rank, 0)
         except (ValueError, NotImplementedError) as e:
             err = e
-        _checks.raise_if_any_rank_failed(group, err, "Buffer: creating the buffer")
+        _collective.raise_if_any_rank_failed(group, err, "Buffer: creating the buffer")
         if get_physical_domain_size(group)[0] > 1:  # collective: every rank learns the same
             raise ValueError(f"group: it spans several NVLink domains (nodes). {_INTERNODE}")
         self.rank, self.group_size, self.group = dist.get_rank(group), dist.get_world_size(group), group

@@ -39,7 +39,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _agrs, _checks, _domains, _engram, _env, _pp, _setup, _sizing
+from . import _agrs, _checks, _collective, _domains, _engram, _env, _pp, _setup, _sizing
 from ._checks import int_arg
 from ._domains import get_logical_domain_size, get_physical_domain_size
 from ._events import EventHandle, EventOverlap
@@ -124,7 +124,7 @@ class ElasticBuffer:
                                      num_cpu_timeout_secs, num_gpu_timeout_secs, backend, window)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             err = e
-        _checks.raise_if_any_rank_failed(group, err, "ElasticBuffer: creating the buffer")
+        _collective.raise_if_any_rank_failed(group, err, "ElasticBuffer: creating the buffer")
         self.backend, self.window, self.device = o.backend, o.window, o.device
         # The domains (collective: every rank's node), then the size they call for.
         try:
@@ -133,7 +133,7 @@ class ElasticBuffer:
                 allow_multiple_reduction, sl_idx)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             err = e
-        _checks.raise_if_any_rank_failed(group, err, "ElasticBuffer: the group's domains")
+        _collective.raise_if_any_rank_failed(group, err, "ElasticBuffer: the group's domains")
         self.num_cpu_bytes = o.num_cpu_bytes
         self.num_max_tokens_per_rank, self.hidden, self.num_topk = o.num_max_tokens_per_rank, o.hidden, o.num_topk
         self.use_fp8_dispatch, self.deterministic = use_fp8_dispatch, deterministic
