@@ -121,6 +121,62 @@ const FieldTable<PpParams>& fields_of<PpParams>() {
 }
 
 template <>
+const FieldTable<LlDispatchParams>& fields_of<LlDispatchParams>() {
+  static const FieldTable<LlDispatchParams> t{"LlDispatchParams", {
+      EP_FIELD(LlDispatchParams, x),
+      EP_FIELD(LlDispatchParams, topk_idx),
+      EP_FIELD(LlDispatchParams, recv_x),
+      EP_FIELD(LlDispatchParams, recv_scales),
+      EP_FIELD(LlDispatchParams, recv_scales_ue8m0),
+      EP_FIELD(LlDispatchParams, recv_count),
+      EP_FIELD(LlDispatchParams, recv_src_info),
+      EP_FIELD(LlDispatchParams, recv_route),
+      EP_FIELD(LlDispatchParams, recv_layout_range),
+      EP_FIELD(LlDispatchParams, cumulative_stats),
+      EP_FIELD(LlDispatchParams, wait_stats),
+      EP_FIELD(LlDispatchParams, half_offset),
+      EP_FIELD(LlDispatchParams, num_tokens),
+      EP_FIELD(LlDispatchParams, num_max_tokens),
+      EP_FIELD(LlDispatchParams, hidden),
+      EP_FIELD(LlDispatchParams, num_experts),
+      EP_FIELD(LlDispatchParams, num_topk),
+      EP_FIELD(LlDispatchParams, use_fp8),
+      EP_FIELD(LlDispatchParams, round_scale),
+      EP_FIELD(LlDispatchParams, use_ue8m0),
+      EP_FIELD(LlDispatchParams, half),
+      EP_FIELD(LlDispatchParams, phases),
+      EP_FIELD(LlDispatchParams, shrink),
+      EP_FIELD(LlDispatchParams, num_sms),
+  }};
+  return t;
+}
+
+template <>
+const FieldTable<LlCombineParams>& fields_of<LlCombineParams>() {
+  static const FieldTable<LlCombineParams> t{"LlCombineParams", {
+      EP_FIELD(LlCombineParams, x),
+      EP_FIELD(LlCombineParams, topk_idx),
+      EP_FIELD(LlCombineParams, topk_weights),
+      EP_FIELD(LlCombineParams, recv_count),
+      EP_FIELD(LlCombineParams, src_info),
+      EP_FIELD(LlCombineParams, route),
+      EP_FIELD(LlCombineParams, combined_x),
+      EP_FIELD(LlCombineParams, wait_stats),
+      EP_FIELD(LlCombineParams, half_offset),
+      EP_FIELD(LlCombineParams, num_tokens),
+      EP_FIELD(LlCombineParams, num_max_tokens),
+      EP_FIELD(LlCombineParams, hidden),
+      EP_FIELD(LlCombineParams, num_experts),
+      EP_FIELD(LlCombineParams, num_topk),
+      EP_FIELD(LlCombineParams, half),
+      EP_FIELD(LlCombineParams, phases),
+      EP_FIELD(LlCombineParams, shrink),
+      EP_FIELD(LlCombineParams, num_sms),
+  }};
+  return t;
+}
+
+template <>
 const FieldTable<ScaleoutProbeParams>& fields_of<ScaleoutProbeParams>() {
   static const FieldTable<ScaleoutProbeParams> t{"ScaleoutProbeParams", {
       EP_FIELD(ScaleoutProbeParams, next),
@@ -138,6 +194,8 @@ void bind_params(pybind11::module_& m) {
   bind_fields<EpilogueParams>(m, "A dispatch's copy-epilogue launch (kernels/launch.hpp).");
   bind_fields<CombineParams>(m, "A combine's launches (kernels/launch.hpp).");
   bind_fields<PpParams>(m, "One PP send or receive (kernels/launch.hpp).");
+  bind_fields<LlDispatchParams>(m, "A low-latency dispatch's phases (kernels/launch.hpp).");
+  bind_fields<LlCombineParams>(m, "A low-latency combine's phases (kernels/launch.hpp).");
   bind_fields<ScaleoutProbeParams>(m, "One ring step of the scale-out probe (kernels/launch.hpp).");
 }
 

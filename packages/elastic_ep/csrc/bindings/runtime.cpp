@@ -217,6 +217,17 @@ void bind_runtime(py::module_& m) {
           py::arg("send"), py::arg("x"), py::arg("nbytes"), py::arg("peer"), py::arg("slot_bytes"),
           py::arg("num_max_inflight"), py::arg("num_sms"), py::arg("stream"),
           "PP send (send=True: nbytes at x to peer) or receive (into x from peer), pp.cuh; x is a data pointer.")
+      .def("ll_dispatch", &Runtime::ll_dispatch, py::arg("params"), py::arg("stream"),
+           "Low-latency dispatch, the phases params.phases names (kernels/ll_dispatch.cuh).")
+      .def("ll_combine", &Runtime::ll_combine, py::arg("params"), py::arg("stream"),
+           "Low-latency combine, the phases params.phases names (kernels/ll_combine.cuh).")
+      .def("ll_clean", &Runtime::ll_clean, py::arg("stream"),
+           "Zeroes the low-latency counters and signals on `stream` (clean_low_latency_buffer, between barriers).")
+      .def("ll_set_mask", &Runtime::ll_set_mask, py::arg("rank"), py::arg("masked"), py::arg("stream"),
+           "Shrink mode: masks (unmasks) `rank` in this rank's mask (synchronous).")
+      .def("ll_clean_mask", &Runtime::ll_clean_mask, py::arg("stream"), "Shrink mode: unmasks every rank.")
+      .def_property_readonly("ll_mask_address", &Runtime::ll_mask_address,
+                             "Device address of the shrink mask, int32[num_ranks] (1 = masked).")
       .def("pp_unreceived", [](Runtime& r) { return commkit::without_gil([&] { return r.pp_unreceived(); }); },
            "Per source rank: PP tensors delivered to this rank and not received (synchronises the device).")
       .def("agrs_all_gather", &Runtime::agrs_all_gather, py::arg("srcs"), py::arg("nbytes"), py::arg("offsets"),

@@ -8,6 +8,7 @@
 
 #include "bindings/bindings.hpp"
 #include "commkit/check.hpp"
+#include "kernels/ll_sizing.hpp"
 #include "kernels/sizing.hpp"
 
 namespace py = pybind11;
@@ -73,6 +74,18 @@ void bind_sizing(py::module_& m) {
   m.attr("MAX_TOPK") = kMaxTopk;
   m.attr("NUM_ALIGNED_SF_PACKS") = kNumAlignedSFPacks;
   m.def("get_elastic_buffer_alignment", [] { return kBufferAlignmentBytes; });
+  // Low-latency mode (kernels/ll_sizing.hpp); the Python layer checked the arguments' ranges.
+  m.attr("LL_MAX_TOPK") = kLowLatencyMaxTopk;
+  m.attr("LL_MAX_TOKENS") = kLowLatencyMaxTokens;
+  m.attr("LL_HIDDEN_ALIGN") = kLowLatencyHiddenAlign;
+  m.def("ll_size_hint", [](int64_t m_, int64_t hidden, int64_t num_experts) {
+    CK_CHECK_ARG(m_ >= 0 && hidden >= 0 && num_experts >= 0, "ll_size_hint: sizes must be non-negative");
+    return fits_int64("ll_size_hint", ll_size_hint(m_, hidden, num_experts));
+  }, py::arg("num_max_tokens"), py::arg("hidden"), py::arg("num_experts"));
+  m.def("ll_half_bytes", [](int64_t m_, int64_t hidden, int64_t num_experts, int64_t num_topk) {
+    CK_CHECK_ARG(m_ >= 0 && hidden >= 0 && num_experts >= 0 && num_topk >= 0, "ll_half_bytes: sizes must be non-negative");
+    return fits_int64("ll_half_bytes", ll_half_bytes(m_, hidden, num_experts, num_topk));
+  }, py::arg("num_max_tokens"), py::arg("hidden"), py::arg("num_experts"), py::arg("num_topk"));
   m.def("dispatch_token_bytes", [](int64_t hidden, int64_t elem_size, int64_t num_sf_packs, int64_t num_topk) {
     CK_CHECK_ARG(hidden >= 0 && elem_size >= 0 && num_sf_packs >= 0 && num_topk >= 0,
                  "dispatch_token_bytes: sizes must be non-negative");

@@ -33,6 +33,8 @@ const char* op_name(uint32_t op) {
     case kOpCombineScaleout:
       return "elastic_ep hybrid combine scale-out stage (waiting for a rail peer's forwarded partials)";
     case kOpPeerDied: return "elastic_ep peer watch (a peer's process on this host died)";
+    case kOpLowLatencyDispatch: return "elastic_ep low_latency_dispatch (receive: waiting for a peer's token counts)";
+    case kOpLowLatencyCombine: return "elastic_ep low_latency_combine (receive: waiting for a peer's combined rows)";
     default: return "elastic_ep operation";
   }
 }

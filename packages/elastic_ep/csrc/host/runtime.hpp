@@ -5,7 +5,8 @@
 // open_ipc_peers(every rank's handle)), the hybrid domain view of it, a host-mapped workspace for the
 // CPU sync and the device timeout record, and the events and second stream of the overlapped modes.
 // Its operations live one file per area: health.cpp (timeouts, unusable state), ops_ep.cpp (barrier,
-// dispatch, the CPU sync, epilogue, combine), ops_pp_agrs.cpp (PP, AGRS, the scale-out probe).
+// dispatch, the CPU sync, epilogue, combine), ops_ll.cpp (low-latency mode), ops_pp_agrs.cpp (PP,
+// AGRS, the scale-out probe).
 // Python (_native_window.py, _native_runtime.py) allocates every tensor and passes raw pointers and
 // stream handles in the parameter blocks (kernels/launch.hpp); nothing here includes torch and
 // nothing here reads the environment (Python's _env.py does, and passes what it read in RuntimeOptions
@@ -166,6 +167,17 @@ class Runtime {
   // `wait_stream` / `join_stream` as in dispatch / dispatch_epilogue.
   void combine(const CombineParams& p, int64_t stream, uint64_t wait_event = 0, int64_t wait_stream = kNoStream,
                int64_t join_stream = kNoStream);
+
+  // ---- low-latency mode (ops_ll.cpp; kernels/ll_*.cuh). Direct mode only; no epoch, no entry barrier.
+  void ll_dispatch(const LlDispatchParams& p, int64_t stream);
+  void ll_combine(const LlCombineParams& p, int64_t stream);
+  // Zeroes the low-latency counters and signals on `stream` (every rank, between two barriers:
+  // clean_low_latency_buffer); the shrink mask stays.
+  void ll_clean(int64_t stream);
+  // Shrink mode's mask of `rank` (synchronous), all ranks' cleared (on `stream`), its device address.
+  void ll_set_mask(int rank, bool masked, int64_t stream);
+  void ll_clean_mask(int64_t stream);
+  uint64_t ll_mask_address() const;
 
   // ---- PP, AGRS and the scale-out probe (ops_pp_agrs.cpp)
   // PP send / receive on `stream` (pp.cuh); point-to-point, no epoch. The Python layer checked the

@@ -1,8 +1,8 @@
 // elastic_ep/csrc/kernels/launch.cu -- dispatch, combine (direct and hybrid mode), barrier, PP and AGRS
 // kernels: the one CUDA translation unit. The kernels live one family per header beside it
 // (device_common, barrier, dispatch_notify, dispatch_push, dispatch_epilogue, combine, pp, agrs, engram,
-// scaleout_probe, hybrid); this file holds the device communicator set-up and the launchers declared in
-// launch.hpp.
+// scaleout_probe, hybrid; low-latency mode's ll_common, ll_dispatch, ll_combine); this file holds the
+// device communicator set-up and the launchers declared in launch.hpp.
 //
 // Every operation (barrier, dispatch, combine) has an epoch E = 1 + the epoch stored in this rank's
 // workspace; the operation's last kernel stores E when it finishes. All ranks run the same sequence of
@@ -26,6 +26,8 @@
 #include "kernels/engram.cuh"
 #include "kernels/scaleout_probe.cuh"
 #include "kernels/hybrid.cuh"
+#include "kernels/ll_dispatch.cuh"
+#include "kernels/ll_combine.cuh"
 
 namespace elastic_ep {
 namespace {
@@ -298,6 +300,14 @@ void launch_pp_send(const CommView& c, const PpParams& p, void* stream) {
 
 void launch_pp_recv(const CommView& c, const PpParams& p, void* stream) {
   pp_recv_kernel<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p);
+}
+
+void launch_ll_dispatch(const CommView& c, const LlDispatchParams& p, void* stream) {
+  low_latency_dispatch<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p);
+}
+
+void launch_ll_combine(const CommView& c, const LlCombineParams& p, void* stream) {
+  low_latency_combine<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p);
 }
 
 void launch_agrs_gather_done(const CommView& c, void* stream) {

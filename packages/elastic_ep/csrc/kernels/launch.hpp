@@ -50,6 +50,10 @@ enum OpCode : uint32_t {
   kOpCombineScaleout = 13,
   // Not a device wait: the host's peer watch (commkit::PeerWatch) found a peer's process gone.
   kOpPeerDied = 14,
+  // Low-latency mode (ll_dispatch.cuh, ll_combine.cuh): the receive phase's wait for a peer's counts /
+  // combined rows.
+  kOpLowLatencyDispatch = 15,
+  kOpLowLatencyCombine = 16,
 };
 const char* op_name(uint32_t op);
 
@@ -177,6 +181,43 @@ struct PpParams {
   int num_sms;
 };
 
+// Low-latency mode (DeepEP V1's low_latency_dispatch / low_latency_combine; ll_sizing.hpp has the
+// layout). `phases`: bit 0 runs the send phase, bit 1 the receive phase (both: one kernel; DeepEP's
+// return_recv_hook: one launch each). `half_offset`: the call's half, as an offset in the buffer.
+enum LowLatencyPhase : int { kLlSend = 1, kLlRecv = 2 };
+struct LlDispatchParams {
+  const void* x;               // [T, hidden] bf16
+  const int64_t* topk_idx;     // [T, K] global expert ids, -1 masked
+  void* recv_x;                // [L, R * M, hidden] fp8 (use_fp8) or bf16
+  float* recv_scales;          // use_fp8 without use_ue8m0: [L, hidden / 128, R * M] f32 (column-major scales), else null
+  int* recv_scales_ue8m0;      // use_ue8m0: [L, hidden / 512, R * M] int32, 4 exponent bytes each, else null
+  int* recv_count;             // [L] rows received per local expert
+  int* recv_src_info;          // [L, R * M] the row's token index at its source rank
+  int* recv_route;             // [L, R * M] ll_route(source rank, top-k lane): where the combine sends the row
+  int64_t* recv_layout_range;  // [L, R] (first row << 32) | rows, per source rank
+  int* cumulative_stats;       // [L] += rows received (may be null)
+  int64_t* wait_stats;         // [R] += ns the receive phase waited for each source rank (may be null)
+  int64_t half_offset;
+  int num_tokens, num_max_tokens, hidden, num_experts, num_topk;
+  int use_fp8, round_scale, use_ue8m0;
+  int half, phases, shrink;
+  int num_sms;
+};
+struct LlCombineParams {
+  const void* x;               // [L, R * M, hidden] bf16 expert outputs (the zero-copy area, or the caller's)
+  const int64_t* topk_idx;     // [T, K] the dispatch's top-k
+  const float* topk_weights;   // [T, K]
+  const int* recv_count;       // [L] } the dispatch's handle
+  const int* src_info;         // [L, R * M]
+  const int* route;            // [L, R * M]
+  void* combined_x;            // [T, hidden] bf16
+  int64_t* wait_stats;         // [R] += ns waited for each rank's rows (may be null)
+  int64_t half_offset;
+  int num_tokens, num_max_tokens, hidden, num_experts, num_topk;
+  int half, phases, shrink;
+  int num_sms;
+};
+
 // One ring step of the scale-out transport (scaleout_probe.cuh): put to `next`, wait for `prev`.
 struct ScaleoutProbeParams {
   int next, prev;        // the rail peer this rank puts to, the one it waits for
@@ -245,6 +286,9 @@ void launch_combine_overlapped(const CommView& c, const CombineParams& p, void* 
 // tensor, copies it out, returns the slot. Both point-to-point: no epoch, no entry barrier.
 void launch_pp_send(const CommView& c, const PpParams& p, void* stream);
 void launch_pp_recv(const CommView& c, const PpParams& p, void* stream);
+// Low-latency mode: the phases p.phases names, in one kernel.
+void launch_ll_dispatch(const CommView& c, const LlDispatchParams& p, void* stream);
+void launch_ll_combine(const CommView& c, const LlCombineParams& p, void* stream);
 // Scale-out transport probe (scaleout_probe.cuh), over the runtime's scale-out transport.
 void launch_scaleout_probe(const CommView& c, const ScaleoutProbeParams& p, void* stream);
 // AGRS (agrs.cuh), one block each, after the copy engine's copies: count the gather, signal every

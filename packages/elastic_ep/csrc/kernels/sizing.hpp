@@ -357,6 +357,11 @@ constexpr int kGeometryWords = 4;
 // outside that peer's range (the record's source id, the peer), an expanded row past its expert's
 // count (local expert, its count). Nothing is written where such a word points.
 constexpr int kProtocolCount = 4, kProtocolSource = 5, kProtocolPlacement = 6;
+// Low-latency mode's reports through the same words: a peer's geometry word w differs (what =
+// kProtocolLlGeometry + w; the peer's word, this rank's), a peer's count above M (count, M), a message
+// or handle row naming a token, lane or rank out of range (the value, its bound), a signal from a later
+// call than this one (its seq, this call's).
+constexpr int kProtocolLlGeometry = 8, kProtocolLlCount = 10, kProtocolLlRecord = 11, kProtocolLlSeq = 12;
 // grid_counter words kGridCounterEpochSlot and the next hold the u64 epoch of the last completed
 // operation (launch.cu; 8-byte aligned: the region is 128-byte aligned and the slot even).
 constexpr int kGridCounterEpochSlot = 8;
@@ -404,6 +409,14 @@ struct WorkspaceLayout {
                            //                    passes on (hybrid_count_relay; written by the rail peers)
   Region geometry;         // u64[kMaxRanks][kGeometryWords] (epoch<<32)|word w of the peer's dispatch
                            //                    geometry (written by the peer; direct mode)
+  // Low-latency mode (ll_sizing.hpp): kind 0 = dispatch, 1 = combine; half = the call's buffer_idx;
+  // seq = the calls of that kind and half so far, counted on the device (CUDA-graph replays count).
+  Region ll_count;         // u64[2][kMaxExperts] [half][local expert * R + src] (seq<<32)|tokens src sends it
+  Region ll_done;          // u64[2][kMaxRanks]   [half][src] (seq<<32)|1: src's combine rows for me landed
+  Region ll_geo;           // u64[2][2][kMaxRanks][2] [kind][half][src][w] (seq<<32)|ll_geometry_word w of src
+  Region ll_seq;           // u64[2][2][2]        local: [kind][half][send, receive] phases run
+  Region ll_grid;          // u32[2][2][2]        local: finished blocks of a phase (reset by its last block)
+  Region ll_mask;          // u32[kMaxRanks]      local: shrink mode's rank mask (1 = masked)
   uint64_t bytes;          // total, 2 MiB aligned
 };
 
@@ -434,6 +447,12 @@ CK_HD constexpr WorkspaceLayout workspace_layout() {
   w.scaleout_seen = l.add(8ull * kMaxRanks, 128);
   w.count_relay = l.add(8ull * (kMaxRanks + kMaxExperts), 128);
   w.geometry = l.add(8ull * kMaxRanks * kGeometryWords, 128);
+  w.ll_count = l.add(16ull * kMaxExperts, 128);
+  w.ll_done = l.add(16ull * kMaxRanks, 128);
+  w.ll_geo = l.add(64ull * kMaxRanks, 128);
+  w.ll_seq = l.add(64, 128);
+  w.ll_grid = l.add(32, 128);
+  w.ll_mask = l.add(4ull * kMaxRanks, 128);
   w.bytes = l.total(uint64_t(kBufferAlignmentBytes));
   return w;
 }

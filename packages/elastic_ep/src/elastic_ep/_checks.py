@@ -107,6 +107,18 @@ def describe(t: Any) -> str:
     return repr(type(t).__name__) if t is not None else "None"
 
 
+def refuse_during_capture(what: str) -> None:
+    """Raises ``RuntimeError`` when the current CUDA stream is capturing a graph: creating a buffer runs
+    collectives, allocations and device synchronisations, which a capture forbids (it would otherwise fail
+    deep inside NCCL or CUDA with an error that does not say why). Checked before anything collective, on
+    each rank."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{what}(...) was called while the current CUDA stream is capturing a graph; creating a "
+                           "buffer runs collectives and allocations that a capture cannot hold. Create the buffer "
+                           "before capturing (e.g. at start-up, sized for the largest batch) and capture only its "
+                           "dispatch / combine calls")
+
+
 def check_dense(name: str, t: torch.Tensor) -> None:
     """Refuses sparse and nested tensors by name: their shape, strides and data pointer raise, or mean
     something else, where the other checks and the kernels read them."""

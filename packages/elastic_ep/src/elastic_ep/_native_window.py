@@ -71,7 +71,28 @@ _PROTOCOL_ERRORS = {
     5: "a record in rank {peer}'s area names source token {theirs}, outside that rank's range (a corrupted record)",
     6: "records from rank {peer} put more rows into local expert {theirs} than the {mine} its count said (a "
        "corrupted record or count)",
+    # Low-latency mode (csrc/kernels/sizing.hpp kProtocolLl*; 8 and 9 are the geometry words, ll_geometry_error).
+    10: "rank {peer} sent a low-latency count of {theirs} tokens, more than num_max_dispatch_tokens_per_rank={mine} "
+        "(a corrupted count word)",
+    11: "a low-latency message or handle row from rank {peer} names a token or lane out of range ({theirs}, bound "
+        "{mine}; a corrupted message, or a handle changed after low_latency_dispatch returned it)",
+    12: "rank {peer}'s low-latency signal is from call {theirs}, this rank is at call {mine}: the ranks' low-latency "
+        "calls are out of step (every rank must make the same calls; clean_low_latency_buffer resets them)",
 }
+
+
+def ll_geometry_error(word: int, peer: int, theirs: int, mine: int) -> str:
+    """What differs between two ranks' low-latency calls (csrc/kernels/ll_sizing.hpp ll_geometry_word)."""
+    if word == 8:
+        names = ("num_max_dispatch_tokens_per_rank", "num_topk", "use_fp8")
+        a, b = (theirs >> 16, (theirs >> 8) & 0xFF, theirs & 1), (mine >> 16, (mine >> 8) & 0xFF, mine & 1)
+    else:
+        names = ("num_experts", "hidden")
+        a, b = (theirs >> 16, (theirs & 0xFFFF) * 128), (mine >> 16, (mine & 0xFFFF) * 128)
+    diffs = [f"{n}: rank {peer} passed {x}, this rank {y}" for n, x, y in zip(names, a, b) if x != y]
+    return ("the ranks made a low-latency call with different arguments (" + "; ".join(diffs) + "); nothing was "
+            "copied from that rank. Every rank must pass the same num_max_dispatch_tokens_per_rank, hidden, "
+            "num_experts, top-k and use_fp8")
 
 
 def geometry_fields(word: int, theirs: int, mine: int) -> Tuple[Tuple[str, ...], Tuple[int, ...], Tuple[int, ...]]:
@@ -343,9 +364,15 @@ class NativeWindow(Runtime):
         if found is None:
             return None
         peer, word, theirs, mine = found
+        if word in (8, 9):
+            msg = (f"low-latency call [rank {self.rank_idx}]: {ll_geometry_error(word, peer, theirs, mine)}. This "
+                   "buffer is unusable: destroy it on every rank and create a new one")
+            self._rt.mark_broken(msg)
+            return CommError(msg)
         if word in _PROTOCOL_ERRORS:
             what = _PROTOCOL_ERRORS[word].format(peer=peer, theirs=theirs, mine=mine)
-            msg = (f"dispatch [rank {self.rank_idx}]: protocol error: {what}; nothing was written where it "
+            op = "low-latency call" if word >= 10 else "dispatch"
+            msg = (f"{op} [rank {self.rank_idx}]: protocol error: {what}; nothing was written where it "
                    "points. This buffer is unusable: destroy it on every rank and create a new one")
             self._rt.mark_broken(msg)
             return CommError(msg)

@@ -16,7 +16,9 @@ V1 returns beside them (``_v1_routing``). Same arguments, defaults and return tu
 with local expert ids and -1 elsewhere (weight 0 there). DeepEP V1's buffer streams any number of tokens
 through fixed queues; this one holds a whole call: ``num_nvl_bytes`` bounds the tokens per rank of a call
 (``get_max_tokens_per_rank``), and a call over it raises ``ValueError`` with the bytes it needs.
-Not available yet (each raises saying so): low-latency mode, RDMA across nodes, shrink mode.
+Low-latency mode (``low_latency_mode=True``, ``num_rdma_bytes`` from ``get_low_latency_rdma_size_hint``) and
+shrink mode are ``_v1_low_latency`` / ``_low_latency``; their bytes follow normal mode's in the same window.
+Not available (raises saying so): normal mode across NVLink domains (RDMA).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, _checks, _collective
-from ._checks import check_tensor, int_arg
+from ._checks import check_tensor, int_arg, refuse_during_capture
 from ._domains import get_physical_domain_size
 from ._events import EventHandle, EventOverlap
 from ._sizing import ALIGNMENT_BYTES, align, calculate_elastic_buffer_size
@@ -34,14 +36,15 @@ from ._v1_config import COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, recommended_c
 from ._v1_routing import (Deferred, DispatchHandle, aligned_counts, decode_weights, dispatch_layout, encode_weights,
                           fit_rows, global_expert_counts, marker_lanes_fit, mask_rows_past, max_tokens_fit, output,
                           rank_prefix_matrix, rank_routing, ranked_routing)
+from ._low_latency import LowLatency, NativeLowLatency
+from ._low_latency_torch import TorchLowLatency
+from ._v1_low_latency import LowLatencyAPI
 from .buffer import ElasticBuffer
 
 __all__ = ["Buffer"]
 
 _X_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 _TOPK_DTYPES = (torch.int64, torch.int32)
-_LOW_LATENCY = ("DeepEP V1's low-latency mode is not available yet in elastic_ep; use normal mode "
-                "(Buffer.dispatch / combine; with num_worst_tokens for fixed shapes without a CPU sync)")
 _INTERNODE = ("DeepEP V1's normal mode across NVLink domains (RDMA, num_rdma_bytes > 0) is not available yet in "
               "elastic_ep; keep the group inside one NVLink domain with num_rdma_bytes=0, or use ElasticBuffer "
               "(its hybrid mode spans domains)")
@@ -60,8 +63,8 @@ def _not_available(name: str, why: str) -> Callable[..., Any]:
     return method
 
 
-class Buffer:
-    """DeepEP V1's normal-mode expert-parallel buffer, on this package's ``ElasticBuffer``.
+class Buffer(LowLatencyAPI):
+    """DeepEP V1's expert-parallel buffer (normal and low-latency mode), on this package's ``ElasticBuffer``.
 
     Arguments:
         group: the expert-parallel process group, inside one NVLink domain (NCCL; gloo for the torch
@@ -69,12 +72,15 @@ class Buffer:
         num_nvl_bytes: buffer bytes (rounded up to 2 MiB): they bound the tokens per rank of one call
             (``get_max_tokens_per_rank``); DeepEP V1's ``Config.get_nvl_buffer_size_hint`` gives a few
             thousand tokens of a DeepSeek-V3 row on 8 ranks.
-        num_rdma_bytes: must be 0 (RDMA across nodes is not available yet).
-        low_latency_mode: must be False (not available yet).
+        num_rdma_bytes: low-latency mode's bytes (``get_low_latency_rdma_size_hint``); 0 without it (RDMA
+            across nodes is not available).
+        low_latency_mode: enables ``low_latency_dispatch`` / ``low_latency_combine`` (``num_rdma_bytes`` > 0;
+            ``num_nvl_bytes`` may then be 0 if normal mode is not used).
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: DeepEP V1's RDMA and low-latency
             settings: accepted, no effect inside one NVLink domain.
         explicitly_destroy: as DeepEP V1; ``destroy()`` is allowed either way.
-        enable_shrink: must be False (shrink mode is part of low-latency mode).
+        enable_shrink: DeepEP V1's shrink mode (low-latency mode only): a mask of ranks that low-latency
+            calls skip; a rank that misses the deadline is masked instead of failing the call.
         comm: DeepEP V1's mpi4py alternative to ``group``: not supported (pass a ProcessGroup).
         backend, window: keyword only, not in DeepEP V1: ``ElasticBuffer``'s backend and window.
 
@@ -85,8 +91,8 @@ class Buffer:
 
     Raises:
         ValueError: a bad argument, a group across NVLink domains or ``num_rdma_bytes > 0``, raised on every
-            rank when any rank's arguments are refused; NotImplementedError: ``low_latency_mode=True`` or
-            ``enable_shrink=True``.
+            rank when any rank's arguments are refused; RuntimeError: called while the current stream captures a
+            CUDA graph (create the buffer before capturing).
     """
 
     num_sms: int = 20
@@ -99,32 +105,49 @@ class Buffer:
         if group is None:
             raise ValueError("group: expected a torch.distributed ProcessGroup" +
                              (" (an mpi4py comm is not supported)" if comm is not None else ", got None"))
+        refuse_during_capture("Buffer")
         err = None
         try:
-            if low_latency_mode:
-                raise NotImplementedError(f"low_latency_mode=True: {_LOW_LATENCY}")
-            if enable_shrink:
-                raise NotImplementedError(f"enable_shrink=True: {_LOW_LATENCY}")
             if comm is not None:
                 raise ValueError("comm: an mpi4py communicator is not supported; pass group only")
             num_nvl_bytes = int_arg("num_nvl_bytes", num_nvl_bytes, 0)
-            if num_nvl_bytes == 0:
-                raise ValueError("num_nvl_bytes: normal mode needs a buffer, got 0")
-            if int_arg("num_rdma_bytes", num_rdma_bytes, 0):
+            num_rdma_bytes = int_arg("num_rdma_bytes", num_rdma_bytes, 0)
+            low_latency_mode, enable_shrink = bool(low_latency_mode), bool(enable_shrink)
+            if enable_shrink and not low_latency_mode:
+                raise ValueError("enable_shrink=True: shrink mode masks ranks in low-latency calls; it needs "
+                                 "low_latency_mode=True")
+            if low_latency_mode and num_rdma_bytes == 0:
+                raise ValueError("num_rdma_bytes: low-latency mode keeps its buffer there, got 0 (size it with "
+                                 "Buffer.get_low_latency_rdma_size_hint(...))")
+            if not low_latency_mode and num_rdma_bytes:
                 raise ValueError(f"num_rdma_bytes={num_rdma_bytes}: {_INTERNODE}")
+            if num_nvl_bytes == 0 and not low_latency_mode:
+                raise ValueError("num_nvl_bytes: normal mode needs a buffer, got 0")
             int_arg("num_qps_per_rank", num_qps_per_rank, 0)
-        except (ValueError, NotImplementedError) as e:
+        except ValueError as e:
             err = e
         _collective.raise_if_any_rank_failed(group, err, "Buffer: creating the buffer")
         if get_physical_domain_size(group)[0] > 1:  # collective: every rank learns the same
             raise ValueError(f"group: it spans several NVLink domains (nodes). {_INTERNODE}")
         self.rank, self.group_size, self.group = dist.get_rank(group), dist.get_world_size(group), group
-        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, 0
-        self.low_latency_mode, self.enable_shrink = False, False
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode, self.enable_shrink = low_latency_mode, enable_shrink
         self.explicitly_destroy = bool(explicitly_destroy)
+        # One window: normal mode's bytes, then low-latency mode's (apart, so neither waits for the other).
+        nvl, rdma = align(num_nvl_bytes, ALIGNMENT_BYTES), align(num_rdma_bytes, ALIGNMENT_BYTES)
         self.runtime: Optional[ElasticBuffer] = ElasticBuffer(
-            group, num_bytes=align(num_nvl_bytes, ALIGNMENT_BYTES), allow_hybrid_mode=False,
+            group, num_bytes=max(nvl + rdma, ALIGNMENT_BYTES), allow_hybrid_mode=False,
             explicitly_destroy=self.explicitly_destroy, backend=backend, window=window)
+        _collective.agree_on_every_rank(group, "Buffer(...)", {
+            "num_nvl_bytes": nvl, "num_rdma_bytes": rdma, "low_latency_mode": int(low_latency_mode),
+            "enable_shrink": int(enable_shrink)}, _collective.group_device(group))
+        self._ll: Optional[LowLatency] = None
+        if low_latency_mode:
+            rt = self.runtime.runtime
+            native = self.runtime.backend == "native"
+            part = NativeLowLatency(rt, nvl, rdma, enable_shrink) if native else TorchLowLatency(rt, enable_shrink)
+            device = torch.device("cuda", rt.device) if native else rt.device
+            self._ll = LowLatency(part, group, device, rdma, rt.get_comm_stream())
         self._fit_cache: dict = {}
 
     # ------------------------------------------------------------------ lifecycle and info
@@ -137,7 +160,7 @@ class Buffer:
         """Releases the buffer on every rank (collective), as DeepEP V1's; allowed whatever
         ``explicitly_destroy`` is, and a second call does nothing."""
         if self.runtime is not None:
-            rt, self.runtime = self.runtime, None
+            rt, self.runtime, self._ll = self.runtime, None, None
             rt.destroy()
 
     def __enter__(self) -> "Buffer":
@@ -175,16 +198,6 @@ class Buffer:
             An ``EventOverlap`` around an ``EventHandle`` recorded on the current stream (none on a CPU group).
         """
         return EventOverlap(EventHandle())
-
-    @staticmethod
-    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                       num_experts: int) -> int:
-        """DeepEP V1's low-latency RDMA size: not available (low-latency mode is not).
-
-        Raises:
-            NotImplementedError: always.
-        """
-        raise NotImplementedError(f"get_low_latency_rdma_size_hint: {_LOW_LATENCY}")
 
     def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
         """The communication stream (DeepEP V1's).
@@ -283,7 +296,7 @@ class Buffer:
         m = self._fit_cache.get(key)
         if m is None:
             buf = self._buf()
-            m = self._fit_cache[key] = max_tokens_fit(buf.num_bytes, self.group_size, H, packs, K, elem,
+            m = self._fit_cache[key] = max_tokens_fit(align(self.num_nvl_bytes, ALIGNMENT_BYTES), self.group_size, H, packs, K, elem,
                                                       buf.allow_multiple_reduction)
         return m
 
@@ -578,10 +591,3 @@ class Buffer:
     # ------------------------------------------------------------------ not available yet
     internode_dispatch = _not_available("internode_dispatch", _INTERNODE)
     internode_combine = _not_available("internode_combine", _INTERNODE)
-    clean_low_latency_buffer = _not_available("clean_low_latency_buffer", _LOW_LATENCY)
-    low_latency_dispatch = _not_available("low_latency_dispatch", _LOW_LATENCY)
-    low_latency_combine = _not_available("low_latency_combine", _LOW_LATENCY)
-    get_next_low_latency_combine_buffer = _not_available("get_next_low_latency_combine_buffer", _LOW_LATENCY)
-    low_latency_update_mask_buffer = _not_available("low_latency_update_mask_buffer", _LOW_LATENCY)
-    low_latency_query_mask_buffer = _not_available("low_latency_query_mask_buffer", _LOW_LATENCY)
-    low_latency_clean_mask_buffer = _not_available("low_latency_clean_mask_buffer", _LOW_LATENCY)

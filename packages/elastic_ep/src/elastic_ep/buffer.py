@@ -105,6 +105,7 @@ class ElasticBuffer:
                  backend: str = "auto", window: str = "auto") -> None:
         if group is None:
             raise ValueError("group: expected a torch.distributed ProcessGroup, got None")
+        _checks.refuse_during_capture("ElasticBuffer")
         self.group = group
         self.rank = self.rank_idx = dist.get_rank(group)  # rank_idx: DeepEP's name
         self.num_ranks = dist.get_world_size(group)

@@ -1,0 +1,135 @@
+// elastic_ep/csrc/kernels/ll_combine.cuh -- low-latency combine (DeepEP V1's low_latency_combine) over
+// the NVLink window.
+//
+// Send phase: the rows of every local expert (recv_count[l] of them, packed) are walked grid-stride, a
+// warp per row; row (l, pos) goes to its source rank (route >> 8) at combine slot [token src_info]
+// [lane route & 0xff] of that rank's half, so each of an origin's (token, lane) pairs has its own
+// slot and nothing is summed on the way. The phase's last block then sends every unmasked rank its
+// geometry words and a "rows landed" signal (ll_common.cuh).
+// Receive phase: one thread per rank waits for the signals; then each block reduces whole tokens:
+// out[t] = sum over lanes k in order of topk_weights[t, k] * row(t, k) in fp32 (separate multiply and
+// add, round to nearest: the torch reference's arithmetic, so the result is bitwise reproducible),
+// rounded to BF16 once; lanes with id -1 (or, in shrink mode, a masked rank) are skipped.
+// Included once, by launch.cu.
+#pragma once
+
+#include "ll_common.cuh"
+
+namespace elastic_ep {
+namespace {
+
+__device__ __forceinline__ void ll_combine_send(const LlCall& call, const LlCombineParams& p) {
+  const Ctx& cx = call.cx;
+  const int E = p.num_experts, R = cx.tr.num_ranks, L = E / R, K = p.num_topk, M = p.num_max_tokens;
+  const int64_t RM = int64_t(R) * M;
+  const uint64_t row_bytes = uint64_t(p.hidden) * 2;
+  const uint64_t area = cx.buf + uint64_t(p.half_offset) + uint64_t(ll_combine_offset(M, p.hidden, E));
+  __shared__ int s_base[kMaxLocalExperts + 1];
+  __shared__ int s_scan[kWarps];
+  {
+    const int l = threadIdx.x;
+    int n = l < L ? p.recv_count[l] : 0;
+    n = n < 0 ? 0 : (n > RM ? int(RM) : n);  // a handle is this rank's own memory, but stay inside it
+    const int before = block_exclusive_scan(n, s_scan);
+    if (l < L) s_base[l] = before;
+    if (l == L - 1) s_base[L] = before + n;
+  }
+  __syncthreads();
+  const int lane = lane_id();
+  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  for (int64_t m = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; m < s_base[L]; m += nwarps) {
+    int lo = 0, hi = L;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (s_base[mid] <= m) lo = mid; else hi = mid;
+    }
+    const int64_t pos = int64_t(lo) * RM + (m - s_base[lo]);
+    const int route = p.route[pos], t = p.src_info[pos];
+    const int src = route >> 8, k = route & 0xff;
+    if (src < 0 || src >= R || k >= K || t < 0 || t >= M) {
+      if (lane == 0) report_protocol_once(cx, call.c, src, kProtocolLlRecord, uint32_t(route), uint32_t(t));
+      continue;
+    }
+    if (call.masked(src)) continue;
+    warp_copy_v4<4, true>(reinterpret_cast<int4*>(cx.tr.remote(src, area + (uint64_t(t) * K + k) * row_bytes)),
+                          reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + pos * int64_t(row_bytes)),
+                          int(row_bytes / 16), lane);
+  }
+}
+
+__device__ __forceinline__ void ll_combine_signal(const LlCall& call) {
+  const Ctx& cx = call.cx;
+  const uint32_t s = call.seq(kLlSendSide);
+  call.publish_geometry(s);
+  for (int r = threadIdx.x; r < cx.tr.num_ranks; r += blockDim.x)
+    if (!call.masked(r))
+      cx.tr.signal(r, cx.ws.ll_done.offset + 8ull * (uint64_t(call.half) * kMaxRanks + cx.tr.rank), (uint64_t(s) << 32) | 1u);
+  if (threadIdx.x == 0) call.end_phase(kLlSendSide, s);
+}
+
+__device__ __forceinline__ void ll_combine_recv(const LlCall& call, const LlCombineParams& p) {
+  const Ctx& cx = call.cx;
+  const int E = p.num_experts, R = cx.tr.num_ranks, L = E / R, K = p.num_topk, M = p.num_max_tokens;
+  const int H = p.hidden, n16 = H / 8;
+  const uint32_t s = call.seq(kLlRecvSide);
+  bool failed = false;
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    if (call.masked(r)) continue;
+    uint64_t v = 0;
+    bool masked_now = false;
+    int64_t* stats = (p.wait_stats != nullptr && blockIdx.x == 0) ? p.wait_stats + r : nullptr;
+    if (!call.wait_peer(cx.local_u64(cx.ws.ll_done, call.half * kMaxRanks + r), r, s, kOpLowLatencyCombine, &v,
+                        &masked_now, stats, true) && !masked_now)
+      failed = true;
+  }
+  if (__syncthreads_or(failed)) return;
+  const char* area = cx.tr.local(cx.buf + uint64_t(p.half_offset) + uint64_t(ll_combine_offset(M, H, E)));
+  __shared__ float s_w[kLowLatencyMaxTopk];
+  __shared__ int s_on[kLowLatencyMaxTopk];
+  for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    if (threadIdx.x < K) {
+      const int64_t e = p.topk_idx[int64_t(t) * K + threadIdx.x];
+      s_on[threadIdx.x] = e >= 0 && e < E && !call.masked(int(e) / L);
+      s_w[threadIdx.x] = p.topk_weights[int64_t(t) * K + threadIdx.x];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n16; i += blockDim.x) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int k = 0; k < K; ++k) {
+        if (!s_on[k]) continue;
+        const int4 v = commkit::ld_v4<true>(reinterpret_cast<const int4*>(area + (uint64_t(t) * K + k) * 2ull * H) + i);
+        const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(h[j]);
+          acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(f.x, s_w[k]));
+          acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(f.y, s_w[k]));
+        }
+      }
+      int4 out;
+      auto* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) o[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+      reinterpret_cast<int4*>(p.combined_x)[int64_t(t) * n16 + i] = out;
+    }
+    __syncthreads();
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) low_latency_combine(CommView c, LlCombineParams p) {
+  LlCall call{Ctx(c), c, kLlCombineKind, p.half, p.shrink != 0,
+              ll_geometry_word(0, p.num_max_tokens, p.hidden, p.num_experts, p.num_topk, false),
+               ll_geometry_word(1, p.num_max_tokens, p.hidden, p.num_experts, p.num_topk, false)};
+  if (p.phases & kLlSend) {
+    ll_combine_send(call, p);
+    if (commkit::grid_arrive_last<true>(call.grid_word(kLlSendSide))) ll_combine_signal(call);
+  }
+  if (p.phases & kLlRecv) {
+    ll_combine_recv(call, p);
+    if (commkit::grid_arrive_last<true>(call.grid_word(kLlRecvSide)) && threadIdx.x == 0)
+      call.end_phase(kLlRecvSide, call.seq(kLlRecvSide));
+  }
+}
+
+}  // namespace
+}  // namespace elastic_ep

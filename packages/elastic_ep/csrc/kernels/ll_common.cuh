@@ -1,0 +1,99 @@
+// elastic_ep/csrc/kernels/ll_common.cuh -- what low-latency dispatch and combine share: their call
+// counters, the shrink mask, the geometry words and the wait for a peer's signal.
+//
+// Protocol of one call (kind = dispatch or combine, half = the host's buffer_idx): the send phase writes
+// every message straight into the peers' windows, then its last block publishes, to every unmasked
+// peer, this rank's geometry words and then the signals ((seq << 32) | payload, release), seq being the
+// count of send phases of that kind and half so far plus one. The receive phase waits for the signal
+// of every unmasked peer with its own count (receive phases so far plus one): every rank runs the same
+// calls, so the two counts agree, and since they live on the device a CUDA-graph replay advances them.
+// A word from a later call, a count past M or a geometry word unlike this rank's is a protocol error
+// (reported once to the host; nothing is copied from that peer). No entry barrier: a half is written
+// again only by the call after next of the same rank, which DeepEP V1's rule (at most two low-latency
+// results held at a time) and the dispatch-combine alternation order after the peers' reads.
+// Included once, by launch.cu.
+#pragma once
+
+#include "device_common.cuh"
+#include "ll_sizing.hpp"
+
+namespace elastic_ep {
+namespace {
+
+enum LlKind : int { kLlDispatchKind = 0, kLlCombineKind = 1 };
+enum LlSide : int { kLlSendSide = 0, kLlRecvSide = 1 };
+
+struct LlCall {
+  Ctx cx;
+  CommView c;
+  int kind, half;
+  bool shrink;
+  uint32_t geometry0, geometry1;  // ll_geometry_word 0 and 1 of this call
+
+  __device__ __forceinline__ uint32_t geometry(int w) const { return w == 0 ? geometry0 : geometry1; }
+
+  __device__ __forceinline__ uint64_t* seq_word(int side) const {
+    return cx.local_u64(cx.ws.ll_seq, (kind * 2 + half) * 2 + side);
+  }
+  // The seq of this call's phase `side` (read by every block before its phase's last block stores it).
+  __device__ __forceinline__ uint32_t seq(int side) const { return uint32_t(commkit::ld_relaxed(seq_word(side)) + 1u); }
+  __device__ __forceinline__ void end_phase(int side, uint32_t s) const { commkit::st_relaxed(seq_word(side), uint64_t(s)); }
+  __device__ __forceinline__ uint32_t* grid_word(int side) const {
+    return cx.ws.ll_grid.at<uint32_t>(c.window_base) + (kind * 2 + half) * 2 + side;
+  }
+  __device__ __forceinline__ bool masked(int r) const {
+    return shrink && commkit::ld_relaxed(cx.ws.ll_mask.at<uint32_t>(c.window_base) + r) != 0u;
+  }
+  __device__ __forceinline__ void mask(int r) const { atomicExch(cx.ws.ll_mask.at<uint32_t>(c.window_base) + r, 1u); }
+  __device__ __forceinline__ uint64_t geo_offset(int src, int w) const {
+    return cx.ws.ll_geo.offset + 8ull * (uint64_t((kind * 2 + half) * kMaxRanks + src) * kLowLatencyGeometryWords + w);
+  }
+  // Last block of the send phase, every thread: geometry words to every unmasked peer, ordered before
+  // the signals the caller stores next.
+  __device__ __forceinline__ void publish_geometry(uint32_t s) const {
+    for (int i = threadIdx.x; i < c.num_ranks * kLowLatencyGeometryWords; i += blockDim.x) {
+      const int r = i / kLowLatencyGeometryWords, w = i % kLowLatencyGeometryWords;
+      if (!masked(r)) cx.tr.put_u64(r, geo_offset(c.rank, w), (uint64_t(s) << 32) | geometry(w));
+    }
+    __threadfence_system();
+    __syncthreads();
+  }
+  // Waits for peer `src`'s signal `word` of call `s`. Returns true with `*payload` set when it came
+  // and the peer's call matches this one; false when the wait failed (timeout or abort: recorded; in
+  // shrink mode the peer is masked instead and nothing is recorded) or the peer's words are wrong
+  // (reported). `*masked_now` tells the shrink case. `wait_ns` (may be null) += the time waited.
+  __device__ __forceinline__ bool wait_peer(const uint64_t* word, int src, uint32_t s, uint32_t op, uint64_t* payload,
+                            bool* masked_now, int64_t* wait_ns, bool check_geometry) const {
+    *masked_now = false;
+    const uint64_t t0 = wait_ns != nullptr ? commkit::globaltimer_ns() : 0;
+    const bool ok = commkit::wait_tag_ge(word, s, cx.timeout_ns, shrink ? nullptr : cx.rec, op, c.rank, src);
+    if (wait_ns != nullptr) atomicAdd(reinterpret_cast<unsigned long long*>(wait_ns),
+                                      static_cast<unsigned long long>(commkit::globaltimer_ns() - t0));
+    if (!ok) {
+      if (shrink && !commkit::aborted(cx.rec)) {
+        mask(src);
+        *masked_now = true;
+      }
+      return false;
+    }
+    const uint64_t v = commkit::ld_acquire(word);
+    if (uint32_t(v >> 32) != s) {
+      report_protocol_once(cx, c, src, kProtocolLlSeq, v >> 32, s);
+      return false;
+    }
+    for (int w = 0; check_geometry && w < kLowLatencyGeometryWords; ++w) {
+      const uint64_t g = commkit::ld_acquire(reinterpret_cast<const uint64_t*>(cx.tr.local(geo_offset(src, w))));
+      if (uint32_t(g >> 32) != s || uint32_t(g) != geometry(w)) {
+        report_protocol_once(cx, c, src, kProtocolLlGeometry + w, uint32_t(g), geometry(w));
+        return false;
+      }
+    }
+    *payload = v & 0xffffffffull;
+    return true;
+  }
+};
+
+__device__ __forceinline__ int64_t ll_sanitize(int64_t e, int num_experts) { return e >= 0 && e < num_experts ? e : -1; }
+
+}  // namespace
+}  // namespace elastic_ep
