@@ -96,8 +96,18 @@ def test_config_hints_and_checks():
             ep.Config(*args)
     with pytest.raises(ValueError, match="num_ranks"):
         c.get_nvl_buffer_size_hint(1024, 12)
-    with pytest.raises(NotImplementedError, match="low-latency"):
-        ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256)
+    # Two halves of [E * M messages of align16(16 + 2 H) B, 4 KiB-aligned | M x 32 lanes x 2 H B], each
+    # rounded up to 2 MiB: 256 * 128 * 14352 = 470286336 (4 KiB-aligned) + 128 * 32 * 14336 = 58720256
+    # -> 529006592 -> 253 x 2 MiB = 530579456, twice.
+    assert ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == 2 * 530579456
+    with pytest.raises(ValueError, match="num_experts"):
+        ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 3, 256)
+
+
+# Positional arguments each low-latency method needs before it can tell that the mode is off.
+_LL_ARGS = {"low_latency_dispatch": 4, "low_latency_combine": 4, "clean_low_latency_buffer": 3,
+            "get_next_low_latency_combine_buffer": 1, "low_latency_update_mask_buffer": 1,
+            "low_latency_query_mask_buffer": 1}
 
 
 # ------------------------------------------------------------------------------------------ one rank
@@ -122,8 +132,8 @@ def refusals_worker(rank: int, world: int, rdzv: str) -> int:
         checks += 1
 
     B = ep.Buffer
-    refuses(NotImplementedError, "low_latency_mode=True.*not available yet", B, group, 2 << 20, 0, True)
-    refuses(NotImplementedError, "enable_shrink", B, group, 2 << 20, enable_shrink=True)
+    refuses(ValueError, "num_rdma_bytes: low-latency mode", B, group, 2 << 20, 0, True)
+    refuses(ValueError, "enable_shrink=True.*low_latency_mode=True", B, group, 2 << 20, enable_shrink=True)
     refuses(ValueError, "num_rdma_bytes=1024.*not available yet", B, group, 2 << 20, 1024)
     refuses(ValueError, "num_nvl_bytes", B, group, 0)
     refuses(ValueError, "num_nvl_bytes", B, group, 2.5e6)
@@ -163,7 +173,7 @@ def refusals_worker(rank: int, world: int, rdzv: str) -> int:
     for name in ("low_latency_dispatch", "low_latency_combine", "clean_low_latency_buffer",
                  "get_next_low_latency_combine_buffer", "low_latency_update_mask_buffer",
                  "low_latency_query_mask_buffer", "low_latency_clean_mask_buffer"):
-        refuses(NotImplementedError, f"{name}: .*low-latency mode is not available yet", getattr(buf, name))
+        refuses(RuntimeError, "low-latency mode is off", getattr(buf, name), *[None] * _LL_ARGS.get(name, 0))
     refuses(NotImplementedError, "across NVLink domains", buf.internode_dispatch, x)
     other = B(group, 2 << 20)
     refuses(ValueError, "handle", other.dispatch, x, handle=handle)
