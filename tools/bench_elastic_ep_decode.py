@@ -86,7 +86,9 @@ def _kernel_us(fn, iters: int, names, group) -> float:
 
 
 def _graph(fn):
-    """A CUDA graph of one call of ``fn`` (warmed up on a side stream first, as torch requires)."""
+    """A CUDA graph of one call of ``fn`` (warmed up on a side stream first, as torch requires), replayed
+    once: what the call stored for later calls (a handle) is then real data, not the capture's
+    unwritten memory."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -96,6 +98,7 @@ def _graph(fn):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
+    g.replay()
     torch.cuda.synchronize()
     return g
 

@@ -4,8 +4,8 @@
 // Send phase (grid-stride over this rank's T tokens, one token per block at a time):
 //   * slot of lane k of token t = the (t', k') before (t, k) in row-major order that name the same
 //     expert, so every sender fills its row of a receiver's area in token order (deterministic);
-//   * the row is read once: BF16, or cast to FP8 per 128 channels (amax clamped at 1e-4, scale = amax /
-//     448, optionally rounded up to a power of two; x * (448 / amax) or x / scale rounded to E4M3), and
+//   * the row is read once: BF16, or cast to FP8 per 128 channels (amax clamped at 1e-4, scale = amax x
+//     (1 / 448), optionally rounded up to a power of two; x * (448 / amax) or x / scale rounded to E4M3), and
 //     stored with its header into each destination's receive area [l][this rank][slot];
 //   * the phase's last block counts the tokens per expert and sends each (local expert, this rank)
 //     count word to the expert's rank, after this rank's geometry words (ll_common.cuh).
@@ -106,7 +106,9 @@ __device__ __forceinline__ void ll_dispatch_send(const LlCall& call, const LlDis
 #pragma unroll
       for (int m = 8; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, m));
       amax = fmaxf(amax, 1e-4f);
-      float sf = __fdiv_rn(amax, 448.f), scale;
+      // DeepEP V1's kernel arithmetic: scale_inv = amax x (1 / 448) (a rounded reciprocal, as torch's
+      // CUDA division by a scalar too), scale = 448 / amax (IEEE division).
+      float sf = __fmul_rn(amax, 1.0f / 448.0f), scale;
       if (p.round_scale) {
         uint32_t bits = __float_as_uint(sf);
         if (bits & 0x7fffffu) bits = (bits & 0xff800000u) + 0x800000u;

@@ -2,7 +2,7 @@
 against, and the backend on groups without them (gloo on the CPU in CI).
 
 dispatch
-    Send phase: the rows are cast (FP8: per 128 channels, amax clamped at 1e-4, scale = amax / 448,
+    Send phase: the rows are cast (FP8: per 128 channels, amax clamped at 1e-4, scale = amax x (1 / 448),
     optionally rounded up to a power of two, ``x * (448 / amax)`` or ``x * (1 / scale)`` in fp32 rounded
     to E4M3: the kernels' arithmetic) and one record per (token, lane) whose expert is on an unmasked
     rank is built, ``[token, lane, local expert, 0]`` int32 + the row bytes (+ the scales), sorted per
@@ -37,14 +37,16 @@ def cast_to_fp8(x: torch.Tensor, round_scale: bool) -> Tuple[torch.Tensor, torch
     T, H = x.shape
     xv = x.view(T, H // 128, 128).float()
     amax = xv.abs().amax(dim=-1).clamp(min=1e-4)
-    sf = amax / 448.0
+    # Spelled out so that CPU and CUDA compute the same bits: torch's CUDA kernels turn a division by a
+    # scalar into a multiplication by its reciprocal, its CPU kernels do not.
+    sf = amax * (1.0 / 448.0)  # float32 x float32(1 / 448), as DeepEP V1's kernel
     if round_scale:
         bits = sf.view(torch.int32)
         up = (bits & ~0x7FFFFF) + 0x800000
         sf = torch.where((bits & 0x7FFFFF) != 0, up, bits).view(torch.float32)
-        scale = 1.0 / sf
+        scale = torch.ones_like(sf) / sf  # exact: a power of two
     else:
-        scale = 448.0 / amax
+        scale = torch.full_like(amax, 448.0) / amax  # IEEE division, tensor by tensor
     return (xv * scale.unsqueeze(-1)).to(FP8).view(T, H), sf
 
 
