@@ -196,14 +196,14 @@ def worker_lifetimes_and_checks(rank, world, rdzv):
     import gc
 
     import ipc_all2all
+    from ipc_all2all import _collective
 
     dev = _setup(rank, world, rdzv)
     H, D, n = 4 * world, 128, 16
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     # 1. Different num_tokens on one rank: every rank's sync() raises, naming a rank and the sizes.
     a = ipc_all2all.All2All(rank, world, n * world * (2 if rank == 0 else 1), H * D, sms, torch.bfloat16)
-    handles = [None] * world
-    dist.all_gather_object(handles, a.get_local_ipc_handle())
+    handles = _collective.gather_bytes(dist.group.WORLD, a.get_local_ipc_handle())  # nothing unpickled
     try:
         a.sync(handles)
     except ValueError as e:

@@ -158,12 +158,13 @@ class _StubAll2All(ipc_all2all.All2All):
 def test_from_group_releases_the_instance_when_the_exchange_fails(monkeypatch, exc):
     import torch.distributed as dist
 
-    def failing_exchange(out, obj, group=None):
+    def failing_exchange(out, t, group=None):
         raise exc
 
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(dist, "all_gather_object", failing_exchange)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "all_gather", failing_exchange)
     _StubAll2All.cores = []
     with pytest.raises(type(exc)):
         _StubAll2All.from_group(num_tokens=16, hidden_dim=128, tensor_dtype=torch.bfloat16, num_sms=8)

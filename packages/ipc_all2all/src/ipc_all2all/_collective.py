@@ -3,15 +3,38 @@ what happened and their IPC handles, and either every rank gets a ready instance
 raises, naming the rank that failed (no rank is left waiting in a collective the others skipped).
 
 Used by ``All2All.from_group`` and by the constructor when it is given a ``group`` (LTX's form).
+
+Never trust what a peer writes: every exchange travels as fixed-size integer or byte tensors
+(:func:`gather_bytes`: the lengths, then the bytes padded to the longest, with a bound on the
+length), in an explicit encoding that is decoded defensively (:func:`decode_construction`,
+:func:`decode_status`). Nothing a peer sends is unpickled, and a peer's malformed record makes every
+rank raise an error naming that rank.
 """
 from __future__ import annotations
 
+import struct
 import warnings
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 from . import _C
 
 CommError = _C.CommError
+
+#: The longest record :func:`gather_bytes` takes from a rank unless told otherwise (a construction
+#: record is ~120 bytes; an error message is cut at :data:`MESSAGE_BYTES`).
+MAX_RECORD_BYTES = 1 << 16
+#: The longest error message (UTF-8 bytes) a rank sends its peers; longer ones are cut.
+MESSAGE_BYTES = 4096
+#: The longest dtype name a construction record carries (its length is one byte).
+DTYPE_NAME_BYTES = 255
+
+# The records: one kind byte, then
+#   b"O" (construction): slot capacity (uint64, little-endian), the dtype name's length (uint8), the
+#        dtype name (ASCII), the IPC handle (the rest, at least one byte);
+#   b"O" (status): nothing;
+#   b"E" (both): the error message (UTF-8, at most MESSAGE_BYTES bytes).
+_OK, _ERROR = b"O", b"E"
+_OK_HEAD = struct.Struct("<QB")
 
 
 def group_rank_and_size(group, what: str) -> Tuple[int, int]:
@@ -48,13 +71,137 @@ def discard(obj) -> None:
                       stacklevel=3)
 
 
-def local_payload(obj) -> tuple:
-    """What a rank that built its instance tells the others: its handle and what must agree."""
-    return ("ok", obj.get_local_ipc_handle(), obj.capacity, str(obj.tensor_dtype))
+def _message(text: str) -> bytes:
+    """``text`` as UTF-8, cut at :data:`MESSAGE_BYTES` on a character boundary."""
+    data = text.encode("utf-8", "replace")
+    if len(data) > MESSAGE_BYTES:
+        data = data[:MESSAGE_BYTES].decode("utf-8", "ignore").encode("utf-8")
+    return data
 
 
-def error_payload(err: BaseException) -> tuple:
-    return ("error", f"{type(err).__name__}: {err}")
+def local_payload(obj) -> bytes:
+    """What a rank that built its instance tells the others: its handle and what must agree (the
+    slot capacity and the dtype), as a construction record (see the module's encoding)."""
+    handle, dtype = bytes(obj.get_local_ipc_handle()), str(obj.tensor_dtype).encode("ascii")
+    if not handle:
+        raise ValueError("get_local_ipc_handle() returned no bytes")
+    if len(dtype) > DTYPE_NAME_BYTES:
+        raise ValueError(f"tensor_dtype's name is longer than {DTYPE_NAME_BYTES} bytes")
+    return _OK + _OK_HEAD.pack(int(obj.capacity), len(dtype)) + dtype + handle
+
+
+def error_payload(err: BaseException) -> bytes:
+    """The record of a rank that failed: its exception's type and message (cut at :data:`MESSAGE_BYTES`)."""
+    return _ERROR + _message(f"{type(err).__name__}: {err}")
+
+
+def status_payload(err: Optional[BaseException]) -> bytes:
+    """The status record after opening the peers' buffers: ok, or the exception's type and message."""
+    return _OK if err is None else error_payload(err)
+
+
+def _peer_message(data: bytes) -> str:
+    # A peer's message is shown, not parsed: bytes that are not UTF-8 are replaced, never fatal.
+    return data.decode("utf-8", "replace")
+
+
+def _not_a_record(record: bytes, kind: str) -> Optional[str]:
+    """Why ``record`` is neither an ok (``b"O"``...) nor a well-formed error record, or None."""
+    if not record:
+        return f"malformed {kind} record (empty)"
+    if record[:1] == _ERROR:
+        if len(record) > 1 + MESSAGE_BYTES:
+            return (f"malformed {kind} record (an error message of {len(record) - 1} bytes, at most "
+                    f"{MESSAGE_BYTES})")
+        return None
+    if record[:1] != _OK:
+        return f"malformed {kind} record (kind byte 0x{record[0]:02x})"
+    return None
+
+
+def decode_construction(record: bytes) -> tuple:
+    """A peer's construction record: ``("ok", handle, capacity, dtype_name)``, ``("error", message)``,
+    or ``("error", "malformed construction record (...)")`` for anything else. Never raises."""
+    why = _not_a_record(record, "construction")
+    if why is not None:
+        return ("error", why)
+    if record[:1] == _ERROR:
+        return ("error", _peer_message(record[1:]))
+    head = 1 + _OK_HEAD.size
+    if len(record) < head:
+        return ("error", f"malformed construction record ({len(record)} bytes, shorter than its "
+                         f"{head}-byte header)")
+    capacity, name_len = _OK_HEAD.unpack_from(record, 1)
+    if len(record) < head + name_len + 1:
+        return ("error", f"malformed construction record ({len(record)} bytes: too short for a dtype name "
+                         f"of {name_len} bytes and an IPC handle)")
+    try:
+        dtype = record[head:head + name_len].decode("ascii")
+    except UnicodeDecodeError:
+        return ("error", "malformed construction record (the dtype name is not ASCII)")
+    if not dtype.isprintable():
+        return ("error", "malformed construction record (the dtype name is not printable)")
+    return ("ok", record[head + name_len:], capacity, dtype)
+
+
+def decode_status(record: bytes) -> Tuple[bool, str]:
+    """A peer's status record: ``(True, "")``, ``(False, message)``, or ``(False, "malformed status
+    record (...)")`` for anything else. Never raises."""
+    why = _not_a_record(record, "status")
+    if why is not None:
+        return False, why
+    if record[:1] == _ERROR:
+        return False, _peer_message(record[1:])
+    if len(record) != 1:
+        return False, f"malformed status record ({len(record) - 1} bytes after the ok byte, expected none)"
+    return True, ""
+
+
+def group_device(group) -> str:
+    """Where ``group``'s collectives take tensors: the CPU for gloo, else the current CUDA device."""
+    import torch.distributed as dist
+
+    return "cpu" if dist.get_backend(group) == "gloo" else "cuda"
+
+
+def gather_bytes(group, data: Union[bytes, bytearray], *, limit: int = MAX_RECORD_BYTES,
+                 what: str = "ipc_all2all", device: Optional[str] = None) -> List[bytes]:
+    """Collective: every rank's ``data`` by rank (the same call on every rank of ``group``).
+
+    Two fixed-size all-gathers on the group's device (:func:`group_device`, or ``device``): every
+    rank's length (one int64), then every rank's bytes padded to the longest (uint8). Unlike
+    ``all_gather_object`` nothing a peer sends is unpickled.
+
+    Raises:
+        CommError: on every rank alike, before the bytes travel, when a rank announced a length
+            outside ``[0, limit]`` (this rank's own ``data`` included), naming the rank: no rank
+            allocates what a peer claims beyond the bound.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not isinstance(data, (bytes, bytearray)):
+        raise TypeError(f"{what}: gather_bytes takes bytes, got {type(data).__name__}")
+    device = device or group_device(group)
+    world = dist.get_world_size(group)
+    mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    lengths = torch.cat(every).cpu().tolist()
+    bad = [(r, n) for r, n in enumerate(lengths) if not 0 <= n <= limit]
+    if bad:
+        raise CommError(f"{what}: " + "; ".join(f"rank {r} announced a record of {n} bytes" for r, n in bad)
+                        + f" (the exchange takes 0 to {limit} bytes a rank)")
+    width = max(lengths)
+    if width == 0:
+        return [b""] * world
+    padded = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    padded = padded.to(device)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return [bytes(t[:n].cpu().tolist()) for t, n in zip(parts, lengths)]
 
 
 def watch_peers(obj, group, world: int) -> None:
@@ -71,13 +218,13 @@ def watch_peers(obj, group, world: int) -> None:
         return
     top = 1 << 64
     mine = torch.tensor([v - top if v >= top // 2 else v for v in _C.this_process()], dtype=torch.int64,
-                        device="cpu" if dist.get_backend(group) == "gloo" else "cuda")
+                        device=group_device(group))
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     obj._core.watch_peers([tuple(v + top if v < 0 else v for v in t.tolist()) for t in every], period)
 
 
-def exchange(obj, err: Optional[BaseException], payload: tuple, group, rank: int, world: int, what: str) -> None:
+def exchange(obj, err: Optional[BaseException], payload: bytes, group, rank: int, world: int, what: str) -> None:
     """The collective half of a construction.
 
     Arguments:
@@ -89,13 +236,12 @@ def exchange(obj, err: Optional[BaseException], payload: tuple, group, rank: int
 
     On return every rank's ``obj`` has opened every peer's buffer. Otherwise every rank raises: the
     failing rank its own exception (or ``ValueError`` when its arguments were wrong), the others
-    ``CommError`` naming the rank(s) and their errors; ``obj`` is released first.
+    ``CommError`` naming the rank(s) and their errors (a malformed record counts as its rank's
+    error); ``obj`` is released first. Every rank decodes the same records the same way, so every
+    rank takes the same branch.
     """
-    import torch.distributed as dist
-
     try:
-        gathered: List = [None] * world
-        dist.all_gather_object(gathered, payload, group=group)
+        gathered = [decode_construction(rec) for rec in gather_bytes(group, payload, what=what)]
         bad = [(r, p[1]) for r, p in enumerate(gathered) if p[0] != "ok"]
         if bad:
             discard(obj)
@@ -113,12 +259,11 @@ def exchange(obj, err: Optional[BaseException], payload: tuple, group, rank: int
                              + "; ".join(f"rank {r}: {p[2]} bytes {p[3]}" for r, p in enumerate(gathered)))
         try:
             obj.sync([p[1] for p in gathered])
-            status = ("ok", "")
+            status = status_payload(None)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
-            status = error_payload(e)
-        statuses: List = [None] * world
-        dist.all_gather_object(statuses, status, group=group)
-        bad = [(r, s[1]) for r, s in enumerate(statuses) if s[0] != "ok"]
+            status = status_payload(e)
+        statuses = [decode_status(rec) for rec in gather_bytes(group, status, what=what)]
+        bad = [(r, m) for r, (ok, m) in enumerate(statuses) if not ok]
         if bad:
             discard(obj)
             raise CommError(f"{what}: opening the peers' buffers failed on "

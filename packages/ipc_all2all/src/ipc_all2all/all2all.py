@@ -85,11 +85,13 @@ class All2All:
 
         a = All2All(rank, W, seqlen, hidden, num_sms, torch.bfloat16, group=group)
 
-    Low-level (the caller exchanges handles)::
+    Low-level (the caller exchanges handles: fixed-size bytes, ``_C.HANDLE_BYTES`` long, so one
+    tensor all-gather carries them; ``all_gather_object`` would unpickle what the peers send)::
 
         a = All2All(rank, W, seqlen, hidden, num_sms, torch.bfloat16)
-        handles = [None] * W; dist.all_gather_object(handles, a.get_local_ipc_handle())
-        a.sync(handles)
+        mine = torch.frombuffer(bytearray(a.get_local_ipc_handle()), dtype=torch.uint8).cuda()  # gloo: CPU
+        every = [torch.empty_like(mine) for _ in range(W)]; dist.all_gather(every, mine)
+        a.sync([bytes(t.tolist()) for t in every])
 
     :meth:`from_group` is the collective form with keyword arguments and defaults.
     """
