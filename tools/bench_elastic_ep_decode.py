@@ -16,7 +16,8 @@ BF16 combine. Per (experts, tokens):
 Times (microseconds per call, the median over the iterations):
 
 * ``kernel_us``: device time of the call's elastic_ep kernels (CUDA profiler; the sum of their
-  durations, which do not overlap here);
+  durations, which do not overlap here); ``send_us`` / ``recv_us`` (``ll``): the two kernels of the call
+  made with ``return_recv_hook`` (DeepEP V1's "send/recv time");
 * ``graph_us``: CUDA events around the replay of a CUDA graph holding the one call (a decode step's
   graph; includes the graph launch, no host work);
 * ``eager_us``: CUDA events around the Python call (host time included when the GPU waits for it).
@@ -85,6 +86,20 @@ def _kernel_us(fn, iters: int, names, group) -> float:
     return total / iters
 
 
+def _split_us(fn, iters: int, name: str, group):
+    """DeepEP V1's "send/recv time": with the receive hook a call is two kernels, the send and the
+    receive; their mean durations, from the profiler."""
+    _sync(group)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    ks = sorted((e.time_range.start, e.time_range.end - e.time_range.start) for e in prof.events()
+                if "CUDA" in str(getattr(e, "device_type", "")) and name in e.name)
+    send, recv = [d for _, d in ks[0::2]], [d for _, d in ks[1::2]]
+    return (sum(send) / len(send) if send else None), (sum(recv) / len(recv) if recv else None)
+
+
 def _graph(fn):
     """A CUDA graph of one call of ``fn`` (warmed up on a side stream first, as torch requires), replayed
     once: what the call stored for later calls (a handle) is then real data, not the capture's
@@ -131,6 +146,16 @@ def _ll_cases(ep, group, buf, T: int, E: int, inp, iters: int) -> list:
     gd = _graph(dispatch)
     gc = _graph(combine)
     out = [_measure("ll", "dispatch", dispatch, gd, iters, group), _measure("ll", "combine", combine, gc, iters, group)]
+
+    def hooked(op):
+        def run():
+            d = buf.low_latency_dispatch(x, topk, T, E, use_fp8=True, return_recv_hook=True)
+            d[4]()
+            c = buf.low_latency_combine(y, topk, w, d[2], return_recv_hook=True)
+            c[2]()
+        return run
+    for r, name in zip(out, KERNELS["ll"]):
+        r["send_us"], r["recv_us"] = _split_us(hooked(r["op"]), iters, name, group)
     return out
 
 
@@ -213,10 +238,12 @@ def _worker(rank: int, world: int, rdzv: str, args) -> dict:
 def _table(rows: list, meta: dict) -> str:
     lines = [f"Decode latency, {meta['gpus']} x {meta['gpu_name']}, hidden {H}, top-{K}, FP8 dispatch / BF16 combine, "
              f"us per call (median); {meta['date']}, {meta['git']}", "",
-             md_row(["experts", "tokens/rank", "api", "op", "kernel", "graph replay", "eager"]),
-             md_row(["---:", "---:", "---", "---", "---:", "---:", "---:"])]
+             md_row(["experts", "tokens/rank", "api", "op", "kernel", "hook: send + recv kernels", "graph replay",
+                     "eager"]),
+             md_row(["---:", "---:", "---", "---", "---:", "---:", "---:", "---:"])]
     for r in rows:
-        lines.append(md_row([r["experts"], r["tokens"], r["api"], r["op"], cell(r.get("kernel_us")),
+        split = f"{cell(r['send_us'])} + {cell(r['recv_us'])}" if r.get("send_us") is not None else "-"
+        lines.append(md_row([r["experts"], r["tokens"], r["api"], r["op"], cell(r.get("kernel_us")), split,
                              cell(r.get("graph_us")), cell(r.get("eager_us"))]))
     return "\n".join(lines) + "\n"
 

@@ -63,7 +63,7 @@ __device__ __forceinline__ void ll_combine_signal(const LlCall& call) {
   call.publish_geometry(s);
   for (int r = threadIdx.x; r < cx.tr.num_ranks; r += blockDim.x)
     if (!call.masked(r))
-      cx.tr.signal(r, cx.ws.ll_done.offset + 8ull * (uint64_t(call.half) * kMaxRanks + cx.tr.rank), (uint64_t(s) << 32) | 1u);
+      cx.tr.put_u64(r, cx.ws.ll_done.offset + 8ull * (uint64_t(call.half) * kMaxRanks + cx.tr.rank), (uint64_t(s) << 32) | 1u);
   if (threadIdx.x == 0) call.end_phase(kLlSendSide, s);
 }
 
@@ -93,17 +93,26 @@ __device__ __forceinline__ void ll_combine_recv(const LlCall& call, const LlComb
       s_w[threadIdx.x] = p.topk_weights[int64_t(t) * K + threadIdx.x];
     }
     __syncthreads();
+    const int4* rows = reinterpret_cast<const int4*>(area + uint64_t(t) * K * 2ull * H);
     for (int i = threadIdx.x; i < n16; i += blockDim.x) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int k = 0; k < K; ++k) {
-        if (!s_on[k]) continue;
-        const int4 v = commkit::ld_v4<true>(reinterpret_cast<const int4*>(area + (uint64_t(t) * K + k) * 2ull * H) + i);
-        const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+      // Lanes in groups of 4: the group's loads are in flight together, the sums stay in lane order.
+      for (int k0 = 0; k0 < K; k0 += 4) {
+        int4 v[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(h[j]);
-          acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(f.x, s_w[k]));
-          acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(f.y, s_w[k]));
+        for (int u = 0; u < 4; ++u)
+          if (k0 + u < K && s_on[k0 + u]) v[u] = commkit::ld_v4<true>(rows + int64_t(k0 + u) * n16 + i);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          if (k0 + u >= K || !s_on[k0 + u]) continue;
+          const float w = s_w[k0 + u];
+          const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 f = __bfloat1622float2(h[j]);
+            acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(f.x, w));
+            acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(f.y, w));
+          }
         }
       }
       int4 out;

@@ -3,7 +3,7 @@
 //
 // Protocol of one call (kind = dispatch or combine, half = the host's buffer_idx): the send phase writes
 // every message straight into the peers' windows, then its last block publishes, to every unmasked
-// peer, this rank's geometry words and then the signals ((seq << 32) | payload, release), seq being the
+// peer, after one system fence, this rank's geometry words and the signals ((seq << 32) | payload), seq being the
 // count of send phases of that kind and half so far plus one. The receive phase waits for the signal
 // of every unmasked peer with its own count (receive phases so far plus one): every rank runs the same
 // calls, so the two counts agree, and since they live on the device a CUDA-graph replay advances them.
@@ -48,15 +48,17 @@ struct LlCall {
   __device__ __forceinline__ uint64_t geo_offset(int src, int w) const {
     return cx.ws.ll_geo.offset + 8ull * (uint64_t((kind * 2 + half) * kMaxRanks + src) * kLowLatencyGeometryWords + w);
   }
-  // Last block of the send phase, every thread: geometry words to every unmasked peer, ordered before
-  // the signals the caller stores next.
+  // Last block of the send phase, every thread: one system fence (thread 0; every block's messages
+  // were made visible by its own fence in grid_arrive_last before the last block could get here), then
+  // the geometry words to every unmasked peer. The caller's signals follow in any order: a receiver
+  // waits for the geometry words of its call too. (A release store per thread cost ~1 us per warp.)
   __device__ __forceinline__ void publish_geometry(uint32_t s) const {
+    commkit::block_fence_system();
+    __syncthreads();
     for (int i = threadIdx.x; i < c.num_ranks * kLowLatencyGeometryWords; i += blockDim.x) {
       const int r = i / kLowLatencyGeometryWords, w = i % kLowLatencyGeometryWords;
       if (!masked(r)) cx.tr.put_u64(r, geo_offset(c.rank, w), (uint64_t(s) << 32) | geometry(w));
     }
-    __threadfence_system();
-    __syncthreads();
   }
   // Waits for peer `src`'s signal `word` of call `s`. Returns true with `*payload` set when it came
   // and the peer's call matches this one; false when the wait failed (timeout or abort: recorded; in
@@ -82,7 +84,9 @@ struct LlCall {
       return false;
     }
     for (int w = 0; check_geometry && w < kLowLatencyGeometryWords; ++w) {
-      const uint64_t g = commkit::ld_acquire(reinterpret_cast<const uint64_t*>(cx.tr.local(geo_offset(src, w))));
+      const uint64_t* gw = reinterpret_cast<const uint64_t*>(cx.tr.local(geo_offset(src, w)));
+      if (!commkit::wait_tag_ge(gw, s, cx.timeout_ns, shrink ? nullptr : cx.rec, op, c.rank, src)) return false;
+      const uint64_t g = commkit::ld_acquire(gw);
       if (uint32_t(g >> 32) != s || uint32_t(g) != geometry(w)) {
         report_protocol_once(cx, c, src, kProtocolLlGeometry + w, uint32_t(g), geometry(w));
         return false;

@@ -157,7 +157,7 @@ __device__ __forceinline__ void ll_dispatch_signal(const LlCall& call, const LlD
     const int d = e / L;
     if (call.masked(d)) continue;
     const uint64_t i = uint64_t(call.half) * kMaxExperts + uint64_t(e % L) * R + cx.tr.rank;
-    cx.tr.signal(d, cx.ws.ll_count.offset + 8ull * i, (uint64_t(s) << 32) | uint64_t(s_hist[e]));
+    cx.tr.put_u64(d, cx.ws.ll_count.offset + 8ull * i, (uint64_t(s) << 32) | uint64_t(s_hist[e]));
   }
   if (threadIdx.x == 0) {
     call.end_phase(kLlSendSide, s);
