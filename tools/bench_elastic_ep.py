@@ -81,8 +81,8 @@ from _results import command_line, git_revision, out_dir, run_record, utc_now  #
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "packages", "elastic_ep", "src")
 
-KERNEL_COMM = ("dispatch_notify", "dispatch_push", "combine_push", "combine_overlapped")
-KERNEL_EPI = ("dispatch_epilogue", "combine_reduce")
+KERNEL_COMM = ("dispatch_notify", "dispatch_impl", "combine_impl", "combine_overlapped")
+KERNEL_EPI = ("dispatch_copy_epilogue", "combine_reduce_epilogue")
 
 
 def _import_ep():

@@ -66,15 +66,15 @@ def test_comm_time_counts_a_push_beside_notify_once():
     b = load_tool("bench_elastic_ep")
     # notify 0-16, the push launched beside it 2-17 (waiting for the slots until ~9), epilogue 17-52;
     # a second iteration 100 us later. DeepEP's dispatch_impl time is the union 0-17, not 16 + 15.
-    recs = [("dispatch_notify_kernel<8>", 0, 16), ("dispatch_push_kernel", 2, 17), ("dispatch_epilogue_kernel", 17, 52),
-            ("dispatch_notify_kernel<8>", 100, 116), ("dispatch_push_kernel", 102, 117),
-            ("dispatch_epilogue_kernel", 117, 152), ("some_other_kernel", 0, 500)]
+    recs = [("dispatch_notify<8>", 0, 16), ("dispatch_impl", 2, 17), ("dispatch_copy_epilogue_impl", 17, 52),
+            ("dispatch_notify<8>", 100, 116), ("dispatch_impl", 102, 117),
+            ("dispatch_copy_epilogue_impl", 117, 152), ("some_other_kernel", 0, 500)]
     comm, epi, per_kernel, span, busy = b._group_times(recs, 2)
     assert comm == pytest.approx(17.0) and epi == pytest.approx(35.0)
-    assert per_kernel == pytest.approx({"dispatch_notify": 16.0, "dispatch_push": 15.0, "dispatch_epilogue": 35.0})
+    assert per_kernel == pytest.approx({"dispatch_notify": 16.0, "dispatch_impl": 15.0, "dispatch_copy_epilogue": 35.0})
     assert span == pytest.approx(52.0) and busy == pytest.approx(52.0)
     # sequential kernels: the union is the sum, as before
-    seq = [("dispatch_notify", 0, 16), ("dispatch_push", 16, 24), ("dispatch_epilogue", 30, 65)]
+    seq = [("dispatch_notify", 0, 16), ("dispatch_impl", 16, 24), ("dispatch_copy_epilogue_impl", 30, 65)]
     assert b._group_times(seq, 1)[:2] == pytest.approx((24.0, 35.0))
 
 

@@ -280,7 +280,7 @@ __device__ __forceinline__ void combine_reduce_token(const Ctx& cx, const Combin
 }
 
 template <class SO>
-__global__ void __launch_bounds__(kThreads, 1) combine_push_kernel(CommView c, CombineParams p,
+__global__ void __launch_bounds__(kThreads, 1) combine_impl(CommView c, CombineParams p,
                                                                    SO so) {  // scale-out transport (hybrid: the entry)
   Ctx cx(c);
   const uint64_t E = cx.epoch();
@@ -303,7 +303,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_push_kernel(CommView c, C
 }
 
 template <class SO>
-__global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c, CombineParams p,
+__global__ void __launch_bounds__(kThreads, 1) combine_reduce_epilogue_impl(CommView c, CombineParams p,
                                                                      SO so) {  // scale-out transport (hybrid)
   Ctx cx(c);
   const uint64_t E = cx.epoch();
@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_reduce_kernel(CommView c,
 // pusher starts with a different peer and leaves its own rows last, and a grid-stride walk moves all
 // pushers through the origins' token chunks roughly in step (slots are in token order), so the
 // reduce can follow.
-__global__ void __launch_bounds__(kThreads, 1) combine_overlapped_kernel(CommView c, CombineParams p) {
+__global__ void __launch_bounds__(kThreads, 1) combine_overlapped_impl(CommView c, CombineParams p) {
   __shared__ int s_ticket, s_max_rows;
   __shared__ int psum[kMaxRanks];
   __shared__ int scratch[kWarps][64];  // [warp]: see combine_reduce_token

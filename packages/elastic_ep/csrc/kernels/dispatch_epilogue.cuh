@@ -9,7 +9,7 @@ namespace elastic_ep {
 namespace {
 
 // ---------------------------------------------------------------------------- dispatch: epilogue
-__global__ void __launch_bounds__(kThreads, 1) dispatch_epilogue_kernel(CommView c, EpilogueParams p) {
+__global__ void __launch_bounds__(kThreads, 1) dispatch_copy_epilogue_impl(CommView c, EpilogueParams p) {
   __shared__ int psum[kMaxRanks];
   __shared__ int start[kMaxLocalExperts];
   __shared__ int unal[kMaxLocalExperts];

@@ -73,7 +73,7 @@ __device__ void refuse_dispatch(const CommView& c, const DispatchParams& p, uint
 // (relay_counts); the entry goes to the own domain and the rail peers (entry_barrier).
 // SO: the scale-out transport (scaleout.cuh), used in hybrid mode only.
 template <int KB, class SO>
-__global__ void __launch_bounds__(kThreads, 1) dispatch_notify_kernel(CommView c, DispatchParams p, SO so) {
+__global__ void __launch_bounds__(kThreads, 1) dispatch_notify(CommView c, DispatchParams p, SO so) {
   __shared__ int expert_cnt[kMaxExperts];
   __shared__ uint8_t owner_tab[kMaxExperts];  // owner rank of each expert (a division per id otherwise)
   __shared__ int running[kMaxRanks];

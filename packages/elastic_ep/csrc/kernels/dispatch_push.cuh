@@ -68,7 +68,7 @@ __device__ __forceinline__ void hybrid_stage_token(const Ctx& cx, const Dispatch
 }
 
 template <class SO>
-__global__ void __launch_bounds__(kThreads, 1) dispatch_push_kernel(CommView c, DispatchParams p,
+__global__ void __launch_bounds__(kThreads, 1) dispatch_impl(CommView c, DispatchParams p,
                                                                     SO so) {  // scale-out transport (hybrid)
   Ctx cx(c);
   const uint64_t E = cx.epoch();

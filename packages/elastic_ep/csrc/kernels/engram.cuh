@@ -12,7 +12,7 @@ namespace {
 //          [r * entries_per_rank, (r + 1) * entries_per_rank), row_bytes each
 // indices: [n] int32 global entries, all in range (checked by the host before the launch)
 // out:     [n][row_bytes]
-__global__ void __launch_bounds__(kThreads) engram_fetch_kernel(const void* const* hosts, const int* indices, int64_t n,
+__global__ void __launch_bounds__(kThreads) engram_fetch_impl(const void* const* hosts, const int* indices, int64_t n,
                                                                int64_t entries_per_rank, int64_t row_bytes, void* out) {
   const int lane = lane_id();
   const int64_t n16 = row_bytes / 16;

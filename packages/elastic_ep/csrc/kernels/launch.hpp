@@ -89,7 +89,7 @@ struct DispatchParams {
   // counters (sizing.hpp) and signals no dispatch_done; the epilogue (overlap = 1 there too) runs on
   // the runtime's second stream beside it. num_sms is then the push's share of the grid.
   int overlap;
-  // The push runs beside notify (a programmatic dependent launch; see dispatch_push_kernel) instead of
+  // The push runs beside notify (a programmatic dependent launch; see dispatch_impl) instead of
   // after it (ElasticBuffer.dispatch_pdl; the runtime clears it with `overlap` and with a non-cached
   // zero_copy, whose push needs notify's direct_base).
   int concurrent_notify;

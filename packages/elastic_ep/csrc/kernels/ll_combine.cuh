@@ -72,6 +72,16 @@ __device__ __forceinline__ void ll_combine_recv(const LlCall& call, const LlComb
   const int E = p.num_experts, R = cx.tr.num_ranks, L = E / R, K = p.num_topk, M = p.num_max_tokens;
   const int H = p.hidden, n16 = H / 8;
   const uint32_t s = call.seq(kLlRecvSide);
+  __shared__ float s_w[kLowLatencyMaxTopk];
+  __shared__ int s_owner[kLowLatencyMaxTopk];  // the lane's rank, -1 for none
+  auto load_lanes = [&](int t) {
+    if (threadIdx.x < K && t < p.num_tokens) {
+      const int64_t e = p.topk_idx[int64_t(t) * K + threadIdx.x];
+      s_owner[threadIdx.x] = e >= 0 && e < E ? int(e) / L : -1;
+      s_w[threadIdx.x] = p.topk_weights[int64_t(t) * K + threadIdx.x];
+    }
+  };
+  load_lanes(blockIdx.x);  // before the wait: the lanes' latency overlaps the peers' signals
   bool failed = false;
   for (int r = threadIdx.x; r < R; r += blockDim.x) {
     if (call.masked(r)) continue;
@@ -84,27 +94,22 @@ __device__ __forceinline__ void ll_combine_recv(const LlCall& call, const LlComb
   }
   if (__syncthreads_or(failed)) return;
   const char* area = cx.tr.local(cx.buf + uint64_t(p.half_offset) + uint64_t(ll_combine_offset(M, H, E)));
-  __shared__ float s_w[kLowLatencyMaxTopk];
-  __shared__ int s_on[kLowLatencyMaxTopk];
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
-    if (threadIdx.x < K) {
-      const int64_t e = p.topk_idx[int64_t(t) * K + threadIdx.x];
-      s_on[threadIdx.x] = e >= 0 && e < E && !call.masked(int(e) / L);
-      s_w[threadIdx.x] = p.topk_weights[int64_t(t) * K + threadIdx.x];
-    }
-    __syncthreads();
     const int4* rows = reinterpret_cast<const int4*>(area + uint64_t(t) * K * 2ull * H);
     for (int i = threadIdx.x; i < n16; i += blockDim.x) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       // Lanes in groups of 4: the group's loads are in flight together, the sums stay in lane order.
       for (int k0 = 0; k0 < K; k0 += 4) {
         int4 v[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (k0 + u < K && s_on[k0 + u]) v[u] = commkit::ld_v4<true>(rows + int64_t(k0 + u) * n16 + i);
+        bool on[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
-          if (k0 + u >= K || !s_on[k0 + u]) continue;
+          on[u] = k0 + u < K && s_owner[k0 + u] >= 0 && !call.masked(s_owner[k0 + u]);
+          if (on[u]) v[u] = commkit::ld_v4<true>(rows + int64_t(k0 + u) * n16 + i);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          if (!on[u]) continue;
           const float w = s_w[k0 + u];
           const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
 #pragma unroll
@@ -121,6 +126,8 @@ __device__ __forceinline__ void ll_combine_recv(const LlCall& call, const LlComb
       for (int j = 0; j < 4; ++j) o[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
       reinterpret_cast<int4*>(p.combined_x)[int64_t(t) * n16 + i] = out;
     }
+    __syncthreads();  // every thread is done with this token's lanes
+    load_lanes(t + gridDim.x);
     __syncthreads();
   }
 }
@@ -135,7 +142,8 @@ __global__ void __launch_bounds__(kThreads, 1) low_latency_combine(CommView c, L
   }
   if (p.phases & kLlRecv) {
     ll_combine_recv(call, p);
-    if (commkit::grid_arrive_last<true>(call.grid_word(kLlRecvSide)) && threadIdx.x == 0)
+    // The receive phase writes this GPU's memory only: a GPU-scope arrival is enough.
+    if (commkit::grid_arrive_last<false>(call.grid_word(kLlRecvSide)) && threadIdx.x == 0)
       call.end_phase(kLlRecvSide, call.seq(kLlRecvSide));
   }
 }

@@ -3,7 +3,8 @@
 //
 // Protocol of one call (kind = dispatch or combine, half = the host's buffer_idx): the send phase writes
 // every message straight into the peers' windows, then its last block publishes, to every unmasked
-// peer, after one system fence, this rank's geometry words and the signals ((seq << 32) | payload), seq being the
+// peer (plain stores: grid_arrive_last's fences ordered every message before), this rank's geometry
+// words and the signals ((seq << 32) | payload), seq being the
 // count of send phases of that kind and half so far plus one. The receive phase waits for the signal
 // of every unmasked peer with its own count (receive phases so far plus one): every rank runs the same
 // calls, so the two counts agree, and since they live on the device a CUDA-graph replay advances them.
@@ -21,6 +22,7 @@ namespace elastic_ep {
 namespace {
 
 enum LlKind : int { kLlDispatchKind = 0, kLlCombineKind = 1 };
+constexpr uint32_t kPollSleepNs = 64;
 enum LlSide : int { kLlSendSide = 0, kLlRecvSide = 1 };
 
 struct LlCall {
@@ -48,12 +50,11 @@ struct LlCall {
   __device__ __forceinline__ uint64_t geo_offset(int src, int w) const {
     return cx.ws.ll_geo.offset + 8ull * (uint64_t((kind * 2 + half) * kMaxRanks + src) * kLowLatencyGeometryWords + w);
   }
-  // Last block of the send phase, every thread: one system fence (thread 0; every block's messages
-  // were made visible by its own fence in grid_arrive_last before the last block could get here), then
-  // the geometry words to every unmasked peer. The caller's signals follow in any order: a receiver
-  // waits for the geometry words of its call too. (A release store per thread cost ~1 us per warp.)
+  // Last block of the send phase, every thread: the geometry words to every unmasked peer. No fence
+  // here: every block (this one too) made its messages visible system-wide with its own fence before
+  // counting itself in grid_arrive_last, which the last block observed before getting here. The
+  // caller's signals follow in any order: a receiver waits for the geometry words of its call too.
   __device__ __forceinline__ void publish_geometry(uint32_t s) const {
-    commkit::block_fence_system();
     __syncthreads();
     for (int i = threadIdx.x; i < c.num_ranks * kLowLatencyGeometryWords; i += blockDim.x) {
       const int r = i / kLowLatencyGeometryWords, w = i % kLowLatencyGeometryWords;
@@ -68,7 +69,10 @@ struct LlCall {
                             bool* masked_now, int64_t* wait_ns, bool check_geometry) const {
     *masked_now = false;
     const uint64_t t0 = wait_ns != nullptr ? commkit::globaltimer_ns() : 0;
-    const bool ok = commkit::wait_tag_ge(word, s, cx.timeout_ns, shrink ? nullptr : cx.rec, op, c.rank, src);
+    // Thousands of threads may poll at once (every block waits for every count word): a short sleep
+    // between polls keeps them from flooding L2 while the send phase of slower blocks still writes.
+    const bool ok = commkit::wait_tag_ge(word, s, cx.timeout_ns, shrink ? nullptr : cx.rec, op, c.rank, src, 6,
+                                         kPollSleepNs);
     if (wait_ns != nullptr) atomicAdd(reinterpret_cast<unsigned long long*>(wait_ns),
                                       static_cast<unsigned long long>(commkit::globaltimer_ns() - t0));
     if (!ok) {

@@ -65,6 +65,9 @@ __device__ __forceinline__ void ll_dispatch_send(const LlCall& call, const LlDis
   __shared__ char* s_dst[kLowLatencyMaxTopk];
   const auto* x = static_cast<const int4*>(p.x);
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    const int4* row = x + int64_t(t) * n16;
+    // The row's first chunk is loaded before the slots are known: its latency overlaps theirs.
+    const int4 first = int(threadIdx.x) < n16 ? commkit::ld_nc_v4(row + threadIdx.x) : make_int4(0, 0, 0, 0);
     if (threadIdx.x < K) {
       s_e[threadIdx.x] = ll_sanitize(p.topk_idx[int64_t(t) * K + threadIdx.x], E);
       s_slot[threadIdx.x] = 0;
@@ -90,11 +93,10 @@ __device__ __forceinline__ void ll_dispatch_send(const LlCall& call, const LlDis
       s_dst[threadIdx.x] = dst;
     }
     __syncthreads();
-    const int4* row = x + int64_t(t) * n16;
     for (int base = 0; base < n16; base += blockDim.x) {
       const int i = base + threadIdx.x;
       const bool active = i < n16;
-      const int4 v = active ? commkit::ld_nc_v4(row + i) : make_int4(0, 0, 0, 0);
+      const int4 v = base == 0 ? first : active ? commkit::ld_nc_v4(row + i) : make_int4(0, 0, 0, 0);
       if (!p.use_fp8) {
         for (int k = 0; k < K && active; ++k)
           if (s_dst[k] != nullptr) st_na_v4(reinterpret_cast<int4*>(s_dst[k] + kLowLatencyHeaderBytes) + i, v);
@@ -242,25 +244,20 @@ __device__ __forceinline__ void ll_dispatch_recv(const LlCall& call, const LlDis
     const int i = lo, l = i / R, src = i % R, j = int(m - s_base[i]);
     const int64_t pos = int64_t(l) * RM + (s_base[i] - s_base[l * R]) + j;
     const char* in = area + (uint64_t(i) * M + j) * msg;
-    int t = 0, k = 0;
-    if (lane == 0) {
-      const int4 h = commkit::ld_v4<true>(reinterpret_cast<const int4*>(in));
-      t = h.x;
-      k = h.y;
-    }
-    t = __shfl_sync(kFull, t, 0);
-    k = __shfl_sync(kFull, k, 0);
-    if (t < 0 || t >= M || k < 0 || k >= K) {
-      if (lane == 0) report_protocol_once(cx, call.c, src, kProtocolLlRecord, uint32_t(t < 0 || t >= M ? t : k),
-                                          t < 0 || t >= M ? M : K);
-      continue;
-    }
-    if (lane == 0) {
-      p.recv_src_info[pos] = t;
-      p.recv_route[pos] = ll_route(src, k);
-    }
+    // The header is loaded with the row (it only decides src_info and the route; pos comes from the
+    // counts, so a bad header cannot move the row anywhere else).
+    int4 h = make_int4(0, 0, 0, 0);
+    if (lane == 0) h = commkit::ld_v4<true>(reinterpret_cast<const int4*>(in));
     warp_copy_v4<4, false, true>(reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + pos * row_bytes),
                                  reinterpret_cast<const int4*>(in + kLowLatencyHeaderBytes), row_bytes / 16, lane);
+    const int t = __shfl_sync(kFull, h.x, 0), k = __shfl_sync(kFull, h.y, 0);
+    const bool bad = t < 0 || t >= M || k < 0 || k >= K;
+    if (lane == 0) {
+      if (bad) report_protocol_once(cx, call.c, src, kProtocolLlRecord, uint32_t(t < 0 || t >= M ? t : k),
+                                    t < 0 || t >= M ? M : K);
+      p.recv_src_info[pos] = bad ? -1 : t;
+      p.recv_route[pos] = bad ? -1 : ll_route(src, k);
+    }
     if (!p.use_fp8) continue;
     const float* sf = reinterpret_cast<const float*>(in + ll_msg_scales_offset(H));
     const int64_t slot = pos - int64_t(l) * RM;
@@ -288,7 +285,8 @@ __global__ void __launch_bounds__(kThreads, 1) low_latency_dispatch(CommView c, 
   }
   if (p.phases & kLlRecv) {
     ll_dispatch_recv(call, p);
-    if (commkit::grid_arrive_last<true>(call.grid_word(kLlRecvSide)) && threadIdx.x == 0)
+    // The receive phase writes this GPU's memory only: a GPU-scope arrival is enough.
+    if (commkit::grid_arrive_last<false>(call.grid_word(kLlRecvSide)) && threadIdx.x == 0)
       call.end_phase(kLlRecvSide, call.seq(kLlRecvSide));
   }
 }
