@@ -78,6 +78,7 @@ void bind_sizing(py::module_& m) {
   m.attr("LL_MAX_TOPK") = kLowLatencyMaxTopk;
   m.attr("LL_MAX_TOKENS") = kLowLatencyMaxTokens;
   m.attr("LL_HIDDEN_ALIGN") = kLowLatencyHiddenAlign;
+  m.attr("LL_MAX_LOCAL_EXPERTS") = kLowLatencyMaxLocalExperts;
   m.def("ll_size_hint", [](int64_t m_, int64_t hidden, int64_t num_experts) {
     CK_CHECK_ARG(m_ >= 0 && hidden >= 0 && num_experts >= 0, "ll_size_hint: sizes must be non-negative");
     return fits_int64("ll_size_hint", ll_size_hint(m_, hidden, num_experts));

@@ -17,9 +17,9 @@ namespace {
 template <typename P>
 void check_ll_shape(const char* op, const P& p, int num_ranks, int num_device_sms, int64_t num_buffer_bytes) {
   CK_CHECK(p.num_experts > 0 && p.num_experts <= kMaxExperts && p.num_experts % num_ranks == 0 &&
-               p.num_experts / num_ranks <= kMaxLocalExperts,
+               p.num_experts / num_ranks <= kLowLatencyMaxLocalExperts,
            op, ": num_experts=", p.num_experts, " must be a multiple of the ", num_ranks, " ranks, at most ",
-           kMaxExperts, " and ", kMaxLocalExperts, " per rank");
+           kMaxExperts, " and ", kLowLatencyMaxLocalExperts, " per rank");
   CK_CHECK(p.num_topk >= 1 && p.num_topk <= kLowLatencyMaxTopk, op, ": num_topk=", p.num_topk, " outside [1, ",
            kLowLatencyMaxTopk, "]");
   CK_CHECK(p.num_max_tokens >= 1 && p.num_max_tokens <= kLowLatencyMaxTokens && p.num_tokens >= 0 &&

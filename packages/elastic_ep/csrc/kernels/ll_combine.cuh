@@ -24,7 +24,7 @@ __device__ __forceinline__ void ll_combine_send(const LlCall& call, const LlComb
   const int64_t RM = int64_t(R) * M;
   const uint64_t row_bytes = uint64_t(p.hidden) * 2;
   const uint64_t area = cx.buf + uint64_t(p.half_offset) + uint64_t(ll_combine_offset(M, p.hidden, E));
-  __shared__ int s_base[kMaxLocalExperts + 1];
+  __shared__ int s_base[kLowLatencyMaxLocalExperts + 1];
   __shared__ int s_scan[kWarps];
   {
     const int l = threadIdx.x;

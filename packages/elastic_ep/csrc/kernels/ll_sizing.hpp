@@ -31,6 +31,9 @@ constexpr int kLowLatencyMaxTokens = 8192;
 // Hidden sizes are multiples of the FP8 scale group.
 constexpr int kLowLatencyHiddenAlign = 128;
 constexpr int kLowLatencyHeaderBytes = 16;
+// Local experts per rank: one thread each in the combine's prefix scan (normal mode allows 256; Kimi-K2's
+// 384 experts on one GPU need more).
+constexpr int kLowLatencyMaxLocalExperts = 1024;
 // Geometry words a rank sends with each call (ll_geometry_word).
 constexpr int kLowLatencyGeometryWords = 2;
 

@@ -42,6 +42,7 @@ _KW_ONLY = {"kw_only": True, "slots": True} if sys.version_info >= (3, 10) else 
 MAX_TOPK = int(_C.LL_MAX_TOPK)
 MAX_TOKENS = int(_C.LL_MAX_TOKENS)
 HIDDEN_ALIGN = int(_C.LL_HIDDEN_ALIGN)
+MAX_LOCAL_EXPERTS = int(_C.LL_MAX_LOCAL_EXPERTS)
 _TOPK_DTYPES = (torch.int64, torch.int32)
 
 
@@ -267,9 +268,9 @@ class LowLatency:
         M = int_arg("num_max_dispatch_tokens_per_rank", num_max_tokens, 1, MAX_TOKENS)
         E = int_arg("num_experts", num_experts, 1, int(_C.MAX_EXPERTS))
         R = self.num_ranks
-        if E % R or E // R > int(_C.MAX_LOCAL_EXPERTS):
+        if E % R or E // R > MAX_LOCAL_EXPERTS:
             raise ValueError(f"num_experts: {E} must be a multiple of the {R} ranks with at most "
-                             f"{int(_C.MAX_LOCAL_EXPERTS)} per rank")
+                             f"{MAX_LOCAL_EXPERTS} per rank")
         if hidden % HIDDEN_ALIGN or hidden // HIDDEN_ALIGN > 0xFFFF:
             raise ValueError(f"x: hidden={hidden} must be a multiple of {HIDDEN_ALIGN} (the FP8 scale group), at "
                              f"most {0xFFFF * HIDDEN_ALIGN}")

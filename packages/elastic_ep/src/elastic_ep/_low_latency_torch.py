@@ -108,6 +108,10 @@ class TorchLowLatency(LowLatencyPart):
         t, k, lo = head[:, 0], head[:, 1], head[:, 2]
         order = torch.sort(lo * R + src, stable=True).indices
         t, k, lo, src, body = t[order], k[order], lo[order], src[order], recv[order, _HEADER:]
+        # Shrink mode: nothing is taken from a rank this rank masked (the native receiver waits for none
+        # of its words), whatever that rank sent.
+        keep = self._alive_ranks()[src]
+        t, k, lo, src, body = t[keep], k[keep], lo[keep], src[keep], body[keep]
         per_expert = torch.bincount(lo, minlength=L)
         first = torch.cumsum(per_expert, 0) - per_expert
         pos = torch.arange(lo.numel(), device=dev) - first[lo]
