@@ -82,7 +82,8 @@ class Buffer(LowLatencyAPI):
         enable_shrink: DeepEP V1's shrink mode (low-latency mode only): a mask of ranks that low-latency
             calls skip; a rank that misses the deadline is masked instead of failing the call.
         comm: DeepEP V1's mpi4py alternative to ``group``: not supported (pass a ProcessGroup).
-        backend, window: keyword only, not in DeepEP V1: ``ElasticBuffer``'s backend and window.
+        backend, window, num_gpu_timeout_secs: keyword only, not in DeepEP V1: ``ElasticBuffer``'s backend,
+            window and device deadline (shrink mode masks a rank that misses it).
 
     Attributes:
         num_sms: (class) SMs of the default configs, DeepEP V1's 20; ``set_num_sms`` changes it.
@@ -101,7 +102,7 @@ class Buffer(LowLatencyAPI):
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Any = None, *,
-                 backend: str = "auto", window: str = "auto") -> None:
+                 backend: str = "auto", window: str = "auto", num_gpu_timeout_secs: int = 100) -> None:
         if group is None:
             raise ValueError("group: expected a torch.distributed ProcessGroup" +
                              (" (an mpi4py comm is not supported)" if comm is not None else ", got None"))
@@ -137,7 +138,8 @@ class Buffer(LowLatencyAPI):
         nvl, rdma = align(num_nvl_bytes, ALIGNMENT_BYTES), align(num_rdma_bytes, ALIGNMENT_BYTES)
         self.runtime: Optional[ElasticBuffer] = ElasticBuffer(
             group, num_bytes=max(nvl + rdma, ALIGNMENT_BYTES), allow_hybrid_mode=False,
-            explicitly_destroy=self.explicitly_destroy, backend=backend, window=window)
+            explicitly_destroy=self.explicitly_destroy, backend=backend, window=window,
+            num_gpu_timeout_secs=num_gpu_timeout_secs)
         _collective.agree_on_every_rank(group, "Buffer(...)", {
             "num_nvl_bytes": nvl, "num_rdma_bytes": rdma, "low_latency_mode": int(low_latency_mode),
             "enable_shrink": int(enable_shrink)}, _collective.group_device(group))
