@@ -1,10 +1,21 @@
 #!/usr/bin/env python3
 """elastic_ep's model block: a DeepSeek-V3 MoE layer on elastic_ep, against the same layer on the
-torch.distributed reference runtime.
+torch.distributed reference runtime, at prefill sizes and (``--mode decode``) at decode sizes.
 
-    python tools/block_elastic_ep.py [--tokens 4096[,1024,...]] [--experts 256] [--hidden 7168] [--intermediate 2048]
-                                     [--iters 20] [--warmup 3] [--world W] [--out DIR] [--device auto|cuda|cpu]
-                                     [--gemm auto|grouped|loop] [--overlap-sms 24] [--seed 0] [--timeout 900]
+    python tools/block_elastic_ep.py [--mode all|prefill|decode] [--tokens 4096[,1024,...]] [--experts 256]
+                                     [--hidden 7168] [--intermediate 2048] [--iters 20] [--warmup 3] [--world W]
+                                     [--out DIR] [--device auto|cuda|cpu] [--gemm auto|grouped|loop]
+                                     [--overlap-sms 24] [--seed 0] [--timeout 900] [--decode-tokens 1,32,128]
+
+``--mode all`` (the default, what tools/gpu.sh's ``blocks`` step and so tools/run.sh run) runs the
+prefill block described below, then the decode block with the same shape, device, ranks, iterations,
+GEMMs and output folder (``--decode-tokens``: its tokens per rank; its own defaults otherwise);
+``--mode prefill`` the first only; ``--mode decode [decode options]`` the second only, with the options
+of tools/_block_ep_decode.py, whose docstring describes it: the low-latency API
+(``low_latency_dispatch`` -> grouped expert GEMMs on the packed layout -> ``low_latency_combine``, two
+micro-batches overlapped through the receive hooks, eager and as a CUDA graph) against V2's API and a
+torch reference, bit for bit; it writes ``block_elastic_ep_decode.{md,json,png}`` beside this block's
+files. The exit status is 0 only when every block that ran passed.
 
 It starts ``--world`` ranks (tools/_launch.py; default one per GPU). Each rank holds
 ``experts / world`` experts and ``--tokens`` tokens, and runs the layer of tools/_block_ep_moe_layer.py:
@@ -456,8 +467,15 @@ def write_outputs(out: str, record: Dict[str, Any], table: str, command: str) ->
 
 
 # ------------------------------------------------------------------------------------------ main
+MODES = ("all", "prefill", "decode")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python tools/block_elastic_ep.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", default="all", choices=MODES,
+                   help="all: prefill then decode; decode: see python tools/block_elastic_ep.py --mode decode --help")
+    p.add_argument("--decode-tokens", default=None, help="--mode all: the decode block's tokens per rank "
+                                                         "(GPU 1,32,128, CPU 1,8,32)")
     p.add_argument("--tokens", default=None, help="tokens per rank, comma-separated for several configurations "
                                                   "(GPU 4096, CPU 64)")
     p.add_argument("--experts", type=int, default=None, help="routed experts (GPU 256, CPU 32)")
@@ -477,9 +495,53 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _mode(argv: Sequence[str]) -> str:
+    """The ``--mode`` of a command line (exit status 2 for an unknown one), before the mode's own parser."""
+    p = argparse.ArgumentParser(prog="python tools/block_elastic_ep.py", add_help=False)
+    p.add_argument("--mode", default="all", choices=MODES)
+    return p.parse_known_args(argv)[0].mode
+
+
+def _decode_argv(args: argparse.Namespace) -> List[str]:
+    """The decode block's command line in ``--mode all``: this run's shared options."""
+    argv = ["--mode", "decode", "--device", args.device, "--gemm", args.gemm, "--seed", str(args.seed),
+            "--timeout", str(args.timeout)]
+    for name in ("experts", "hidden", "intermediate", "world", "iters", "warmup"):
+        if getattr(args, name) is not None:
+            argv += [f"--{name}", str(getattr(args, name))]
+    if args.decode_tokens is not None:
+        argv += ["--tokens", args.decode_tokens]
+    if args.out:
+        argv += ["--out", args.out]
+    return argv
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The block's command line: 0 when every check passed, 1 otherwise, 2 for a bad option."""
+    import _block_ep_decode as decode
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _mode(argv) == "decode":
+        return decode.main(argv)
     args, cfg = parse_run(_parser(), argv, build_config)
+    decode_run = None
+    if args.mode == "all":
+        # Checked before anything runs; a decode refusal (e.g. ranks sharing GPUs) skips only the decode block.
+        dargv = _decode_argv(args)
+        dargs = decode.parser().parse_args(dargv)
+        try:
+            decode_run = (dargs, decode.build_config(dargs), dargv)
+        except ValueError as e:
+            print(f"decode block not run: {e}")
+    rc = _prefill(args, cfg, argv)
+    if decode_run is not None:
+        print()
+        rc = max(rc, decode.run(*decode_run))
+    return rc
+
+
+def _prefill(args: argparse.Namespace, cfg: BlockConfig, argv: Sequence[str]) -> int:
+    """Runs a parsed prefill command line: launch, report, write."""
     if cfg.device == "cpu":
         print(CPU_EXPLANATION)
     elif cfg.shares_gpus:
@@ -499,7 +561,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     table = render(record)
     print(table, end="")
     if args.out:
-        command = command_line("python tools/block_elastic_ep.py", argv)
+        command = command_line("python tools/block_elastic_ep.py", list(argv))
         written = write_outputs(args.out, record, table, command)
         print("wrote " + ", ".join(written))
     print("block OK" if record["ok"] else "block FAILED: a check failed (above)")

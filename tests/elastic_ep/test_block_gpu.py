@@ -9,7 +9,14 @@
   on one GPU (CUDA-IPC window; the torch runtime then runs over gloo through host memory).
 * ``torch._grouped_mm`` runs on Hopper and agrees with a matmul per expert.
 * The command line at DeepSeek-V3's shape on one GPU (4096 tokens, hidden 7168, 256 experts,
-  intermediate 2048): exit status 0, every check passed, the table and JSON written.
+  intermediate 2048): exit status 0, every check passed, the table and JSON written; the default mode
+  then runs the decode block at that shape too (its JSON checked).
+* Decode mode (tools/_block_ep_decode.py) at the reduced shape, EP 1 and EP 2 (one GPU per rank): the
+  native low-latency step (two micro-batches through the hooks, grouped GEMMs on the packed layout) and
+  the low-latency API's torch backend bitwise equal to the reference and to each other, V2 native equal
+  to the V2-order reference, the same rows and expert outputs in all three, power-of-two weights making
+  low-latency and V2 bitwise equal, the CUDA-graph replay of the whole step equal to eager; with a
+  matmul per expert (no graph) too.
 """
 import json
 import os
@@ -24,6 +31,7 @@ from tests._tools import ROOT, load_tool
 
 block = load_tool("block_elastic_ep")
 ml = load_tool("_block_ep_moe_layer")
+dec = load_tool("_block_ep_decode")
 
 REDUCED = ml.MoEConfig(hidden=1024, intermediate=512, num_experts=64, seed=7)
 
@@ -139,3 +147,55 @@ def test_command_line_deepseek_shape_ep1(tmp_path):
         assert record["environment"]["gemm"] == "grouped"
     assert (out / "block_elastic_ep.md").read_text().count("| 4096 |") == 3  # two runtimes + the overlap
     assert os.path.getsize(out / "block_elastic_ep.json") > 0
+    decode = json.loads((out / "block_elastic_ep_decode.json").read_text())
+    assert decode["ok"], decode["checks"]
+    assert decode["config"]["moe"]["hidden"] == 7168 and decode["config"]["tokens"] == [1, 32, 128]
+    assert decode["checks"]["ll_reference"] is True and decode["checks"]["v2_reference"] is True
+    if decode["environment"]["graph_missing"] is None:
+        assert decode["checks"]["graph"] is True
+
+
+def _run_decode(tmp_path, world: int, gemm: str = "auto", tokens=(1, 37, 128)):
+    cfg = dec.DecodeConfig(moe=REDUCED, world=world, tokens=tokens, device="cuda", iters=2, warmup=1, gemm=gemm,
+                           return_outputs=True)
+    cfg.validate()
+    results = run_workers(dec.run_rank, world, cfg, tmp_path=tmp_path, timeout=300)
+    for rank, res in enumerate(results):
+        assert list(res["runtimes"]) == ["ll_native", "ll_torch", "v2"], res["native_missing"]
+        graph = res["graph_missing"] is None
+        assert graph == (res["gemm"] == "grouped"), res["graph_missing"]
+        for c in res["configs"]:
+            ck, where = c["checks"], f"rank {rank}, {c['tokens']} tokens, {c['dispatch']}"
+            assert ck["ll_reference"] == {"ll_native": True, "ll_torch": True}, where
+            assert ck["v2_reference"] is True and ck["same_rows"] is True, where
+            assert ck["pow2"] == {"ll_native": True, "ll_torch": True, "v2": True}, where
+            assert all(ck["nohook"].values()) and all(ck["repeatable"].values()), where
+            assert ck["graph"] == ({"ll_native": True} if graph else {}), where
+            assert ck["ll_vs_v2"]["error"] <= 1.0, where
+            outs = res["outputs"][f"{c['tokens']}/{c['dispatch']}"]
+            native, torch_backend = _bf16(outs["ll_native"]), _bf16(outs["ll_torch"])
+            assert ml.bitwise_equal(native, torch_backend), f"{where}: {_first_difference(native, torch_backend)}"
+            figs = c["runtimes"]
+            assert figs["ll_native"]["eager_ms"] > 0 and figs["v2"]["eager_ms"] > 0
+            assert (figs["ll_native"]["graph_ms"] is not None) == graph
+    record = dec.summarize(cfg, results)
+    assert record["ok"], record["checks"]
+    print(dec.render(record))
+    return record
+
+
+@pytest.mark.gpu
+def test_decode_ep1(tmp_path):
+    _run_decode(tmp_path, 1)
+
+
+@pytest.mark.gpu
+def test_decode_ep1_matmul_per_expert(tmp_path):
+    record = _run_decode(tmp_path, 1, gemm="loop", tokens=(1, 20))
+    assert record["checks"]["graph"] is None and "host" in record["environment"]["graph_missing"]
+
+
+@pytest.mark.multigpu(2)
+def test_decode_ep2(tmp_path):
+    record = _run_decode(tmp_path, 2)
+    assert record["environment"]["group"] == "nccl"
