@@ -42,41 +42,10 @@ multiplied by their routing weights and rounded to BF16 (V2's combine applies no
 ``combine`` (``allow_multiple_reduction=False``: no per-rank partial sums) adds them in fp32 in lane order
 and rounds once.
 
-**Torch reference** (per configuration, untimed): every rank's tokens and routing are all-gathered; for every owner rank ``o`` this rank rebuilds ``o``'s packed rows (the rows of the tokens
-that chose each of ``o``'s experts, by source rank then token; FP8 rows cast with the same cast and
-dequantised), regenerates ``o``'s expert weights and runs the same expert function on the same compact
-shape (``C`` rows, rows past the valid ones NaN); the outputs of this rank's tokens are then combined
-per token in plain torch: ``acc + y * w`` in fp32 (the low-latency order) and ``acc + bf16(y * w)``
-(the V2 order).
-
-Why the reference runs the GEMMs on the packed rows and not row by row: a batched BF16 GEMM need not
-give a row the bits it gets alone (with torch 2.14 on a CPU, a 1-row BF16 matmul at hidden 7168 takes a
-GEMV path whose sums differ in the last bit from the batched ones; cuBLAS/CUTLASS choose kernels by
-shape). Giving the reference the
-same GEMM shapes makes the comparison exact on any deterministic GEMM; whether the expert function is
-also row-invariant (each row alone equal to its batched result) is measured and reported
-(``row_invariant``), not relied on.
-
-Checks (every rank, every configuration and dispatch format; any failing fails the run, exit status 1,
-except ``row_invariant``, which is reported only):
-
-* ``ll_reference``: each low-latency runtime's output == the low-latency-order reference, bitwise (the
-  checked step fills every row past ``recv_count``, of ``recv_x`` and of the expert outputs, with NaN);
-* ``v2_reference``: V2's output == the V2-order reference, bitwise;
-* ``same_rows``: the low-latency runtimes, V2 and the reference give the GEMMs the same rows (same
-  counts, same bytes, same order) and get the same expert outputs, bitwise;
-* ``pow2``: with the routing weights truncated to powers of two (``row * w`` then exact in fp32 and in
-  BF16) the low-latency and V2 outputs are bitwise equal, and equal to the reference;
-* ``nohook``: the low-latency step without hooks (micro-batches one after the other) == with hooks;
-* ``repeatable``: every timed step == the checked one; ``graph``: the CUDA-graph replay == eager;
-* ``ll_vs_v2`` (real weights; not bitwise, by design): V2's combine takes BF16 rows and applies no
-  weight, so the experts weight each row and round it to BF16 before the sum (relative error up to
-  2^-8 per term), while the low-latency combine multiplies in fp32; both sums then round to BF16 once
-  (up to 2^-8 of the result each), so ``|ll - v2| <= 2^-8 (sum_k |w_k y_k| + 2 |out|)`` up to second-order
-  terms. Reported: the elements that differ, the largest difference relative to ``sum_k |w_k y_k|`` and
-  ``max |ll - v2| / (2^-7 (sum_k |w_k y_k| + |ll|))`` (that bound with room for the second-order terms),
-  which must be <= 1; a lost or doubled lane moves an output by about 1/K of the sum, far outside it;
-* ``row_invariant`` (reported only): the expert function on single rows == on the batch.
+**Torch reference and checks** (tools/_block_ep_decode_ref.py, whose docstring describes them): every
+rank's inputs all-gathered, the same expert function run on the packed rows each owner rank receives,
+the two combine orders in plain torch; every check but ``row_invariant`` must pass (exit status 1
+otherwise). The run's record, table and files: tools/_block_ep_decode_report.py.
 
 Timing (CUDA events on a GPU, the host clock on a CPU; median of ``--iters`` after ``--warmup``, ranks
 lined up by a barrier before each step, the slowest rank reported): the low-latency step eager with
@@ -93,27 +62,25 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _block_ep_decode_ref import (LL_V2_BOUND, RefRows, cast_fp8, combine_ll_order, combine_v2_order,  # noqa: E402
+                                  pow2_weights, reference_rows, same_rows)
+from _block_ep_decode_report import NAME, render, summarize, write_outputs  # noqa: E402
 from _block_ep_moe_layer import (Marks, MoEConfig, Segments, bitwise_equal, dequantize_fp8, expert_ffn,  # noqa: E402
                                  local_expert_weights, make_tokens, resolve_gemm, route, router_weights)
 from _launch import RankFailure, parse_run, run_ranks  # noqa: E402
-from _results import command_line, pyplot, run_record, save, write_results  # noqa: E402
+from _results import command_line  # noqa: E402
 
-NAME = "block_elastic_ep_decode"
 FORMATS = ("bf16", "fp8")
 GPU_DEFAULTS = dict(tokens="1,32,128", experts=256, hidden=7168, intermediate=2048, iters=20, warmup=3)
 CPU_DEFAULTS = dict(tokens="1,8,32", experts=32, hidden=256, intermediate=128, iters=3, warmup=1, world=2)
 QUICK = dict(cuda=dict(iters=5, warmup=2), cpu=dict(iters=1, warmup=1))
 CPU_MAX_WEIGHT_BYTES = 8 << 30
-#: rows whose expert output is recomputed alone for the row-invariance report (per micro-batch)
-ROW_CHECK_ROWS = 64
-#: |ll - v2| <= LL_V2_BOUND * (sum_k |w_k y_k| + |ll|) (see the module docstring)
-LL_V2_BOUND = 2.0 ** -7
 
 CPU_EXPLANATION = """\
 No usable CUDA GPU: running the decode block's CPU fallback. On GPUs it runs a DeepSeek-V3 MoE layer at
@@ -358,13 +325,6 @@ def ll_step(buf, ex: Experts, mbs: Sequence[MicroBatch], *, hooks: bool = True, 
     return torch.cat([out for out, _ in pending])
 
 
-def cast_fp8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The low-latency dispatch's FP8 cast (the kernels' arithmetic), for V2 and the reference."""
-    from elastic_ep._low_latency_torch import cast_to_fp8
-
-    return cast_to_fp8(x, False)
-
-
 def v2_step(buf, ex: Experts, mbs: Sequence[MicroBatch], *, weights: Optional[Sequence[torch.Tensor]] = None,
             probe: Optional[List[Dict[str, torch.Tensor]]] = None) -> torch.Tensor:
     """One decode step through V2's ``ElasticBuffer`` (micro-batches one after the other); ``[T, H]`` bf16."""
@@ -390,96 +350,6 @@ def v2_step(buf, ex: Experts, mbs: Sequence[MicroBatch], *, weights: Optional[Se
         event.current_stream_wait()
         outs.append(out)
     return torch.cat(outs)
-
-
-# ------------------------------------------------------------------------------------------ reference
-def combine_ll_order(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``y [T, K, H]`` bf16 lane rows, ``w [T, K]`` f32: ``acc = acc + y_k * w_k`` in fp32 lane by lane
-    (two separately rounded ops, as the low-latency combine), rounded to BF16 once."""
-    acc = torch.zeros((y.shape[0], y.shape[2]), dtype=torch.float32, device=y.device)
-    for k in range(y.shape[1]):
-        acc = acc + y[:, k].float() * w[:, k:k + 1]
-    return acc.to(torch.bfloat16)
-
-
-def combine_v2_order(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The same sum with each weighted row first rounded to BF16 (V2: weights applied by the experts)."""
-    acc = torch.zeros((y.shape[0], y.shape[2]), dtype=torch.float32, device=y.device)
-    for k in range(y.shape[1]):
-        acc = acc + (y[:, k].float() * w[:, k:k + 1]).to(torch.bfloat16).float()
-    return acc.to(torch.bfloat16)
-
-
-def pow2_weights(w: torch.Tensor) -> torch.Tensor:
-    """``w`` truncated to a power of two (sign and exponent bits kept): ``row * w`` is then exact in fp32
-    and in BF16, so where the product is rounded no longer matters."""
-    return (w.contiguous().view(torch.int32) & -0x800000).view(torch.float32)
-
-
-@dataclass
-class RefRows:
-    """The reference of one micro-batch: the expert outputs of this rank's tokens, ``y [T_mb, K, H]``, and
-    what this rank's own experts see (``counts``, compact ``rows`` and outputs ``y_own``)."""
-
-    y: torch.Tensor
-    counts: Optional[torch.Tensor] = None
-    rows: Optional[torch.Tensor] = None
-    y_own: Optional[torch.Tensor] = None
-    row_invariant: Optional[bool] = None
-
-
-def reference_rows(rank: int, jobs: Sequence[Tuple[Experts, torch.Tensor, torch.Tensor]],
-                   owner_weights: Callable[[int], Tuple[torch.Tensor, torch.Tensor]],
-                   row_check: bool) -> List[RefRows]:
-    """The expert outputs of this rank's tokens from every rank's inputs, one ``RefRows`` per job
-    ``(experts, x_all [R, T_mb, H] bf16, idx_all [R, T_mb, K])`` (a micro-batch in a dispatch format),
-    computed owner rank by owner rank on the packed rows that owner receives (see the module docstring).
-    ``owner_weights(o)``: rank ``o``'s ``(w13, w2)``, each asked for once."""
-    refs, inputs = [], []
-    for ex, x_all, idx_all in jobs:
-        R, T, K = idx_all.shape
-        refs.append(RefRows(y=torch.full((T, K, x_all.shape[2]), float("nan"), dtype=torch.bfloat16,
-                                         device=x_all.device)))
-        if ex.fp8:  # every source rank's rows through the dispatch's cast, dequantised as the experts do
-            q, sf = zip(*[cast_fp8(x_all[r]) for r in range(R)])
-            inputs.append(torch.stack([dequantize_fp8(a, b) for a, b in zip(q, sf)]))
-        else:
-            inputs.append(x_all)
-    for o in range(jobs[0][0].num_ranks if jobs else 0):
-        w13, w2 = owner_weights(o)
-        for ref, rows_all, (ex, x_all, idx_all) in zip(refs, inputs, jobs):
-            R, T, K = idx_all.shape
-            L, C, H = ex.L, ex.capacity, x_all.shape[2]
-            src, t, k = ((idx_all >= o * L) & (idx_all < (o + 1) * L)).nonzero(as_tuple=True)
-            lo = idx_all[src, t, k] - o * L
-            order = torch.sort((lo * R + src) * max(T, 1) + t).indices  # expert, then source rank, then token
-            src, t, k, lo = src[order], t[order], k[order], lo[order]
-            counts = torch.bincount(lo, minlength=L)
-            rows = rows_all[src, t]
-            n = rows.shape[0]
-            compact = torch.full((C, H), float("nan"), dtype=torch.bfloat16, device=rows.device)
-            compact[:n] = rows  # the rows past n are NaN: no output may depend on them
-            y = ex.run(compact, counts, w13=w13, w2=w2)[:n]
-            mine = src == rank
-            ref.y[t[mine], k[mine]] = y[mine]
-            if o == rank:
-                ref.counts, ref.rows, ref.y_own = counts.cpu(), rows.cpu(), y.cpu()
-                if row_check:
-                    ref.row_invariant = _row_invariant(ex, rows, y, lo, w13, w2)
-    return refs
-
-
-def _row_invariant(ex: Experts, rows: torch.Tensor, y: torch.Tensor, lo: torch.Tensor, w13: torch.Tensor,
-                   w2: torch.Tensor) -> bool:
-    """Each of the first ``ROW_CHECK_ROWS`` rows through the expert function alone (a batch of 1) == its
-    row of the batched result ``y``."""
-    for i in range(min(rows.shape[0], ROW_CHECK_ROWS)):
-        e = int(lo[i])
-        one = expert_ffn(rows[i:i + 1], w13[e:e + 1], w2[e:e + 1],
-                         Segments([1], torch.ones(1, dtype=torch.int32, device=rows.device)), ex.gemm)
-        if not bitwise_equal(one, y[i:i + 1]):
-            return False
-    return True
 
 
 # ------------------------------------------------------------------------------------------ one rank
@@ -542,19 +412,6 @@ def _graph(step: Callable[[], torch.Tensor], want: torch.Tensor, cfg: DecodeConf
 
 def _as_numpy(t: torch.Tensor):
     return t.detach().cpu().contiguous().view(torch.int16).numpy()
-
-
-def _same_rows(probes: Sequence[Sequence[Dict[str, torch.Tensor]]], refs: Sequence[RefRows]) -> bool:
-    """Every probe (one list per runtime, one entry per micro-batch) has the reference's counts, rows and
-    expert outputs, bitwise."""
-    for probe in probes:
-        if len(probe) != len(refs):
-            return False
-        for p, r in zip(probe, refs):
-            if not (torch.equal(p["counts"], r.counts) and bitwise_equal(p["rows"], r.rows)
-                    and bitwise_equal(p["y"], r.y_own)):
-                return False
-    return True
 
 
 def _make_buffers(cfg: DecodeConfig, device: torch.device):
@@ -689,7 +546,7 @@ def run_rank(rank: int, world: int, rdzv: str, cfg: DecodeConfig) -> Dict[str, A
                 probes.append(probe)
                 got[name] = out
                 entry["runtimes"][name] = fig
-            checks["same_rows"] = _same_rows(probes, ref)
+            checks["same_rows"] = same_rows(probes, ref)
             ll_name = "ll_native" if "ll_native" in got else "ll_torch"
             ll, v2 = got[ll_name].float(), got["v2"].float()
             diff = (ll - v2).abs()
@@ -721,145 +578,6 @@ def run_rank(rank: int, world: int, rdzv: str, cfg: DecodeConfig) -> Dict[str, A
 def launch(cfg: DecodeConfig) -> List[Dict[str, Any]]:
     """Runs ``run_rank`` on ``cfg.world`` spawned processes; their results by rank (RankFailure on a failure)."""
     return run_ranks(run_rank, cfg.world, cfg, timeout=cfg.timeout_s, grace_s=10)
-
-
-# ------------------------------------------------------------------------------------------ report
-BITWISE_CHECKS = ("ll_reference", "v2_reference", "same_rows", "pow2", "nohook", "repeatable", "graph")
-
-
-def _all_true(values) -> Optional[bool]:
-    """True/False over the non-None booleans of ``values`` (dicts flattened); None when there are none."""
-    flat = []
-    for v in values:
-        flat.extend(v.values() if isinstance(v, dict) else [v])
-    flat = [bool(v) for v in flat if v is not None]
-    return all(flat) if flat else None
-
-
-def summarize(cfg: DecodeConfig, results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-    """The run's record: per configuration and runtime the slowest rank's medians; the checks over every rank
-    (``ok`` False when any of them failed)."""
-    r0 = results[0]
-    rows = []
-    configs = [c for r in results for c in r["configs"]]
-    for i, c0 in enumerate(r0["configs"]):
-        per_rank = [r["configs"][i] for r in results]
-        slowest = {}
-        for name in c0["runtimes"]:
-            figs = [c["runtimes"][name] for c in per_rank]
-            slowest[name] = {k: (max(f[k] for f in figs) if figs[0][k] is not None else None) for k in figs[0]}
-        for name, fig in slowest.items():
-            rows.append(dict(tokens=c0["tokens"], dispatch=c0["dispatch"], micro_batches=c0["micro_batches"],
-                             runtime=name, name=r0["runtimes"][name], **fig,
-                             vs_v2=slowest["v2"]["eager_ms"] / fig["eager_ms"]))
-    checks: Dict[str, Any] = {k: _all_true(c["checks"].get(k) for c in configs) for k in BITWISE_CHECKS}
-    lv = [c["checks"]["ll_vs_v2"] for c in configs]
-    checks["ll_vs_v2"] = dict(runtime=lv[0]["runtime"], differ=sum(x["differ"] for x in lv),
-                              elements=sum(x["elements"] for x in lv),
-                              max_relative=max(x["max_relative"] for x in lv), error=max(x["error"] for x in lv))
-    checks["row_invariant"] = _all_true(c["checks"]["row_invariant"] for c in configs)
-    ok = all(checks[k] is not False for k in BITWISE_CHECKS) and checks["ll_reference"] is True and \
-        checks["ll_vs_v2"]["error"] <= 1.0
-    env = dict(torch=torch.__version__, device=r0["device_name"], world=cfg.world, group=r0["group"], gemm=r0["gemm"],
-               native_missing=r0["native_missing"], graph_missing=r0["graph_missing"], runtimes=r0["runtimes"],
-               max_micro_batch=cfg.max_micro_batch, capacity=cfg.capacity)
-    try:
-        import elastic_ep
-
-        env["elastic_ep"] = elastic_ep.__version__
-    except ImportError:
-        pass
-    config = asdict(cfg)
-    config.pop("return_outputs")
-    return dict(config=config, environment=env, steps=rows, checks=checks, ok=bool(ok),
-                per_rank=[{k: v for k, v in r.items() if k != "outputs"} for r in results])
-
-
-def _ms(v: Optional[float]) -> str:
-    return "-" if v is None else f"{v:.3f}"
-
-
-def _verdict(v: Optional[bool], yes: str = "bitwise equal") -> str:
-    return "not run" if v is None else yes if v else "DIFFERENT"
-
-
-def render(record: Dict[str, Any]) -> str:
-    """The record as markdown: a header, the step table and the checks."""
-    cfg, env, checks = record["config"], record["environment"], record["checks"]
-    moe = cfg["moe"]
-    where = (f"{cfg['world']} CPU processes over gloo (CPU times, not a benchmark)" if cfg["device"] == "cpu"
-             else f"{cfg['world']} rank(s) on {env['device']}")
-    gemm = "torch._grouped_mm over cumsum(recv_count)" if env["gemm"] == "grouped" else "a matmul per expert"
-    lines = [
-        f"DeepSeek-V3 MoE layer, decode, EP {cfg['world']}: {where}; torch {env['torch']}, elastic_ep "
-        f"{env.get('elastic_ep', '?')}",
-        f"top-{moe['num_topk']} of {moe['num_experts']} experts, hidden {moe['hidden']}, intermediate "
-        f"{moe['intermediate']}; each step's tokens in two micro-batches, num_max_dispatch_tokens_per_rank "
-        f"{env['max_micro_batch']}; expert GEMMs: {gemm} on {env['capacity']} compact rows",
-        "low-latency step: dispatch(mb0), dispatch(mb1), hook0, experts(mb0), combine(mb0), hook1, experts(mb1), "
-        "combine(mb1), combine hooks; no-hook: one micro-batch after the other; V2: one after the other",
-        f"median of {cfg['iters']} steps after {cfg['warmup']} warm-up; the slowest rank's figures; speed-up: "
-        "V2's step ms over the row's (eager)",
-    ]
-    if env["native_missing"]:
-        lines.append(f"native runtimes not run: {env['native_missing']}")
-    if env["graph_missing"]:
-        lines.append(f"CUDA graph not run: {env['graph_missing']}")
-    lines += ["", "| tokens/rank | micro-batches | dispatch | runtime | step ms | no-hook ms | CUDA graph ms | "
-                  "speed-up vs V2 |", "|---:|---|---|---|---:|---:|---:|---:|"]
-    for r in record["steps"]:
-        lines.append(f"| {r['tokens']} | {' + '.join(map(str, r['micro_batches']))} | {r['dispatch']} | {r['name']} | "
-                     f"{_ms(r['eager_ms'])} | {_ms(r['nohook_ms'])} | {_ms(r['graph_ms'])} | {r['vs_v2']:.2f} x |")
-    lv = checks["ll_vs_v2"]
-    ri = checks["row_invariant"]
-    lines += [
-        "", "Checks (every rank, every configuration):",
-        "- low-latency == reference (all-gathered inputs, the experts on the same packed rows, fp32 `acc + y * w` "
-        "in lane order; rows past recv_count NaN): " + _verdict(checks["ll_reference"]),
-        "- V2 == V2-order reference (rows weighted and rounded to BF16, then summed in fp32): "
-        + _verdict(checks["v2_reference"]),
-        "- low-latency, V2 and reference give the GEMMs the same rows and get the same expert outputs: "
-        + _verdict(checks["same_rows"]),
-        "- low-latency == V2 with power-of-two routing weights (products exact in both): " + _verdict(checks["pow2"]),
-        f"- low-latency vs V2 with the real weights ({lv['runtime']}): {lv['differ']} of {lv['elements']} elements "
-        f"differ, by at most {lv['max_relative']:.2g} x sum_k |w_k y_k|, {100 * lv['error']:.1f} % of the bound "
-        f"2^-7 (sum_k |w_k y_k| + |out|) "
-        + ("(passed)" if lv["error"] <= 1 else "(FAILED)")
-        + ": V2's combine takes BF16 rows, so the weight is applied and rounded to BF16 before the sum, while "
-          "the low-latency combine multiplies in fp32",
-        "- low-latency with hooks == without: " + _verdict(checks["nohook"]),
-        "- every timed step == the checked one: " + _verdict(checks["repeatable"]),
-        "- CUDA-graph replay == eager: " + _verdict(checks["graph"]),
-        "- expert rows alone == in their batch (reported, not relied on): "
-        + ("not run" if ri is None else "yes" if ri else "no (the reference uses the packed rows)"),
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _plot(record: Dict[str, Any], path: str) -> None:
-    plt = pyplot()
-    rows = record["steps"]
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.45 * len(rows)))
-    labels = [f"{r['tokens']} tok {r['dispatch']}, {r['runtime']}" for r in rows]
-    y = list(range(len(rows)))
-    h = 0.27
-    for off, key, color in ((-h, "eager_ms", "tab:blue"), (0, "nohook_ms", "tab:gray"), (h, "graph_ms", "tab:green")):
-        ax.barh([v + off for v in y], [r[key] or 0 for r in rows], height=h, color=color,
-                label={"eager_ms": "step (hooks)", "nohook_ms": "no hooks", "graph_ms": "CUDA graph"}[key])
-    ax.set_yticks(y)
-    ax.set_yticklabels(labels, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("ms per decode step (slowest rank, median)")
-    ax.set_title("MoE layer decode step")
-    ax.legend(fontsize=8, loc="lower right")
-    save(fig, path)
-
-
-def write_outputs(out: str, record: Dict[str, Any], table: str, command: str) -> List[str]:
-    """``block_elastic_ep_decode.{json,md,png}`` in ``out``; the paths written."""
-    return write_results(out, NAME, dict(record, command=command),
-                         f"# elastic_ep model block: decode\n\n`{command}`\n\n{table}", lambda p: _plot(record, p),
-                         quiet=True, run=run_record(command))
 
 
 # ------------------------------------------------------------------------------------------ main
