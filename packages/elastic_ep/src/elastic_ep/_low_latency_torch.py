@@ -86,6 +86,10 @@ class TorchLowLatency(LowLatencyPart):
             payload = a.x.contiguous().view(torch.uint8)
         idx = a.topk_idx
         valid = (idx >= 0) & (idx < E)
+        bad = ~valid & (idx != -1)
+        if bool(bad.any()):  # this backend synchronises anyway: refuse before anything moves
+            raise ValueError(f"topk_idx: expert ids must be in [-1, {E}), got {int(idx[bad][0])} "
+                             f"({int(bad.sum())} such ids)")
         owner = torch.where(valid, idx // L, torch.zeros_like(idx))
         valid &= self._alive_ranks()[owner]
         t, k = valid.nonzero(as_tuple=True)

@@ -77,7 +77,7 @@ _PROTOCOL_ERRORS = {
     11: "a low-latency message or handle row from rank {peer} names a token or lane out of range ({theirs}, bound "
         "{mine}; a corrupted message, or a handle changed after low_latency_dispatch returned it)",
     12: "rank {peer}'s low-latency signal is from call {theirs}, this rank is at call {mine}: the ranks' low-latency "
-        "calls are out of step (every rank must make the same calls; clean_low_latency_buffer resets them)",
+        "calls are out of step (every rank must make the same low-latency calls, each hook called once)",
 }
 
 

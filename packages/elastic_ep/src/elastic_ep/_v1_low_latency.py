@@ -55,8 +55,9 @@ class LowLatencyAPI:
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Resets the low-latency counters on every rank (collective; DeepEP V1's). Not needed between normal
-        and low-latency calls (the signals live apart from the data); needed to go on after a low-latency
-        call failed (a timeout), on every rank.
+        and low-latency calls (the signals live apart from the data). It puts the ranks' call counts back
+        in step when they drifted without an error (e.g. a receive hook that was never called); after a
+        timeout or a protocol error the buffer is unusable and must be destroyed and recreated on every rank.
 
         Raises:
             ValueError: a shape that does not fit the buffer; RuntimeError: low-latency mode is off.
