@@ -138,12 +138,12 @@ __global__ void __launch_bounds__(kThreads, 1) low_latency_combine(CommView c, L
                ll_geometry_word(1, p.num_max_tokens, p.hidden, p.num_experts, p.num_topk, false)};
   if (p.phases & kLlSend) {
     ll_combine_send(call, p);
-    if (commkit::grid_arrive_last<true>(call.grid_word(kLlSendSide))) ll_combine_signal(call);
+    if (ll_phase_last<true>(call.grid_word(kLlSendSide))) ll_combine_signal(call);
   }
   if (p.phases & kLlRecv) {
     ll_combine_recv(call, p);
     // The receive phase writes this GPU's memory only: a GPU-scope arrival is enough.
-    if (commkit::grid_arrive_last<false>(call.grid_word(kLlRecvSide)) && threadIdx.x == 0)
+    if (ll_phase_last<false>(call.grid_word(kLlRecvSide)) && threadIdx.x == 0)
       call.end_phase(kLlRecvSide, call.seq(kLlRecvSide));
   }
 }

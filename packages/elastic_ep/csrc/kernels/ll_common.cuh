@@ -101,6 +101,19 @@ struct LlCall {
   }
 };
 
+// Every block of a phase calls it at the phase's end: true (in every thread) in the block that finished
+// last, which then sees the others' stores (kSystem: their stores to peers too). A grid of one block
+// (one token at decode) needs no counter: its barrier and, for kSystem, one fence are enough.
+template <bool kSystem>
+__device__ __forceinline__ bool ll_phase_last(uint32_t* counter) {
+  if (gridDim.x == 1) {
+    if (kSystem) commkit::block_fence_system();
+    __syncthreads();
+    return true;
+  }
+  return commkit::grid_arrive_last<kSystem>(counter);
+}
+
 __device__ __forceinline__ int64_t ll_sanitize(int64_t e, int num_experts) { return e >= 0 && e < num_experts ? e : -1; }
 
 }  // namespace

@@ -281,12 +281,12 @@ __global__ void __launch_bounds__(kThreads, 1) low_latency_dispatch(CommView c, 
                ll_geometry_word(1, p.num_max_tokens, p.hidden, p.num_experts, p.num_topk, p.use_fp8 != 0)};
   if (p.phases & kLlSend) {
     ll_dispatch_send(call, p);
-    if (commkit::grid_arrive_last<true>(call.grid_word(kLlSendSide))) ll_dispatch_signal(call, p);
+    if (ll_phase_last<true>(call.grid_word(kLlSendSide))) ll_dispatch_signal(call, p);
   }
   if (p.phases & kLlRecv) {
     ll_dispatch_recv(call, p);
     // The receive phase writes this GPU's memory only: a GPU-scope arrival is enough.
-    if (commkit::grid_arrive_last<false>(call.grid_word(kLlRecvSide)) && threadIdx.x == 0)
+    if (ll_phase_last<false>(call.grid_word(kLlRecvSide)) && threadIdx.x == 0)
       call.end_phase(kLlRecvSide, call.seq(kLlRecvSide));
   }
 }
