@@ -2,7 +2,7 @@
 // the NVLink window.
 //
 // Send phase: the rows of every local expert (recv_count[l] of them, packed) are walked grid-stride, a
-// warp per row; row (l, pos) goes to its source rank (route >> 8) at combine slot [token src_info]
+// warp (or a few, one slice each: ll_slices) per row; row (l, pos) goes to its source rank (route >> 8) at combine slot [token src_info]
 // [lane route & 0xff] of that rank's half, so each of an origin's (token, lane) pairs has its own
 // slot and nothing is summed on the way. The phase's last block then sends every unmasked rank its
 // geometry words and a "rows landed" signal (ll_common.cuh).
@@ -37,7 +37,10 @@ __device__ __forceinline__ void ll_combine_send(const LlCall& call, const LlComb
   __syncthreads();
   const int lane = lane_id();
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
-  for (int64_t m = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; m < s_base[L]; m += nwarps) {
+  const int slices = ll_slices(s_base[L], nwarps);
+  for (int64_t u = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; u < int64_t(s_base[L]) * slices; u += nwarps) {
+    const int64_t m = u / slices;
+    const int sl = int(u - m * slices);
     int lo = 0, hi = L;
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
@@ -47,13 +50,15 @@ __device__ __forceinline__ void ll_combine_send(const LlCall& call, const LlComb
     const int route = p.route[pos], t = p.src_info[pos];
     const int src = route >> 8, k = route & 0xff;
     if (src < 0 || src >= R || k >= K || t < 0 || t >= M) {
-      if (lane == 0) report_protocol_once(cx, call.c, src, kProtocolLlRecord, uint32_t(route), uint32_t(t));
+      if (lane == 0 && sl == 0) report_protocol_once(cx, call.c, src, kProtocolLlRecord, uint32_t(route), uint32_t(t));
       continue;
     }
     if (call.masked(src)) continue;
-    warp_copy_v4<4, true>(reinterpret_cast<int4*>(cx.tr.remote(src, area + (uint64_t(t) * K + k) * row_bytes)),
-                          reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + pos * int64_t(row_bytes)),
-                          int(row_bytes / 16), lane);
+    int b, e;
+    ll_slice_range(int(row_bytes / 16), sl, slices, &b, &e);
+    warp_copy_v4<4, true>(reinterpret_cast<int4*>(cx.tr.remote(src, area + (uint64_t(t) * K + k) * row_bytes)) + b,
+                          reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + pos * int64_t(row_bytes)) + b,
+                          e - b, lane);
   }
 }
 

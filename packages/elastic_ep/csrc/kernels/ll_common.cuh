@@ -114,6 +114,20 @@ __device__ __forceinline__ bool ll_phase_last(uint32_t* counter) {
   return commkit::grid_arrive_last<kSystem>(counter);
 }
 
+// A row is copied by up to kLlMaxSlices warps, one slice each, when there are warps to spare: one warp's
+// copy of a 14 KB row is a chain of 7 dependent rounds of loads, which left a few dozen rows' call
+// waiting on memory latency. Slice `sl` of `slices` copies the 16-byte words [*begin, *end) of n16.
+constexpr int kLlMaxSlices = 8;
+__device__ __forceinline__ int ll_slices(int64_t rows, int64_t nwarps) {
+  const int64_t s = rows > 0 ? nwarps / rows : 1;
+  return int(s < 1 ? 1 : (s > kLlMaxSlices ? kLlMaxSlices : s));
+}
+__device__ __forceinline__ void ll_slice_range(int n16, int sl, int slices, int* begin, int* end) {
+  const int per = (n16 + slices - 1) / slices;
+  *begin = min(n16, sl * per);
+  *end = min(n16, *begin + per);
+}
+
 __device__ __forceinline__ int64_t ll_sanitize(int64_t e, int num_experts) { return e >= 0 && e < num_experts ? e : -1; }
 
 }  // namespace

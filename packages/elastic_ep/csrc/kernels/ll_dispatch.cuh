@@ -11,7 +11,8 @@
 //     count word to the expert's rank, after this rank's geometry words (ll_common.cuh).
 // Receive phase: every block waits for all E count words (l, s), checks them, and lays out the packed
 // output: expert l's rows are source rank 0's tokens, then rank 1's, ..., each in token order. Block 0
-// writes recv_count, layout_range and the statistics; warps then copy the messages (grid-stride) into
+// writes recv_count, layout_range and the statistics; warps then copy the messages (grid-stride, a row
+// in slices over several warps when warps are spare: ll_slices) into
 // recv_x [L, R * M, hidden], the scales (column-major [L, groups, R * M]; UE8M0: 4 exponent bytes per
 // int32), src_info and the route the combine takes back.
 // Included once, by launch.cu.
@@ -235,7 +236,10 @@ __device__ __forceinline__ void ll_dispatch_recv(const LlCall& call, const LlDis
   const int row_bytes = p.use_fp8 ? H : 2 * H;
   const int lane = lane_id();
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
-  for (int64_t m = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; m < s_total; m += nwarps) {
+  const int slices = ll_slices(s_total, nwarps);
+  for (int64_t u = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; u < int64_t(s_total) * slices; u += nwarps) {
+    const int64_t m = u / slices;
+    const int sl = int(u - m * slices);
     int lo = 0, hi = E;  // the last (l, s) whose base <= m
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
@@ -247,9 +251,12 @@ __device__ __forceinline__ void ll_dispatch_recv(const LlCall& call, const LlDis
     // The header is loaded with the row (it only decides src_info and the route; pos comes from the
     // counts, so a bad header cannot move the row anywhere else).
     int4 h = make_int4(0, 0, 0, 0);
-    if (lane == 0) h = commkit::ld_v4<true>(reinterpret_cast<const int4*>(in));
-    warp_copy_v4<4, false, true>(reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + pos * row_bytes),
-                                 reinterpret_cast<const int4*>(in + kLowLatencyHeaderBytes), row_bytes / 16, lane);
+    if (lane == 0 && sl == 0) h = commkit::ld_v4<true>(reinterpret_cast<const int4*>(in));
+    int b, e;
+    ll_slice_range(row_bytes / 16, sl, slices, &b, &e);
+    warp_copy_v4<4, false, true>(reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + pos * row_bytes) + b,
+                                 reinterpret_cast<const int4*>(in + kLowLatencyHeaderBytes) + b, e - b, lane);
+    if (sl != 0) continue;  // the header, src_info, route and scales: slice 0's
     const int t = __shfl_sync(kFull, h.x, 0), k = __shfl_sync(kFull, h.y, 0);
     const bool bad = t < 0 || t >= M || k < 0 || k >= K;
     if (lane == 0) {
