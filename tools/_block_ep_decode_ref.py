@@ -3,19 +3,19 @@ these and applies the checks in ``run_rank``): the dispatch's FP8 cast, the two 
 power-of-two weights, the reference expert rows from every rank's inputs, the row comparisons
 (``same_rows``, ``row_invariant``) and the ``ll_vs_v2`` bound.
 
-**Torch reference** (per configuration, untimed): every rank's tokens and routing are all-gathered; for
-every owner rank ``o`` this rank rebuilds ``o``'s packed rows (the rows of the tokens that chose each
-of ``o``'s experts, by source rank then token; FP8 rows cast with the same cast and dequantised), regenerates ``o``'s expert weights and runs the same expert function on the same compact
-shape (``C`` rows, rows past the valid ones NaN); the outputs of this rank's tokens are then combined
-per token in plain torch: ``acc + y * w`` in fp32 (the low-latency order) and ``acc + bf16(y * w)``
-(the V2 order).
+**Torch reference** (per configuration, untimed): every rank's tokens and routing are all-gathered;
+for every owner rank ``o`` this rank rebuilds ``o``'s packed rows (the rows of the tokens that chose
+each of ``o``'s experts, by source rank then token; FP8 rows cast with the same cast and dequantised),
+regenerates ``o``'s expert weights and runs the same expert function on the same compact shape (``C``
+rows, rows past the valid ones NaN); the outputs of this rank's tokens are then combined per token in
+plain torch: ``acc + y * w`` in fp32 (the low-latency order) and ``acc + bf16(y * w)`` (the V2 order).
 
 Why the reference runs the GEMMs on the packed rows and not row by row: a batched BF16 GEMM need not
 give a row the bits it gets alone (with torch 2.14 on a CPU, a 1-row BF16 matmul at hidden 7168 takes a
 GEMV path whose sums differ in the last bit from the batched ones; cuBLAS/CUTLASS choose kernels by
-shape). Giving the reference the same GEMM shapes makes the comparison exact on any deterministic GEMM; whether the expert function is
-also row-invariant (each row alone equal to its batched result) is measured and reported
-(``row_invariant``), not relied on.
+shape). Giving the reference the same GEMM shapes makes the comparison exact on any deterministic
+GEMM; whether the expert function is also row-invariant (each row alone equal to its batched result)
+is measured and reported (``row_invariant``), not relied on.
 
 Checks (every rank, every configuration and dispatch format; any failing fails the run, exit status 1,
 except ``row_invariant``, which is reported only):

@@ -41,7 +41,8 @@ from _results import command_line, md_row, cell, out_dir, pyplot, run_record, sa
 
 H, K = 7168, 8
 KERNELS = {"ll": ("low_latency_dispatch", "low_latency_combine"),
-           "v2": (("dispatch_notify", "dispatch_impl", "dispatch_copy_epilogue"), ("combine_impl", "combine_reduce_epilogue"))}
+           "v2": (("dispatch_notify", "dispatch_impl", "dispatch_copy_epilogue"),
+                  ("combine_impl", "combine_reduce_epilogue"))}
 
 
 def _inputs(rank: int, T: int, E: int):

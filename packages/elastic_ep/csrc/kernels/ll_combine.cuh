@@ -2,10 +2,10 @@
 // the NVLink window.
 //
 // Send phase: the rows of every local expert (recv_count[l] of them, packed) are walked grid-stride, a
-// warp (or a few, one slice each: ll_slices) per row; row (l, pos) goes to its source rank (route >> 8) at combine slot [token src_info]
-// [lane route & 0xff] of that rank's half, so each of an origin's (token, lane) pairs has its own
-// slot and nothing is summed on the way. The phase's last block then sends every unmasked rank its
-// geometry words and a "rows landed" signal (ll_common.cuh).
+// warp (or a few, one slice each: ll_slices) per row; row (l, pos) goes to its source rank (route >> 8)
+// at combine slot [token src_info][lane route & 0xff] of that rank's half, so each of an origin's
+// (token, lane) pairs has its own slot and nothing is summed on the way. The phase's last block then
+// sends every unmasked rank its geometry words and a "rows landed" signal (ll_common.cuh).
 // Receive phase: one thread per rank waits for the signals; then each block reduces whole tokens:
 // out[t] = sum over lanes k in order of topk_weights[t, k] * row(t, k) in fp32 (separate multiply and
 // add, round to nearest: the torch reference's arithmetic, so the result is bitwise reproducible),
@@ -68,7 +68,8 @@ __device__ __forceinline__ void ll_combine_signal(const LlCall& call) {
   call.publish_geometry(s);
   for (int r = threadIdx.x; r < cx.tr.num_ranks; r += blockDim.x)
     if (!call.masked(r))
-      cx.tr.put_u64(r, cx.ws.ll_done.offset + 8ull * (uint64_t(call.half) * kMaxRanks + cx.tr.rank), (uint64_t(s) << 32) | 1u);
+      cx.tr.put_u64(r, cx.ws.ll_done.offset + 8ull * (uint64_t(call.half) * kMaxRanks + cx.tr.rank),
+                    (uint64_t(s) << 32) | 1u);
   if (threadIdx.x == 0) call.end_phase(kLlSendSide, s);
 }
 

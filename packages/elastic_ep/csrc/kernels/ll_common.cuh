@@ -39,7 +39,9 @@ struct LlCall {
   }
   // The seq of this call's phase `side` (read by every block before its phase's last block stores it).
   __device__ __forceinline__ uint32_t seq(int side) const { return uint32_t(commkit::ld_relaxed(seq_word(side)) + 1u); }
-  __device__ __forceinline__ void end_phase(int side, uint32_t s) const { commkit::st_relaxed(seq_word(side), uint64_t(s)); }
+  __device__ __forceinline__ void end_phase(int side, uint32_t s) const {
+    commkit::st_relaxed(seq_word(side), uint64_t(s));
+  }
   __device__ __forceinline__ uint32_t* grid_word(int side) const {
     return cx.ws.ll_grid.at<uint32_t>(c.window_base) + (kind * 2 + half) * 2 + side;
   }
@@ -128,7 +130,9 @@ __device__ __forceinline__ void ll_slice_range(int n16, int sl, int slices, int*
   *end = min(n16, *begin + per);
 }
 
-__device__ __forceinline__ int64_t ll_sanitize(int64_t e, int num_experts) { return e >= 0 && e < num_experts ? e : -1; }
+__device__ __forceinline__ int64_t ll_sanitize(int64_t e, int num_experts) {
+  return e >= 0 && e < num_experts ? e : -1;
+}
 
 }  // namespace
 }  // namespace elastic_ep

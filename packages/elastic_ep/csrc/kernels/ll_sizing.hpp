@@ -54,8 +54,9 @@ CK_HD constexpr int64_t ll_combine_offset(int64_t num_max_tokens, int64_t hidden
 }
 // Bytes of one half a call needs.
 CK_HD constexpr int64_t ll_half_bytes(int64_t num_max_tokens, int64_t hidden, int64_t num_experts, int64_t num_topk) {
-  return commkit::sat_add(ll_combine_offset(num_max_tokens, hidden, num_experts),
-                          commkit::sat_mul(commkit::sat_mul(num_max_tokens, num_topk), commkit::sat_mul(hidden, int64_t(2))));
+  const int64_t row_bytes = commkit::sat_mul(hidden, int64_t(2));
+  const int64_t combine = commkit::sat_mul(commkit::sat_mul(num_max_tokens, num_topk), row_bytes);
+  return commkit::sat_add(ll_combine_offset(num_max_tokens, hidden, num_experts), combine);
 }
 // DeepEP V1's get_low_latency_rdma_size_hint: two halves, each for any top-k a call may use, each a
 // multiple of 2 MiB.

@@ -236,7 +236,8 @@ class NativeLowLatency(LowLatencyPart):
     def mask_status(self) -> torch.Tensor:
         torch.cuda.synchronize(self.rt.device)
         n = self.rt.num_ranks
-        words = torch.as_tensor(_MaskWords(int(self.rt._rt.ll_mask_address), n), device=torch.device("cuda", self.rt.device))
+        words = torch.as_tensor(_MaskWords(int(self.rt._rt.ll_mask_address), n),
+                                device=torch.device("cuda", self.rt.device))
         return words.clone()
 
     def clean_mask(self) -> None:
@@ -271,7 +272,8 @@ class LowLatency:
         self.buffer_idx = 0  # the half the next call uses; flipped by every call, as DeepEP V1's
 
     # ------------------------------------------------------------------ checks
-    def _shape(self, op: str, num_max_tokens: Any, hidden: int, num_experts: Any, num_topk: int) -> Tuple[int, int, int]:
+    def _shape(self, op: str, num_max_tokens: Any, hidden: int, num_experts: Any,
+               num_topk: int) -> Tuple[int, int, int]:
         M = int_arg("num_max_dispatch_tokens_per_rank", num_max_tokens, 1, MAX_TOKENS)
         E = int_arg("num_experts", num_experts, 1, int(_C.MAX_EXPERTS))
         R = self.num_ranks
@@ -296,7 +298,7 @@ class LowLatency:
             raise ValueError(f"{name}: top-k {K} outside [1, {MAX_TOPK}]")
         return (t if t.dtype == torch.int64 else t.to(torch.int64)), K
 
-    def _stats(self, name: str, t: Any, n: int, dtype: torch.dtype, what: str) -> Optional[torch.Tensor]:
+    def _stats(self, name: str, t: Any, n: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
         if t is not None:
             check_tensor(name, t, (dtype,), 1, self.device, (n,))
         return t
@@ -362,9 +364,8 @@ class LowLatency:
         if T > M:
             raise ValueError(f"x: {T} tokens exceed num_max_dispatch_tokens_per_rank={M}")
         R = self.num_ranks
-        stats = self._stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, L, torch.int32,
-                            "rows per local expert")
-        wait = self._stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, R, torch.int64, "ns")
+        stats = self._stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, L, torch.int32)
+        wait = self._stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, R, torch.int64)
         async_finish, hook = self._modes(async_finish, return_recv_hook)
         a = LlDispatchArgs(x=x, topk_idx=idx, cumulative_stats=stats, wait_stats=wait, num_tokens=T, hidden=H,
                            num_topk=K, num_experts=E, num_max_tokens=M, use_fp8=use_fp8, round_scale=round_scale,
@@ -401,7 +402,8 @@ class LowLatency:
         return self.part.zero_copy_source(self.buffer_idx, (E // self.num_ranks, self.num_ranks * M, H))
 
     def combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, use_logfmt: Any, zero_copy: Any,
-                async_finish: Any, return_recv_hook: Any, out: Any, combine_wait_recv_cost_stats: Any) -> Tuple[Any, ...]:
+                async_finish: Any, return_recv_hook: Any, out: Any,
+                combine_wait_recv_cost_stats: Any) -> Tuple[Any, ...]:
         """DeepEP V1's ``low_latency_combine`` (see ``Buffer.low_latency_combine``)."""
         h = self._handle(handle)
         if use_logfmt:
@@ -423,7 +425,7 @@ class LowLatency:
             out = torch.empty((T, H), dtype=torch.bfloat16, device=self.device)
         else:
             check_tensor("out", out, (torch.bfloat16,), 2, self.device, (T, H))
-        wait = self._stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, R, torch.int64, "ns")
+        wait = self._stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, R, torch.int64)
         async_finish, hook = self._modes(async_finish, return_recv_hook)
         src = self.part.zero_copy_source(self.buffer_idx, (L, R * M, H)) if zero_copy else x
         a = LlCombineArgs(x=src, topk_idx=idx, topk_weights=topk_weights, handle=h, out=out, wait_stats=wait,

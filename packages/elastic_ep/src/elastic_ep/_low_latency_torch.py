@@ -67,7 +67,9 @@ class TorchLowLatency(LowLatencyPart):
         self._zero_copy: Dict[int, torch.Tensor] = {}
 
     def _alive_ranks(self) -> torch.Tensor:
-        return (self.mask == 0) if self.shrink else torch.ones(self.num_ranks, dtype=torch.bool, device=self.mask.device)
+        if self.shrink:
+            return self.mask == 0
+        return torch.ones(self.num_ranks, dtype=torch.bool, device=self.mask.device)
 
     def _exchange(self, rows: torch.Tensor, dest: torch.Tensor, stage: str) -> Tuple[torch.Tensor, List[int]]:
         """Rows (uint8 [n, B]) to their destination ranks (sorted by destination, stable)."""
