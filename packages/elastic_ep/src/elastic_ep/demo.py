@@ -111,6 +111,9 @@ def _rank(rank: int, world: int, cfg: dict, tmp: str) -> None:
     # One write per line: the ranks print at once, and a separate newline could interleave.
     print(f"  rank {rank} ({where}): dispatch received {recv_x.shape[0]} rows, combine returned "
           f"{combined.shape[0]}: every output bitwise equal to the plain-torch reference\n", end="", flush=True)
+    # The group torn down before the process exits: a gloo group left to the interpreter's exit can abort
+    # it ("terminate called without an active exception") while a peer's last message is in flight.
+    dist.destroy_process_group()
 
 
 #: The integer options: (name, default, help); each must be >= 1.

@@ -112,9 +112,16 @@ def _cpu_rank(rank: int, world: int, counts, heads: int, head_dim: int, rdzv: st
 
 
 def _rank(rank: int, world: int, counts, heads: int, head_dim: int, cpu: bool, tmp: str) -> None:
+    import torch.distributed as dist
+
     fn = _cpu_rank if cpu else _gpu_rank
     line = fn(rank, world, counts, heads, head_dim, "file://" + os.path.join(tmp, "rdzv"))
     print(f"  {line}\n", end="", flush=True)  # one write: the ranks print at once, lines must not interleave
+    # Every rank done, then the group torn down before the process exits: a gloo group left to the
+    # interpreter's exit can abort it ("terminate called without an active exception") while a peer's
+    # last message is still in flight.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
