@@ -115,19 +115,21 @@ def test_hybrid_bench_emulated_on_cpu(tmp_path):
 
 
 def test_decode_bench_table_and_plot(tmp_path):
-    """tools/bench_elastic_ep_decode.py's table (kernel, DeepEP V1's send + recv split, graph, eager), its
+    """tools/bench_elastic_ep_decode.py's table (kernel, DeepEP V1's send + recv split, in-graph, graph of
+    one call, eager), its
     plot and outputs from rows of the shape its ranks return; without a GPU the command measures nothing
     and succeeds."""
     d = load_tool("bench_elastic_ep_decode")
     rows = [dict(api="ll", op="dispatch", experts=256, tokens=1, kernel_us=13.7, send_us=6.7, recv_us=8.1,
-                 graph_us=18.0, eager_us=90.4),
+                 in_graph_us=14.2, graph_us=18.0, eager_us=90.4),
             dict(api="ll", op="combine", experts=256, tokens=1, kernel_us=12.5, send_us=7.5, recv_us=6.3,
                  graph_us=18.6, eager_us=80.9),
             dict(api="torch_ref", op="dispatch", experts=256, tokens=1, eager_us=608.2)]
     meta = dict(gpus=1, gpu_name="H100", date="2026-12-06 11:32 UTC", git="abc1234")
     table = d._table(rows, meta)
-    assert "| 256 | 1 | ll | dispatch | 13.7 | 6.7 + 8.1 | 18.0 | 90.4 |" in table
-    assert "| 256 | 1 | torch_ref | dispatch | - | - | - | 608.2 |" in table
+    assert "| 256 | 1 | ll | dispatch | 13.7 | 6.7 + 8.1 | 14.2 | 18.0 | 90.4 |" in table
+    assert "| 256 | 1 | ll | combine | 12.5 | 7.5 + 6.3 | - | 18.6 | 80.9 |" in table
+    assert "| 256 | 1 | torch_ref | dispatch | - | - | - | - | 608.2 |" in table
     out = tmp_path / "out"
     paths = d.write_results(str(out), "bench_elastic_ep_decode", dict(meta=meta, rows=rows), table, d._plot(rows))
     assert (out / "bench_elastic_ep_decode.md").read_text().startswith("Decode latency")

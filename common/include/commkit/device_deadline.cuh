@@ -26,6 +26,9 @@
 //   two apart by reading *stop).
 //   wait_ge_load(load, expected, ...)     wait_ge on a value `load()` returns (a source that is not a
 //                                         plain word, e.g. a GIN signal); the same arguments after it.
+//   wait_tag_ge_load(load, tag, ...)      wait_tag_ge on a tagged word `load()` returns, e.g. the least
+//                                         advanced of several tagged words read together in one round
+//                                         trip (the loads of one poll are in flight at once).
 //   aborted(rec)                          true once any waiter recorded a timeout.
 //   report_timeout(rec, ...)              claim and fill the record directly.
 #pragma once
@@ -141,6 +144,15 @@ __device__ __forceinline__ bool wait_tag_ge(const uint64_t* ptr, uint32_t tag, u
   return deadline_detail::wait_impl<deadline_detail::Cmp::kTagGe>([ptr] { return ld_acquire(ptr); }, uint64_t{tag},
                                                                   timeout_ns, rec, op, rank, peer, poll_log2,
                                                                   sleep_ns, stop);
+}
+
+// wait_tag_ge on a tagged word that `load()` returns (several words polled together, one round trip).
+template <typename Load>
+__device__ __forceinline__ bool wait_tag_ge_load(Load load, uint32_t tag, uint64_t timeout_ns, TimeoutRecord* rec,
+                                                 uint32_t op, int rank, int peer, uint32_t poll_log2 = 6,
+                                                 uint32_t sleep_ns = 0, const uint64_t* stop = nullptr) {
+  return deadline_detail::wait_impl<deadline_detail::Cmp::kTagGe>(load, uint64_t{tag}, timeout_ns, rec, op, rank,
+                                                                  peer, poll_log2, sleep_ns, stop);
 }
 
 // wait_ge on a value that is not a plain memory word: `load()` returns it (e.g. a GIN signal read).

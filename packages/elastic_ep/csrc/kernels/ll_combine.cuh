@@ -73,6 +73,8 @@ __device__ __forceinline__ void ll_combine_signal(const LlCall& call) {
   if (threadIdx.x == 0) call.end_phase(kLlSendSide, s);
 }
 
+constexpr int kLlCombineGroup = 8;
+
 __device__ __forceinline__ void ll_combine_recv(const LlCall& call, const LlCombineParams& p) {
   const Ctx& cx = call.cx;
   const int E = p.num_experts, R = cx.tr.num_ranks, L = E / R, K = p.num_topk, M = p.num_max_tokens;
@@ -104,17 +106,18 @@ __device__ __forceinline__ void ll_combine_recv(const LlCall& call, const LlComb
     const int4* rows = reinterpret_cast<const int4*>(area + uint64_t(t) * K * 2ull * H);
     for (int i = threadIdx.x; i < n16; i += blockDim.x) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      // Lanes in groups of 4: the group's loads are in flight together, the sums stay in lane order.
-      for (int k0 = 0; k0 < K; k0 += 4) {
-        int4 v[4];
-        bool on[4];
+      // Lanes in groups of kLlCombineGroup: the group's loads are in flight together (top-8, one group:
+      // one round trip), the sums stay in lane order.
+      for (int k0 = 0; k0 < K; k0 += kLlCombineGroup) {
+        int4 v[kLlCombineGroup];
+        bool on[kLlCombineGroup];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < kLlCombineGroup; ++u) {
           on[u] = k0 + u < K && s_owner[k0 + u] >= 0 && !call.masked(s_owner[k0 + u]);
           if (on[u]) v[u] = commkit::ld_v4<true>(rows + int64_t(k0 + u) * n16 + i);
         }
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < kLlCombineGroup; ++u) {
           if (!on[u]) continue;
           const float w = s_w[k0 + u];
           const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
@@ -142,6 +145,7 @@ __global__ void __launch_bounds__(kThreads, 1) low_latency_combine(CommView c, L
   LlCall call{Ctx(c), c, kLlCombineKind, p.half, p.shrink != 0,
               ll_geometry_word(0, p.num_max_tokens, p.hidden, p.num_experts, p.num_topk, false),
                ll_geometry_word(1, p.num_max_tokens, p.hidden, p.num_experts, p.num_topk, false)};
+  call.begin(p.phases);
   if (p.phases & kLlSend) {
     ll_combine_send(call, p);
     if (ll_phase_last<true>(call.grid_word(kLlSendSide))) ll_combine_signal(call);

@@ -37,8 +37,14 @@ struct LlCall {
   __device__ __forceinline__ uint64_t* seq_word(int side) const {
     return cx.local_u64(cx.ws.ll_seq, (kind * 2 + half) * 2 + side);
   }
-  // The seq of this call's phase `side` (read by every block before its phase's last block stores it).
-  __device__ __forceinline__ uint32_t seq(int side) const { return uint32_t(commkit::ld_relaxed(seq_word(side)) + 1u); }
+  uint32_t seqs[2] = {0u, 0u};  // this call's phase numbers (begin)
+  // Reads the seq of each phase this launch runs, at its entry: every block reads it before the phase's
+  // last block stores it, and one read at entry keeps that round trip off the phases' critical path.
+  __device__ __forceinline__ void begin(int phases) {
+    if (phases & kLlSend) seqs[kLlSendSide] = uint32_t(commkit::ld_relaxed(seq_word(kLlSendSide)) + 1u);
+    if (phases & kLlRecv) seqs[kLlRecvSide] = uint32_t(commkit::ld_relaxed(seq_word(kLlRecvSide)) + 1u);
+  }
+  __device__ __forceinline__ uint32_t seq(int side) const { return seqs[side]; }
   __device__ __forceinline__ void end_phase(int side, uint32_t s) const {
     commkit::st_relaxed(seq_word(side), uint64_t(s));
   }
@@ -67,14 +73,31 @@ struct LlCall {
   // and the peer's call matches this one; false when the wait failed (timeout or abort: recorded; in
   // shrink mode the peer is masked instead and nothing is recorded) or the peer's words are wrong
   // (reported). `*masked_now` tells the shrink case. `wait_ns` (may be null) += the time waited.
+  // With `check_geometry` the peer's geometry words are polled with the signal, in the same round trip:
+  // each carries its call's seq, so a stale read is seen as such and polled again, and no order between
+  // the peer's stores is needed. The signal's load is the acquire that orders the reads of the messages.
   __device__ __forceinline__ bool wait_peer(const uint64_t* word, int src, uint32_t s, uint32_t op, uint64_t* payload,
                             bool* masked_now, int64_t* wait_ns, bool check_geometry) const {
     *masked_now = false;
     const uint64_t t0 = wait_ns != nullptr ? commkit::globaltimer_ns() : 0;
+    const uint64_t* gw[kLowLatencyGeometryWords];
+    for (int w = 0; w < kLowLatencyGeometryWords; ++w)
+      gw[w] = reinterpret_cast<const uint64_t*>(cx.tr.local(geo_offset(src, w)));
+    uint64_t v = 0, g[kLowLatencyGeometryWords] = {};
+    // The least advanced tag of the words read (serial-number order relative to s), with v's payload.
+    auto load = [&]() -> uint64_t {
+      if (check_geometry)
+        for (int w = 0; w < kLowLatencyGeometryWords; ++w) g[w] = commkit::ld_relaxed(gw[w]);
+      v = commkit::ld_acquire(word);
+      int32_t least = int32_t(uint32_t(v >> 32) - s);
+      for (int w = 0; check_geometry && w < kLowLatencyGeometryWords; ++w)
+        least = min(least, int32_t(uint32_t(g[w] >> 32) - s));
+      return (uint64_t(s + uint32_t(least)) << 32) | (v & 0xffffffffull);
+    };
     // Thousands of threads may poll at once (every block waits for every count word): a short sleep
     // between polls keeps them from flooding L2 while the send phase of slower blocks still writes.
-    const bool ok = commkit::wait_tag_ge(word, s, cx.timeout_ns, shrink ? nullptr : cx.rec, op, c.rank, src, 6,
-                                         kPollSleepNs);
+    const bool ok = commkit::wait_tag_ge_load(load, s, cx.timeout_ns, shrink ? nullptr : cx.rec, op, c.rank, src, 6,
+                                              kPollSleepNs);
     if (wait_ns != nullptr) atomicAdd(reinterpret_cast<unsigned long long*>(wait_ns),
                                       static_cast<unsigned long long>(commkit::globaltimer_ns() - t0));
     if (!ok) {
@@ -84,17 +107,13 @@ struct LlCall {
       }
       return false;
     }
-    const uint64_t v = commkit::ld_acquire(word);
     if (uint32_t(v >> 32) != s) {
       report_protocol_once(cx, c, src, kProtocolLlSeq, v >> 32, s);
       return false;
     }
     for (int w = 0; check_geometry && w < kLowLatencyGeometryWords; ++w) {
-      const uint64_t* gw = reinterpret_cast<const uint64_t*>(cx.tr.local(geo_offset(src, w)));
-      if (!commkit::wait_tag_ge(gw, s, cx.timeout_ns, shrink ? nullptr : cx.rec, op, c.rank, src)) return false;
-      const uint64_t g = commkit::ld_acquire(gw);
-      if (uint32_t(g >> 32) != s || uint32_t(g) != geometry(w)) {
-        report_protocol_once(cx, c, src, kProtocolLlGeometry + w, uint32_t(g), geometry(w));
+      if (uint32_t(g[w] >> 32) != s || uint32_t(g[w]) != geometry(w)) {
+        report_protocol_once(cx, c, src, kProtocolLlGeometry + w, uint32_t(g[w]), geometry(w));
         return false;
       }
     }

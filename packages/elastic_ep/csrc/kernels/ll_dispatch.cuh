@@ -7,8 +7,8 @@
 //   * the row is read once: BF16, or cast to FP8 per 128 channels (amax clamped at 1e-4, scale = amax x
 //     (1 / 448), optionally rounded up to a power of two; x * (448 / amax) or x / scale rounded to E4M3), and
 //     stored with its header into each destination's receive area [l][this rank][slot];
-//   * the phase's last block counts the tokens per expert and sends each (local expert, this rank)
-//     count word to the expert's rank, after this rank's geometry words (ll_common.cuh).
+//   * every block then counts the tokens per expert; the phase's last block sends each (local expert,
+//     this rank) count word to the expert's rank, with this rank's geometry words (ll_common.cuh).
 // Receive phase: every block waits for all E count words (l, s), checks them, and lays out the packed
 // output: expert l's rows are source rank 0's tokens, then rank 1's, ..., each in token order. Block 0
 // writes recv_count, layout_range and the statistics; warps then copy the messages (grid-stride, a row
@@ -133,41 +133,50 @@ __device__ __forceinline__ void ll_dispatch_send(const LlCall& call, const LlDis
   }
 }
 
-// Last block of the send phase: counts per expert (and ids outside [-1, E), reported to the host),
-// geometry words, count words.
-__device__ __forceinline__ void ll_dispatch_signal(const LlCall& call, const LlDispatchParams& p) {
-  const Ctx& cx = call.cx;
-  const int T = p.num_tokens, K = p.num_topk, E = p.num_experts, R = cx.tr.num_ranks, L = E / R;
-  __shared__ int s_hist[kMaxExperts];
-  __shared__ unsigned int s_bad;
-  __shared__ long long s_bad_id;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) s_hist[e] = 0;
-  if (threadIdx.x == 0) s_bad = 0u;
+// Tokens per expert of this rank's call, counted by every block after its rows (the loads overlap the
+// rows' stores draining before the phase's fence), so that the block finishing last publishes at once.
+struct LlExpertCounts {
+  int hist[kMaxExperts];
+  unsigned int bad;    // ids outside [-1, E), reported to the host
+  long long bad_id;
+};
+
+__device__ __forceinline__ void ll_dispatch_count(const LlDispatchParams& p, LlExpertCounts& n) {
+  const int E = p.num_experts;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) n.hist[e] = 0;
+  if (threadIdx.x == 0) n.bad = 0u;
   __syncthreads();
-  for (int64_t j = threadIdx.x; j < int64_t(T) * K; j += blockDim.x) {
+  for (int64_t j = threadIdx.x; j < int64_t(p.num_tokens) * p.num_topk; j += blockDim.x) {
     const int64_t e = p.topk_idx[j];
     if (e >= 0 && e < E) {
-      atomicAdd(&s_hist[e], 1);
+      atomicAdd(&n.hist[e], 1);
     } else if (e != -1) {
-      atomicAdd(&s_bad, 1u);
-      s_bad_id = e;
+      atomicAdd(&n.bad, 1u);
+      n.bad_id = e;
     }
   }
-  __syncthreads();
+  // No barrier: the send phase's end (ll_phase_last) orders these before the signal reads them.
+}
+
+// Last block of the send phase: geometry words, count words, and the ids outside [-1, E) to the host.
+__device__ __forceinline__ void ll_dispatch_signal(const LlCall& call, const LlDispatchParams& p,
+                                                   const LlExpertCounts& n) {
+  const Ctx& cx = call.cx;
+  const int E = p.num_experts, R = cx.tr.num_ranks, L = E / R;
   const uint32_t s = call.seq(kLlSendSide);
   call.publish_geometry(s);
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     const int d = e / L;
     if (call.masked(d)) continue;
     const uint64_t i = uint64_t(call.half) * kMaxExperts + uint64_t(e % L) * R + cx.tr.rank;
-    cx.tr.put_u64(d, cx.ws.ll_count.offset + 8ull * i, (uint64_t(s) << 32) | uint64_t(s_hist[e]));
+    cx.tr.put_u64(d, cx.ws.ll_count.offset + 8ull * i, (uint64_t(s) << 32) | uint64_t(n.hist[e]));
   }
   if (threadIdx.x == 0) {
     call.end_phase(kLlSendSide, s);
-    if (s_bad != 0u) {
+    if (n.bad != 0u) {
       uint64_t* ids = host_workspace_layout().ids.at<uint64_t>(call.c.host_workspace);
-      ids[3] = static_cast<uint64_t>(s_bad_id);
-      commkit::st_release(&ids[2], commkit::ld_relaxed(&ids[2]) + uint64_t(s_bad));
+      ids[3] = static_cast<uint64_t>(n.bad_id);
+      commkit::st_release(&ids[2], commkit::ld_relaxed(&ids[2]) + uint64_t(n.bad));
     }
   }
 }
@@ -252,6 +261,16 @@ __device__ __forceinline__ void ll_dispatch_recv(const LlCall& call, const LlDis
     // counts, so a bad header cannot move the row anywhere else).
     int4 h = make_int4(0, 0, 0, 0);
     if (lane == 0 && sl == 0) h = commkit::ld_v4<true>(reinterpret_cast<const int4*>(in));
+    // Slice 0 also moves the scales: their loads are issued before the row's copy, not after it.
+    const float* sf = reinterpret_cast<const float*>(in + ll_msg_scales_offset(H));
+    const bool ue8m0 = p.recv_scales_ue8m0 != nullptr;
+    const int groups = H / 128, packs = H / 512;
+    float pre[4] = {0.f, 0.f, 0.f, 0.f};  // UE8M0: pack `lane`'s 4 scales; else groups lane + 32 r
+    if (p.use_fp8 && sl == 0) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        if (ue8m0 ? lane < packs : lane + 32 * r < groups) pre[r] = __ldcg(sf + (ue8m0 ? 4 * lane + r : lane + 32 * r));
+    }
     int b, e;
     ll_slice_range(row_bytes / 16, sl, slices, &b, &e);
     warp_copy_v4<4, false, true>(reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + pos * row_bytes) + b,
@@ -266,18 +285,25 @@ __device__ __forceinline__ void ll_dispatch_recv(const LlCall& call, const LlDis
       p.recv_route[pos] = bad ? -1 : ll_route(src, k);
     }
     if (!p.use_fp8) continue;
-    const float* sf = reinterpret_cast<const float*>(in + ll_msg_scales_offset(H));
     const int64_t slot = pos - int64_t(l) * RM;
-    if (p.recv_scales_ue8m0 != nullptr) {
-      const int packs = H / 512;
-      for (int q = lane; q < packs; q += 32) {
-        uint32_t w = 0;
-        for (int b = 0; b < 4; ++b) w |= ((__float_as_uint(__ldcg(sf + 4 * q + b)) >> 23) & 0xffu) << (8 * b);
-        p.recv_scales_ue8m0[(int64_t(l) * packs + q) * RM + slot] = int(w);
+    auto exponents = [](const float* f) {
+      uint32_t w = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) w |= ((__float_as_uint(f[j]) >> 23) & 0xffu) << (8 * j);
+      return w;
+    };
+    if (ue8m0) {
+      if (lane < packs) p.recv_scales_ue8m0[(int64_t(l) * packs + lane) * RM + slot] = int(exponents(pre));
+      for (int q = lane + 32; q < packs; q += 32) {
+        float f[4];
+        for (int j = 0; j < 4; ++j) f[j] = __ldcg(sf + 4 * q + j);
+        p.recv_scales_ue8m0[(int64_t(l) * packs + q) * RM + slot] = int(exponents(f));
       }
     } else {
-      const int groups = H / 128;
-      for (int g = lane; g < groups; g += 32) p.recv_scales[(int64_t(l) * groups + g) * RM + slot] = __ldcg(sf + g);
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        if (lane + 32 * r < groups) p.recv_scales[(int64_t(l) * groups + lane + 32 * r) * RM + slot] = pre[r];
+      for (int g = lane + 128; g < groups; g += 32) p.recv_scales[(int64_t(l) * groups + g) * RM + slot] = __ldcg(sf + g);
     }
   }
 }
@@ -286,9 +312,12 @@ __global__ void __launch_bounds__(kThreads, 1) low_latency_dispatch(CommView c, 
   LlCall call{Ctx(c), c, kLlDispatchKind, p.half, p.shrink != 0,
               ll_geometry_word(0, p.num_max_tokens, p.hidden, p.num_experts, p.num_topk, p.use_fp8 != 0),
                ll_geometry_word(1, p.num_max_tokens, p.hidden, p.num_experts, p.num_topk, p.use_fp8 != 0)};
+  call.begin(p.phases);
   if (p.phases & kLlSend) {
+    __shared__ LlExpertCounts counts;
     ll_dispatch_send(call, p);
-    if (ll_phase_last<true>(call.grid_word(kLlSendSide))) ll_dispatch_signal(call, p);
+    ll_dispatch_count(p, counts);
+    if (ll_phase_last<true>(call.grid_word(kLlSendSide))) ll_dispatch_signal(call, p, counts);
   }
   if (p.phases & kLlRecv) {
     ll_dispatch_recv(call, p);
