@@ -116,6 +116,9 @@ const FieldTable<PpParams>& fields_of<PpParams>() {
       EP_FIELD(PpParams, peer),
       EP_FIELD(PpParams, num_max_inflight),
       EP_FIELD(PpParams, num_sms),
+      EP_FIELD(PpParams, numel),
+      EP_FIELD(PpParams, dtype_code),
+      EP_FIELD(PpParams, shape_word),
   }};
   return t;
 }

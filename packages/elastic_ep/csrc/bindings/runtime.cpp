@@ -13,6 +13,7 @@
 #include "commkit/gil.hpp"
 #include "host/comm.hpp"
 #include "host/runtime.hpp"
+#include "kernels/sizing.hpp"
 
 namespace py = pybind11;
 
@@ -210,13 +211,22 @@ void bind_runtime(py::module_& m) {
       .def(
           "pp_transfer",
           [](Runtime& r, bool send, uintptr_t x, int64_t nbytes, int peer, int64_t slot_bytes, int num_max_inflight,
-             int num_sms, int64_t stream) {
-            PpParams p{reinterpret_cast<void*>(x), nbytes, slot_bytes, peer, num_max_inflight, num_sms};
+             int num_sms, uint64_t numel, uint64_t dtype_code, uint64_t shape_word, int64_t stream) {
+            PpParams p{reinterpret_cast<void*>(x), nbytes, slot_bytes, peer, num_max_inflight, num_sms,
+                       numel, dtype_code, shape_word};
             r.pp_transfer(p, send, stream);
           },
           py::arg("send"), py::arg("x"), py::arg("nbytes"), py::arg("peer"), py::arg("slot_bytes"),
-          py::arg("num_max_inflight"), py::arg("num_sms"), py::arg("stream"),
-          "PP send (send=True: nbytes at x to peer) or receive (into x from peer), pp.cuh; x is a data pointer.")
+          py::arg("num_max_inflight"), py::arg("num_sms"), py::arg("numel"), py::arg("dtype_code"),
+          py::arg("shape_word"), py::arg("stream"),
+          "PP send (send=True: nbytes at x to peer) or receive (into x from peer), pp.cuh; x is a data pointer; "
+          "numel, dtype_code and shape_word describe the tensor (a receive refuses a sender's other one).")
+      .def("pp_refusals", [](Runtime& r) { return commkit::without_gil([&] { return r.pp_refusals(); }); },
+           "(peer, k + 1, field, the peer's value, this rank's) per peer that refused this rank's tensor k "
+           "(the last one; synchronises the device).")
+      .def_property_readonly(
+          "pp_max_inflight", [](const Runtime& r) { return kPpDescEntries / r.num_ranks(); },
+          "Most PP tensors in flight per peer: the receivers' descriptor ring (kernels/pp.cuh).")
       .def("ll_dispatch", &Runtime::ll_dispatch, py::arg("params"), py::arg("stream"),
            "Low-latency dispatch, the phases params.phases names (kernels/ll_dispatch.cuh).")
       .def("ll_combine", &Runtime::ll_combine, py::arg("params"), py::arg("stream"),
@@ -231,7 +241,9 @@ void bind_runtime(py::module_& m) {
       .def("pp_unreceived", [](Runtime& r) { return commkit::without_gil([&] { return r.pp_unreceived(); }); },
            "Per source rank: PP tensors delivered to this rank and not received (synchronises the device).")
       .def("agrs_all_gather", &Runtime::agrs_all_gather, py::arg("srcs"), py::arg("nbytes"), py::arg("offsets"),
-           py::arg("stream"), "One AGRS gather: copy-engine copies into every rank's region, then its signals.")
+           py::arg("record"), py::arg("stream"),
+           "One AGRS gather: copy-engine copies into every rank's region, then its signals; `record` (16 "
+           "words, AgrsGatherParams) is compared with every peer's.")
       .def("agrs_session_end", &Runtime::agrs_session_end, py::arg("stream"),
            "Ends an AGRS session: count, signal and wait for every peer's end (agrs.cuh).")
       .def("scaleout_probe", &Runtime::scaleout_probe, py::arg("params"), py::arg("stream"),

@@ -4,6 +4,9 @@
 #if COMMKIT_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <array>
+
 #include "commkit/check.hpp"
 #include "host/runtime.hpp"
 #include "kernels/sizing.hpp"
@@ -14,9 +17,10 @@ void Runtime::pp_transfer(const PpParams& p, bool send, int64_t stream) {
   const char* op = send ? "pp_send" : "pp_recv";
   CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
   CK_CHECK(p.peer >= 0 && p.peer < num_ranks_ && p.peer != rank_ && p.nbytes >= 0 && p.nbytes <= p.slot_bytes &&
-               p.num_max_inflight > 0 &&
+               p.num_max_inflight > 0 && p.num_max_inflight <= kPpDescEntries / num_ranks_ &&
                int64_t(num_ranks_) * p.num_max_inflight * p.slot_bytes <= num_buffer_bytes_,
-           op, ": bad parameters (peer ", p.peer, ", ", p.nbytes, " bytes, slots of ", p.slot_bytes, ")");
+           op, ": bad parameters (peer ", p.peer, ", ", p.nbytes, " bytes, slots of ", p.slot_bytes, ", ",
+           p.num_max_inflight, " in flight)");
   // Over GIN another node's window is not mapped, and PP has no GIN kernels (DeepEP's PP uses GIN).
   const auto& hosts = window_->host_peer_bases();
   CK_CHECK(hosts.empty() || hosts[p.peer] != nullptr, op, ": rank ", p.peer,
@@ -41,11 +45,32 @@ std::vector<int64_t> Runtime::pp_unreceived() {
   return out;
 }
 
+std::vector<std::array<uint64_t, 5>> Runtime::pp_refusals() {
+  CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
+  set_device();
+  CK_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<uint64_t> words(4ull * num_ranks_);
+  const char* base = static_cast<const char*>(window_->base());
+  CK_CUDA_CHECK(cudaMemcpy(words.data(), base + workspace_layout().pp_refusal.offset, 8 * words.size(),
+                           cudaMemcpyDeviceToHost));
+  std::vector<std::array<uint64_t, 5>> out;
+  for (int r = 0; r < num_ranks_; ++r) {
+    const uint64_t* w = &words[4 * r];
+    if (w[0] != 0) out.push_back({uint64_t(r), w[0], w[1], w[2], w[3]});
+  }
+  return out;
+}
+
 void Runtime::agrs_all_gather(const std::vector<uint64_t>& srcs, const std::vector<int64_t>& nbytes,
-                              const std::vector<int64_t>& offsets, int64_t stream) {
+                              const std::vector<int64_t>& offsets, const std::vector<uint64_t>& record,
+                              int64_t stream) {
   CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
   CK_CHECK(srcs.size() == nbytes.size() && srcs.size() == offsets.size() && !srcs.empty(),
            "all_gather: one source, size and offset per tensor");
+  CK_CHECK(record.size() == size_t(kAgrsRecordWords), "all_gather: a record of ", kAgrsRecordWords, " words, got ",
+           record.size());
+  AgrsGatherParams params{};
+  std::copy(record.begin(), record.end(), params.record);
   const auto& hosts = window_->host_peer_bases();
   CK_CHECK(int(hosts.size()) == num_ranks_, "all_gather: the peers' windows are not open");
   CK_CHECK(!gin_, "all_gather: AGRS copies into every rank's window over NVLink; this buffer spans NVLink domains "
@@ -67,7 +92,7 @@ void Runtime::agrs_all_gather(const std::vector<uint64_t>& srcs, const std::vect
       CK_CUDA_CHECK(cudaMemcpyAsync(dst, src, size_t(nbytes[i]), cudaMemcpyDeviceToDevice, s));
     }
   }
-  launch_agrs_gather_done(view_all(), s);
+  launch_agrs_gather_done(view_all(), params, s);
   CK_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -18,6 +18,7 @@
 // still spin on the memory. A constructor that fails frees what it made (Teardown::kLocal).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -186,11 +187,15 @@ class Runtime {
   // Per source rank: tensors it delivered into this rank's PP slots that this rank did not receive
   // yet. Synchronises the device (pp_set_config's flush).
   std::vector<int64_t> pp_unreceived();
+  // Per peer that refused one of this rank's tensors: (peer, k + 1 of the last such tensor k, its
+  // PpField, the peer's value, this rank's), pp.cuh's pp_refusal. Synchronises the device.
+  std::vector<std::array<uint64_t, 5>> pp_refusals();
   // One AGRS gather on `stream`: copy-engine copies of this rank's part of tensor i (nbytes[i] bytes
   // at srcs[i]) into every rank's region at buffer offset offsets[i] + rank * nbytes[i] (none where
-  // source and destination coincide: in place), then the gather-done kernel (agrs.cuh).
+  // source and destination coincide: in place), then the gather-done kernel (agrs.cuh), which compares
+  // the peers' records of the gather with `record` (AgrsGatherParams).
   void agrs_all_gather(const std::vector<uint64_t>& srcs, const std::vector<int64_t>& nbytes,
-                       const std::vector<int64_t>& offsets, int64_t stream);
+                       const std::vector<int64_t>& offsets, const std::vector<uint64_t>& record, int64_t stream);
   void agrs_session_end(int64_t stream);
   // One ring step of the scale-out transport (kernels/scaleout_probe.cuh); offsets are window offsets
   // inside the buffer.

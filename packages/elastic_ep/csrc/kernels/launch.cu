@@ -316,8 +316,8 @@ void launch_ll_combine(const CommView& c, const LlCombineParams& p, void* stream
   low_latency_combine<<<grid_of(p.num_sms), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, p);
 }
 
-void launch_agrs_gather_done(const CommView& c, void* stream) {
-  agrs_gather_done_kernel<<<1, kMaxRanks, 0, static_cast<cudaStream_t>(stream)>>>(c);
+void launch_agrs_gather_done(const CommView& c, const AgrsGatherParams& p, void* stream) {
+  agrs_gather_done_kernel<<<1, kMaxRanks, 0, static_cast<cudaStream_t>(stream)>>>(c, p);
 }
 
 void launch_agrs_session_end(const CommView& c, void* stream) {

@@ -171,15 +171,38 @@ struct CombineParams {
 
 // One PP send or receive (pp.cuh): `x` goes into / comes out of slot seq % num_max_inflight of the
 // receiver's row for the sender, seq being the pair's running count (kept on the device, so a CUDA
-// graph replays correctly).
+// graph replays correctly). The descriptor (numel, dtype code, shape word; _peer_calls.py makes them)
+// travels with a sent tensor; a receive compares it with its own before copying anything.
 struct PpParams {
   void* x;                     // [nbytes] the sent tensor (send) or the one received into (recv)
   int64_t nbytes;              // <= slot_bytes
   int64_t slot_bytes;          // num_max_tensor_bytes rounded up to 32
   int peer;                    // dst_rank_idx (send) / src_rank_idx (recv)
-  int num_max_inflight;
+  int num_max_inflight;        // <= kPpDescEntries / num_ranks (the descriptor ring)
   int num_sms;
+  uint64_t numel;              // the tensor's descriptor: its element count,
+  uint64_t dtype_code;         //   its dtype,
+  uint64_t shape_word;         //   its shape (packed, or a digest)
 };
+// The PP descriptor's fields, in the order a receive compares them (the first that differs is named).
+enum PpField : int { kPpFieldDtype = 0, kPpFieldNumel = 1, kPpFieldShape = 2 };
+
+// One AGRS gather's record (agrs.cuh; _peer_calls.agrs_record makes it): word 0 is the kernel's (the
+// digest of the others), then the tensor count, the gather's byte offset in its session and the
+// first tensors' dtypes, element counts and shapes. Every rank compares its peers' with its own.
+struct AgrsGatherParams {
+  uint64_t record[16];  // kAgrsRecordWords (sizing.hpp; agrs.cuh checks the two agree)
+};
+
+// What PP and AGRS report to the host through HostWorkspaceLayout::geometry (sizing.hpp numbers the
+// dispatch and low-latency reports below 32; _peer_calls.py reads these):
+//   kReportPpField + f: a receive refused the sender's tensor, field f (PpField) differs; the report's
+//     peer word is ((k + 1) << 8) | sender, k the pair's tensor count (mod 2^23); values: the
+//     sender's field, this rank's.
+//   kReportPpTag: a sender's descriptor is not the one of the tensor received (a corrupted word).
+//   kReportAgrsWord + w: a peer's gather record differs from this rank's first at word w (1..15).
+//   kReportAgrsTag: a peer's gather signal is from no gather this one can be waiting for.
+constexpr int kReportPpField = 32, kReportPpTag = 35, kReportAgrsTag = 39, kReportAgrsWord = 40;
 
 // Low-latency mode (DeepEP V1's low_latency_dispatch / low_latency_combine; ll_sizing.hpp has the
 // layout). `phases`: bit 0 runs the send phase, bit 1 the receive phase (both: one kernel; DeepEP's
@@ -292,8 +315,9 @@ void launch_ll_combine(const CommView& c, const LlCombineParams& p, void* stream
 // Scale-out transport probe (scaleout_probe.cuh), over the runtime's scale-out transport.
 void launch_scaleout_probe(const CommView& c, const ScaleoutProbeParams& p, void* stream);
 // AGRS (agrs.cuh), one block each, after the copy engine's copies: count the gather, signal every
-// peer, wait for every peer's copies; end a session (count it, signal, wait for every peer's end).
-void launch_agrs_gather_done(const CommView& c, void* stream);
+// peer, wait for every peer's copies and compare their records with p's; end a session (count it,
+// signal, wait for every peer's end).
+void launch_agrs_gather_done(const CommView& c, const AgrsGatherParams& p, void* stream);
 void launch_agrs_session_end(const CommView& c, void* stream);
 // Engram (engram.cuh): out[i] = row indices[i] of the table whose rank r's shard is at hosts[r]
 // (device-mapped pinned host memory), row_bytes a multiple of 16.

@@ -59,6 +59,12 @@ constexpr int kMaxTopk = 32;
 // (ranges of whole 1024-token chunks; see notify_split).
 constexpr int kMaxNotifyBlocks = 32;
 constexpr int kNotifyChunkTokens = 1024;
+// PP and AGRS call descriptors (pp.cuh, agrs.cuh): a PP receiver's ring of its senders' descriptors
+// holds kPpDescEntries entries of kPpDescWords words, kPpDescEntries / num_ranks per sender (so at most
+// that many tensors in flight per peer); an AGRS gather's record is kAgrsRecordWords words.
+constexpr int kPpDescEntries = 8192;
+constexpr int kPpDescWords = 4;
+constexpr int kAgrsRecordWords = 16;
 
 // How notify splits T tokens: `blocks` blocks, block b owning tokens [b * span, min(T, (b+1) * span)).
 // The push kernel uses the same split to find the slot base of a token's range.
@@ -395,10 +401,16 @@ struct WorkspaceLayout {
   Region pp_freed;         // u64[kMaxRanks]     tensors of mine the peer copied out (written by the peer)
   Region pp_seq;           // u64[2][kMaxRanks]  local: [0] tensors I sent to each peer, [1] received from each
   Region pp_grid;          // u32[2][kMaxRanks]  local: finished blocks of the send / recv kernel per peer
+  Region pp_desc;          // u64[kPpDescEntries][kPpDescWords] [src][k % depth] the descriptor of the peer's
+                           //                    k-th tensor to me (written by the peer; pp.cuh)
+  Region pp_refusal;       // u64[kMaxRanks][4]  the last of my tensors the peer refused (written by the peer)
   // AGRS (agrs.cuh): monotonic counts.
-  Region agrs_arrived;     // u64[kMaxRanks]     all-gathers whose data the peer copied into my region
+  Region agrs_arrived;     // u64[kMaxRanks]     (gather << 32) | record digest: all-gathers whose data the
+                           //                    peer copied into my region
   Region agrs_ended;       // u64[kMaxRanks]     sessions the peer ended (its reads of my region are done)
-  Region agrs_local;       // u64[2]             local: [0] all-gathers issued, [1] sessions ended
+  Region agrs_local;       // u64[3]             local: [0] all-gathers issued, [1] sessions ended, [2] the
+                           //                    session a gather of which was refused
+  Region agrs_record;      // u64[2][kAgrsRecordWords] my last two gathers' records (read by the peers)
   // Scale-out transport (scaleout.cuh), NVLink-emulated backend: monotonic signals raised by the peers.
   Region scaleout_signal;  // u64[kMaxRanks + kScaleoutExtraSignals]
   Region scaleout_seen;    // u64[kMaxRanks]     local: the count of each scale-out signal this rank's
@@ -440,9 +452,12 @@ CK_HD constexpr WorkspaceLayout workspace_layout() {
   w.pp_freed = l.add(8ull * kMaxRanks, 128);
   w.pp_seq = l.add(16ull * kMaxRanks, 128);
   w.pp_grid = l.add(8ull * kMaxRanks, 128);
+  w.pp_desc = l.add(8ull * kPpDescEntries * kPpDescWords, 128);
+  w.pp_refusal = l.add(32ull * kMaxRanks, 128);
   w.agrs_arrived = l.add(8ull * kMaxRanks, 128);
   w.agrs_ended = l.add(8ull * kMaxRanks, 128);
-  w.agrs_local = l.add(16, 128);
+  w.agrs_local = l.add(24, 128);
+  w.agrs_record = l.add(16ull * kAgrsRecordWords, 128);
   w.scaleout_signal = l.add(8ull * (kMaxRanks + kScaleoutExtraSignals), 128);
   w.scaleout_seen = l.add(8ull * kMaxRanks, 128);
   w.count_relay = l.add(8ull * (kMaxRanks + kMaxExperts), 128);

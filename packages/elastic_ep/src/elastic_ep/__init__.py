@@ -24,7 +24,8 @@ The modules:
   (``EPHandle``), ``_events`` (events), ``_nccl`` (communicators);
 * one module per DeepEP feature, each with its checks, its state and a native and a torch part over the
   buffer's runtime: ``_agrs`` (all-gather sessions), ``_pp`` (pipeline send/recv), ``_engram`` (Engram),
-  ``_low_latency`` (DeepEP V1's low-latency mode; its torch part ``_low_latency_torch``);
+  ``_low_latency`` (DeepEP V1's low-latency mode; its torch part ``_low_latency_torch``); ``_peer_calls``:
+  what AGRS and PP ranks tell each other about each call's tensors, and the errors a difference raises;
 * DeepEP V1's ``Buffer`` (``_v1_buffer``: normal mode over ``ElasticBuffer``, with ``_v1_routing`` and
   ``_v1_config``; ``_v1_low_latency``: its low-latency methods over ``_low_latency``);
 * hybrid mode: ``_domains`` (the group's domains, the GIN request, the SM / QP model) and ``_hybrid``

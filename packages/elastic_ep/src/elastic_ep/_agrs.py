@@ -19,6 +19,14 @@ validates every call into an ``AllGatherArgs`` for its part (``AgrsPart``):
   dispatch/combine area: a buffer runs one kind of operation at a time, as DeepEP's.
 * ``TorchAgrs``: a region of this rank's own, one asynchronous ``all_gather_single`` of bytes per tensor,
   each wait bounded by ``num_cpu_timeout_secs`` (gloo).
+
+Both check that every rank gathers the same tensors (``_peer_calls``: count, dtypes, sizes, shapes and
+the gather's place in the session). The torch runtime all-gathers the gathers' records before posting
+anything: a difference raises on every rank at once, nothing moved and the session unchanged. The
+native one compares them on the GPU after its copies (its signal carries the record's digest): every
+rank's next call raises (``all_gather`` and ``destroy_agrs_session`` after queuing their own work, so
+that every rank's device steps stay in step whenever its host hears of it); the session's earlier
+results are intact, and the error says to end the session.
 """
 from __future__ import annotations
 
@@ -31,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_dense, describe, int_arg, is_sequence, itemsize, off_device
-from ._collective import on_every_rank
+from ._collective import agree_on_every_rank, gather_ints, group_device, on_every_rank
+from ._peer_calls import agrs_difference, agrs_gather_error, agrs_record
 from ._sizing import ALIGNMENT_BYTES, align
 
 __all__ = ["AllGatherArgs", "AllGatherSessions", "AgrsPart", "NativeAgrs", "TorchAgrs", "MAX_AGRS_PER_SESSION",
@@ -53,6 +62,7 @@ class AllGatherArgs:
     inplace: List[bool]                         # the tensor already is this rank's part of its result
     session_idx: int                            # >= 1, the session the gather belongs to
     slot_idx: int                               # the gather's index in its session
+    record: List[int]                           # what every rank must agree on (_peer_calls.agrs_record)
 
 
 # ---------------------------------------------------------------------------------------------- sizes
@@ -105,12 +115,33 @@ class AgrsPart(abc.ABC):
     def flush(self, op: str) -> None:
         """Waits for the gathers still outstanding (before ``op``, e.g. the buffer's destroy)."""
 
+    def take_deferred(self) -> Optional[Exception]:
+        """An error the last ``all_gather`` raises only after its work was queued (and the session's
+        state moved on with it), or None."""
+        return None
+
 
 class NativeAgrs(AgrsPart):
     """AGRS on the native runtime ``rt`` (its window, communication stream and ``_C.Runtime``)."""
 
     def __init__(self, rt: Any) -> None:
         self.rt = rt
+        self._deferred: Optional[Exception] = None
+
+    def _check(self) -> Optional[ValueError]:
+        """``rt._alive()``, but a ValueError (a refused call, e.g. an earlier gather's: the buffer is
+        usable) is returned to raise once this call's kernels are queued. Every rank's GPU found the
+        refused gather, but each host hears of it when its own call looks: one that raised before
+        queuing would leave its peers waiting for this gather or session end on the GPU."""
+        try:
+            self.rt._alive()
+        except ValueError as e:
+            return e
+        return None
+
+    def take_deferred(self) -> Optional[Exception]:
+        err, self._deferred = self._deferred, None
+        return err
 
     def set_config(self, num_max_session_bytes: int) -> torch.Tensor:
         """Flushes (every rank's work done, then a barrier); the region is the start of the buffer."""
@@ -124,7 +155,7 @@ class NativeAgrs(AgrsPart):
         """Copy-engine copies into every rank's region and the gather's signals, on the communication
         stream after the current one; ``wait`` joins the current stream to it."""
         rt = self.rt
-        rt._alive()
+        deferred = self._check()
         region = rt._buffer_bytes()
         rt.comm_stream.wait_stream(torch.cuda.current_stream(rt.device))
         with torch.cuda.stream(rt.comm_stream):
@@ -132,7 +163,7 @@ class NativeAgrs(AgrsPart):
                 if not inplace:  # read by the copies queued on the communication stream
                     t.record_stream(rt.comm_stream)
             rt._rt.agrs_all_gather(srcs=[t.data_ptr() for t in a.tensors], nbytes=[t.nbytes for t in a.tensors],
-                                   offsets=list(a.offsets), stream=rt._comm_raw)
+                                   offsets=list(a.offsets), record=a.record, stream=rt._comm_raw)
             done = torch.cuda.Event()
             done.record(rt.comm_stream)
         R = rt.num_ranks
@@ -141,17 +172,20 @@ class NativeAgrs(AgrsPart):
         def wait() -> None:
             torch.cuda.current_stream(rt.device).wait_event(done)
 
+        self._deferred = deferred
         return outs, wait
 
     def end_session(self, session_idx: int) -> None:
         """The session-end kernel on the communication stream (after the current stream's reads of the
         results), which the current stream then waits for (a CUDA graph capture ends joined)."""
         rt = self.rt
-        rt._alive()
+        deferred = self._check()
         compute = torch.cuda.current_stream(rt.device)
         rt.comm_stream.wait_stream(compute)
         rt._rt.agrs_session_end(stream=rt._comm_raw)
         compute.wait_stream(rt.comm_stream)
+        if deferred is not None:
+            raise deferred
 
 
 class TorchAgrs(AgrsPart):
@@ -170,9 +204,16 @@ class TorchAgrs(AgrsPart):
         return self._region
 
     def all_gather(self, a: AllGatherArgs) -> Gathered:
-        """One ``all_gather_single`` of bytes per tensor into its place in the region (asynchronous);
-        the wait function waits for them, each with the ``num_cpu_timeout_secs`` deadline."""
+        """Every rank's record first (one all-gather, waited: a difference raises on every rank before
+        anything is posted), then one ``all_gather_single`` of bytes per tensor into its place in the
+        region (asynchronous); the wait function waits for them, each with the ``num_cpu_timeout_secs``
+        deadline."""
         rt = self.rt
+        me = rt.rank_idx
+        for peer, theirs in enumerate(gather_ints(rt.group, a.record, group_device(rt.group), unsigned=True)):
+            w = agrs_difference(theirs, a.record) if peer != me else None
+            if w is not None:
+                raise agrs_gather_error(me, peer, w, theirs[w], a.record[w])
         R, region, outs, works = rt.num_ranks, self._region, [], []
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         for i, (x, off, inplace) in enumerate(zip(a.tensors, a.offsets, a.inplace)):
@@ -282,12 +323,17 @@ class AllGatherSessions:
             inplace.append(mine)
             offset += align(nbytes * R, 32)
         self._budget("all_gather", offset)
-        return AllGatherArgs(tensors, offsets, inplace, self.session_idx, self.slot), batched, offset
+        record = agrs_record(tensors, self.offset)
+        return AllGatherArgs(tensors, offsets, inplace, self.session_idx, self.slot, record), batched, offset
 
     # ------------------------------------------------------------------ operations (ElasticBuffer's)
     def set_config(self, num_max_session_bytes: Any, num_max_all_gathers_per_session: Any) -> None:
         cfg = on_every_rank(self.group, "agrs_set_config", self._config_args, num_max_session_bytes,
                             num_max_all_gathers_per_session)
+        # A rank with a smaller session would refuse a gather (or its peers' bytes) that the others run.
+        agree_on_every_rank(self.group, "agrs_set_config", {"num_max_session_bytes": cfg[0],
+                                                            "num_max_all_gathers_per_session": cfg[1]},
+                            group_device(self.group))
         self.region = self.part.set_config(cfg[0])
         self.max_gathers = cfg[1]
 
@@ -322,6 +368,9 @@ class AllGatherSessions:
         a, batched, end = self._gather_args(t)
         out, wait = self.part.all_gather(a)
         self.offset, self.slot = end, self.slot + 1
+        deferred = self.part.take_deferred()
+        if deferred is not None:
+            raise deferred
         session = self.session_idx
 
         def wait_fn() -> None:

@@ -24,6 +24,7 @@ from ._checks import c_ints, expert_ids_error
 from ._collective import (agree_on_every_rank, all_ok, gather_bytes, gather_ints, group_device,
                           raise_if_any_rank_failed)
 from ._events import EventHandle
+from ._peer_calls import REPORT_FIRST, native_report_error
 from ._nccl import (comm_arg, destroy_nccl_comm, get_logical_domain_size, need_cuda, new_nccl_comm,
                     torch_nccl_comm)
 from ._runtime import Runtime
@@ -364,6 +365,11 @@ class NativeWindow(Runtime):
         if found is None:
             return None
         peer, word, theirs, mine = found
+        if word >= REPORT_FIRST:  # PP / AGRS (_peer_calls): a refused transfer or gather, or a corrupted word
+            err = native_report_error(self.rank_idx, peer, word, theirs, mine)
+            if not isinstance(err, ValueError):
+                self._rt.mark_broken(str(err))
+            return err
         if word in (8, 9):
             msg = (f"low-latency call [rank {self.rank_idx}]: {ll_geometry_error(word, peer, theirs, mine)}. This "
                    "buffer is unusable: destroy it on every rank and create a new one")

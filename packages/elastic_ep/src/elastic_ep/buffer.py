@@ -474,12 +474,15 @@ class ElasticBuffer:
         Arguments:
             num_max_tensor_bytes: the largest tensor sent (rounded up to 32).
             num_max_inflight_tensors: tensors sent to one peer and not yet received there; a further
-                ``pp_send`` to that peer waits (with the CPU timeout) until the peer received one.
+                ``pp_send`` to that peer waits (with the CPU timeout) until the peer received one (native:
+                at most ``8192 // num_ranks``).
             DeepEP V2's four regions of ``num_max_inflight_tensors x num_max_tensor_bytes`` must fit
             ``num_bytes`` (``get_pp_buffer_size_hint``).
 
         Raises:
-            ValueError: a bad value on any rank (every rank raises).
+            ValueError: a bad value, or other values than another rank's, on any rank; a peer refused a
+                tensor this rank sent since the last call (another dtype, numel or shape than its
+                ``pp_recv``'s): every rank raises, nothing changed.
         """
         self._check_alive()
         self._pp.set_config(num_max_tensor_bytes, num_max_inflight_tensors)
@@ -490,13 +493,14 @@ class ElasticBuffer:
 
         Arguments:
             t: a contiguous tensor of at most ``num_max_tensor_bytes``; the receiver passes a tensor of
-                the same number of bytes (its dtype and shape are the receiver's, not checked).
+                the same dtype and shape (checked: see Raises).
             dst_rank_idx: the receiving rank.
             num_sms: SMs the native kernel copies with (0: one per 256 KiB, at most 32); the torch
                 backend uses none.
 
         Raises:
-            ValueError: not configured, a bad tensor, this rank or no rank as ``dst_rank_idx``.
+            ValueError: not configured, a bad tensor, this rank or no rank as ``dst_rank_idx``; at the next
+                ``pp_set_config``, when the receiver refused a tensor of another dtype or shape.
             TimeoutError: (torch backend) ``num_max_inflight_tensors`` sent to that rank stay unreceived
                 past the CPU timeout. The native backend waits on the GPU, in stream order: a slot that
                 stays taken past ``num_gpu_timeout_secs`` makes the next call raise ``CommTimeoutError``
@@ -510,7 +514,9 @@ class ElasticBuffer:
         not received yet (``t`` holds it on return, in stream order). Arguments as ``pp_send``.
 
         Raises:
-            ValueError: as ``pp_send``; TimeoutError (torch backend): nothing arrives within
+            ValueError: as ``pp_send``; the sender's tensor has another dtype, numel or shape than ``t``
+                (named; ``t`` unchanged, that tensor dropped; native: raised by the next call); TimeoutError
+                (torch backend): nothing arrives within
                 ``num_cpu_timeout_secs``; native: the next call raises ``CommTimeoutError`` naming
                 ``pp_recv``, this rank and the peer when nothing arrived within ``num_gpu_timeout_secs``.
         """
@@ -578,8 +584,8 @@ class ElasticBuffer:
 
         Arguments:
             t: a contiguous tensor of any dtype on the buffer's device, or a non-empty sequence of them;
-                every rank passes the same shapes and dtypes in the same order (not checked). Shapes may
-                differ from one call to the next.
+                every rank passes the same shapes and dtypes in the same order (checked: see Raises).
+                Shapes may differ from one call to the next.
 
         Returns:
             ``(gathered, wait)`` for a tensor, ``(*gathered, wait)`` for a sequence: ``gathered`` is
@@ -589,7 +595,8 @@ class ElasticBuffer:
         Raises:
             ValueError: not configured, outside a session, over the session's bytes or gathers, a
                 non-contiguous / other-device tensor, or a tensor inside the region that is not this
-                rank's part of this gather.
+                rank's part of this gather; on every rank, when the ranks' tensors differ (named; torch: at
+                once, nothing moved; native: at each rank's next call, the session to be ended).
         """
         self._check_alive()
         return self._agrs.all_gather(t)
