@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kMaxRanks) agrs_gather_done_kernel(CommView c,
     }
   }
   if (__syncthreads_or(!ok)) return;
-  if (r == s_bad) {
+  if (s_bad < R && r == s_bad) {  // s_bad == R: no peer differs (the block has kMaxRanks threads)
     const auto* theirs = reinterpret_cast<const uint64_t*>(cx.tr.remote(r, record_at));
     int w = 1;
     while (w < kAgrsRecordWords - 1 && commkit::ld_relaxed(theirs + w) == p.record[w]) ++w;
