@@ -8,10 +8,14 @@
 //       commkit::ValueError unless there is exactly one handle per rank in rank order: every entry
 //       has the size of a handle and handles[rank] == own. `what` starts every message.
 //       (commkit/ipc_handle.hpp: handles that also carry what the peers must agree on.)
-//   open_ipc_handles(handles, rank, what) -> std::vector<void*>
+//   open_ipc_handles(handles, rank, what, min_bytes = 0) -> std::vector<void*>
 //       opens every peer's handle (cudaIpcMemLazyEnablePeerAccess); entry `rank` stays nullptr.
-//       If one fails, the ones already opened are closed again and commkit::Error names this rank
-//       and the peer whose handle failed: all or nothing.
+//       With min_bytes > 0, each mapping must reach min_bytes (the size the peer's description
+//       claims) as far as the driver can tell. If one fails, the ones already opened are closed again
+//       and commkit::Error names this rank and the peer whose handle failed: all or nothing.
+//   allocation_bytes_from(ptr) -> int64_t
+//       the bytes from ptr to the end of its device allocation (the driver's cuMemGetAddressRange,
+//       through the runtime: no libcuda link), -1 when the driver cannot say.
 //   close_ipc_handles(ptrs) -> cudaError_t
 //       closes every non-null entry and sets it to nullptr; returns the first error (cudaSuccess).
 // The allocation behind a handle must stay alive on its owner until every peer closed it; making

@@ -240,7 +240,8 @@ void Core::open_peers(const std::vector<std::string>& handles) {
   const std::vector<std::string> raw =
       commkit::check_described_ipc_handles(handle_format(), handles, window_info(), handle_, "sync()");
   DeviceGuard g(device_);
-  const std::vector<void*> peers = commkit::open_ipc_handles(raw, rank_, "sync()");
+  const std::vector<void*> peers =
+      commkit::open_ipc_handles(raw, rank_, "sync()", static_cast<int64_t>(layout_.total));
   for (int i = 0; i < world_; ++i)
     if (i != rank_) base_[i] = static_cast<char*>(peers[i]);
   opened_ = true;

@@ -42,7 +42,7 @@ void IpcWindow::open_peers(const std::vector<std::string>& handles) {
   // Every rank's world size and buffer size before any peer's memory is opened.
   const std::vector<std::string> raw =
       commkit::check_described_ipc_handles(kWindowHandleFormat, handles, info(), handle(), "open_ipc_peers");
-  peers_ = commkit::open_ipc_handles(raw, shape_.rank, "open_ipc_peers");
+  peers_ = commkit::open_ipc_handles(raw, shape_.rank, "open_ipc_peers", static_cast<int64_t>(info().alloc_bytes));
   std::vector<void*> bases = peers_;
   bases[shape_.rank] = mem_;
   host_peer_bases_.clear();
