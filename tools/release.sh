@@ -9,11 +9,15 @@
 # where it cannot, the check installs no torch and loads the package's torch-free part, its extension
 # _C, and the summary says so. elastic_ep's environments also get NCCL from NVIDIA's wheel, as its
 # [cu13] extra would (the extension finds libnccl.so.2 through its $ORIGIN run path, torch or not).
+# The extensions are linked for COMMKIT_PLAT's glibc on whatever machine this runs (Debian 12's glibc 2.36
+# here): COMMKIT_MANYLINUX (default: from COMMKIT_PLAT, 2_28; OFF links plainly, as inside the manylinux
+# image itself) makes common/cmake/CommkitGlibcCompat.cmake link against stub glibc libraries of that
+# version and libstdc++ statically, and fail the build on a glibc symbol newer than the target.
 # Settings: PYTHONS (interpreters or versions, default 3.10 3.11 3.12 3.13 from ~/.pyenv or PATH),
 # CUDAARCHS (default "90a;100a"), COMMKIT_BUILD_CUDA (default ON), COMMKIT_PLAT (target tag, default
-# manylinux_2_28_x86_64), RELEASE_NCCL (the NCCL headers elastic_ep compiles against, default
-# nvidia-nccl-cu13==2.30.7, the one torch 2.14.1 brings; the wheel then runs on the NCCL loaded at run
-# time from 2.28.9 on, as elastic_ep's README says; NCCL_HOME overrides),
+# manylinux_2_28_x86_64), COMMKIT_MANYLINUX, RELEASE_NCCL (the NCCL headers elastic_ep compiles
+# against, default nvidia-nccl-cu13==2.30.7, the one torch 2.14.1 brings; the wheel then runs on the NCCL
+# loaded at run time from 2.28.9 on, as elastic_ep's README says; NCCL_HOME overrides),
 # RELEASE_TESTS=0 skips the CPU tests, OUT_DIR (default dist).
 # Exit status: 0 everything passed; 3 the wheels passed but need a newer manylinux policy than
 # COMMKIT_PLAT (they are tagged with the one they meet); 1 a build, check, install or test failed.
@@ -32,6 +36,12 @@ mkdir -p "$WORK/logs"
 export COMMKIT_BUILD_CUDA=${COMMKIT_BUILD_CUDA:-ON} CUDAARCHS=${CUDAARCHS:-90a;100a} COMMKIT_RELOCATABLE=ON
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} PIP_DISABLE_PIP_VERSION_CHECK=1
 PLAT=${COMMKIT_PLAT:-manylinux_2_28_x86_64}
+if [ -z "${COMMKIT_MANYLINUX:-}" ] && [[ $PLAT =~ ^manylinux_([0-9]+_[0-9]+)_ ]]; then
+  COMMKIT_MANYLINUX=${BASH_REMATCH[1]}
+fi
+export COMMKIT_MANYLINUX=${COMMKIT_MANYLINUX:-OFF}
+LINKED="linked for glibc ${COMMKIT_MANYLINUX/_/.}"
+[ "$COMMKIT_MANYLINUX" = OFF ] && LINKED="linked plainly"
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0+cpu}
 RELEASE_NCCL=${RELEASE_NCCL:-nvidia-nccl-cu13==2.30.7}
 if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
@@ -96,9 +106,10 @@ install_and_import() {
     "$venv/bin/pip" install -q --no-deps "$whl" >>"$ilog" 2>&1 || { tail -20 "$ilog" >&2; return 1; }
     [ ${#extra[@]} = 0 ] || "$venv/bin/pip" install -q "${extra[@]}" >>"$ilog" 2>&1 || { tail -20 "$ilog" >&2; return 1; }
   fi
-  # From an empty folder, so the package cannot come from the checkout.
+  # From an empty folder and without PYTHONPATH (a development shell's may name the source trees), so
+  # the package cannot come from the checkout.
   mkdir -p "$WORK/empty"
-  (cd "$WORK/empty" && "$venv/bin/python" - "$pkg" "$ver" "$venv" <<'PY') >"$WORK/logs/import-$pkg-$tag.log" 2>&1 \
+  (cd "$WORK/empty" && env -u PYTHONPATH "$venv/bin/python" - "$pkg" "$ver" "$venv" <<'PY') >"$WORK/logs/import-$pkg-$tag.log" 2>&1 \
     || { cat "$WORK/logs/import-$pkg-$tag.log" >&2; return 1; }
 import glob, importlib, importlib.metadata as md, importlib.util, os, sys
 pkg, ver, venv = sys.argv[1:]
@@ -195,7 +206,7 @@ for v in ${PYTHONS:-3.10 3.11 3.12 3.13}; do PYS+=("$(find_python "$v")"); done
 {
   echo "# Release build $(date -u +%Y-%m-%dT%H:%MZ), git $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
   echo
-  echo "CUDA $COMMKIT_BUILD_CUDA ($(nvcc --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\).*/\1/p')), architectures $CUDAARCHS; target $PLAT; elastic_ep against ${NCCL_HOME:-$RELEASE_NCCL}; tests with $TORCH_SPEC where installable"
+  echo "CUDA $COMMKIT_BUILD_CUDA ($(nvcc --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\).*/\1/p')), architectures $CUDAARCHS; target $PLAT ($LINKED on glibc $(ldd --version 2>/dev/null | sed -n '1s/.* //p')); elastic_ep against ${NCCL_HOME:-$RELEASE_NCCL}; tests with $TORCH_SPEC where installable"
   echo
   echo "| package | python | file | size | build | check | install + import |"
   echo "|---|---|---|---|---|---|---|"
@@ -210,7 +221,7 @@ done
 echo >>"$SUMMARY"
 case $STATUS in
   0) echo "Passed in $(( $(date +%s) - T0 )) s." >>"$SUMMARY" ;;
-  3) echo "Built and passed in $(( $(date +%s) - T0 )) s, but not for $PLAT: the wheels are tagged with the policy they meet (the check lines above name the symbols; build inside the manylinux image for $PLAT)." >>"$SUMMARY" ;;
+  3) echo "Built and passed in $(( $(date +%s) - T0 )) s, but not for $PLAT: the wheels are tagged with the policy they meet (the check lines above name the symbols: give them a fallback in common/cmake/commkit_glibc_compat.cpp, or build inside the manylinux image for $PLAT)." >>"$SUMMARY" ;;
   *) echo "FAILED (see the messages above and $WORK/logs)." >>"$SUMMARY" ;;
 esac
 cat "$SUMMARY"

@@ -11,8 +11,8 @@ without either (neither is installable offline here), then the platform retag.
   text/markdown and text/plain pass through as PyPI shows them);
 * contents: only the package's folder and its .dist-info; no raw results, tests, benchmarks, build
   files or bundled NVIDIA libraries; RECORD lists every file once with its sha256 and size;
-* ELF policy of every shared object: the glibc / libstdc++ / libgcc symbol versions it needs are those
-  of the manylinux policy asked for, DT_NEEDED names only the policy's system libraries plus the NVIDIA
+* ELF policy of every shared object: the glibc / libstdc++ / libgcc symbol versions it needs (the report
+  names the newest of each) are those of the manylinux policy asked for, DT_NEEDED names only the policy's system libraries plus the NVIDIA
   libraries that come from NVIDIA's wheels or the driver (libnccl, libcudart, libcuda), and every run
   path is $ORIGIN-relative (an absolute build-machine folder would leak into users' machines).
 
@@ -68,7 +68,10 @@ RESULT_FILES = re.compile(r"(^|/)(benchmarks|tests?|build|results|out|_skbuild)/
 SDIST_JUNK = re.compile(r"(^|/)(benchmarks|build|_skbuild|out|\.venv)/|"
                         r"\.(json|png|jpe?g|svg|gif|csv|tsv|log|npz|npy|pt|pkl|o|a|so|whl)$")
 SDIST_NEEDS = ("pyproject.toml", "CMakeLists.txt", "README.md", "common/CMakeLists.txt",
-               "common/cmake/CommkitDeps.cmake", "common/include/commkit/check.hpp")
+               "common/cmake/CommkitDeps.cmake", "common/include/commkit/check.hpp",
+               # the release build's link for an older glibc (COMMKIT_MANYLINUX)
+               "common/cmake/CommkitGlibcCompat.cmake", "common/cmake/commkit_glibc_compat.py",
+               "common/cmake/commkit_glibc_compat.cpp")
 REQUIRED_FIELDS = ("Metadata-Version", "Name", "Version", "Summary", "Requires-Python")
 
 
@@ -237,6 +240,21 @@ def policy_excess(versions: dict, policy) -> list[str]:
     return sorted(set(out))
 
 
+def highest_versions(versions: dict) -> str:
+    """The newest version of each family (GLIBC, GLIBCXX, CXXABI, GCC) that ``versions`` needs."""
+    top: dict[str, tuple] = {}
+    for names in versions.values():
+        for name in names:
+            m = re.match(r"^(GLIBC|CXXABI|GLIBCXX|GCC)_([0-9.]+)$", name)
+            if m and _ver(m.group(2)) > top.get(m.group(1), ()):
+                top[m.group(1)] = _ver(m.group(2))
+    fams = [f for f in ("GLIBC", "GLIBCXX", "CXXABI", "GCC") if f in top]
+    out = ", ".join(f"{f}_{'.'.join(map(str, top[f]))}" for f in fams)
+    if "GLIBCXX" not in top and "CXXABI" not in top:
+        out += (", " if out else "") + "no libstdc++ version"
+    return out or "none"
+
+
 def _first_symbols(path: str, excess: list[str], limit: int = 6) -> str:
     """A few symbols that need the versions in ``excess`` (what to look at in the build)."""
     wanted = {e.split(" ", 1)[0] for e in excess}
@@ -277,7 +295,7 @@ def check_elf(zf: zipfile.ZipFile, target: str, rep: Report):
             want = next(p for p in POLICIES if target == f"{p[0]}_{arch}")
             excess = policy_excess(versions, want)
             rep.note(f"{info.filename}: needs {', '.join(needed)}; run path {':'.join(rpaths) or 'none'}; "
-                     f"meets {POLICIES[met][0]}")
+                     f"newest versions {highest_versions(versions)}; meets {POLICIES[met][0]}")
             if excess:
                 rep.note(f"{info.filename} exceeds {want[0]}: {', '.join(excess)}; e.g. "
                          f"{_first_symbols(path, excess)}")

@@ -16,7 +16,10 @@
 #   ON    as AUTO, but fail when nvcc is missing
 # COMMKIT_RELOCATABLE=ON (release wheels): the extension's run path holds only $ORIGIN-relative folders
 # (NVIDIA's wheels beside it in site-packages), never a folder of the build machine.
+# COMMKIT_MANYLINUX=2_28 (release wheels; env var of the same name): extensions that load on glibc >= 2.28
+# although built on a newer one (stub glibc libraries, static libstdc++): see CommkitGlibcCompat.cmake.
 include_guard(GLOBAL)
+include("${CMAKE_CURRENT_LIST_DIR}/CommkitGlibcCompat.cmake")
 
 macro(commkit_setup)
   if(NOT DEFINED COMMKIT_BUILD_CUDA)
@@ -33,6 +36,7 @@ macro(commkit_setup)
   option(COMMKIT_RELOCATABLE "run paths relative to site-packages only (release wheels)" OFF)
 
   find_package(Python 3.9 REQUIRED COMPONENTS Interpreter Development.Module)
+  commkit_glibc_compat_setup()
 
   # pybind11: prefer the one pip installed into this interpreter.
   if(NOT pybind11_FOUND)
@@ -165,6 +169,7 @@ function(commkit_add_extension target)
     set(COMMKIT_NCCL_VERSION_CODE ${COMMKIT_NCCL_VERSION_CODE} PARENT_SCOPE)
     set(COMMKIT_NCCL_HAS_DEVICE_API ${COMMKIT_NCCL_HAS_DEVICE_API} PARENT_SCOPE)
   endif()
+  commkit_glibc_compat(${target})
   if(A_DESTINATION)
     install(TARGETS ${target} LIBRARY DESTINATION "${A_DESTINATION}")
   endif()

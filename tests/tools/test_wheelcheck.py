@@ -123,6 +123,10 @@ def test_policy_limits():
                                              "GLIBC_2.34 (libc.so.6)"]
     lowest = next(p[0] for p in wc.POLICIES if not wc.policy_excess(newer, p))
     assert lowest == "manylinux_2_35"
+    # The report's "newest versions" (and whether libstdc++ is needed at all).
+    assert wc.highest_versions(newer) == "GLIBC_2.34, GLIBCXX_3.4.30, CXXABI_1.3.13"
+    static = {"libc.so.6": {"GLIBC_2.2.5", "GLIBC_2.25", "GLIBC_2.3.4"}, "libgcc_s.so.1": {"GCC_3.0", "GCC_4.2.0"}}
+    assert wc.highest_versions(static) == "GLIBC_2.25, GCC_4.2.0, no libstdc++ version"
 
 
 def test_sdist_needs_common_and_no_results(tmp_path):
