@@ -41,7 +41,7 @@ from .buffer import (ALIGNMENT_BYTES, ElasticBuffer, EPHandle, EventHandle, Even
                      calculate_elastic_buffer_size, get_elastic_buffer_alignment, get_logical_domain_size,
                      get_physical_domain_size, native_available)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 #: DeepEP's top-k index dtype; int32 ``topk_idx`` is accepted too (DeepEP's 32-bit builds).
 topk_idx_t = torch.int64
 CommError = _C.CommError

@@ -24,7 +24,7 @@ from .errors import (ErrorCode, PeerDied, ProtocolError, TransportClosed, Transp
 from .exchange import FileExchange, group_exchange
 from .transport import Layer, LayerStats, Transport
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 FP8LayerwiseTransport = _C.FP8LayerwiseTransport
 initialize_fp8_layerwise_control = _C.initialize_fp8_layerwise_control
 FP8_LAYERWISE_CONTROL_BYTES = _C.FP8_LAYERWISE_CONTROL_BYTES

@@ -90,4 +90,4 @@ __all__ = [
     "release_deferred",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
