@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Dict, List, Optional
+import time
+from typing import Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -421,3 +422,45 @@ def scaleup_override(n: Optional[int]):
         os.environ.pop("ELASTIC_EP_NUM_SCALEUP_RANKS", None)
         if old is not None:
             os.environ["ELASTIC_EP_NUM_SCALEUP_RANKS"] = old
+
+
+# ------------------------------------------------------------------------------------------ /dev/shm
+#: Name prefixes of the POSIX shared-memory segments this repository's packages create. commkit::ShmSegment
+#: names a segment "/<prefix>_<32 hex digits>" (common/include/commkit/shm.hpp, random_shm_name), which is
+#: /dev/shm/<prefix>_<hex>; the prefixes in use: elastic_ep's Engram host segments ("elastic_ep_engram",
+#: csrc/host/engram.cpp) and fp8_layerwise's control region and slots ("fp8lw_ctl", "fp8lw_slots", _shm.py).
+#: ipc_all2all creates none.
+OUR_SHM_PREFIXES = ("elastic_ep_engram_", "fp8lw_ctl_", "fp8lw_slots_")
+SHM_DIR = "/dev/shm"
+
+
+def shm_entries(shm_dir: str = SHM_DIR) -> Set[str]:
+    """The names in ``shm_dir`` now (empty when there is no such folder)."""
+    try:
+        return set(os.listdir(shm_dir))
+    except FileNotFoundError:
+        return set()
+
+
+def new_shm_segments(before: Set[str], grace_s: float = 1.0, shm_dir: str = SHM_DIR) -> List[str]:
+    """Sorted names in ``shm_dir`` with one of ``OUR_SHM_PREFIXES`` that were not in ``before`` and are still
+    there ``grace_s`` seconds later: a leaked segment stays, one that another process (a concurrent test)
+    creates and unlinks within milliseconds is not counted."""
+    def ours() -> Set[str]:
+        return {n for n in shm_entries(shm_dir) - before if n.startswith(OUR_SHM_PREFIXES)}
+
+    new = ours()
+    if new and grace_s > 0:
+        time.sleep(grace_s)
+        new &= ours()
+    return sorted(new)
+
+
+@contextlib.contextmanager
+def no_shm_leftovers(what: str, shm_dir: str = SHM_DIR, grace_s: float = 1.0):
+    """Asserts that the block (e.g. ``run_workers``, in the test's parent process) leaves no new segment of
+    ours in ``shm_dir`` (``new_shm_segments``); not checked when the block raises (its error is reported)."""
+    before = shm_entries(shm_dir)
+    yield
+    left = new_shm_segments(before, grace_s, shm_dir)
+    assert not left, f"{what}: left behind in {shm_dir}: {left}"
