@@ -549,3 +549,43 @@ def test_low_level_needs_cuda_and_a_known_window():
         ll.NativeRuntime(0, 1, 0, None, MIB2, window="shm")
     with pytest.raises(RuntimeError, match="CUDA"):
         ll.NativeRuntime(0, 1, 1234, None, MIB2)
+
+
+# ------------------------------------------------------------------ a dead peer names the operation
+class DeadPeerRuntime(FakeRuntime):
+    """The peer watch's record of rank 1 (pid 4242) found dead, once ``dead`` is set."""
+
+    dead = False
+
+    def pending_health(self):
+        return 1 if self.dead else super().pending_health()
+
+    def take_timeout(self):
+        if not self.dead:
+            return None
+        return SimpleNamespace(operation="elastic_ep peer watch (a peer process died)", peer=1, expected=4242)
+
+
+def test_a_dead_peer_is_named_with_the_operation_that_waited_for_it(streams):
+    compute, comm, current = streams
+    rt = DeadPeerRuntime()
+    b = make_buffer(rt, comm, num_ranks=2)
+    dispatch(b)  # launched; its peer dies while the combine below waits for it on the GPU
+    combine(b)
+    rt.dead = True
+    # The next call raises at its entry and names the combine, the last operation launched, not itself.
+    with pytest.raises(ll.CommError, match=r"rank 1's process \(pid 4242\) on this host died during this rank's "
+                                           r"combine \(the last operation it launched\)"):
+        dispatch(b)
+    # A wait inside the call itself (a CPU-synced dispatch's counts) names that call.
+    rt2 = DeadPeerRuntime()
+    b2 = make_buffer(rt2, comm, num_ranks=2)
+    b2._last_op = "dispatch"
+    rt2.dead = True
+    with pytest.raises(ll.CommError, match="died during this rank's dispatch "):
+        b2._alive()
+    # Nothing launched yet: no operation to name.
+    b3 = make_buffer(DeadPeerRuntime(), comm, num_ranks=2)
+    b3._rt.dead = True
+    with pytest.raises(ll.CommError, match=r"on this host died; the operation waiting"):
+        b3._alive("dispatch")

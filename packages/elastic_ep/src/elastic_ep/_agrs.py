@@ -128,13 +128,13 @@ class NativeAgrs(AgrsPart):
         self.rt = rt
         self._deferred: Optional[Exception] = None
 
-    def _check(self) -> Optional[ValueError]:
-        """``rt._alive()``, but a ValueError (a refused call, e.g. an earlier gather's: the buffer is
+    def _check(self, op: str) -> Optional[ValueError]:
+        """``rt._alive(op)``, but a ValueError (a refused call, e.g. an earlier gather's: the buffer is
         usable) is returned to raise once this call's kernels are queued. Every rank's GPU found the
         refused gather, but each host hears of it when its own call looks: one that raised before
         queuing would leave its peers waiting for this gather or session end on the GPU."""
         try:
-            self.rt._alive()
+            self.rt._alive(op)
         except ValueError as e:
             return e
         return None
@@ -146,7 +146,7 @@ class NativeAgrs(AgrsPart):
     def set_config(self, num_max_session_bytes: int) -> torch.Tensor:
         """Flushes (every rank's work done, then a barrier); the region is the start of the buffer."""
         rt = self.rt
-        rt._alive()
+        rt._alive("agrs_set_config")
         torch.cuda.synchronize(rt.device)
         rt.barrier(True, True)
         return rt._buffer_bytes()[:num_max_session_bytes]
@@ -155,7 +155,7 @@ class NativeAgrs(AgrsPart):
         """Copy-engine copies into every rank's region and the gather's signals, on the communication
         stream after the current one; ``wait`` joins the current stream to it."""
         rt = self.rt
-        deferred = self._check()
+        deferred = self._check("all_gather")
         region = rt._buffer_bytes()
         rt.comm_stream.wait_stream(torch.cuda.current_stream(rt.device))
         with torch.cuda.stream(rt.comm_stream):
@@ -179,7 +179,7 @@ class NativeAgrs(AgrsPart):
         """The session-end kernel on the communication stream (after the current stream's reads of the
         results), which the current stream then waits for (a CUDA graph capture ends joined)."""
         rt = self.rt
-        deferred = self._check()
+        deferred = self._check("destroy_agrs_session")
         compute = torch.cuda.current_stream(rt.device)
         rt.comm_stream.wait_stream(compute)
         rt._rt.agrs_session_end(stream=rt._comm_raw)

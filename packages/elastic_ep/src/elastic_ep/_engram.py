@@ -148,7 +148,7 @@ class NativeEngram(EngramPart):
     def write(self, storage: torch.Tensor, sf: Optional[torch.Tensor]) -> None:
         """Collective: the shard into this rank's segment, then every rank's copy done before any fetch."""
         rt = self.rt
-        rt._alive()
+        rt._alive("engram_write")
         self._rows = 0
         check_same_shards(self.group, storage, sf)
         row_bytes = storage.shape[1] * storage.element_size()
@@ -165,7 +165,7 @@ class NativeEngram(EngramPart):
     def fetch(self, indices: torch.Tensor, use_tma_aligned_col_major_sf: bool) -> Hook:
         """One fetch kernel on the current stream; the hook returns its outputs."""
         rt = self.rt
-        rt._alive()
+        rt._alive("engram_fetch")
         T, E = indices.shape
         data = torch.empty((T, E * self._hidden), dtype=self._dtype, device=indices.device)
         idx = indices.contiguous()

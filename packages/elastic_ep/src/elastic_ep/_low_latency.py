@@ -185,7 +185,7 @@ class NativeLowLatency(LowLatencyPart):
 
     def dispatch(self, a: LlDispatchArgs, o: LlDispatchOut, phases: int) -> None:
         rt = self.rt
-        rt._alive()
+        rt._alive("low_latency_dispatch")
         b = self._dispatch_block
         ue8m0 = a.use_ue8m0
         # One block per token to send, and enough warps to copy what arrives (every rank sends at most
@@ -203,7 +203,7 @@ class NativeLowLatency(LowLatencyPart):
 
     def combine(self, a: LlCombineArgs, phases: int) -> None:
         rt = self.rt
-        rt._alive()
+        rt._alive("low_latency_combine")
         if phases == 3 and a.num_tokens * a.num_topk > _FUSED_COMBINE_MAX_ROWS:
             # Many rows: the send and the receive as two kernels. In one, the blocks without rows to send
             # poll while the others copy (H100, 256 tokens x top-8: 81 us in one kernel, 29 + 19 in two).
@@ -221,7 +221,7 @@ class NativeLowLatency(LowLatencyPart):
 
     def clean(self) -> None:
         rt = self.rt
-        rt._alive()
+        rt._alive("clean_low_latency_buffer")
         rt._rt.ll_clean(torch.cuda.current_stream(rt.device).cuda_stream)
         torch.cuda.synchronize(rt.device)
 

@@ -132,7 +132,7 @@ class NativeRuntime(NativeWindow):
                 (CPU sync) or masked by an earlier call.
             CommTimeoutError / CommError: a device or CPU wait expired, or the runtime is unusable.
         """
-        self._alive()
+        self._alive("dispatch")
         if self.num_scaleup_ranks and a.zero_copy:
             raise ValueError("zero_copy: not available in hybrid mode (the forwarders write records, not the "
                              "dense receive area); call dispatch with zero_copy=False")
@@ -363,7 +363,7 @@ class NativeRuntime(NativeWindow):
         Raises:
             CommTimeoutError / CommError: an earlier device wait expired, or the runtime is unusable.
         """
-        self._alive()
+        self._alive("combine")
         h, x, w = a.handle, a.x, a.topk_weights
         T, K = h.topk_idx.shape
         fast = a.previous_event is None and not a.allocate_on_comm_stream and not a.async_with_compute_stream

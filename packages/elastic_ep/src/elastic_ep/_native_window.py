@@ -146,6 +146,7 @@ class NativeWindow(Runtime):
     num_scaleup_ranks: int = 0
     #: Hybrid mode's scale-out transport: "gin", "nvlink-emulated", or None in direct mode.
     scaleout_transport: Optional[str] = None
+    _last_op: Optional[str] = None  # the last operation launched (named when a peer dies)
 
     def __init__(self, rank_idx: int, num_ranks: int, nccl_comm: int, cpu_comm: Any = None,
                  num_buffer_bytes: int = 0, num_cpu_buffer_bytes: int = 0, allow_hybrid_mode: bool = True,
@@ -307,7 +308,14 @@ class NativeWindow(Runtime):
         except Exception:  # noqa: BLE001 - nothing may escape a finaliser
             pass
 
-    def _alive(self) -> None:
+    def _alive(self, op: Optional[str] = None) -> None:
+        """Raises what the runtime reported since the last call (a dead peer, a device timeout, a
+        refusal, masked ids); ``op``: the operation about to launch, named if a peer dies later."""
+        # The peer watch only ends the waits: the operation that waited is the last one launched (a
+        # later call raises at its entry, a CPU-synced dispatch from inside its own wait).
+        waiting = self._last_op
+        if op is not None:
+            self._last_op = op
         if self._destroyed:
             raise RuntimeError("this ElasticBuffer was destroyed")
         if self._rt.pending_health() == 0:  # one native call in the common case
@@ -316,9 +324,11 @@ class NativeWindow(Runtime):
         # crossing into Python once crashed the process on a GPU host).
         info = self._rt.take_timeout()
         if info is not None and info.operation.startswith("elastic_ep peer watch"):
+            during = f" during this rank's {waiting} (the last operation it launched)" if waiting else ""
             raise CommError(f"elastic_ep [rank {self.rank_idx}]: rank {info.peer}'s process (pid {info.expected}) on "
-                            "this host died; the operation waiting for it was ended at once. The CUDA context is "
-                            "usable; destroy this buffer and create a new one with the ranks that are left")
+                            f"this host died{during}; the operation waiting for it was ended at once. The CUDA "
+                            "context is usable; destroy this buffer and create a new one with the ranks that are "
+                            "left")
         if info is not None:
             raise _timeout_error(info, "the CUDA context is usable but this buffer's signals are out of step: "
                                        "destroy it and create a new one")
@@ -519,7 +529,7 @@ class NativeWindow(Runtime):
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
         """An NVLink barrier of all ranks (collective), on the communication or the current stream;
         ``with_cpu_sync`` synchronises the device before and after (and raises device timeouts)."""
-        self._alive()
+        self._alive("barrier")
         compute_stream = torch.cuda.current_stream()
         stream = self.comm_stream if use_comm_stream else compute_stream
         if use_comm_stream:

@@ -99,7 +99,7 @@ class NativePp(PpPart):
         # barrier below is collective, and every rank must reach it.
         deferred = None
         try:
-            rt._alive()
+            rt._alive("pp_set_config")
         except ValueError as e:
             deferred = e
         torch.cuda.synchronize(rt.device)
@@ -121,7 +121,7 @@ class NativePp(PpPart):
     def _transfer(self, send: bool, x: torch.Tensor, peer: int, num_sms: int) -> None:
         """One kernel, empty tensors too: their descriptor must meet the peer's like any other's."""
         rt = self.rt
-        rt._alive()
+        rt._alive("pp_send" if send else "pp_recv")
         if num_sms:
             num_sms = min(num_sms, rt.num_device_sms)
         else:
