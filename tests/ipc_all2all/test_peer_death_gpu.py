@@ -2,7 +2,7 @@
 
 The instance's peer watch (commkit::PeerWatch, every IPC_ALL2ALL_PEER_WATCH_MS = 200 ms) notices the
 dead process and ends the survivor's wait at once, long before its 60 s deadline: check() raises
-CommError naming the dead rank (its ``peer`` attribute too) within 5 s, the CUDA context stays
+CommError naming the dead rank (its ``peer`` attribute too) and the call that waited within 5 s, the CUDA context stays
 usable and destroy() returns.
 """
 from __future__ import annotations
@@ -42,6 +42,7 @@ def death_worker(rank, world, rdzv):
         msg, peer = str(e), getattr(e, "peer", None)
     waited = time.monotonic() - t0
     assert "rank 1's process" in msg and "died" in msg and peer == 1, (msg, peer)
+    assert "during this rank's send_recv_heads" in msg, msg  # the call that waited, the last one launched
     assert waited < 6.0, f"the survivor noticed the dead peer after {waited:.1f} s"
     assert float(torch.ones(1024, device=dev).sum().item()) == 1024.0  # the context is usable
     a2a.destroy()

@@ -318,6 +318,7 @@ int Core::launch(int op, uint64_t x_ptr, uint64_t stream, int batch, int64_t x_r
   record_last_call(s, cap_id != 0);
 #endif
   ++calls_;
+  last_op_ = op;
   if (cap_id != 0) ++captured_calls_;
   slot_capture_[static_cast<size_t>(slot)] = cap_id;
   return slot;
@@ -377,8 +378,15 @@ void Core::check() {
   broken_reason_ = std::string("a device-side failure in ") + op_name(r.op);
   if (r.op == kPeerWatch * 4) {
     broken_reason_ = commkit::str("rank ", r.peer, "'s process died");
-    CK_CHECK_RANK(false, r.rank, r.peer, "rank ", r.peer, "'s process (pid ", r.expected,
-                  ") on this host died; the call waiting for it was ended at once", kRecreate);
+    // The watch only ends the waits: the call that waited is the last one launched.
+    const char* call = last_op_ == kSendRecvHeads ? "send_recv_heads"
+                       : last_op_ == kGatherHeads ? "gather_heads"
+                       : last_op_ == kAllGather   ? "allgather"
+                                                  : nullptr;
+    const std::string during =
+        call ? commkit::str(" during this rank's ", call, " (the last operation it launched)") : std::string();
+    CK_CHECK_RANK(false, r.rank, r.peer, "rank ", r.peer, "'s process (pid ", r.expected, ") on this host died", during,
+                  "; the call waiting for it was ended at once", kRecreate);
   }
   if (phase == kPhaseMismatch || phase == kPhaseBroken)
     CK_CHECK_RANK(false, r.rank, r.peer, failure_message(r));

@@ -120,6 +120,7 @@ class Core {
   commkit::TimeoutRecord* rec_dev_ = nullptr;
   std::unique_ptr<commkit::PeerWatch> watch_;  // writes *rec_host_: reset before it is freed
   uint64_t calls_ = 0, captured_calls_ = 0;
+  int last_op_ = -1;  // the last operation launched (named when a peer's process dies)
   std::array<uint64_t, kNumSlots> slot_capture_{};
   void* last_done_ = nullptr;    // cudaEvent_t recorded after the last eager call
   void* last_stream_ = nullptr;  // cudaStream_t of that call
