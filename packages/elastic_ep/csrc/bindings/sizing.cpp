@@ -8,6 +8,7 @@
 
 #include "bindings/bindings.hpp"
 #include "commkit/check.hpp"
+#include "kernels/launch.hpp"
 #include "kernels/ll_sizing.hpp"
 #include "kernels/sizing.hpp"
 
@@ -79,6 +80,13 @@ void bind_sizing(py::module_& m) {
   m.attr("LL_MAX_TOKENS") = kLowLatencyMaxTokens;
   m.attr("LL_HIDDEN_ALIGN") = kLowLatencyHiddenAlign;
   m.attr("LL_MAX_LOCAL_EXPERTS") = kLowLatencyMaxLocalExperts;
+  // PP descriptors and AGRS records (kernels/pp.cuh, agrs.cuh): the record's size and the report codes
+  // the kernels send the host, which _peer_calls.py turns into errors.
+  m.attr("AGRS_RECORD_WORDS") = kAgrsRecordWords;
+  m.attr("REPORT_PP_FIELD") = kReportPpField;
+  m.attr("REPORT_PP_TAG") = kReportPpTag;
+  m.attr("REPORT_AGRS_TAG") = kReportAgrsTag;
+  m.attr("REPORT_AGRS_WORD") = kReportAgrsWord;
   m.def("ll_size_hint", [](int64_t m_, int64_t hidden, int64_t num_experts) {
     CK_CHECK_ARG(m_ >= 0 && hidden >= 0 && num_experts >= 0, "ll_size_hint: sizes must be non-negative");
     return fits_int64("ll_size_hint", ll_size_hint(m_, hidden, num_experts));

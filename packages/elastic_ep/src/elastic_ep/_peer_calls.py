@@ -35,11 +35,13 @@ __all__ = ["dtype_code", "dtype_text", "shape_word", "shape_text", "pp_descripto
            "native_report_error", "REPORT_FIRST", "PP_FIELDS", "AGRS_RECORD_WORDS", "U64"]
 
 U64 = (1 << 64) - 1
-# launch.hpp: kReportPpField (+ PpField), kReportPpTag, kReportAgrsTag, kReportAgrsWord (+ record word).
-REPORT_PP_FIELD, REPORT_PP_TAG, REPORT_AGRS_TAG, REPORT_AGRS_WORD = 32, 35, 39, 40
+# launch.hpp's kReportPpField (+ PpField), kReportPpTag, kReportAgrsTag, kReportAgrsWord (+ record word)
+# and sizing.hpp's kAgrsRecordWords, as the extension binds them.
+REPORT_PP_FIELD, REPORT_PP_TAG = _C.REPORT_PP_FIELD, _C.REPORT_PP_TAG
+REPORT_AGRS_TAG, REPORT_AGRS_WORD = _C.REPORT_AGRS_TAG, _C.REPORT_AGRS_WORD
 REPORT_FIRST = REPORT_PP_FIELD
 PP_FIELDS = ("dtype", "numel", "shape")  # launch.hpp PpField order: the first that differs is named
-AGRS_RECORD_WORDS = 16                   # sizing.hpp kAgrsRecordWords
+AGRS_RECORD_WORDS = _C.AGRS_RECORD_WORDS
 AGRS_DETAILED = 4                        # tensors with words of their own; a digest covers the rest
 _AGRS_REST = 3 + 2 * AGRS_DETAILED
 
