@@ -48,13 +48,9 @@ __device__ void agrs_count_signal_wait(const Ctx& cx, int counter, const Region&
   if (r == 0) commkit::st_relaxed(local, n);
 }
 
+// Word 0 is the kernel's own (the tag and this digest), so the digest covers the others.
 __device__ __forceinline__ uint32_t agrs_digest(const uint64_t* record) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (int w = 1; w < kAgrsRecordWords; ++w) {
-    h = (h ^ record[w]) * 0x100000001b3ull;
-    h ^= h >> 29;
-  }
-  return uint32_t(h ^ (h >> 32));
+  return digest_words(record + 1, kAgrsRecordWords - 1);
 }
 
 __global__ void __launch_bounds__(kMaxRanks) agrs_gather_done_kernel(CommView c, AgrsGatherParams p) {

@@ -100,6 +100,18 @@ struct Ctx {
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 
+// A 32-bit digest of n words (FNV-1a over 64-bit words, folded): what a PP descriptor and an AGRS
+// record carry in a signal so that the receiver compares one word on the fast path. Both ends compute
+// it with this function; a collision only loses the name of a difference, never bounds a copy.
+__device__ __forceinline__ uint32_t digest_words(const uint64_t* w, int n) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (int i = 0; i < n; ++i) {
+    h = (h ^ w[i]) * 0x100000001b3ull;
+    h ^= h >> 29;
+  }
+  return uint32_t(h ^ (h >> 32));
+}
+
 
 // The stamp of a hybrid relay or stage entry (sizing.hpp): the operation's epoch and the entry's
 // position, so neither a stale entry nor other bytes in the aliased buffer pass for this one.

@@ -63,12 +63,9 @@ __device__ __forceinline__ uint64_t pp_field(const PpParams& p, int f) {
   return f == kPpFieldDtype ? p.dtype_code : f == kPpFieldNumel ? p.numel : p.shape_word;
 }
 __device__ __forceinline__ uint32_t pp_digest(const PpParams& p) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (int f = 0; f < kPpDescWords - 1; ++f) {
-    h = (h ^ pp_field(p, f)) * 0x100000001b3ull;
-    h ^= h >> 29;
-  }
-  return uint32_t(h ^ (h >> 32));
+  uint64_t fields[kPpDescWords - 1];
+  for (int f = 0; f < kPpDescWords - 1; ++f) fields[f] = pp_field(p, f);
+  return digest_words(fields, kPpDescWords - 1);
 }
 
 // A receive's refusal of tensor k (last block, thread 0): the first field that differs, to this rank's
