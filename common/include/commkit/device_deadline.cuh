@@ -20,7 +20,7 @@
 //   a PCIe read) and the timer are checked every 2^poll_log2 spins (2^32 for 32 and above); sleep_ns (default 0): a
 //   __nanosleep between spins. Waits that thousands of warps run at once (per-chunk arrival
 //   counters) pass larger values so the waiters flood neither PCIe nor L2. stop (default none): a
-//   u64 word checked with the abort flag; once it is non-zero the wait returns false without
+//   u32 or u64 word checked with the abort flag; once it is non-zero the wait returns false without
 //   recording anything (a sticky "this operation already failed" mark: the waiter leaves at once
 //   instead of waiting out its deadline for a peer that will never come; the caller tells the
 //   two apart by reading *stop).
@@ -81,10 +81,10 @@ __device__ __forceinline__ bool reached(T seen, T expected) {
 }
 
 // `load()` returns the current value (an acquire load of a word, or another source such as a GIN signal).
-template <Cmp kCmp, typename T, typename Load>
+template <Cmp kCmp, typename T, typename Load, typename S>
 __device__ __forceinline__ bool wait_impl(Load load, T expected, uint64_t timeout_ns,
                                           TimeoutRecord* rec, uint32_t op, int rank, int peer,
-                                          uint32_t poll_log2, uint32_t sleep_ns, const uint64_t* stop) {
+                                          uint32_t poll_log2, uint32_t sleep_ns, const S* stop) {
   // poll_log2 >= 32 means "every 2^32 spins" (a shift by 32 or more is undefined).
   const uint32_t poll_mask = poll_log2 >= 32u ? 0xffffffffu : (1u << poll_log2) - 1u;
   T seen = load();
@@ -93,7 +93,7 @@ __device__ __forceinline__ bool wait_impl(Load load, T expected, uint64_t timeou
   while (!reached<kCmp>(seen, expected)) {
     if ((++spins & poll_mask) == 0u) {
       if (aborted(rec)) return false;
-      if (stop != nullptr && ld_relaxed(stop) != 0u) return false;
+      if (stop != nullptr && ld_relaxed(stop) != S{0}) return false;
       uint64_t now = globaltimer_ns();
       // The timer may be stepped back (the driver re-syncs it): restart rather than read the
       // negative difference as ~2^64 ns waited and time out at once.
@@ -147,10 +147,10 @@ __device__ __forceinline__ bool wait_tag_ge(const uint64_t* ptr, uint32_t tag, u
 }
 
 // wait_tag_ge on a tagged word that `load()` returns (several words polled together, one round trip).
-template <typename Load>
+template <typename Load, typename S = uint64_t>
 __device__ __forceinline__ bool wait_tag_ge_load(Load load, uint32_t tag, uint64_t timeout_ns, TimeoutRecord* rec,
                                                  uint32_t op, int rank, int peer, uint32_t poll_log2 = 6,
-                                                 uint32_t sleep_ns = 0, const uint64_t* stop = nullptr) {
+                                                 uint32_t sleep_ns = 0, const S* stop = nullptr) {
   return deadline_detail::wait_impl<deadline_detail::Cmp::kTagGe>(load, uint64_t{tag}, timeout_ns, rec, op, rank,
                                                                   peer, poll_log2, sleep_ns, stop);
 }

@@ -135,6 +135,7 @@ const FieldTable<LlDispatchParams>& fields_of<LlDispatchParams>() {
       EP_FIELD(LlDispatchParams, recv_src_info),
       EP_FIELD(LlDispatchParams, recv_route),
       EP_FIELD(LlDispatchParams, recv_layout_range),
+      EP_FIELD(LlDispatchParams, recv_self_pos),
       EP_FIELD(LlDispatchParams, cumulative_stats),
       EP_FIELD(LlDispatchParams, wait_stats),
       EP_FIELD(LlDispatchParams, half_offset),
@@ -150,6 +151,7 @@ const FieldTable<LlDispatchParams>& fields_of<LlDispatchParams>() {
       EP_FIELD(LlDispatchParams, phases),
       EP_FIELD(LlDispatchParams, shrink),
       EP_FIELD(LlDispatchParams, num_sms),
+      EP_FIELD(LlDispatchParams, own_in_place),
   }};
   return t;
 }
@@ -163,6 +165,7 @@ const FieldTable<LlCombineParams>& fields_of<LlCombineParams>() {
       EP_FIELD(LlCombineParams, recv_count),
       EP_FIELD(LlCombineParams, src_info),
       EP_FIELD(LlCombineParams, route),
+      EP_FIELD(LlCombineParams, self_pos),
       EP_FIELD(LlCombineParams, combined_x),
       EP_FIELD(LlCombineParams, wait_stats),
       EP_FIELD(LlCombineParams, half_offset),

@@ -5,6 +5,8 @@
 #if COMMKIT_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "commkit/check.hpp"
 #include "host/runtime.hpp"
 #include "kernels/ll_sizing.hpp"
@@ -37,6 +39,9 @@ void check_ll_shape(const char* op, const P& p, int num_ranks, int num_device_sm
            ": the call needs ", need, " bytes at buffer offset ", p.half_offset, ", the buffer has ", num_buffer_bytes);
 }
 
+// recv_self_pos / self_pos hold rows of recv_x / x ([L, R * M] = E x M of them) as int32.
+static_assert(int64_t(kMaxExperts) * kLowLatencyMaxTokens <= INT32_MAX, "low-latency row positions fit int32");
+
 }  // namespace
 
 void Runtime::ll_dispatch(const LlDispatchParams& p, int64_t stream) {
@@ -46,7 +51,8 @@ void Runtime::ll_dispatch(const LlDispatchParams& p, int64_t stream) {
   CK_CHECK(!p.use_ue8m0 || (p.use_fp8 && p.round_scale && p.hidden % 512 == 0),
            "low_latency_dispatch: use_ue8m0 needs use_fp8, round_scale and hidden % 512 == 0");
   if (p.phases & kLlSend) CK_CHECK(p.num_tokens == 0 || (p.x && p.topk_idx), "low_latency_dispatch: null input");
-  if (p.phases & kLlRecv)
+  // With recv_self_pos the send phase writes this rank's own rows into the outputs too.
+  if ((p.phases & kLlRecv) || p.recv_self_pos != nullptr)
     CK_CHECK(p.recv_x && p.recv_count && p.recv_src_info && p.recv_route && p.recv_layout_range &&
                  (!p.use_fp8 || (p.use_ue8m0 ? p.recv_scales_ue8m0 != nullptr : p.recv_scales != nullptr)),
              "low_latency_dispatch: null output");

@@ -110,8 +110,11 @@ struct DispatchParams {
   // rail peers' forwarders time out naming the scale-out stage.
   int test_drop_scaleout_signals;
   // Tests only (ELASTIC_EP_TEST_CORRUPT): 1 = the count word notify sends rank (rank + 1) % R claims
-  // num_max_tokens_per_rank + 1 tokens; 2 = the records the push writes to peers name a source token
-  // outside every rank's range. The receivers must report a protocol error and write nothing past.
+  // num_max_tokens_per_rank + 1 tokens (hybrid mode: relayed when that rank is in another domain);
+  // 2 = the records the push writes to peers (hybrid mode: and stages for the rail peers to relay)
+  // name a source token outside every rank's range; 3 = hybrid mode: the staged records route every
+  // lane to a slot past num_max_tokens_per_rank. The receivers (the forwarders for 3) must report a
+  // protocol error and write nothing past.
   int test_corrupt;
 };
 
@@ -218,6 +221,8 @@ struct LlDispatchParams {
   int* recv_src_info;          // [L, R * M] the row's token index at its source rank
   int* recv_route;             // [L, R * M] ll_route(source rank, top-k lane): where the combine sends the row
   int64_t* recv_layout_range;  // [L, R] (first row << 32) | rows, per source rank
+  int* recv_self_pos;          // [M, K] the recv_x row ([L, R * M] flat) of each lane of this rank whose expert is
+                               // its own, -1 for the others: what an in-place combine reads; may be null
   int* cumulative_stats;       // [L] += rows received (may be null)
   int64_t* wait_stats;         // [R] += ns the receive phase waited for each source rank (may be null)
   int64_t half_offset;
@@ -225,6 +230,8 @@ struct LlDispatchParams {
   int use_fp8, round_scale, use_ue8m0;
   int half, phases, shrink;
   int num_sms;
+  int own_in_place;            // 1: x stays unchanged until the receive (no receive hook): this rank's own rows
+                               // skip the window, the receive casts them from x (needs recv_self_pos)
 };
 struct LlCombineParams {
   const void* x;               // [L, R * M, hidden] bf16 expert outputs (the zero-copy area, or the caller's)
@@ -233,6 +240,9 @@ struct LlCombineParams {
   const int* recv_count;       // [L] } the dispatch's handle
   const int* src_info;         // [L, R * M]
   const int* route;            // [L, R * M]
+  const int* self_pos;         // [M, K] the dispatch's recv_self_pos, or null; given (to both phases) only
+                               // when x stays unchanged from the send to the receive (no receive hook): the
+                               // lanes of this rank's own experts are then read from x in place
   void* combined_x;            // [T, hidden] bf16
   int64_t* wait_stats;         // [R] += ns waited for each rank's rows (may be null)
   int64_t half_offset;

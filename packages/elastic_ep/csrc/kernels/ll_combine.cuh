@@ -5,11 +5,13 @@
 // warp (or a few, one slice each: ll_slices) per row; row (l, pos) goes to its source rank (route >> 8)
 // at combine slot [token src_info][lane route & 0xff] of that rank's half, so each of an origin's
 // (token, lane) pairs has its own slot and nothing is summed on the way. The phase's last block then
-// sends every unmasked rank its geometry words and a "rows landed" signal (ll_common.cuh).
+// sends every unmasked rank its geometry words and a "rows landed" signal (ll_common.cuh). With self_pos
+// (no receive hook: x is unchanged until the receive) the rows of this rank's own tokens stay in x.
 // Receive phase: one thread per rank waits for the signals; then each block reduces whole tokens:
 // out[t] = sum over lanes k in order of topk_weights[t, k] * row(t, k) in fp32 (separate multiply and
 // add, round to nearest: the torch reference's arithmetic, so the result is bitwise reproducible),
-// rounded to BF16 once; lanes with id -1 (or, in shrink mode, a masked rank) are skipped.
+// rounded to BF16 once; lanes with id -1 (or, in shrink mode, a masked rank) are skipped; a lane of this
+// rank's own expert is read from x at self_pos[t, k] when self_pos is given.
 // Included once, by launch.cu.
 #pragma once
 
@@ -18,12 +20,18 @@
 namespace elastic_ep {
 namespace {
 
+// With the dispatch's recv_self_pos (given only when x stays as it is from the send phase to the receive
+// phase: no receive hook), the receive reads the rows of this rank's own experts from x in place and the
+// send skips them.
+__device__ __forceinline__ bool ll_combine_in_place(const LlCombineParams& p) { return p.self_pos != nullptr; }
+
 __device__ __forceinline__ void ll_combine_send(const LlCall& call, const LlCombineParams& p) {
   const Ctx& cx = call.cx;
   const int E = p.num_experts, R = cx.tr.num_ranks, L = E / R, K = p.num_topk, M = p.num_max_tokens;
   const int64_t RM = int64_t(R) * M;
   const uint64_t row_bytes = uint64_t(p.hidden) * 2;
   const uint64_t area = cx.buf + uint64_t(p.half_offset) + uint64_t(ll_combine_offset(M, p.hidden, E));
+  const bool in_place = ll_combine_in_place(p);
   __shared__ int s_base[kLowLatencyMaxLocalExperts + 1];
   __shared__ int s_scan[kWarps];
   {
@@ -53,7 +61,7 @@ __device__ __forceinline__ void ll_combine_send(const LlCall& call, const LlComb
       if (lane == 0 && sl == 0) report_protocol_once(cx, call.c, src, kProtocolLlRecord, uint32_t(route), uint32_t(t));
       continue;
     }
-    if (call.masked(src)) continue;
+    if (call.masked(src) || (in_place && src == cx.tr.rank)) continue;
     int b, e;
     ll_slice_range(int(row_bytes / 16), sl, slices, &b, &e);
     warp_copy_v4<4, true>(reinterpret_cast<int4*>(cx.tr.remote(src, area + (uint64_t(t) * K + k) * row_bytes)) + b,
@@ -81,12 +89,28 @@ __device__ __forceinline__ void ll_combine_recv(const LlCall& call, const LlComb
   const int H = p.hidden, n16 = H / 8;
   const uint32_t s = call.seq(kLlRecvSide);
   __shared__ float s_w[kLowLatencyMaxTopk];
-  __shared__ int s_owner[kLowLatencyMaxTopk];  // the lane's rank, -1 for none
+  __shared__ const int4* s_row[kLowLatencyMaxTopk];  // lane k's row, null for none
+  __shared__ int s_owner[kLowLatencyMaxTopk];         // its rank (shrink: masked during the wait, skipped)
+  const bool in_place = ll_combine_in_place(p);
+  const int64_t rows_in_x = int64_t(L) * R * M;
+  const char* area = cx.tr.local(cx.buf + uint64_t(p.half_offset) + uint64_t(ll_combine_offset(M, H, E)));
   auto load_lanes = [&](int t) {
     if (threadIdx.x < K && t < p.num_tokens) {
-      const int64_t e = p.topk_idx[int64_t(t) * K + threadIdx.x];
-      s_owner[threadIdx.x] = e >= 0 && e < E ? int(e) / L : -1;
-      s_w[threadIdx.x] = p.topk_weights[int64_t(t) * K + threadIdx.x];
+      const int k = threadIdx.x;
+      const int64_t e = p.topk_idx[int64_t(t) * K + k];
+      const int owner = e >= 0 && e < E ? int(e) / L : -1;
+      const int4* row = nullptr;
+      if (owner >= 0 && in_place && owner == cx.tr.rank) {
+        // A position outside x (a top-k unlike the dispatch's) reads nothing.
+        const int pos = p.self_pos[int64_t(t) * K + k];
+        if (pos >= 0 && pos < rows_in_x)
+          row = reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + int64_t(pos) * 2 * H);
+      } else if (owner >= 0) {
+        row = reinterpret_cast<const int4*>(area + (uint64_t(t) * K + k) * 2ull * H);
+      }
+      s_row[k] = row;
+      s_owner[k] = owner;
+      s_w[k] = p.topk_weights[int64_t(t) * K + k];
     }
   };
   load_lanes(blockIdx.x);  // before the wait: the lanes' latency overlaps the peers' signals
@@ -101,9 +125,7 @@ __device__ __forceinline__ void ll_combine_recv(const LlCall& call, const LlComb
       failed = true;
   }
   if (__syncthreads_or(failed)) return;
-  const char* area = cx.tr.local(cx.buf + uint64_t(p.half_offset) + uint64_t(ll_combine_offset(M, H, E)));
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
-    const int4* rows = reinterpret_cast<const int4*>(area + uint64_t(t) * K * 2ull * H);
     for (int i = threadIdx.x; i < n16; i += blockDim.x) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       // Lanes in groups of kLlCombineGroup: the group's loads are in flight together (top-8, one group:
@@ -113,8 +135,9 @@ __device__ __forceinline__ void ll_combine_recv(const LlCall& call, const LlComb
         bool on[kLlCombineGroup];
 #pragma unroll
         for (int u = 0; u < kLlCombineGroup; ++u) {
-          on[u] = k0 + u < K && s_owner[k0 + u] >= 0 && !call.masked(s_owner[k0 + u]);
-          if (on[u]) v[u] = commkit::ld_v4<true>(rows + int64_t(k0 + u) * n16 + i);
+          const int4* row = k0 + u < K ? s_row[k0 + u] : nullptr;
+          on[u] = row != nullptr && !call.masked(s_owner[k0 + u]);
+          if (on[u]) v[u] = commkit::ld_v4<true>(row + i);
         }
 #pragma unroll
         for (int u = 0; u < kLlCombineGroup; ++u) {

@@ -96,12 +96,15 @@ struct LlCall {
     };
     // Thousands of threads may poll at once (every block waits for every count word): a short sleep
     // between polls keeps them from flooding L2 while the send phase of slower blocks still writes.
+    // A protocol error reported by any thread (e.g. a peer of another num_experts, which never writes
+    // some of the words waited for) ends the other waits instead of leaving them to the deadline.
+    const uint32_t* reported = &cx.counters[kCtrProtocolReported];
     const bool ok = commkit::wait_tag_ge_load(load, s, cx.timeout_ns, shrink ? nullptr : cx.rec, op, c.rank, src, 6,
-                                              kPollSleepNs);
+                                              kPollSleepNs, reported);
     if (wait_ns != nullptr) atomicAdd(reinterpret_cast<unsigned long long*>(wait_ns),
                                       static_cast<unsigned long long>(commkit::globaltimer_ns() - t0));
     if (!ok) {
-      if (shrink && !commkit::aborted(cx.rec)) {
+      if (shrink && !commkit::aborted(cx.rec) && commkit::ld_relaxed(reported) == 0u) {
         mask(src);
         *masked_now = true;
       }

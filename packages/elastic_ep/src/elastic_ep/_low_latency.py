@@ -13,7 +13,11 @@ Layout (DeepEP V1's, what masked grouped GEMMs such as DeepGEMM's ``m_grouped_*_
 * ``handle = (src_info [L, R * M] int32, layout_range [L, R] int64, M, hidden, num_experts)``:
   ``src_info`` the row's token index at its source, ``layout_range[l, s] = (first row << 32) | rows`` from
   source ``s``. The handle also carries (attributes, not tuple items) the route of each row back to its
-  source lane, the counts and the dispatch's top-k, which the combine needs.
+  source lane, the counts, the dispatch's top-k and ``self_pos`` (the row of each of this rank's lanes
+  whose expert is its own), which the combine needs.
+* A call without receive hook (its ``x`` cannot change between the phases) keeps this rank's own rows out
+  of the window: the dispatch's receive casts them from ``x`` into ``recv_x``, the combine's reads them
+  from ``x`` at ``self_pos``. With a hook they go through the window like every other row.
 * The combine sums, per token, ``topk_weights[t, k] * row(t, k)`` over the lanes in order, in fp32
   (separate multiply and add), rounded to BF16 once; lanes with id ``-1`` add nothing.
 
@@ -67,17 +71,19 @@ def low_latency_size_hint(num_max_dispatch_tokens_per_rank: Any, hidden: Any, nu
 class LowLatencyHandle(tuple):
     """DeepEP V1's low-latency handle, ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
     num_experts)``, which also carries what the combine needs: ``route`` ([L, R * M] int32, (source rank
-    << 8) | top-k lane), ``recv_count``, ``num_topk`` and the ``owner`` buffer."""
+    << 8) | top-k lane), ``recv_count``, ``self_pos`` ([M, K] int32: the ``recv_x`` row of each lane of
+    this rank's whose expert is its own, -1 for the others), ``num_topk`` and the ``owner`` buffer."""
 
     route: torch.Tensor
     recv_count: torch.Tensor
+    self_pos: torch.Tensor
     num_topk: int
     owner: Any
 
-    def __new__(cls, items: Tuple[Any, ...], route: torch.Tensor, recv_count: torch.Tensor, num_topk: int,
-                owner: Any) -> "LowLatencyHandle":
+    def __new__(cls, items: Tuple[Any, ...], route: torch.Tensor, recv_count: torch.Tensor, self_pos: torch.Tensor,
+                num_topk: int, owner: Any) -> "LowLatencyHandle":
         h = super().__new__(cls, items)
-        h.route, h.recv_count, h.num_topk, h.owner = route, recv_count, num_topk, owner
+        h.route, h.recv_count, h.self_pos, h.num_topk, h.owner = route, recv_count, self_pos, num_topk, owner
         return h
 
 
@@ -98,6 +104,7 @@ class LlDispatchArgs:
     round_scale: bool
     use_ue8m0: bool
     half: int                           # buffer_idx
+    in_place: bool                      # no receive hook: the native receive may read this rank's rows from x
 
 
 @dataclass(eq=False, **_KW_ONLY)
@@ -110,6 +117,7 @@ class LlDispatchOut:
     src_info: torch.Tensor              # [L, R * M] int32
     layout_range: torch.Tensor          # [L, R] int64
     route: torch.Tensor                 # [L, R * M] int32
+    self_pos: torch.Tensor              # [M, K] int32 (native only: the recv_x row of each own lane, else -1)
 
 
 @dataclass(eq=False, **_KW_ONLY)
@@ -128,6 +136,7 @@ class LlCombineArgs:
     num_experts: int
     num_max_tokens: int
     half: int
+    in_place: bool                      # no receive hook: the native receive may read this rank's rows from x
 
 
 class LowLatencyPart(abc.ABC):
@@ -194,11 +203,12 @@ class NativeLowLatency(LowLatencyPart):
         b.set(x=a.x, topk_idx=a.topk_idx, recv_x=o.recv_x,
               recv_scales=o.recv_scales if a.use_fp8 and not ue8m0 else 0,
               recv_scales_ue8m0=o.recv_scales if ue8m0 else 0, recv_count=o.recv_count, recv_src_info=o.src_info,
-              recv_route=o.route, recv_layout_range=o.layout_range, cumulative_stats=a.cumulative_stats,
+              recv_route=o.route, recv_layout_range=o.layout_range, recv_self_pos=o.self_pos,
+              cumulative_stats=a.cumulative_stats,
               wait_stats=a.wait_stats, half_offset=self._half_offset(a.half), num_tokens=a.num_tokens,
               num_max_tokens=a.num_max_tokens, hidden=a.hidden, num_experts=a.num_experts, num_topk=a.num_topk,
               use_fp8=int(a.use_fp8), round_scale=int(a.round_scale), use_ue8m0=int(ue8m0), half=a.half,
-              phases=phases, shrink=int(self.shrink), num_sms=self._num_sms(work))
+              phases=phases, shrink=int(self.shrink), num_sms=self._num_sms(work), own_in_place=int(a.in_place))
         rt._rt.ll_dispatch(b, torch.cuda.current_stream(rt.device).cuda_stream)
 
     def combine(self, a: LlCombineArgs, phases: int) -> None:
@@ -214,7 +224,8 @@ class NativeLowLatency(LowLatencyPart):
         h = a.handle
         work = max(a.num_tokens, -(-a.num_tokens * a.num_topk * rt.num_ranks // 32), 1)
         b.set(x=a.x, topk_idx=a.topk_idx, topk_weights=a.topk_weights, recv_count=h.recv_count, src_info=h[0],
-              route=h.route, combined_x=a.out, wait_stats=a.wait_stats, half_offset=self._half_offset(a.half),
+              route=h.route, self_pos=h.self_pos if a.in_place else 0, combined_x=a.out, wait_stats=a.wait_stats,
+              half_offset=self._half_offset(a.half),
               num_tokens=a.num_tokens, num_max_tokens=a.num_max_tokens, hidden=a.hidden, num_experts=a.num_experts,
               num_topk=a.num_topk, half=a.half, phases=phases, shrink=int(self.shrink), num_sms=self._num_sms(work))
         rt._rt.ll_combine(b, torch.cuda.current_stream(rt.device).cuda_stream)
@@ -369,7 +380,7 @@ class LowLatency:
         async_finish, hook = self._modes(async_finish, return_recv_hook)
         a = LlDispatchArgs(x=x, topk_idx=idx, cumulative_stats=stats, wait_stats=wait, num_tokens=T, hidden=H,
                            num_topk=K, num_experts=E, num_max_tokens=M, use_fp8=use_fp8, round_scale=round_scale,
-                           use_ue8m0=use_ue8m0, half=self.buffer_idx)
+                           use_ue8m0=use_ue8m0, half=self.buffer_idx, in_place=not hook)
         dev = self.device
         RM = R * M
         scales = None
@@ -380,11 +391,12 @@ class LowLatency:
                           recv_scales=scales, recv_count=torch.empty((L,), dtype=torch.int32, device=dev),
                           src_info=torch.empty((L, RM), dtype=torch.int32, device=dev),
                           layout_range=torch.empty((L, R), dtype=torch.int64, device=dev),
-                          route=torch.empty((L, RM), dtype=torch.int32, device=dev))
-        keep = (x, idx, o.recv_x, scales, o.recv_count, o.src_info, o.layout_range, o.route, stats, wait)
+                          route=torch.empty((L, RM), dtype=torch.int32, device=dev),
+                          self_pos=torch.empty((M, K), dtype=torch.int32, device=dev))
+        keep = (x, idx, o.recv_x, scales, o.recv_count, o.src_info, o.layout_range, o.route, o.self_pos, stats, wait)
         event, recv_hook = self._run(lambda phases: self.part.dispatch(a, o, phases), async_finish, hook, keep)
         handle = LowLatencyHandle((o.src_info, o.layout_range, M, H, E), route=o.route, recv_count=o.recv_count,
-                                  num_topk=K, owner=self)
+                                  self_pos=o.self_pos, num_topk=K, owner=self)
         recv_x = (o.recv_x, scales.transpose(1, 2)) if use_fp8 else o.recv_x
         return recv_x, o.recv_count, handle, event, recv_hook
 
@@ -429,8 +441,9 @@ class LowLatency:
         async_finish, hook = self._modes(async_finish, return_recv_hook)
         src = self.part.zero_copy_source(self.buffer_idx, (L, R * M, H)) if zero_copy else x
         a = LlCombineArgs(x=src, topk_idx=idx, topk_weights=topk_weights, handle=h, out=out, wait_stats=wait,
-                          num_tokens=T, hidden=H, num_topk=K, num_experts=E, num_max_tokens=M, half=self.buffer_idx)
-        keep = (x, idx, topk_weights, h[0], h[1], h.route, h.recv_count, out, wait)
+                          num_tokens=T, hidden=H, num_topk=K, num_experts=E, num_max_tokens=M, half=self.buffer_idx,
+                          in_place=not hook)
+        keep = (x, idx, topk_weights, h[0], h[1], h.route, h.recv_count, h.self_pos, out, wait)
         event, recv_hook = self._run(lambda phases: self.part.combine(a, phases), async_finish, hook, keep)
         return out, event, recv_hook
 
