@@ -26,6 +26,7 @@
 #include "commkit/layout.hpp"
 #include "commkit/process.hpp"
 #include "commkit/shm.hpp"
+#include "commkit/teardown.hpp"
 #include "commkit/timeout_record.hpp"
 
 namespace {
@@ -486,6 +487,30 @@ void process_tests() {
   });
 }
 
+void teardown_tests() {
+  run("teardown log: every failure is kept, in order; successes are not", [] {
+    commkit::TeardownLog log;
+    EXPECT(log.empty());
+    EXPECT(!log.step("cudaEventDestroy", true, "no error"));
+    EXPECT(log.step("cudaFree(buffer)", false, "invalid argument"));
+    log.note("rank 1 did not arrive");
+    EXPECT(log.step("ncclMemFree", false, "unhandled cuda error"));
+    EXPECT(log.message() ==
+           "cudaFree(buffer) failed: invalid argument; rank 1 did not arrive; ncclMemFree failed: unhandled cuda error");
+  });
+  run("teardown log: the test hook reports exactly the named steps", [] {
+    commkit::TeardownLog log("cudaFree(buffer),ncclMemFree");
+    EXPECT(!log.step("cudaFree", true));  // a prefix of a named step is not it
+    EXPECT(log.step("cudaFree(buffer)", true));
+    EXPECT(log.step("ncclMemFree", true));
+    EXPECT(!log.step("cudaFreeHost(record)", true));
+    EXPECT(log.message() == "cudaFree(buffer) failed (injected by a test hook); ncclMemFree failed (injected by a "
+                            "test hook)");
+    commkit::TeardownLog all("*");
+    EXPECT(all.step("anything", true));
+  });
+}
+
 }  // namespace
 
 int main() {
@@ -496,6 +521,7 @@ int main() {
   ipc_and_shm_tests();
   timeout_record_tests();
   process_tests();
+  teardown_tests();
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

@@ -1,7 +1,8 @@
 """The elastic_ep tests' case matrix and the workers that run it: ``run_case`` (one dispatch, a cached
 dispatch and a combine checked against the oracle of ``_common`` and, if given, a reference buffer),
 ``matrix_worker`` (the matrix over buffer options), ``soak_worker`` (random rounds), the hybrid
-forwarder-metadata check and ``expect_timeout`` (a stage that must time out naming rank and peer).
+forwarder-metadata check, ``expect_timeout`` (a stage that must time out naming rank and peer) and
+``calls_until_error`` (what a rank raises once a peer sent it a corrupted word).
 """
 from __future__ import annotations
 
@@ -296,3 +297,19 @@ def expect_timeout(buf, stage, call, rank=0, peer=1):
         assert int(torch.arange(10, device="cuda").sum()) == 45
         return "timeout"
     raise AssertionError(f"{stage} without a peer did not time out")
+
+
+def calls_until_error(ep, buf, inp, num_experts: int) -> str:
+    """A dispatch, a combine and a dispatch on ``buf`` (synchronising after each), as a rank runs them when
+    a peer sends it a corrupted word: what the first failing call raised ("CommError: ..." or
+    "CommTimeoutError: ...") or "no error"."""
+    try:
+        recv, _, w, handle, _ = buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"],
+                                             num_experts=num_experts)
+        torch.cuda.synchronize()
+        buf.combine(recv, handle, topk_weights=w)
+        torch.cuda.synchronize()
+        buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], num_experts=num_experts)
+    except (ep.CommError, ep.CommTimeoutError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"

@@ -36,6 +36,7 @@ class CpuCore(RecordingCore):
         self.buf = torch.zeros(_C.buffer_layout(capacity)["total"], dtype=torch.uint8)
         super().__init__(capacity, self.buf)
         self.args = (rank, world_size, capacity, num_sms, timeout_seconds)
+        self.timeout_seconds = timeout_seconds
         self.rank, self.device = rank, 0
         self.opened = False
         self.handles = None
@@ -118,12 +119,9 @@ def worker_ltx_constructor_with_group(rank, world, rdzv):
     out["watched"] = (len(ids), ids[rank][2] == os.getpid(), period)
     out.update(collective=a.collective, group_is=a.group is group, buffer_size=a.buffer_size,
                runtime=type(a.runtime).__name__)
-    barriers = []
-    real_barrier = dist.barrier
-    dist.barrier = lambda group=None: (barriers.append(group), real_barrier(group=group))
     a.destroy()
-    dist.barrier = real_barrier
-    out["destroy_barriers"] = len(barriers)
+    # collective: the core waits for every peer's arrival word, with destroy()'s deadline
+    out["destroy_args"] = a._core.destroys
     # rank 1 passes rank 0: every rank raises, naming rank 1
     try:
         ipc_all2all.All2All(0 if rank == 1 else rank, world, 16, 256, 8, torch.bfloat16, group=group)

@@ -24,6 +24,8 @@ class RecordingCore:
         self.capture, self.captured_calls, self.slot_captures = 0, 0, [0, 0]
         self.released = False
         self.recorded = []  # (calls so far, stream, capturing) of each record_last_call
+        self.timeout_seconds = 10.0
+        self.destroys = []  # (free_buffer, timeout_seconds, collective) of each destroy()
 
     @property
     def next_slot(self):
@@ -55,7 +57,8 @@ class RecordingCore:
     def watch_peers(self, process_ids, period_ms):
         self.watched = (list(process_ids), period_ms)
 
-    def destroy(self, free_buffer=True):
+    def destroy(self, free_buffer=True, timeout_seconds=30.0, collective=False):
+        self.destroys.append((free_buffer, timeout_seconds, collective))
         self.destroyed = True
         self.released = self.released or free_buffer
 

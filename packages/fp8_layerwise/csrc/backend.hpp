@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace fp8lw {
@@ -33,7 +34,15 @@ class CopyBackend {
   // Host memory a batch may copy from (CUDA: page-locked, so the copy stays asynchronous).
   virtual void* alloc_host(size_t bytes) = 0;
   virtual void free_host(void* p) noexcept = 0;
+  // Drains, then frees what the backend made (CUDA: its streams and events). Returns every release
+  // that failed, free_host's since construction included ("" when none; tests report named steps as
+  // failed with FP8_LAYERWISE_TEST_FAIL_RELEASE, see commkit/teardown.hpp). The destructor calls it
+  // when nobody did.
+  virtual std::string release() noexcept = 0;
 };
+
+// The test hook's steps (FP8_LAYERWISE_TEST_FAIL_RELEASE; empty when unset).
+std::string release_hook();
 
 std::unique_ptr<CopyBackend> make_cpu_backend(int num_slots);
 // Throws commkit::Error when the extension was built without CUDA or the device is unusable.

@@ -7,6 +7,7 @@
 #include "backend.hpp"
 #include "commkit/check.hpp"
 #include "commkit/deadline.hpp"
+#include "commkit/teardown.hpp"
 
 namespace fp8lw {
 namespace {
@@ -27,13 +28,23 @@ class CpuBackend final : public CopyBackend {
     CK_CHECK(p != nullptr, "could not allocate ", bytes, " bytes of staging memory");
     return p;
   }
-  void free_host(void* p) noexcept override { std::free(p); }
+  void free_host(void* p) noexcept override {
+    std::free(p);
+    log_.step("free(staging)", true);
+  }
+  std::string release() noexcept override { return log_.message(); }
 
  private:
   std::vector<uint64_t> busy_;
+  commkit::TeardownLog log_{release_hook()};
 };
 
 }  // namespace
+
+std::string release_hook() {
+  const char* v = std::getenv("FP8_LAYERWISE_TEST_FAIL_RELEASE");
+  return v != nullptr ? v : "";
+}
 
 std::unique_ptr<CopyBackend> make_cpu_backend(int num_slots) { return std::make_unique<CpuBackend>(num_slots); }
 

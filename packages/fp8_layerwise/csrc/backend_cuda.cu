@@ -11,10 +11,12 @@
 
 #include <algorithm>
 #include <array>
+#include <utility>
 #include <vector>
 
 #include "backend.hpp"
 #include "commkit/check.hpp"
+#include "commkit/teardown.hpp"
 
 namespace fp8lw {
 namespace {
@@ -39,13 +41,23 @@ class CudaBackend final : public CopyBackend {
     }
   }
   ~CudaBackend() override {
-    drain();
-    for (auto e : start_) cudaEventDestroy(e);
-    for (auto e : stop_) cudaEventDestroy(e);
+    if (!released_) release();
+  }
+  std::string release() noexcept override {
+    released_ = true;
+    const auto step = [this](const char* name, cudaError_t e) {
+      log_.step(name, e == cudaSuccess, cudaGetErrorString(e));
+    };
+    for (int i = 0; i < nstreams_; ++i)
+      if (streams_[i]) step("cudaStreamSynchronize", cudaStreamSynchronize(streams_[i]));
+    for (auto& e : start_) step("cudaEventDestroy", cudaEventDestroy(std::exchange(e, nullptr)));
+    for (auto& e : stop_) step("cudaEventDestroy", cudaEventDestroy(std::exchange(e, nullptr)));
     for (int i = 0; i < nstreams_; ++i) {
-      if (joined_[i]) cudaEventDestroy(joined_[i]);
-      if (streams_[i]) cudaStreamDestroy(streams_[i]);
+      if (joined_[i]) step("cudaEventDestroy", cudaEventDestroy(std::exchange(joined_[i], nullptr)));
+      if (streams_[i]) step("cudaStreamDestroy", cudaStreamDestroy(std::exchange(streams_[i], nullptr)));
     }
+    (void)cudaGetLastError();
+    return log_.message();
   }
   void submit(const std::vector<CopyOp>& ops, int slot) override {
     cudaStream_t primary = streams_[0];
@@ -93,7 +105,9 @@ class CudaBackend final : public CopyBackend {
     return p;
   }
   void free_host(void* p) noexcept override {
-    if (p != nullptr) cudaFreeHost(p);
+    if (p == nullptr) return;
+    const cudaError_t e = cudaFreeHost(p);
+    log_.step("cudaFreeHost(staging)", e == cudaSuccess, cudaGetErrorString(e));
     (void)cudaGetLastError();
   }
 
@@ -104,6 +118,8 @@ class CudaBackend final : public CopyBackend {
   std::array<cudaEvent_t, kMaxCopyStreams> joined_{};  // [stream] reused: waited on right after its record
   std::vector<cudaEvent_t> start_, stop_;
   std::vector<size_t> order_;
+  commkit::TeardownLog log_{release_hook()};
+  bool released_ = false;
 };
 
 }  // namespace

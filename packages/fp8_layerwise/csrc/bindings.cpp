@@ -340,6 +340,8 @@ PYBIND11_MODULE(_C, m) {
       .def("close", &Transport::close, py::call_guard<commkit::GatedGilRelease>(),
            "Close; returns False when a call of another thread (or of this one, closing from inside the writer) "
            "was still inside after the deadline: the control region and the slots must then stay mapped.")
+      .def("teardown_error", &Transport::teardown_error,
+           "After close(): the copy backend's releases that failed, '' when none.")
       .def("reset", &Transport::reset, py::call_guard<commkit::GatedGilRelease>())
       .def("poison", &Transport::poison, py::arg("code"), py::arg("message"),
            py::call_guard<commkit::GatedGilRelease>())

@@ -242,6 +242,11 @@ Transport::~Transport() = default;
 void Transport::join(uint64_t epoch, int64_t layer_id, int expert_count) { impl_->join(epoch, layer_id, expert_count); }
 Stats Transport::wait(uint64_t epoch) { return impl_->wait(epoch); }
 bool Transport::close() noexcept { return impl_->close(); }
+std::string Transport::teardown_error() const {
+  // final_ready_ is set after close() joined the consumer, which wrote teardown_error_ before it ended.
+  std::lock_guard<std::mutex> g(impl_->final_mu_);
+  return impl_->final_ready_ ? impl_->teardown_error_ : std::string();
+}
 uint64_t Transport::reset() { return impl_->reset(); }
 bool Transport::poison(int code, const std::string& message) { return impl_->poison(code, message); }
 bool Transport::poisoned() const { return impl_->poison_snapshot().poisoned; }

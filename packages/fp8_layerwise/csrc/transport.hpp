@@ -198,6 +198,9 @@ class Transport {
   // then may the owner unmap the control region and the slots. A call still inside (a writer that
   // did not return in time, or close() called from inside the writer) may still touch them.
   bool close() noexcept;
+  // After close(): the copy backend's releases that failed (CUDA: stream synchronisation, event and
+  // stream destruction, cudaFreeHost of the staging memory), "" when none.
+  std::string teardown_error() const;
   // Collective recovery after a poison: every live rank calls it; returns the new generation.
   uint64_t reset();
   // Claims the poison record (exactly one concurrent claim wins); returns whether this call won.

@@ -71,6 +71,7 @@ void Transport::Impl::consumer_main() noexcept {
   }
   backend_->drain();
   free_staging();
+  teardown_error_ = backend_->release();  // close() reads it after joining this thread
   backend_.reset();
 }
 

@@ -247,6 +247,7 @@ class Transport::Impl {
   std::condition_variable init_cv_;
   bool init_done_ = false;
   std::string init_error_;
+  std::string teardown_error_;  // the consumer's backend releases that failed (written before it exits)
   Stats final_poison_;
   bool final_ready_ = false;  // final_poison_ is set: the region may be gone (under final_mu_)
   mutable std::mutex final_mu_;

@@ -28,6 +28,7 @@
 //                 me. My kernel ends only after done[s] >= e for every peer s.
 //   * cnt / fin : local block-completion counters; the last block resets them to 0 before the
 //                 kernel ends, so the next call starts from 0.
+//   * leaving[s]: written by rank s's host in destroy() (see leaving_word).
 //   * broken    : sticky failure mark. A kernel that gives up sets it here, and after a deadline
 //                 also in every peer's block (a mismatch is seen by the peer itself); a kernel that
 //                 finds it set moves nothing, posts no done and no ready (unless the mark is of this
@@ -77,8 +78,16 @@ struct alignas(128) Signals {
   uint32_t fin;               // local: blocks of the current call finished in total
   uint64_t broken;            // local and remote-written: 0, or broken_word(call, rank that marked it)
   uint64_t gave_up;           // local: 1 once a kernel of this rank gave up (mismatch or deadline)
+  uint64_t leaving[kMaxWorld];  // remote-written by rank s's host in destroy(): leaving_word(s) (see below)
 };
 static_assert(sizeof(Signals) <= kSignalBytes, "Signals must fit its region");
+
+// destroy()'s arrival word: rank s's host writes leaving_word(s) into leaving[s] of every peer once
+// s's device finished every kernel of the instance, so s writes into no peer's buffer any more. A
+// rank frees its buffer only after every peer's word arrived (each is compared in full: a stray
+// value is no arrival). The signal block is zeroed at construction, so a word from an earlier
+// instance can never be there.
+CK_HD constexpr uint64_t leaving_word(int rank) { return 0x4c45415645000000ull | (static_cast<uint64_t>(rank) + 1u); }
 
 // The failure mark: the call number's low 32 bits in the high half, 1 + the marking rank in the low.
 CK_HD constexpr uint64_t broken_word(uint64_t e, int rank) {

@@ -1,6 +1,9 @@
 // bindings.cpp -- the torch-free extension module ipc_all2all._C.
 #include <pybind11/pybind11.h>
+#include <pybind11/functional.h>
 #include <pybind11/stl.h>
+
+#include <functional>
 
 #include "a2a_types.hpp"
 #include "commkit/check.hpp"
@@ -92,6 +95,40 @@ PYBIND11_MODULE(_C, m) {
   // The message the host raises for a device-side record (timeouts raise CommTimeoutError with it).
   m.def("failure_message", &ipc_all2all::record_message, py::arg("op"), py::arg("rank"), py::arg("peer"),
         py::arg("expected"), py::arg("observed"));
+  // Core::check's reading of the failure record (failure_record.hpp), for the CPU tests: `record_ptr`
+  // is the address of a 64-byte commkit::TimeoutRecord in host memory, `between` (or None) runs
+  // between the reader's two copies of its fields. Returns (state, op, rank, peer, expected,
+  // observed, why), state one of "clear", "pending", "ready", "malformed".
+  m.def(
+      "read_failure_record",
+      [](uint64_t record_ptr, int world, int rank, int tries, py::object between) {
+        CK_CHECK_ARG(record_ptr != 0 && record_ptr % alignof(commkit::TimeoutRecord) == 0,
+                     "record_ptr must be a non-null address aligned to ", alignof(commkit::TimeoutRecord));
+        CK_CHECK_ARG(tries > 0, "tries must be positive, got ", tries);
+        std::function<void()> cb;
+        if (!between.is_none()) cb = [&between] { between(); };
+        const auto got = ipc_all2all::read_failure_record(
+            reinterpret_cast<const commkit::TimeoutRecord*>(record_ptr), world, rank, tries, cb);
+        static const char* names[] = {"clear", "pending", "ready", "malformed"};
+        const auto& r = got.rec;
+        return py::make_tuple(names[int(got.state)], r.op, r.rank, r.peer, r.expected, r.observed, got.why);
+      },
+      py::arg("record_ptr"), py::arg("world_size"), py::arg("rank"), py::arg("tries") = 100000,
+      py::arg("between") = py::none());
+  m.def(
+      "clear_failure_record",
+      [](uint64_t record_ptr, py::object after_store) {
+        CK_CHECK_ARG(record_ptr != 0 && record_ptr % alignof(commkit::TimeoutRecord) == 0,
+                     "record_ptr must be a non-null address aligned to ", alignof(commkit::TimeoutRecord));
+        std::function<void()> cb;
+        if (!after_store.is_none()) cb = [&after_store] { after_store(); };
+        ipc_all2all::clear_failure_record(reinterpret_cast<commkit::TimeoutRecord*>(record_ptr), cb);
+      },
+      py::arg("record_ptr"), py::arg("after_store") = py::none(),
+      "Core::check's clear of a record it read; `after_store` (or None) runs after each of its stores.");
+  m.attr("RECORD_FLAG_HOST_ABORT") = ipc_all2all::kFlagHostAbort;
+  m.attr("OP_PEER_WATCH") = int(ipc_all2all::kPeerWatch);
+  m.attr("DESTROY_TIMEOUT_SECONDS") = ipc_all2all::kDestroyTimeoutSeconds;
   // The handle format (handle_format, commkit/ipc_handle.hpp): sync()'s checks, testable without a GPU.
   m.attr("HANDLE_BYTES") = commkit::kDescribedIpcHandleBytes;
   m.def(
@@ -166,6 +203,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("timeout_seconds", &Core::timeout_seconds)
       .def("set_grid", &Core::set_grid, py::arg("num_blocks"), py::arg("self_blocks") = 0)
       .def_property_readonly("grid", &Core::grid)
-      .def("destroy", &Core::destroy, py::arg("free_buffer") = true, py::call_guard<commkit::GilRelease>())
+      .def("destroy", &Core::destroy, py::arg("free_buffer") = true,
+           py::arg("timeout_seconds") = ipc_all2all::kDestroyTimeoutSeconds, py::arg("collective") = false,
+           py::call_guard<commkit::GilRelease>())
       .def("release_buffer", &Core::release_buffer);
 }

@@ -15,103 +15,10 @@
 #include <cuda_runtime.h>
 
 #include "commkit/ipc.hpp"
+#include "device_guard.hpp"
 #endif
 
 namespace ipc_all2all {
-
-#if COMMKIT_WITH_CUDA
-namespace {
-// Every CUDA call runs on the instance's device, whatever the caller's current device is (the rank
-// need not equal the device index).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int dev) {
-    CK_CUDA_CHECK(cudaGetDevice(&prev_));
-    if (prev_ != dev) CK_CUDA_CHECK(cudaSetDevice(dev));
-  }
-  ~DeviceGuard() {
-    int cur = -1;
-    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev_) (void)cudaSetDevice(prev_);
-  }
-
- private:
-  int prev_ = 0;
-};
-}  // namespace
-#endif
-
-const char* op_name(uint32_t op) {
-  switch (op) {
-    case kSendRecvHeads * 4 + kPhaseEntry: return "send_recv_heads (entry handshake: peer never entered the call)";
-    case kSendRecvHeads * 4 + kPhaseCompletion: return "send_recv_heads (completion: peer's data never arrived)";
-    case kSendRecvHeads * 4 + kPhaseMismatch: return "send_recv_heads (entry handshake: peer entered another call)";
-    case kSendRecvHeads * 4 + kPhaseBroken: return "send_recv_heads (abandoned: the instance failed)";
-    case kGatherHeads * 4 + kPhaseEntry: return "gather_heads (entry handshake: peer never entered the call)";
-    case kGatherHeads * 4 + kPhaseCompletion: return "gather_heads (completion: peer's data never arrived)";
-    case kGatherHeads * 4 + kPhaseMismatch: return "gather_heads (entry handshake: peer entered another call)";
-    case kGatherHeads * 4 + kPhaseBroken: return "gather_heads (abandoned: the instance failed)";
-    case kAllGather * 4 + kPhaseEntry: return "allgather (entry handshake: peer never entered the call)";
-    case kAllGather * 4 + kPhaseCompletion: return "allgather (completion: peer's data never arrived)";
-    case kAllGather * 4 + kPhaseMismatch: return "allgather (entry handshake: peer entered another call)";
-    case kAllGather * 4 + kPhaseBroken: return "allgather (abandoned: the instance failed)";
-    case kPeerWatch * 4: return "ipc_all2all peer watch (a peer's process on this host died)";
-    default: return "unknown ipc_all2all operation";
-  }
-}
-
-namespace {
-const char* kind_name(uint32_t kind) {
-  switch (kind) {
-    case kSendRecvHeads: return "send_recv_heads";
-    case kGatherHeads: return "gather_heads";
-    case kAllGather: return "allgather";
-    default: return "an unknown operation";
-  }
-}
-
-const char* kRecreate = "; destroy() the instance on every rank and build a new one";
-}  // namespace
-
-std::string failure_message(const commkit::TimeoutRecord& r) {
-  const uint32_t kind = r.op / 4, phase = r.op % 4;
-  const char* me = kind_name(kind);
-  if (phase == kPhaseMismatch) {
-    const uint64_t mine = static_cast<uint64_t>(r.expected), theirs = static_cast<uint64_t>(r.observed);
-    const uint32_t my_sig = ready_signature(mine), their_sig = ready_signature(theirs);
-    std::string why;
-    if (ready_call(theirs) != ready_call(mine)) {
-      why = commkit::str("peer ", r.peer, " is at call ", ready_call(theirs), " while this rank is at call ",
-                         ready_call(mine));
-    } else if (signature_op(their_sig) != signature_op(my_sig)) {
-      why = commkit::str("peer ", r.peer, " is running ",
-                         signature_op(their_sig) == 0 ? "no call" : kind_name(signature_op(their_sig) - 1),
-                         " while this rank runs ", me, " (call ", ready_call(mine),
-                         " of both: a rank skipped or added a call)");
-    } else if (signature_slot(their_sig) != signature_slot(my_sig)) {
-      why = commkit::str("peer ", r.peer, " runs ", me, " into output slot ", signature_slot(their_sig),
-                         ", this rank into slot ", signature_slot(my_sig),
-                         " (the ranks' call histories differ, e.g. a CUDA graph captured on some ranks only)");
-    } else {
-      why = commkit::str("peer ", r.peer, " runs ", me,
-                         " with another batch, head layout, element size, fp8 mode or token counts (signature ",
-                         commkit::hex(their_sig), ", this rank's ", commkit::hex(my_sig), ")");
-    }
-    return commkit::str("ipc_all2all: ", me, " on rank ", r.rank, ": ", why,
-                        "; every rank must make the same calls in the same order with the same shapes and "
-                        "set_rank_tokens. Nothing was written to the peer", kRecreate);
-  }
-  if (phase == kPhaseBroken) {
-    const std::string by = r.peer == r.rank ? std::string(" (on this rank)")
-                           : r.peer >= 0    ? commkit::str(" (marked failed by rank ", r.peer, ")")
-                                            : std::string();
-    return commkit::str("ipc_all2all: ", me, " on rank ", r.rank, " (call ", r.expected,
-                        ") was abandoned: this instance failed in this or an earlier call", by,
-                        "; its output and every later one are invalid (an input may derive from the failed call)",
-                        kRecreate);
-  }
-  return commkit::str(op_name(r.op), " timed out on rank ", r.rank, " waiting for peer ", r.peer, ": expected call ",
-                      r.expected, ", observed ", r.observed);
-}
 
 Core::Core(int rank, int world, int64_t capacity, int num_blocks, double timeout_seconds)
     : rank_(rank), world_(world), capacity_(capacity), num_blocks_(num_blocks) {
@@ -132,8 +39,8 @@ Core::Core(int rank, int world, int64_t capacity, int num_blocks, double timeout
   if (err == cudaSuccess) err = cudaDeviceSynchronize();
   cudaIpcMemHandle_t h;
   if (err == cudaSuccess) err = cudaIpcGetMemHandle(&h, p);
-  if (err == cudaSuccess) err = cudaHostAlloc(reinterpret_cast<void**>(&rec_host_), sizeof(commkit::TimeoutRecord),
-                                              cudaHostAllocMapped);
+  // The record, then destroy()'s staging words (teardown.cpp), in one pinned allocation.
+  if (err == cudaSuccess) err = cudaHostAlloc(reinterpret_cast<void**>(&rec_host_), kHostBytes, cudaHostAllocMapped);
   if (err == cudaSuccess) err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&rec_dev_), rec_host_, 0);
   cudaEvent_t ev = nullptr;  // the stream-order event (see launch)
   if (err == cudaSuccess) err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
@@ -357,6 +264,8 @@ void Core::watch_peers(const std::vector<commkit::ProcessId>& peers, int period_
   CK_CHECK_ARG(int(peers.size()) == world_, "watch_peers: expected one process id per rank (", world_, "), got ",
                peers.size());
   watch_.reset();
+  self_ = commkit::this_process();
+  peers_ = peers;
   if (period_ms > 0)
     watch_ = std::make_unique<commkit::PeerWatch>(rec_host_, uint32_t(kPeerWatch * 4), rank_, peers, period_ms);
 }
@@ -364,30 +273,38 @@ void Core::watch_peers(const std::vector<commkit::ProcessId>& peers, int period_
 void Core::check() {
   const std::lock_guard<std::recursive_mutex> lock(mu_);
   if (destroyed_ || rec_host_ == nullptr) return;
-  if (commkit::ld_acquire(&rec_host_->flag) == 0) return;
-  // flag 2 means a device thread is still filling the record; it finishes within microseconds. A record
-  // still not complete after that is left for the next check: its fields may be torn, and clearing it
-  // would let the writer's final flag = 1 revive it for a later call.
-  for (int i = 0; i < 1000000 && commkit::ld_acquire(&rec_host_->flag) != 1u; ++i) {
-  }
-  if (commkit::ld_acquire(&rec_host_->flag) != 1u) return;
-  const commkit::TimeoutRecord r = *rec_host_;
-  commkit::clear_timeout_record(rec_host_);
-  broken_ = true;
-  const uint32_t phase = r.op % 4;
-  broken_reason_ = std::string("a device-side failure in ") + op_name(r.op);
-  if (r.op == kPeerWatch * 4) {
-    broken_reason_ = commkit::str("rank ", r.peer, "'s process died");
+  int dead = dead_peer();
+  const RecordRead got = read_failure_record(rec_host_, world_, rank_);
+  // The watch sets its dead peer before it writes the record: a record of the watch read after the
+  // first look has it set.
+  if (dead < 0 && got.state == RecordState::kReady && got.rec.op == uint32_t(kPeerWatch) * 4) dead = dead_peer();
+  const bool readable = got.state == RecordState::kReady || got.state == RecordState::kMalformed;
+  const commkit::TimeoutRecord r = got.rec;
+  // Pending: a device thread is still filling the record (microseconds); a later check reads it.
+  if (readable) clear_failure_record(rec_host_);
+  if (dead >= 0) {
+    // From the watch's own state, not the record: its stores may have mixed with a kernel's report.
+    // Once said, it explains every later failure of this instance: later records are dropped.
+    if (death_reported_) return;
+    death_reported_ = broken_ = true;
+    broken_reason_ = commkit::str("rank ", dead, "'s process died");
     // The watch only ends the waits: the call that waited is the last one launched.
-    const char* call = last_op_ == kSendRecvHeads ? "send_recv_heads"
-                       : last_op_ == kGatherHeads ? "gather_heads"
-                       : last_op_ == kAllGather   ? "allgather"
-                                                  : nullptr;
+    const char* call = last_op_ >= 0 ? kind_name(uint32_t(last_op_)) : nullptr;
     const std::string during =
         call ? commkit::str(" during this rank's ", call, " (the last operation it launched)") : std::string();
-    CK_CHECK_RANK(false, r.rank, r.peer, "rank ", r.peer, "'s process (pid ", r.expected, ") on this host died", during,
-                  "; the call waiting for it was ended at once", kRecreate);
+    CK_CHECK_RANK(false, rank_, dead, "rank ", dead, "'s process (pid ", peers_[size_t(dead)].pid, ") on this host died",
+                  during, "; the call waiting for it was ended at once", kRecreate);
   }
+  if (!readable) return;
+  broken_ = true;
+  if (got.state == RecordState::kMalformed || r.op == uint32_t(kPeerWatch) * 4) {
+    broken_reason_ = "an unreadable device-side failure record";
+    CK_THROW("ipc_all2all: rank ", rank_, ": a device-side failure was recorded, but its record is not one this "
+             "rank's kernels write (", got.why.empty() ? std::string("a peer-watch record, but no peer died") : got.why,
+             "; op ", r.op, ", rank ", r.rank, ", peer ", r.peer, "), so no operation or peer can be named", kRecreate);
+  }
+  const uint32_t phase = r.op % 4;
+  broken_reason_ = std::string("a device-side failure in ") + op_name(r.op);
   if (phase == kPhaseMismatch || phase == kPhaseBroken)
     CK_CHECK_RANK(false, r.rank, r.peer, failure_message(r));
   // Entry timeouts record call numbers in the handshake word's high half.
@@ -442,60 +359,6 @@ void Core::set_grid(int num_blocks, int self_blocks) {
 std::array<int, 3> Core::grid() const {
   GridPlan g = grid_plan(num_blocks_, world_, self_blocks_hint_);
   return {g.total, g.self_blocks, g.per_peer};
-}
-
-void Core::destroy(bool free_buffer) {
-  const std::lock_guard<std::recursive_mutex> lock(mu_);
-  if (destroyed_) {
-    if (free_buffer) release_buffer();
-    return;
-  }
-  destroyed_ = true;
-#if COMMKIT_WITH_CUDA
-  DeviceGuard g(device_);
-  // Our kernels may still write to peers (and they to us); everything local must finish first.
-  cudaError_t first = cudaDeviceSynchronize();
-  std::vector<void*> peers(world_, nullptr);
-  for (int i = 0; i < world_; ++i)
-    if (i != rank_) {
-      peers[i] = base_[i];
-      base_[i] = nullptr;
-    }
-  const cudaError_t closed = commkit::close_ipc_handles(peers);
-  if (first == cudaSuccess) first = closed;
-  watch_.reset();  // its thread writes the record freed below
-  if (rec_host_) {
-    cudaError_t e = cudaFreeHost(rec_host_);
-    if (first == cudaSuccess) first = e;
-    rec_host_ = rec_dev_ = nullptr;
-  }
-  if (last_done_) {
-    cudaError_t e = cudaEventDestroy(static_cast<cudaEvent_t>(last_done_));
-    if (first == cudaSuccess) first = e;
-    last_done_ = nullptr;
-    have_last_ = false;
-  }
-  if (first != cudaSuccess) {
-    (void)cudaGetLastError();
-    if (free_buffer) release_buffer();
-    CK_THROW("destroy(): releasing the instance failed: ", cudaGetErrorString(first));
-  }
-#endif
-  if (free_buffer) release_buffer();
-}
-
-void Core::release_buffer() {
-  const std::lock_guard<std::recursive_mutex> lock(mu_);
-#if COMMKIT_WITH_CUDA
-  if (base_[rank_] == nullptr) return;
-  DeviceGuard g(device_);
-  const cudaError_t e = cudaFree(base_[rank_]);
-  base_[rank_] = nullptr;
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    CK_THROW("destroy(): freeing the shared buffer failed: ", cudaGetErrorString(e));
-  }
-#endif
 }
 
 }  // namespace ipc_all2all

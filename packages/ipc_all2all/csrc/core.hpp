@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "a2a_types.hpp"
+#include "failure_record.hpp"
 #include "commkit/ipc_handle.hpp"
 #include "commkit/process.hpp"
 #include "commkit/timeout_record.hpp"
@@ -26,6 +27,10 @@ inline const commkit::IpcHandleFormat& handle_format() {
       "write past a smaller peer buffer"};
   return f;
 }
+
+// destroy()'s deadline for each of its waits unless told otherwise (also when the operations wait
+// forever, timeout_seconds = 0).
+constexpr double kDestroyTimeoutSeconds = 30.0;
 
 class Core {
  public:
@@ -95,10 +100,19 @@ class Core {
   void set_grid(int num_blocks, int self_blocks);
   std::array<int, 3> grid() const;
   bool broken() const { return broken_; }
-  // Waits for the device, closes the peers' mappings and frees everything; with free_buffer=false
-  // the own allocation stays until release_buffer() (zero-copy views of it may still be alive: the
-  // Python layer frees it when the last one goes). Idempotent.
-  void destroy(bool free_buffer = true);
+  // Ends the instance (teardown.cpp). Every wait has a deadline of timeout_seconds (> 0, whatever
+  // the operations' timeout; the default kDestroyTimeoutSeconds): (1) the device finishing this
+  // instance's kernels; past the deadline their waits are ended through the failure record and the
+  // device gets the deadline once more; (2) with `collective`, every peer announcing that its device
+  // finished too (a word each rank's host writes into every peer's signal block; no process group),
+  // ended early for peers the peer watch finds dead. Then the peers' mappings close and everything
+  // is freed; with free_buffer=false the own allocation stays until release_buffer() (zero-copy
+  // views of it may still be alive: the Python layer frees it when the last one goes).
+  // Raises commkit::Error, after releasing all it safely can, naming what failed: peers that never
+  // arrived (this rank's buffer is then kept until the process exits, as such a peer may still
+  // write into it), a device that never finished (nothing is freed: freeing would wait for it), each
+  // CUDA release that failed. Idempotent.
+  void destroy(bool free_buffer = true, double timeout_seconds = kDestroyTimeoutSeconds, bool collective = false);
   void release_buffer();
   bool destroyed() const { return destroyed_; }
   // Stream-order bookkeeping of launch/fp8_unpack; `capturing` is the stream's capture state.
@@ -108,6 +122,13 @@ class Core {
  private:
   void require_usable(const char* what) const;
   void order_after_last_call(void* stream, bool capturing);
+  // destroy()'s steps (teardown.cpp).
+  bool wait_for_device(uint64_t timeout_ns, std::string* failure);
+  std::vector<int> wait_for_peers(uint64_t timeout_ns, std::string* failure);
+  bool peer_known_dead(int peer) const;
+
+  // The pinned host allocation: the failure record, then destroy()'s staging words.
+  static constexpr size_t kHostBytes = sizeof(commkit::TimeoutRecord) + sizeof(uint64_t) * (kMaxWorld + 1);
 
   int rank_, world_, device_ = -1;
   int64_t capacity_;
@@ -119,6 +140,10 @@ class Core {
   commkit::TimeoutRecord* rec_host_ = nullptr;
   commkit::TimeoutRecord* rec_dev_ = nullptr;
   std::unique_ptr<commkit::PeerWatch> watch_;  // writes *rec_host_: reset before it is freed
+  std::vector<commkit::ProcessId> peers_;      // every rank's process, as watch_peers got them
+  commkit::ProcessId self_{};                  // this process, as watch_peers found it
+  bool death_reported_ = false;  // check() raised the watch's finding (later records are dropped)
+  bool keep_buffer_ = false;  // destroy() kept the own allocation (a peer may still write into it)
   uint64_t calls_ = 0, captured_calls_ = 0;
   int last_op_ = -1;  // the last operation launched (named when a peer's process dies)
   std::array<uint64_t, kNumSlots> slot_capture_{};
@@ -142,10 +167,5 @@ class Core {
 uint64_t timeout_ns_from_seconds(double s);
 void check_grid_args(int world, int num_blocks, int self_blocks);
 void check_capacity_bytes(int64_t capacity);
-
-// The name of a record's op code (kind * 4 + phase), e.g. for TimeoutError.operation.
-const char* op_name(uint32_t op);
-// The message the host raises for a record (host only; exposed for the CPU tests).
-std::string failure_message(const commkit::TimeoutRecord& r);
 
 }  // namespace ipc_all2all

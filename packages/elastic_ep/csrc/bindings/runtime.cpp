@@ -56,6 +56,7 @@ void bind_options(py::module_& m) {
       .def(py::init<>())
       .def_readwrite("host_wait_yield_us", &RuntimeOptions::host_wait_yield_us)
       .def_readwrite("debug", &RuntimeOptions::debug)
+      .def_readwrite("test_fail_release", &RuntimeOptions::test_fail_release)
       .def_readwrite("num_scaleup_ranks", &RuntimeOptions::num_scaleup_ranks)
       .def_readonly("use_gin", &RuntimeOptions::use_gin)
       .def(

@@ -57,6 +57,16 @@ void check_dispatch_shape(const char* op, int num_ranks, int64_t buffer_bytes, i
                " bytes need ", need, " bytes of buffer, this one has ", buffer_bytes);
 }
 
+// Hybrid mode: the relay area the push stages records into and the forward kernel scans (both sized
+// from the call's parameters) must lie inside the buffer.
+void check_hybrid_layout(const char* op, int num_ranks, int num_scaleup_ranks, int64_t buffer_bytes,
+                         int64_t hidden_bytes, int64_t num_sf_packs, int num_topk, int64_t max_tokens) {
+  const auto hl = hybrid_dispatch_layout(dispatch_token_layout(hidden_bytes, 1, num_sf_packs, num_topk).bytes, num_topk,
+                                         num_ranks, num_ranks / num_scaleup_ranks, max_tokens);
+  CK_CHECK(hl.bytes <= buffer_bytes, op, ": hybrid mode needs ", hl.bytes, " bytes of buffer, this one has ",
+           buffer_bytes);
+}
+
 }  // namespace
 
 void Runtime::dispatch(const DispatchParams& p, int64_t stream, int64_t wait_stream) {
@@ -78,11 +88,8 @@ void Runtime::dispatch(const DispatchParams& p, int64_t stream, int64_t wait_str
   if (hybrid()) {
     // The Python layer plans hybrid dispatches this way; a bad plan must not write past the buffer.
     CK_CHECK(!q.overlap && !q.zero_copy, "dispatch: hybrid mode runs neither overlapped nor zero-copy");
-    const auto hl = hybrid_dispatch_layout(dispatch_token_layout(q.hidden_bytes, 1, q.num_sf_packs, q.num_topk).bytes,
-                                           q.num_topk, num_ranks_, num_ranks_ / scaleup_,
-                                           q.num_max_tokens_per_rank);
-    CK_CHECK(hl.bytes <= num_buffer_bytes_, "dispatch: hybrid mode needs ", hl.bytes, " bytes of buffer, this one has ",
-             num_buffer_bytes_);
+    check_hybrid_layout("dispatch", num_ranks_, scaleup_, num_buffer_bytes_, q.hidden_bytes, q.num_sf_packs, q.num_topk,
+                        q.num_max_tokens_per_rank);
     q.concurrent_notify = 0;  // the push stages records in the buffer notify's barrier makes free
   }
   if (q.zero_copy) {
@@ -198,6 +205,14 @@ std::pair<int64_t, int64_t> Runtime::take_masked_ids() {
 void Runtime::dispatch_epilogue(const EpilogueParams& p, int64_t stream, int64_t join_stream) {
   CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
   CK_CHECK(!hybrid() || !p.overlap, "dispatch epilogue: hybrid mode runs no overlapped epilogue");
+  if (hybrid()) {
+    // The forward kernel indexes the relay area and forward_dense with these values (the raw runtime's
+    // caller fills them; the Python layer passes the dispatch's).
+    check_dispatch_shape("dispatch epilogue", num_ranks_, num_buffer_bytes_, 0, p.num_max_tokens_per_rank,
+                         p.num_experts, p.num_topk, p.hidden_bytes, p.num_sf_packs, p.zero_copy != 0);
+    check_hybrid_layout("dispatch epilogue", num_ranks_, scaleup_, num_buffer_bytes_, p.hidden_bytes, p.num_sf_packs,
+                        p.num_topk, p.num_max_tokens_per_rank);
+  }
   set_device();
   if (p.overlap) {
     // Beside the push (still running on `stream`): start once notify finished, then join back.

@@ -40,6 +40,7 @@ WindowShape Runtime::begin_setup(int rank, int num_ranks, int64_t num_buffer_byt
   // How long a host wait yields before it sleeps (see poll_host; ELASTIC_EP_HOST_WAIT_YIELD_US).
   host_wait_yield_ns_ = uint64_t(std::max<int64_t>(0, options.host_wait_yield_us)) * 1000ull;
   debug_ = options.debug;
+  test_fail_release_ = options.test_fail_release;
   const int U = options.num_scaleup_ranks;
   CK_CHECK_ARG(U == 0 || (U > 0 && U <= num_ranks && num_ranks % U == 0), "num_scaleup_ranks must be 0 (direct "
                "mode) or a divisor of the ", num_ranks, " ranks, got ", U);
@@ -108,8 +109,10 @@ void Runtime::finish_setup() {
     epi_stream_.reset(epi);
     CK_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (...) {
-    // No destructor runs after a failed constructor: free what was made (see release).
-    release(Teardown::kLocal);
+    // No destructor runs after a failed constructor: free what was made (see release). The set-up's
+    // own error is the one raised.
+    commkit::TeardownLog secondary;
+    release(Teardown::kLocal, secondary);
     destroyed_ = true;
     (void)cudaGetLastError();
     throw;
@@ -163,17 +166,23 @@ void Runtime::destroy() {
   if (destroyed_) return;
   destroyed_ = true;
   trace(debug_, "rank %d: destroy (broken=%d)\n", rank_, int(broken_));
+  commkit::TeardownLog log(test_fail_release_);
   Teardown how = Teardown::kLeak;
   try {
-    how = quiesce();
+    how = quiesce(log);
   } catch (...) {
-    release(Teardown::kLeak);
+    release(Teardown::kLeak, log);
     throw;
   }
-  release(how);
+  release(how, log);
+  if (!log.empty()) {
+    (void)cudaGetLastError();
+    CK_THROW("destroy() on rank ", rank_, ": ", log.message(),
+             " (every other resource of the buffer was released)");
+  }
 }
 
-Teardown Runtime::quiesce() {
+Teardown Runtime::quiesce(commkit::TeardownLog& log) {
   if (broken_ && window_->peer_bases() != nullptr) {
     // After a timeout the peers are out of step (or gone): NCCL's window/devcomm teardown is collective
     // and kernels may still be spinning towards their device deadline, so nothing is freed here. The
@@ -182,7 +191,8 @@ Teardown Runtime::quiesce() {
     return Teardown::kLeak;
   }
   set_device();
-  cudaDeviceSynchronize();
+  const cudaError_t synced = cudaDeviceSynchronize();
+  log.step("cudaDeviceSynchronize", synced == cudaSuccess, cudaGetErrorString(synced));
   if (window_->peer_bases() != nullptr && (entered_ || !ipc())) {
     // A device barrier with a deadline before anything is released.
     // * CUDA IPC: nothing makes its teardown collective, so the barrier makes sure no peer still
@@ -198,8 +208,8 @@ Teardown Runtime::quiesce() {
     CommView v = view();
     if (v.timeout_ns == 0) v.timeout_ns = kDestroyDeadlineNs;
     launch_barrier(v, nullptr);
-    cudaDeviceSynchronize();
-    (void)cudaGetLastError();
+    const cudaError_t barrier = cudaDeviceSynchronize();
+    if (log.step("destroy barrier", barrier == cudaSuccess, cudaGetErrorString(barrier))) return Teardown::kLeak;
     if (commkit::ld_acquire(&host_workspace_layout().timeout.at<commkit::TimeoutRecord>(host_ws_.get())->flag) == 1u) {
       broken_ = true;
       broken_reason_ = "a peer did not reach destroy()";
@@ -209,21 +219,27 @@ Teardown Runtime::quiesce() {
   return Teardown::kCollective;
 }
 
-void Runtime::release(Teardown how) noexcept {
+void Runtime::release(Teardown how, commkit::TeardownLog& log) noexcept {
   watch_.reset();  // its thread writes the timeout record in the host workspace
+  const auto step = [&log](const char* name, cudaError_t e) {
+    log.step(name, e == cudaSuccess, cudaGetErrorString(e));
+  };
   // Events and the stream are local and may go with work pending on them (CUDA frees them once it
   // completes).
-  for (CudaEvent* ev : {&event_in_, &event_out_, &notify_done_, &epi_done_}) ev->reset();
-  epi_stream_.reset();
-  if (how == Teardown::kLeak) {
-    // Kernels may still write the timeout record into the host workspace and read the domain view.
-    domain_peer_bases_.leak();
-    host_ws_.leak();
-  } else {
-    domain_peer_bases_.reset();
-    host_ws_.reset();
+  for (CudaEvent* ev : {&event_in_, &event_out_, &notify_done_, &epi_done_}) {
+    if (*ev) step("cudaEventDestroy", cudaEventDestroy(ev->get()));
+    ev->leak();
   }
-  if (window_) window_->release(how);
+  if (epi_stream_) step("cudaStreamDestroy", cudaStreamDestroy(epi_stream_.get()));
+  epi_stream_.leak();
+  if (how != Teardown::kLeak) {
+    if (domain_peer_bases_) step("cudaFree(domain_peer_bases)", cudaFree(domain_peer_bases_.get()));
+    if (host_ws_) step("cudaFreeHost(host_workspace)", cudaFreeHost(host_ws_.get()));
+  }
+  // kLeak: kernels may still write the timeout record into the host workspace and read the domain view.
+  domain_peer_bases_.leak();
+  host_ws_.leak();
+  if (window_) window_->release(how, log);
 }
 
 uint64_t Runtime::buffer_ptr() const {

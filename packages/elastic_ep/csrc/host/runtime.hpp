@@ -42,6 +42,8 @@ constexpr int64_t kNoStream = -1;
 struct RuntimeOptions {
   int64_t host_wait_yield_us = 20000;  // poll_host: yield this long, then sleep
   bool debug = false;                  // print the set-up and teardown trace to stderr
+  // Tests only: release steps destroy() reports as failed (commkit/teardown.hpp; ELASTIC_EP_TEST_FAIL_RELEASE).
+  std::string test_fail_release;
   // Hybrid mode: U ranks per logical scale-out domain (0 < U < R, U dividing R; 0: direct mode). The
   // dispatch, combine and barrier kernels then reach another domain only through the scale-out
   // transport: the window's LSA pointers of those ranks are left null.
@@ -218,10 +220,10 @@ class Runtime {
   void make_domain_view();
   // Devices synchronised, then (where a peer may still write here) a barrier of every rank with a
   // deadline: how destroy() may tear down.
-  Teardown quiesce();
+  Teardown quiesce(commkit::TeardownLog& log);
   // The one teardown path of the runtime's memory and its window (window.hpp's Teardown); the events
   // and the stream go first, whatever `how`.
-  void release(Teardown how) noexcept;
+  void release(Teardown how, commkit::TeardownLog& log) noexcept;
   // `waiter` waits for the work queued on `signaller` so far (an event recorded there); a no-op when
   // either is kNoStream or both are the same stream. Capturable: the usual fork/join of a CUDA graph.
   void stream_wait(int64_t waiter, int64_t signaller, void* event);
@@ -242,6 +244,7 @@ class Runtime {
   uint64_t gpu_timeout_ns_ = 0;
   uint64_t host_wait_yield_ns_ = 20ull * 1000000ull;  // poll_host: yield this long, then sleep
   bool debug_ = false;                                // RuntimeOptions::debug
+  std::string test_fail_release_;                     // RuntimeOptions::test_fail_release
   std::unique_ptr<Window> window_;
   IpcWindow* ipc_ = nullptr;      // window_ when it is the CUDA-IPC one
   DeviceMemory domain_peer_bases_;  // hybrid mode: device [num_ranks], null outside the own domain

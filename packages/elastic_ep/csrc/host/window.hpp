@@ -28,7 +28,11 @@
 //                set-up went on, so they stay until the communicator is destroyed.
 //   kLeak        nothing is freed (after a timeout kernels may still spin on the memory and the peers
 //                are out of step); the communicator's abort or the process exit reclaims it.
-// Afterwards the window is empty (null accessors) and a second release does nothing.
+// Afterwards the window is empty (null accessors) and a second release does nothing. Every release
+// step runs whatever an earlier one returned; each that fails (a CUDA or NCCL error) is entered in
+// `log` by name (cudaIpcCloseMemHandle(peers), cudaFree(window), cudaFree(peer_bases),
+// ncclCommWindowDeregister, ncclMemFree), for destroy() to raise once everything ran; the
+// destructors, which cannot throw, discard it (destroy() released the window before, when it ran).
 #pragma once
 
 #include <cstdint>
@@ -36,6 +40,7 @@
 #include <vector>
 
 #include "commkit/ipc_handle.hpp"
+#include "commkit/teardown.hpp"
 #include "host/cuda_owned.hpp"
 #include "kernels/launch.hpp"
 
@@ -66,16 +71,17 @@ class Window {
   int lsa_size() const { return lsa_size_; }
   virtual void* gin_devcomm() const { return nullptr; }
   virtual void* gin_window() const { return nullptr; }
-  virtual void release(Teardown how) noexcept = 0;
+  virtual void release(Teardown how, commkit::TeardownLog& log) noexcept = 0;
 
  protected:
   Window(const WindowShape& shape, bool debug) : shape_(shape), debug_(debug) {}
   // What both backends release alike: the peers' addresses (the device array is this rank's memory).
-  void release_peer_bases(Teardown how) noexcept {
-    if (how == Teardown::kLeak)
-      peer_bases_.leak();
-    else
-      peer_bases_.reset();
+  void release_peer_bases(Teardown how, commkit::TeardownLog& log) noexcept {
+    if (how != Teardown::kLeak && peer_bases_) {
+      const cudaError_t e = cudaFree(peer_bases_.get());
+      log.step("cudaFree(peer_bases)", e == cudaSuccess, cudaGetErrorString(e));
+    }
+    peer_bases_.leak();
     host_peer_bases_.clear();
     base_ = nullptr;
   }
@@ -95,11 +101,14 @@ class NcclWindow final : public Window {
   // the device communicator gets GIN contexts and NCCL's LSA team must be this rank's scale-up domain
   // of `scaleup` ranks; without, every rank must share one LSA team. Throws after release(kLocal).
   NcclWindow(const WindowShape& shape, void* comm, const GinRequest* gin, int scaleup, bool debug);
-  ~NcclWindow() override { release(Teardown::kLocal); }
+  ~NcclWindow() override {
+    commkit::TeardownLog discarded;
+    release(Teardown::kLocal, discarded);
+  }
   void* gin_devcomm() const override { return devcomm_; }
   void* gin_window() const override { return window_; }
   bool failed_everywhere() const { return failed_everywhere_; }
-  void release(Teardown how) noexcept override;
+  void release(Teardown how, commkit::TeardownLog& log) noexcept override;
 
  private:
   // Registration, device communicator, LSA team check, peers' addresses.
@@ -115,7 +124,10 @@ class IpcWindow final : public Window {
  public:
   // Unconnected (peer_bases() null) until open_peers().
   IpcWindow(const WindowShape& shape, bool debug);
-  ~IpcWindow() override { release(Teardown::kLocal); }
+  ~IpcWindow() override {
+    commkit::TeardownLog discarded;
+    release(Teardown::kLocal, discarded);
+  }
   // Opaque bytes for the peers' open_peers: the CUDA IPC handle plus the world size, rank and buffer
   // size, which open_peers checks before it opens anything.
   std::string handle() const;
@@ -123,7 +135,7 @@ class IpcWindow final : public Window {
   // collective itself; the caller barriers afterwards, before any peer writes into this window.
   void open_peers(const std::vector<std::string>& handles);
   commkit::IpcWindowInfo info() const;
-  void release(Teardown how) noexcept override;
+  void release(Teardown how, commkit::TeardownLog& log) noexcept override;
 
  private:
   std::vector<void*> peers_;  // opened peer windows (nullptr for this rank)

@@ -55,12 +55,16 @@ void IpcWindow::open_peers(const std::vector<std::string>& handles) {
   peer_bases_ = std::move(dev);
 }
 
-void IpcWindow::release(Teardown how) noexcept {
-  release_peer_bases(how);
+void IpcWindow::release(Teardown how, commkit::TeardownLog& log) noexcept {
+  release_peer_bases(how, log);
   // Nothing makes an IPC teardown collective: the runtime's barrier before kCollective does.
   if (how != Teardown::kLeak) {
-    commkit::close_ipc_handles(peers_);
-    if (mem_ != nullptr) cudaFree(mem_);
+    cudaError_t e = commkit::close_ipc_handles(peers_);
+    log.step("cudaIpcCloseMemHandle(peers)", e == cudaSuccess, cudaGetErrorString(e));
+    if (mem_ != nullptr) {
+      e = cudaFree(mem_);
+      log.step("cudaFree(window)", e == cudaSuccess, cudaGetErrorString(e));
+    }
   }
   peers_.assign(peers_.size(), nullptr);
   mem_ = nullptr;

@@ -20,7 +20,8 @@ NcclWindow::NcclWindow(const WindowShape& shape, void* comm, const GinRequest* g
   try {
     connect(gin, scaleup);
   } catch (...) {
-    release(Teardown::kLocal);
+    commkit::TeardownLog secondary;  // the set-up's own error is the one raised
+    release(Teardown::kLocal, secondary);
     (void)cudaGetLastError();
     throw;
   }
@@ -87,8 +88,8 @@ void NcclWindow::connect(const GinRequest* gin, int scaleup) {
   for (void* b : bases) host_peer_bases_.push_back(static_cast<char*>(b));
 }
 
-void NcclWindow::release(Teardown how) noexcept {
-  release_peer_bases(how);
+void NcclWindow::release(Teardown how, commkit::TeardownLog& log) noexcept {
+  release_peer_bases(how, log);
   // Registration is collective: undone together (kCollective), or alone only where no rank got past
   // it or every rank failed on the same check, so every rank is here too (kLocal).
   const bool free_all = how == Teardown::kCollective || (how == Teardown::kLocal && (window_ == nullptr ||
@@ -96,8 +97,14 @@ void NcclWindow::release(Teardown how) noexcept {
   if (free_all) {
     auto comm = static_cast<ncclComm_t>(comm_);
     if (devcomm_ != nullptr) devcomm_destroy(comm_, devcomm_);
-    if (window_ != nullptr) ncclCommWindowDeregister(comm, static_cast<ncclWindow_t>(window_));
-    if (mem_ != nullptr) ncclMemFree(mem_);
+    if (window_ != nullptr) {
+      const ncclResult_t r = ncclCommWindowDeregister(comm, static_cast<ncclWindow_t>(window_));
+      log.step("ncclCommWindowDeregister", r == ncclSuccess, ncclGetErrorString(r));
+    }
+    if (mem_ != nullptr) {
+      const ncclResult_t r = ncclMemFree(mem_);
+      log.step("ncclMemFree", r == ncclSuccess, ncclGetErrorString(r));
+    }
   }
   devcomm_ = window_ = mem_ = nullptr;
 }

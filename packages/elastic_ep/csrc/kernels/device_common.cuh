@@ -169,27 +169,44 @@ __device__ void report_protocol_once(const Ctx& cx, const CommView& c, int peer,
   if (atomicCAS(&cx.counters[kCtrProtocolReported], 0u, 1u) == 0u) report_to_host(c, peer, what, theirs, mine);
 }
 
-// Direct mode: this rank's geometry words to every peer (block 0 of notify, at entry).
-__device__ void publish_geometry(const Ctx& cx, const DispatchParams& p, uint64_t E) {
+// This rank's geometry words (block 0 of notify, at entry) to every rank it talks to: every peer in
+// direct mode; in hybrid mode its own domain and, over the scale-out transport, its rail peers, which
+// pass them on to their domains (relay_geometry, dispatch_notify.cuh), so every rank gets every rank's.
+template <class SO>
+__device__ void publish_geometry(const Ctx& cx, const SO& so, const DispatchParams& p, uint64_t E) {
   const uint64_t tag = uint64_t(uint32_t(E)) << 32;
   for (int i = threadIdx.x; i < cx.tr.num_ranks * kGeometryWords; i += blockDim.x) {
     const int r = i / kGeometryWords, w = i % kGeometryWords;
-    cx.tr.put_u64(r, cx.ws.geometry.offset + 8ull * (uint64_t(cx.tr.rank) * kGeometryWords + w),
-                  tag | dispatch_geometry_word(p, w));
+    const uint64_t at = cx.ws.geometry.offset + 8ull * (uint64_t(cx.tr.rank) * kGeometryWords + w);
+    const uint64_t v = tag | dispatch_geometry_word(p, w);
+    if (!cx.hd.on || cx.hd.local(r))
+      cx.tr.put_u64(r, at, v);
+    else if (cx.hd.hears_from(r))
+      so.put_value(r, at, v);
   }
 }
-// Direct mode, every thread of a block: waits for every peer's geometry words of epoch E and compares
-// them with this rank's. Returns false when a wait expired; `*mismatch` (shared, -1 before) gets the
-// first differing (peer * kGeometryWords + word) found.
+// Every thread of a block: waits for every peer's geometry words of epoch E (hybrid mode: the relayed
+// ones too) and compares them with this rank's. Returns false when a wait expired; `*mismatch`
+// (shared, -1 before) gets the lowest differing (peer * kGeometryWords + word), whatever order the
+// words came in (relayed ones come later), so a rank names the same peer on every run.
 __device__ bool check_geometry(const Ctx& cx, const DispatchParams& p, uint64_t E, uint32_t op, int* mismatch) {
   bool ok = true;
   for (int i = threadIdx.x; i < cx.tr.num_ranks * kGeometryWords && ok; i += blockDim.x) {
     const int r = i / kGeometryWords, w = i % kGeometryWords;
     const uint64_t* word = cx.local_u64(cx.ws.geometry, i);
     ok = commkit::wait_tag_ge(word, uint32_t(E), cx.timeout_ns, cx.rec, op, cx.tr.rank, r);
-    if (ok && uint32_t(commkit::ld_relaxed(word)) != dispatch_geometry_word(p, w)) atomicCAS(mismatch, -1, i);
+    if (ok && uint32_t(commkit::ld_relaxed(word)) != dispatch_geometry_word(p, w))
+      atomicMin(reinterpret_cast<unsigned*>(mismatch), unsigned(i));  // -1 is the largest: the lowest is named
   }
   return !__syncthreads_or(!ok);
+}
+
+// True when notify refused this dispatch (a peer's geometry differs, or a peer's word here was
+// corrupted): no rows came and the push ended the operation, so its epoch is now E - 1 (or E while a
+// push beside this kernel is still finishing). The kernels after the push then return at once.
+__device__ bool dispatch_refused(const Ctx& cx, uint64_t E) {
+  const uint64_t w = commkit::ld_relaxed(cx.counter_u64(kCtrDispatchOutcome));
+  return (w & 3u) == kNotifyRefused && ((w >> 2) == E || (w >> 2) + 1u == E);
 }
 
 // "Entered epoch E" to rank r (one thread per peer): a store over NVLink, or in hybrid mode to a rail

@@ -20,13 +20,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_copy_epilogue_impl(CommV
   const int L = p.num_experts / R;
   const int tid = threadIdx.x, lane = lane_id();
   const int A = p.expert_alignment;
-  // Notify refused this dispatch (a geometry mismatch, launched without CPU sync or cached): no rows
-  // came, and the push ended the operation (its epoch is then E - 1, or E while an overlapped push
-  // is still finishing beside this kernel).
-  {
-    const uint64_t w = commkit::ld_relaxed(cx.counter_u64(kCtrDispatchOutcome));
-    if ((w & 3u) == kNotifyRefused && ((w >> 2) == E || (w >> 2) + 1u == E)) return;
-  }
+  // Notify refused this dispatch (launched without CPU sync, or cached): no rows came.
+  if (dispatch_refused(cx, E)) return;
   bool ok = true;
   // Overlapped: no wait here; each chunk of 32 slots is awaited below as it lands.
   if (tid < R && !p.overlap)

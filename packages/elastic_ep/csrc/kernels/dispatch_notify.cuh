@@ -36,6 +36,24 @@ __device__ bool relay_counts(const Ctx& cx, int L, uint64_t E) {
   return true;
 }
 
+// Hybrid mode (every thread of notify's last block, before check_geometry): the geometry words each
+// rail peer sent, passed on to the other ranks of this domain at the rail peer's place, so that every
+// rank compares every rank's (a rank of another geometry is refused by name everywhere, as in direct
+// mode). False (this thread) when a rail peer's words did not come within the deadline.
+__device__ bool relay_geometry(const Ctx& cx, uint64_t E) {
+  const HybridDomains& hd = cx.hd;
+  for (int j = threadIdx.x; j < (hd.S - 1) * kGeometryWords; j += kThreads) {
+    const int src = hd.rail_peer(hd.other_domain(j / kGeometryWords)), i = src * kGeometryWords + j % kGeometryWords;
+    const uint64_t* word = cx.local_u64(cx.ws.geometry, i);
+    if (!commkit::wait_tag_ge(word, uint32_t(E), cx.timeout_ns, cx.rec, kOpDispatchNotify, cx.tr.rank, src))
+      return false;
+    const uint64_t v = commkit::ld_relaxed(word);
+    for (int b = 0; b < hd.U; ++b)
+      if (b != hd.rail) cx.tr.put_u64(hd.dom * hd.U + b, cx.ws.geometry.offset + 8ull * uint64_t(i), v);
+  }
+  return true;
+}
+
 // Notify's last block ends with its outcome (every thread of the block calls this, once).
 __device__ void notify_outcome(const Ctx& cx, uint64_t E, NotifyStatus status) {
   __syncthreads();  // the block's stores (prefix sums, host counts) precede the release below
@@ -69,8 +87,9 @@ __device__ void refuse_dispatch(const CommView& c, const DispatchParams& p, uint
 // tokens x top-8.)
 // KB: compile-time bound on num_topk (8, 16 or 32), so the per-element arrays below live in registers.
 // Dynamic shared memory: two [kWarps][R] u32 arrays, 256 * R bytes (sized in launch_dispatch).
-// Hybrid mode: counts for another domain's ranks go to the rail peer there, which passes them on
-// (relay_counts); the entry goes to the own domain and the rail peers (entry_barrier).
+// Hybrid mode: counts and geometry words for another domain's ranks go to the rail peer there, which
+// passes them on (relay_counts, relay_geometry); the entry goes to the own domain and the rail peers
+// (entry_barrier).
 // SO: the scale-out transport (scaleout.cuh), used in hybrid mode only.
 template <int KB, class SO>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_notify(CommView c, DispatchParams p, SO so) {
@@ -91,9 +110,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify(CommView c, Dispa
   uint32_t* wmask = notify_dyn;
   int* wpre = reinterpret_cast<int*>(notify_dyn + kWarps * R);
 
-  // Publish "entered E" first so peers can start while we count; direct mode: the call's geometry too.
+  // Publish "entered E" first so peers can start while we count, and the call's geometry.
   if (blockIdx.x == 0 && tid < R) publish_entry(cx, so, tid, E);
-  if (blockIdx.x == 0 && !cx.hd.on) publish_geometry(cx, p, E);
+  if (blockIdx.x == 0) publish_geometry(cx, so, p, E);
   // The push may be this grid's programmatic dependent (launch_dispatch): it may launch once every
   // block of this grid has started, and then waits for kCtrDispatchReady itself.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -307,12 +326,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify(CommView c, Dispa
   bool ok = tid != 0 || !commkit::aborted(cx.rec);
   if (ok) ok = wait_entry(cx, tid, E, kOpDispatchNotify);
   bool failed = __syncthreads_or(!ok);
-  if (!failed && !p.cached && cx.hd.on) failed = __syncthreads_or(!relay_counts(cx, L, E));
-  // Direct mode: a peer with another geometry is refused before any of its counts is read.
+  // A peer with another geometry is refused before any of its counts is read or relayed (its count
+  // words would be laid out for its own number of experts).
+  if (!failed && cx.hd.on) failed = __syncthreads_or(!relay_geometry(cx, E));
   __shared__ int s_geometry;
   if (tid == 0) s_geometry = -1;
   __syncthreads();
-  if (!failed && !cx.hd.on) failed = !check_geometry(cx, p, E, kOpDispatchNotify, &s_geometry);
+  if (!failed) failed = !check_geometry(cx, p, E, kOpDispatchNotify, &s_geometry);
   if (!failed && s_geometry >= 0) {
     const int at = s_geometry, w = at % kGeometryWords;
     refuse_dispatch(c, p, E, cx, L, at / kGeometryWords, w,
@@ -320,6 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify(CommView c, Dispa
                     dispatch_geometry_word(p, w));
     return;
   }
+  if (!failed && !p.cached && cx.hd.on) failed = __syncthreads_or(!relay_counts(cx, L, E));
   if (failed || p.cached) {
     notify_outcome(cx, E, failed ? kNotifyFailed : kNotifyOk);
     return;

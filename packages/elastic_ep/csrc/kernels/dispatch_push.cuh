@@ -48,10 +48,11 @@ __device__ __forceinline__ void hybrid_stage_token(const Ctx& cx, const Dispatch
   if (lane < K) {
     reinterpret_cast<int32_t*>(st + tl.topk_idx.offset)[lane] = int32_t(owner >= 0 ? e : -1);
     reinterpret_cast<float*>(st + tl.topk_weights.offset)[lane] = w;
-    route[lane] = owner >= 0 ? slot : -1;
+    route[lane] = owner >= 0 ? slot + (p.test_corrupt == 3 ? M : 0) : -1;
   }
   if (lane == 0) {
-    *reinterpret_cast<uint32_t*>(st + tl.src_meta.offset) = uint32_t(rank * M + t);
+    const int64_t corrupt = p.test_corrupt == 2 ? int64_t(cx.tr.num_ranks) * M : 0;  // as the direct rows'
+    *reinterpret_cast<uint32_t*>(st + tl.src_meta.offset) = uint32_t(rank * M + t + corrupt);
     *reinterpret_cast<uint64_t*>(st + tl.bytes + hybrid_route_stamp_offset(K)) =
         hybrid_stamp(E, uint64_t(hd.dom) * M + t);  // the same at every forwarder: by source domain
   }

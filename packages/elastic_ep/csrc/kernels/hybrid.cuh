@@ -8,6 +8,9 @@
 // combine reduce are direct mode's kernels and the outputs are bitwise direct mode's.
 //
 // Dispatch (notify -> push -> forward -> epilogue, one stream):
+//   notify   direct mode's; a rail peer passes the counts and the geometry words of the other domains
+//            on to its domain (dispatch_notify.cuh), so a rank of another geometry is refused by
+//            every rank, by name, before anything is pushed or relayed
 //   push     own domain: records straight into the destinations' receive areas [src][slot]; other
 //            domains: one staged record per (token, domain), with its route (the slot at each lane's
 //            owner) and its stamp (hybrid_stamp: epoch, source domain, token), put into the relay area
@@ -18,7 +21,9 @@
 //            of the route ([src][slot], as the source's own push would have), and signals their
 //            dispatch_done for that source; records what it relayed in forward_dense [S][M]
 //            (src_global, mask of the destinations here), from which the host builds the handle's
-//            token_metadata_at_forward and channel_linked_list
+//            token_metadata_at_forward and channel_linked_list. A record whose expert ids or route
+//            are out of range is a corrupted word (kProtocolRoute): relayed nowhere, reported, and
+//            then only this rank hears that the rows are complete (its peers here time out)
 //   epilogue direct mode's
 //
 // Combine (push -> forward -> reduce):
@@ -28,7 +33,9 @@
 //            combine_done to the own domain
 //   forward  (here) waits for its domain's combine_done, puts every stamped slot of each rail peer's
 //            stage area into that peer's receive area over the scale-out transport (the partials
-//            unreduced: the reduce sums them in direct mode's order), then raises the peers' signals
+//            unreduced: the reduce sums them in direct mode's order), then raises the peers' signals;
+//            the only peer words it reads are the stamps, compared whole (slots and tokens are its
+//            loop's; the stage cells were addressed from the epilogue's checked source ids)
 //   reduce   waits for the own domain's combine_done and one signal per rail peer, then direct mode's
 //
 // The forward kernels take the scale-out transport (SO, scaleout.cuh) as a parameter: launch.cu launches
@@ -52,6 +59,8 @@ __global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_forward_kernel(
     SO so) {           // scale-out transport: the rail peers' signals
   Ctx cx(c);
   const uint64_t E = cx.epoch();
+  // Notify refused the dispatch (a rank's other geometry: nobody pushed; or a corrupted word here).
+  if (dispatch_refused(cx, E)) return;
   const int R = c.num_ranks, K = p.num_topk, M = p.num_max_tokens_per_rank;
   const int L = p.num_experts / R;
   const int tid = threadIdx.x, lane = lane_id();
@@ -73,12 +82,25 @@ __global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_forward_kernel(
       stamp = __ldcg(reinterpret_cast<const unsigned long long*>(rec + tl.bytes + hybrid_route_stamp_offset(K)));
     if (__shfl_sync(kFull, stamp, 0) != hybrid_stamp(E, uint64_t(d) * M + t)) continue;  // none of this dispatch
     const int src = hd.rail_peer(d);
-    int owner = -1, slot = -1;
+    // The record's expert ids and route are the source's words: an id outside [-1, E) or a slot
+    // outside [0, M) for a rank here is a corrupted record, relayed nowhere and reported (the last
+    // block then tells no other rank here that the rows are complete).
+    int owner = -1, slot = -1, bad = -1, bound = 0;
     if (lane < K) {
       const int e = __ldcg(reinterpret_cast<const int*>(rec + tl.topk_idx.offset) + lane);
       slot = __ldcg(route + lane);
-      owner = (e >= 0 && e < p.num_experts && slot >= 0 && slot < M) ? e / L : -1;
+      owner = owner_of(e, p.num_experts, L);
       if (owner >= 0 && !hd.local(owner)) owner = -1;
+      if (e < -1 || e >= p.num_experts)
+        bad = e, bound = p.num_experts;
+      else if (owner >= 0 && (slot < 0 || slot >= M))
+        bad = slot, bound = M;
+    }
+    const unsigned bad_lanes = __ballot_sync(kFull, bound != 0);
+    if (bad_lanes != 0u) {
+      if (lane == __ffs(bad_lanes) - 1)
+        report_protocol_once(cx, c, src, kProtocolRoute, uint64_t(int64_t(bad)), uint64_t(bound));
+      continue;
     }
     const unsigned dests = __ballot_sync(kFull, is_master_lane(owner, K));
     for (unsigned m = dests; m; m &= m - 1) {
@@ -96,13 +118,16 @@ __global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_forward_kernel(
     }
   }
   // The last block: every relayed record is written, so each destination here may read this
-  // domain's rows of every rail peer's source.
+  // domain's rows of every rail peer's source. After a protocol error (this kernel's or an earlier
+  // one's: the runtime is unusable) only this rank is told: the others here would read slots this
+  // kernel left unwritten, and time out naming the source instead; this rank's host raises the report.
   grid_finish(cx, kCtrHybridForward, [&] {
     count_rail_signals(cx, hd);
+    const bool reported = commkit::ld_relaxed(&cx.counters[kCtrProtocolReported]) != 0u;
     for (int d = 0; d < hd.S; ++d)
       if (d != hd.dom)
         for (int r = hd.dom * hd.U; r < (hd.dom + 1) * hd.U; ++r)
-          cx.tr.signal(r, cx.ws.dispatch_done.offset + 8ull * hd.rail_peer(d), E);
+          if (!reported || r == c.rank) cx.tr.signal(r, cx.ws.dispatch_done.offset + 8ull * hd.rail_peer(d), E);
   });
 }
 

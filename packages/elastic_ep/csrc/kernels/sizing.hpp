@@ -361,8 +361,10 @@ constexpr int kGeometryWords = 4;
 // Protocol errors notify and the epilogue report through the same words (HostWorkspaceLayout::geometry):
 // a peer's count above num_max_tokens_per_rank (peer's count, M), a peer's record naming a source token
 // outside that peer's range (the record's source id, the peer), an expanded row past its expert's
-// count (local expert, its count). Nothing is written where such a word points.
-constexpr int kProtocolCount = 4, kProtocolSource = 5, kProtocolPlacement = 6;
+// count (local expert, its count), a record a rail peer staged for this rank to relay (hybrid mode)
+// whose route names an expert id or a slot out of range (the value, its bound: num_experts or M).
+// Nothing is written where such a word points.
+constexpr int kProtocolCount = 4, kProtocolSource = 5, kProtocolPlacement = 6, kProtocolRoute = 7;
 // Low-latency mode's reports through the same words: a peer's geometry word w differs (what =
 // kProtocolLlGeometry + w; the peer's word, this rank's), a peer's count above M (count, M), a message
 // or handle row naming a token, lane or rank out of range (the value, its bound), a signal from a later
@@ -420,7 +422,9 @@ struct WorkspaceLayout {
                            //                    this rank's domain, (epoch<<32)|tokens, which this rank
                            //                    passes on (hybrid_count_relay; written by the rail peers)
   Region geometry;         // u64[kMaxRanks][kGeometryWords] (epoch<<32)|word w of the peer's dispatch
-                           //                    geometry (written by the peer; direct mode)
+                           //                    geometry (written by the peer; in hybrid mode by the
+                           //                    rail peer that relays it when the peer is neither in
+                           //                    this domain nor a rail peer)
   // Low-latency mode (ll_sizing.hpp): kind 0 = dispatch, 1 = combine; half = the call's buffer_idx;
   // seq = the calls of that kind and half so far, counted on the device (CUDA-graph replays count).
   Region ll_count;         // u64[2][kMaxExperts] [half][local expert * R + src] (seq<<32)|tokens src sends it

@@ -56,9 +56,13 @@ class Settings:
     #: ELASTIC_EP_PEER_WATCH_MS: how often the runtime checks that the peers' processes on this host
     #: still run (a dead one ends this rank's waits at once); 0 turns the watch off.
     peer_watch_ms: int = 200
-    #: ELASTIC_EP_TEST_CORRUPT=count|source: this rank's dispatch sends a peer a corrupted count word or
-    #: corrupted record source ids (fault-injection tests; 0 off, 1 count, 2 source).
+    #: ELASTIC_EP_TEST_CORRUPT=count|source|route: this rank's dispatch sends a peer a corrupted count
+    #: word or corrupted record source ids, or (hybrid mode) stages records for its rail peers with
+    #: routes out of range (fault-injection tests; 0 off, 1 count, 2 source, 3 route).
     test_corrupt: int = 0
+    #: ELASTIC_EP_TEST_FAIL_RELEASE=step[,step]: destroy() reports these release steps as failed (they
+    #: still run), e.g. cudaIpcCloseMemHandle(peers), cudaFree(window), ncclMemFree; "*": all (tests).
+    test_fail_release: str = ""
     #: ELASTIC_EP_NUM_SCALEUP_RANKS=N: logical scale-up domains of N ranks (hybrid mode inside one node).
     num_scaleup_ranks: Optional[int] = None
 
@@ -84,7 +88,8 @@ class Settings:
             test_notify_atomics=_is("ELASTIC_EP_TEST_NOTIFY_ATOMICS", "1"),
             test_drop_scaleout_signals=_is("ELASTIC_EP_TEST_DROP_SCALEOUT_SIGNALS", "1"),
             peer_watch_ms=max(0, _int("ELASTIC_EP_PEER_WATCH_MS", 200)),
-            test_corrupt={"count": 1, "source": 2}.get(os.environ.get("ELASTIC_EP_TEST_CORRUPT", ""), 0),
+            test_corrupt={"count": 1, "source": 2, "route": 3}.get(os.environ.get("ELASTIC_EP_TEST_CORRUPT", ""), 0),
+            test_fail_release=os.environ.get("ELASTIC_EP_TEST_FAIL_RELEASE", ""),
             num_scaleup_ranks=num_scaleup_ranks(),
         )
 

@@ -36,6 +36,15 @@ combine
 Every stage is an ``all_to_all_single`` over the whole group with zero counts outside the stage's
 peers (so a refusal of bad expert ids, carried with the first stage's counts, still reaches every
 rank), and every wait is bounded as in direct mode, naming the stage.
+
+Every word a rank takes from a peer is checked before it is used as a rank, mask or token index: the
+source rank, scale-up mask and token of each dispatch row (a forwarder: that they are its sender's,
+for this rail; a receiver: that the row's source is on its forwarder's rail and the mask names it),
+the destination and sender of each combine row. A row that fails is placed nowhere and the call raises
+``CommError`` naming the stage, the rank, the peer and the word; a forwarder that finds one still runs
+the next stage (nobody is left waiting), sending each of that stage's peers a row marked invalid in
+place of what it dropped, so those ranks raise too instead of returning rows with a gap; every
+rank's exchanges of the call complete and the next call starts in step.
 """
 from __future__ import annotations
 
@@ -43,6 +52,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from . import _C
 from ._domains import Domains
 
 __all__ = ["HybridExchange", "ForwardMetadata", "forward_metadata", "as_bytes", "from_bytes"]
@@ -89,6 +99,41 @@ def _split(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def _token(payload: torch.Tensor) -> torch.Tensor:
     """The source token index of dispatch records (their last int64)."""
     return from_bytes(payload[:, -8:], torch.int64, 1).reshape(-1)
+
+
+def _sources(counts: List[int], device: torch.device) -> torch.Tensor:
+    """The rank each row of an exchange came from (rows grouped by source rank, ``counts`` each)."""
+    return torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device))
+
+
+Check = Tuple[torch.Tensor, str, torch.Tensor]  # (bad [n] bool, the word's name, its values [n])
+
+
+def _violation(stage: str, rank: int, peers: torch.Tensor, verb: str,
+               checks: List[Check]) -> Tuple[Optional[Exception], Optional[torch.Tensor]]:
+    """The first row that fails one of ``checks``, as a ``CommError`` naming the stage, this rank, the
+    peer the row came from (``peers``) and the word; and which rows fail any check (None: every row
+    passes)."""
+    err, bad_rows = None, None
+    found = torch.stack([bad.any() for bad, _, _ in checks]).tolist()  # one device sync for them all
+    for (bad, word, values), any_bad in zip(checks, found):
+        if not any_bad:
+            continue
+        bad_rows = bad if bad_rows is None else bad_rows | bad
+        if err is None:
+            i = int(torch.nonzero(bad)[0, 0])
+            err = _C.CommError(f"hybrid {stage} [rank {rank}]: protocol error: rank {int(peers[i])} {verb} a row whose "
+                               f"{word} is {int(values[i])} (a corrupted word); no row was placed where it points. "
+                               "Every rank's exchanges of this call completed: the buffer stays usable")
+    return err, bad_rows
+
+
+def _replace(rows: torch.Tensor, bad: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """``rows`` without the ``bad`` ones, plus one zero row per entry of ``first`` / ``second`` carrying them
+    as its two int64 (a row marked invalid for each next-stage peer, see the module docstring)."""
+    mark = torch.zeros((first.numel(), rows.shape[1]), dtype=torch.uint8, device=rows.device)
+    mark[:, -_EXTRA:] = _i64_cols(first, second)
+    return torch.cat([rows[~bad], mark], 0)
 
 
 def _fanout(mask: torch.Tensor, num_scaleup_ranks: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -155,6 +200,9 @@ class HybridExchange:
         Returns:
             ``(recv, recv_counts, (token_metadata_at_forward, channel_linked_list))``: the rows direct
             mode would receive, in its order, with its per-source counts; and what this rank relayed.
+
+        Raises:
+            CommError: a row this rank received carries a corrupted word (see the module docstring).
         """
         d = self.d
         R, S, U, me = d.num_ranks, d.num_scaleout_ranks, d.num_scaleup_ranks, d.rank_idx
@@ -175,22 +223,38 @@ class HybridExchange:
         for s in range(S):
             counts1[s * U + u_me] = int(per_domain[s])
         self.last_scaleout_rows = sum(counts1) - counts1[me]
-        recv1, _ = self._a2a(rows, counts1, "dispatch scale-out stage", bad_ids, num_experts)
+        recv1, got1 = self._a2a(rows, counts1, "dispatch scale-out stage", bad_ids, num_experts)
 
         # 2. Forward each relayed row to the ranks of this domain its mask names, in arrival order.
         payload1, src1, mask1 = _split(recv1)
+        from1, tok1, full = _sources(got1, dev), _token(payload1), (1 << U) - 1
+        err1, bad1 = _violation("dispatch scale-out stage", me, from1, "sent this rank to relay", [
+            (src1 != from1, "source rank", src1), ((mask1 < 1) | (mask1 > full), "scale-up mask", mask1),
+            ((tok1 < 0) | (tok1 >= M), "token index", tok1)])
+        if bad1 is not None:  # every rank here gets a row whose source is -1
+            recv1 = _replace(recv1, bad1, torch.full((1,), -1, device=dev), torch.full((1,), full, device=dev))
+            payload1, src1, mask1 = _split(recv1)
         F = recv1.shape[0]
         _, fi, fb = fanout = _fanout(mask1, U)
         counts2 = [0] * R
         per_b = torch.bincount(fi, minlength=U).tolist() if F else [0] * U
         for b in range(U):
             counts2[s_me * U + b] = int(per_b[b])
-        recv2, _ = self._a2a(recv1[fb], counts2, "dispatch scale-up stage", None, num_experts)
+        recv2, got2 = self._a2a(recv1[fb], counts2, "dispatch scale-up stage", None, num_experts)
+        if err1 is not None:
+            raise err1
         forward = forward_metadata(src1 * M + _token(payload1), mask1, U, fanout)
 
         # 3. Direct mode's order: by source rank, then source token (the record's last int64).
-        payload, src, _ = _split(recv2)
+        payload, src, mask2 = _split(recv2)
         tok = _token(payload)
+        from2 = _sources(got2, dev)
+        err2, _ = _violation("dispatch scale-up stage", me, from2, "relayed", [
+            ((src < 0) | (src >= R) | (src % U != from2 % U), "source rank", src),
+            ((mask2 < 1) | (mask2 > full) | ((mask2 >> u_me) & 1 == 0), "scale-up mask", mask2),
+            ((tok < 0) | (tok >= M), "token index", tok)])
+        if err2 is not None:
+            raise err2
         order = torch.argsort(src * M + tok, stable=True)
         recv_counts = torch.bincount(src, minlength=R).tolist() if recv2.shape[0] else [0] * R
         return payload[order], [int(c) for c in recv_counts], forward
@@ -202,10 +266,13 @@ class HybridExchange:
         Returns:
             ``(recv, recv_counts)``: the rows direct mode would receive, grouped by the rank that
             computed them (rank order), each sender's rows in its order; and the per-sender counts.
+
+        Raises:
+            CommError: a row this rank received carries a corrupted word (see the module docstring).
         """
         d = self.d
-        R, U, me = d.num_ranks, d.num_scaleup_ranks, d.rank_idx
-        s_me = d.scaleout_rank_idx
+        R, S, U, me = d.num_ranks, d.num_scaleout_ranks, d.num_scaleup_ranks, d.rank_idx
+        s_me, u_me = d.scaleout_rank_idx, d.scaleup_rank_idx
         dev = send.device
         dst = torch.repeat_interleave(torch.arange(R, device=dev), torch.tensor(send_counts, device=dev))
         # 1. To the forwarder of each destination's rail in this domain (stable: per-destination order kept).
@@ -213,14 +280,30 @@ class HybridExchange:
         order1 = torch.argsort(fwd, stable=True)
         rows1 = torch.cat([send, _i64_cols(dst, torch.full_like(dst, me))], 1)[order1]
         counts1 = torch.bincount(fwd, minlength=R).tolist() if dst.numel() else [0] * R
-        recv1, _ = self._a2a(rows1, [int(c) for c in counts1], "combine scale-up stage", None, 0)
+        recv1, got1 = self._a2a(rows1, [int(c) for c in counts1], "combine scale-up stage", None, 0)
         # 2. Across the rail to the destination.
-        _, dst1, _ = _split(recv1)
+        _, dst1, sender1 = _split(recv1)
+        from1 = _sources(got1, dev)
+        err1, bad1 = _violation("combine scale-up stage", me, from1, "sent this rank to relay", [
+            (sender1 != from1, "sender rank", sender1),
+            ((dst1 < 0) | (dst1 >= R) | (dst1 % U != u_me), "destination rank", dst1)])
+        if bad1 is not None:  # every rail peer gets a row whose sender is -1
+            rails = torch.arange(S, device=dev) * U + u_me
+            recv1 = _replace(recv1, bad1, rails, torch.full_like(rails, -1))
+            _, dst1, _ = _split(recv1)
         order2 = torch.argsort(dst1, stable=True)
         counts2 = torch.bincount(dst1, minlength=R).tolist() if recv1.shape[0] else [0] * R
         self.last_scaleout_rows = sum(counts2) - int(counts2[me])
-        recv2, _ = self._a2a(recv1[order2], [int(c) for c in counts2], "combine scale-out stage", None, 0)
-        payload, _, sender = _split(recv2)
+        recv2, got2 = self._a2a(recv1[order2], [int(c) for c in counts2], "combine scale-out stage", None, 0)
+        if err1 is not None:
+            raise err1
+        payload, dst2, sender = _split(recv2)
+        from2 = _sources(got2, dev)
+        err2, _ = _violation("combine scale-out stage", me, from2, "relayed", [
+            (dst2 != me, "destination rank", dst2),
+            ((sender < 0) | (sender >= R) | (sender // U != from2 // U), "sender rank", sender)])
+        if err2 is not None:
+            raise err2
         order = torch.argsort(sender, stable=True)
         recv_counts = torch.bincount(sender, minlength=R).tolist() if recv2.shape[0] else [0] * R
         return payload[order], [int(c) for c in recv_counts]

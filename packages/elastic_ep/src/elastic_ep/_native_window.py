@@ -72,6 +72,9 @@ _PROTOCOL_ERRORS = {
     5: "a record in rank {peer}'s area names source token {theirs}, outside that rank's range (a corrupted record)",
     6: "records from rank {peer} put more rows into local expert {theirs} than the {mine} its count said (a "
        "corrupted record or count)",
+    7: "a record rank {peer} staged for this rank to relay (hybrid mode) routes a lane to {theirs}, outside "
+       "[0, {mine}) (a corrupted expert id or slot); it was relayed nowhere and the other ranks of this domain "
+       "were not told that rank's rows are complete",
     # Low-latency mode (csrc/kernels/sizing.hpp kProtocolLl*; 8 and 9 are the geometry words, ll_geometry_error).
     10: "rank {peer} sent a low-latency count of {theirs} tokens, more than num_max_dispatch_tokens_per_rank={mine} "
         "(a corrupted count word)",
@@ -170,6 +173,7 @@ class NativeWindow(Runtime):
         self.window = window
         opts = _C.RuntimeOptions()
         opts.host_wait_yield_us, opts.debug = settings.host_wait_yield_us, settings.buffer_debug
+        opts.test_fail_release = settings.test_fail_release
         opts.num_scaleup_ranks = num_scaleup_ranks
         if gin is not None:
             opts.set_gin(contexts=gin["ginContextCount"], signals=gin["ginSignalCount"],

@@ -273,13 +273,18 @@ class ElasticBuffer:
         if self.destroyed:
             return
         self.destroyed = True
-        try:
-            self._agrs.flush("destroy")
-            self._pp.flush("destroy")
-            self._engram.close()  # the host segments, before the runtime's window goes
-            self.runtime.destroy()
+        first = None  # every step runs whatever an earlier one raised; the first error is raised after
+        try:  # Engram's host segments go before the runtime's window
+            for step in (lambda: self._agrs.flush("destroy"), lambda: self._pp.flush("destroy"), self._engram.close,
+                         self.runtime.destroy):
+                try:
+                    step()
+                except Exception as e:  # noqa: BLE001 - raised below, after the other steps
+                    first = first or e
         finally:
             self._abort_owned_comm()
+        if first is not None:
+            raise first
 
     def _abort_owned_comm(self) -> None:
         """Aborts the communicator this buffer made for itself (local, never blocks), once."""

@@ -5,7 +5,6 @@ Both are ``_C.ShmSegment`` objects (owner-only, unguessable names); see the layo
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 from typing import Any, List, Sequence, Tuple
 
@@ -154,11 +153,14 @@ class HostSlots:
 
     def close(self) -> None:
         """Unpin and drop this object's reference to the segment: it is unmapped once no tensor from
-        :meth:`view` refers to it any more (at once when there is none)."""
-        if self._seg is None:
+        :meth:`view` refers to it any more (at once when there is none).
+
+        Raises:
+            The native error of ``cudaHostUnregister`` when unpinning failed; the reference is dropped
+            all the same (a second close() does nothing).
+        """
+        seg, self._seg = self._seg, None
+        if seg is None or not self.registered:
             return
-        if self.registered:
-            self.registered = False
-            with contextlib.suppress(Exception):
-                _C.cuda_host_unregister(self._seg.ptr)
-        self._seg = None
+        self.registered = False
+        _C.cuda_host_unregister(seg.ptr)

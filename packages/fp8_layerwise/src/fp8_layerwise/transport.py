@@ -231,7 +231,8 @@ class Transport:
             # region's attachers unlink it here), whatever the ranks still alive are waiting for.
             if self._control is not None:
                 self._control.unlink()
-            self._release()
+            with contextlib.suppress(TransportError):  # the setup's own error is the one raised
+                self._release()
             if isinstance(self._exchange, FileExchange):
                 with contextlib.suppress(Exception):
                     self._exchange.close(timeout_s=min(self._exchange.timeout_s, 2.0))
@@ -503,6 +504,13 @@ class Transport:
         runs in ``run`` finishes its expert first). If one is still inside after
         ``min(timeout_ms, 60 s)`` -- or ``close()`` is called from inside the writer -- the shared
         memory stays mapped for the life of the process (with a warning) rather than crash it.
+
+        Raises:
+            TransportError: a release failed: unpinning a region (``cudaHostUnregister``), or the copy
+                backend's (its streams' synchronisation, their and their events' destruction,
+                ``cudaFreeHost`` of its staging memory). Every region was released all the same, and
+                the transport is closed. Tests name steps to report as failed with
+                ``FP8_LAYERWISE_TEST_FAIL_RELEASE`` (e.g. ``free(staging)`` of the CPU backend).
         """
         if self._closed:
             return
@@ -518,13 +526,20 @@ class Transport:
             self._views, self._peer_slots, self._slots, self._control = None, [], None, None
             return
         self._views = None
-        for s in self._peer_slots[1:]:
-            s.close()
+        # Every region is released whatever an earlier one raised; the first error is raised after.
+        teardown = self._native.teardown_error() if self._native is not None else ""
+        first = RuntimeError(f"the copy backend's release: {teardown}") if teardown else None
+        regions = [*self._peer_slots[1:], self._slots, self._control]
         self._peer_slots = []
-        if self._slots is not None:
-            self._slots.close()
-        if self._control is not None:
-            self._control.close()
+        for region in regions:
+            try:
+                if region is not None:
+                    region.close()
+            except Exception as e:  # noqa: BLE001 - raised below, after the other regions
+                first = first or e
+        if first is not None:
+            raise TransportError(f"fp8_layerwise: rank {self.rank}'s close() released every region, but "
+                                 f"one release failed: {first}") from first
 
     @property
     def closed(self) -> bool:

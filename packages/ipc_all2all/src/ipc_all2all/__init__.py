@@ -72,6 +72,7 @@ from ._lifetime import release_deferred
 from ._shapes import MAX_WORLD_SIZE
 from .all2all import (
     DEFAULT_TIMEOUT_SECONDS,
+    DESTROY_TIMEOUT_SECONDS,
     FP8_WIRE_HEAD_DIMS,
     All2All,
     CommError,
@@ -84,6 +85,7 @@ __all__ = [
     "CommError",
     "CommTimeoutError",
     "DEFAULT_TIMEOUT_SECONDS",
+    "DESTROY_TIMEOUT_SECONDS",
     "FP8_WIRE_HEAD_DIMS",
     "MAX_WORLD_SIZE",
     "built_with_cuda",

@@ -15,6 +15,29 @@ from typing import Optional
 
 import torch
 
+from . import _C
+
+#: destroy()'s default deadline for each of its waits, also when the operations wait forever (the core's).
+DESTROY_TIMEOUT_SECONDS = float(_C.DESTROY_TIMEOUT_SECONDS)
+
+
+def destroy_timeout(given, instance_timeout: float) -> float:
+    """destroy()'s deadline: ``given`` checked, or ``max(DESTROY_TIMEOUT_SECONDS, instance_timeout)``.
+
+    Raises:
+        ValueError: ``given`` is not a positive number of seconds below 1e9 (naming timeout_seconds).
+    """
+    if given is None:
+        return max(DESTROY_TIMEOUT_SECONDS, float(instance_timeout))
+    from ._shapes import check_timeout_seconds
+
+    seconds = check_timeout_seconds(given)
+    if seconds <= 0:
+        raise ValueError(f"destroy(): timeout_seconds must be positive (destroy() always has a deadline), got "
+                         f"{given!r}")
+    return seconds
+
+
 # Native releases (cudaFree, cudaDeviceSynchronize) asked for while a CUDA graph was being captured,
 # where they are not allowed (the capture would fail): run at the first later moment outside a capture.
 _DEFERRED: list = []
@@ -68,6 +91,17 @@ def release_deferred() -> int:
         except Exception as e:  # noqa: BLE001 - a release that fails must not fail an unrelated call
             warnings.warn(f"ipc_all2all: a deferred release failed: {e}", ResourceWarning, stacklevel=2)
     return len(pending)
+
+
+class _NoOwner:
+    """The owner of a :class:`_CudaBytes` while ``destroy()`` decides who frees the buffer: releases nothing."""
+
+    @staticmethod
+    def destroy() -> None:
+        return None
+
+
+NO_OWNER = _NoOwner()
 
 
 class _CudaBytes:

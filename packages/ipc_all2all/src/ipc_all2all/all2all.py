@@ -38,6 +38,7 @@ FP8_WIRE_HEAD_DIMS = (16, 32, 64, 128, 256)
 CommError = _C.CommError
 CommTimeoutError = _C.CommTimeoutError
 DEFAULT_TIMEOUT_SECONDS = 10.0
+DESTROY_TIMEOUT_SECONDS = _lifetime.DESTROY_TIMEOUT_SECONDS
 
 
 def built_with_cuda() -> bool:
@@ -528,37 +529,51 @@ class All2All:
     def _unregister(self) -> None:
         _registry.unregister(self.comm_id)
 
-    def destroy(self) -> None:
-        """Releases the buffer and the peers' mappings. Collective for instances from :meth:`from_group`
-        (every rank waits for its GPU, then for the others, so nobody frees memory a peer still
-        writes; not after a peer's process died); with the low-level constructor the caller must ensure that.
-        Idempotent.
+    def destroy(self, *, timeout_seconds: Optional[float] = None) -> None:
+        """Releases the buffer and the peers' mappings. Collective for instances built with a group
+        (every rank's device finishes this instance's work, then every rank waits for the others'
+        arrival word, written into its buffer: nobody frees memory a peer still writes); with the
+        low-level constructor the caller must ensure that. Idempotent.
+
+        Arguments:
+            timeout_seconds: the deadline of each of destroy()'s waits: the device finishing this
+                instance's kernels (past it their waits are ended, and the device gets it once more)
+                and the peers' arrival. None: ``max(DESTROY_TIMEOUT_SECONDS, the instance's
+                timeout_seconds)``, so 30 s also when the operations wait forever (0). The peer watch
+                (``IPC_ALL2ALL_PEER_WATCH_MS``) ends the wait for a peer whose process died.
+
+        Raises:
+            ValueError: ``timeout_seconds`` is not a positive number below 1e9.
+            CommError: after releasing what it safely could, naming this rank and each failure: ranks
+                that did not arrive in time (``.peer``: the first; this rank's buffer then stays
+                allocated until the process exits, as such a rank may still write into it), a device
+                that did not finish (nothing is freed), a CUDA release that failed.
 
         Zero-copy views that are still referenced keep this rank's buffer allocated (it is freed when
         the last of them is dropped), so reading one after ``destroy()`` cannot touch freed or reused
         memory; its contents are those of the last call that wrote its slot."""
+        bound = _lifetime.destroy_timeout(timeout_seconds, self._core.timeout_seconds)
         _lifetime.release_deferred()
         if self._core.destroyed:
             return
-        # A peer whose process died never reaches the barrier (and gloo fails on its closed socket):
-        # the survivors' kernels have left (the peer watch ended their waits), so nothing is in flight.
-        if self._collective and self._core.dead_peer < 0:
-            import torch.distributed as dist
-
-            torch.cuda.synchronize(self.device)
-            dist.barrier(group=self._group)
+        # A collective destroy needs the peers' buffers open (a failed construction never opened them).
+        collective = bool(self._collective and self._core.opened)
+        # Whether zero-copy views outlive the instance (torch holds `keeper` while any view lives); its
+        # finalizer must not release the core alone meanwhile.
+        keeper = self._keeper() if self._keeper is not None else None
+        if keeper is not None:
+            keeper.owner = _lifetime.NO_OWNER
         self._buf = None
         self._counts_dev = None
         self._captured_counts.clear()
         self._unregister()
+        del keeper
+        # Held until destroy() returns, so that its finalizer runs after the core's destroy below; it
+        # frees the buffer when the last view goes (after the capture if a view is dropped inside one).
         keeper = self._keeper() if self._keeper is not None else None
-        if keeper is None:
-            self._core.destroy()
-            return
-        # Zero-copy views outlive the instance: its peers' mappings close now, but this rank's buffer
-        # is freed only when the last view goes (torch holds `keeper` for as long as any view lives,
-        # and keeper's finalizer frees it, after the capture if a view is dropped inside one).
-        self._core.destroy(free_buffer=False)
+        if keeper is not None:
+            keeper.owner = self._core
+        self._core.destroy(free_buffer=keeper is None, timeout_seconds=bound, collective=collective)
 
     def __enter__(self) -> "All2All":
         self._require_alive("with All2All")
