@@ -1,10 +1,14 @@
-"""Shared pytest plumbing: markers gpu / multigpu(n) / slow / smoke and their skips.
+"""Shared pytest plumbing: markers gpu / multigpu(n) / slow / smoke / fault and their skips.
 
 * ``@pytest.mark.gpu``          needs a CUDA device and a package built with CUDA.
 * ``@pytest.mark.multigpu(n)``  needs at least n CUDA devices (implies gpu).
 * ``@pytest.mark.slow``         long tests; skipped when ``--skip-slow`` is given.
 * ``@pytest.mark.smoke``        part of the short GPU check of every package: ``bash tools/gpu.sh OUT smoke``
                                 runs the tests marked smoke and gpu or multigpu.
+* ``@pytest.mark.fault``        injects a fault (the fault-injection suite: ``pytest -m "fault and not (gpu
+                                or multigpu)"`` on the CPU, ``bash tools/gpu.sh OUT faults`` on the GPU);
+                                each such test carries the junit property ``fault``, which
+                                tools/fault_report.py counts.
 
 ``@pytest.mark.multigpu(n, shared_ok=True)`` marks a test whose ranks may share a GPU (no NCCL
 communicator between them: NCCL refuses two ranks on one device). With the environment variable
@@ -116,6 +120,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
             allowed.append(reason)
         item.stash[_ALLOWED_SKIP] = allowed
+        if item.get_closest_marker("fault") is not None:
+            item.user_properties.append(("fault", "1"))
 
 
 def _skip_reason(report) -> str:

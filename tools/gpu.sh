@@ -8,6 +8,12 @@
 #   smoke   (default) the GPU tests marked `smoke` of each package, a few minutes on one GPU:
 #           pytest tests/<pkg> -m "smoke and (gpu or multigpu)"
 #   full    every GPU test of each package: pytest tests/<pkg> -m "gpu or multigpu"
+#   faults  the GPU part of the fault-injection suite (tests marked `fault`: a rank with other arguments,
+#           dead, late or interrupted, a corrupted or forged word or handle):
+#           pytest tests/<pkg> -m "fault and (gpu or multigpu)", then its counts per package (faults
+#           injected, detected, failed, detection times): python tools/fault_report.py OUT_DIR/junit_*.xml
+#           --out OUT_DIR/faults.json (also in OUT_DIR/report_faults.log). The CPU part runs with
+#           pytest -m "fault and not (gpu or multigpu)" (and in CI with every other CPU test)
 #   bench   the benchmarks, then the model blocks: python tools/bench_<pkg>.py --out OUT_DIR [--quick],
 #           then python tools/block_<pkg>.py --out OUT_DIR/block_<pkg> (each package's model block against
 #           its baseline: ipc_all2all's Ulysses attention, elastic_ep's DeepSeek-V3 MoE layer, fp8_layerwise's
@@ -22,7 +28,7 @@
 #   --timeout S   limit of each test suite and each benchmark in seconds (default 540, which fits
 #                 with the build in a 10-minute call; 0: no limit). Each test also has pytest.ini's.
 #   --dry-run     print the settings and the commands; build, run and write nothing
-#   -- ARGS       passed on to pytest (smoke, full) or to each benchmark script (bench)
+#   -- ARGS       passed on to pytest (smoke, full, faults) or to each benchmark script (bench)
 #
 # What it does, in order:
 #  * sources tools/env.sh (NVLink multicast off) and sets, unless already set: COMMKIT_REQUIRE_GPU=1
@@ -51,7 +57,7 @@ usage() {
 }
 die() {  # a usage error: the message, the usage line, exit 2
   echo "$PROG: $*" >&2
-  echo "usage: bash $PROG OUT_DIR [smoke|full|bench|blocks] [package=NAME[,NAME..]] [--no-build] [--quick]" \
+  echo "usage: bash $PROG OUT_DIR [smoke|full|faults|bench|blocks] [package=NAME[,NAME..]] [--no-build] [--quick]" \
        "[--timeout S] [--dry-run] [-- ARGS..]   (--help for more)" >&2
   exit 2
 }
@@ -60,7 +66,7 @@ case "${1:-}" in
   -h|--help) usage; exit 0 ;;
   "") die "OUT_DIR is missing" ;;
   -*) die "the first argument is OUT_DIR, got option $1" ;;
-  smoke|full|bench|blocks|package=*) die "the first argument is OUT_DIR, got '$1' (bash $PROG OUT_DIR $1 ...)" ;;
+  smoke|full|faults|bench|blocks|package=*) die "the first argument is OUT_DIR, got '$1' (bash $PROG OUT_DIR $1 ...)" ;;
 esac
 OUT=$1
 shift
@@ -81,12 +87,12 @@ set_pkgs() {  # set_pkgs WHERE LIST: the comma-separated package list given by W
 }
 while [ $# -gt 0 ]; do
   case "$1" in
-    smoke|full|bench|blocks)
+    smoke|full|faults|bench|blocks)
       [ -z "$PRESET" ] || die "two presets given: $PRESET and $1"
       PRESET=$1; shift ;;
     --preset=*) set -- "${1#--preset=}" "${@:2}" ;;  # the same as the bare preset name
-    --preset) [ $# -ge 2 ] || die "--preset needs smoke, full, bench or blocks"
-      case "$2" in smoke|full|bench|blocks) ;; *) die "--preset: unknown preset '$2' (smoke, full, bench or blocks)" ;; esac
+    --preset) [ $# -ge 2 ] || die "--preset needs smoke, full, faults, bench or blocks"
+      case "$2" in smoke|full|faults|bench|blocks) ;; *) die "--preset: unknown preset '$2' (smoke, full, faults, bench or blocks)" ;; esac
       shift ;;
     package=*) set_pkgs "package=" "${1#package=}"; shift ;;
     --only=*) set_pkgs "--only" "${1#--only=}"; shift ;;
@@ -108,6 +114,7 @@ PRESET=${PRESET:-smoke}
 case "$PRESET" in
   smoke) MARK="smoke and (gpu or multigpu)" ;;
   full) MARK="gpu or multigpu" ;;
+  faults) MARK="fault and (gpu or multigpu)" ;;
   bench|blocks) MARK="" ;;
 esac
 
@@ -258,6 +265,14 @@ for p in "${RUN_PKGS[@]}"; do
   fi
 done
 
+if [ "$PRESET" = faults ]; then
+  # The suite's counts over the junit files the suites wrote (a suite cut at its limit may have none).
+  xmls=()
+  for p in "${RUN_PKGS[@]}"; do
+    if [ "$DRY" = 1 ] || [ -f "$OUT/junit_$p.xml" ]; then xmls+=("$OUT/junit_$p.xml"); fi
+  done
+  [ ${#xmls[@]} = 0 ] || step report faults "$PY" "$ROOT/tools/fault_report.py" "${xmls[@]}" --out "$OUT/faults.json"
+fi
 [ "$DRY" = 1 ] && exit 0
 if [ "$PRESET" = bench ] || [ "$PRESET" = blocks ]; then
   # The model blocks' own tables (each block writes its table, JSON and plot into OUT/block_<pkg>/).

@@ -89,6 +89,7 @@ def _pp_timeout_worker(rank, world, rdzv):
 
 
 @pytest.mark.multigpu(2, shared_ok=True)
+@pytest.mark.fault
 def test_pp_native_timeout_names_rank_and_peer(tmp_path):
     assert run_workers(_pp_timeout_worker, 2, tmp_path=tmp_path, timeout=60)[1] == "timeout"
 
@@ -160,6 +161,7 @@ def _agrs_timeout_worker(rank, world, rdzv):
 
 
 @pytest.mark.multigpu(2, shared_ok=True)
+@pytest.mark.fault
 def test_agrs_native_timeout_names_rank_and_peer(tmp_path):
     assert run_workers(_agrs_timeout_worker, 2, tmp_path=tmp_path, timeout=60)[0] == "timeout"
 

@@ -231,6 +231,7 @@ def one_rank_bad_ids_worker(rank, world, rdzv):
     return out
 
 
+@pytest.mark.fault
 def test_bad_ids_on_one_rank_refuse_every_rank(tmp_path):
     res = run_workers(one_rank_bad_ids_worker, 2, tmp_path=tmp_path, timeout=120)
     for msg in res[0]:

@@ -60,6 +60,7 @@ def _refusal_worker(rank, world, rdzv):
     return len(seen)
 
 
+@pytest.mark.fault
 def test_pp_refusals_and_timeout(tmp_path):
     counts = run_workers(_refusal_worker, 2, tmp_path=tmp_path, timeout=120)
     assert counts == [15, 15]

@@ -91,6 +91,7 @@ def _agree_worker(rank, world, rdzv):
     return "accepted"
 
 
+@pytest.mark.fault
 def test_window_arguments_agreed_on_every_rank(tmp_path):
     # A rank created with another buffer size would be written past by its peers: every rank refuses,
     # naming the argument and each rank's value (one fixed-size int64 all-gather, nothing unpickled).

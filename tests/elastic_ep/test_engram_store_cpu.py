@@ -70,7 +70,8 @@ def store_worker(rank, world, rdzv, prefix, scenario):
     return "opened", _left(f"{prefix}_{rank}")
 
 
-@pytest.mark.parametrize("scenario", ["ok", "refused", "dead"])
+@pytest.mark.parametrize("scenario", ["ok", pytest.param("refused", marks=pytest.mark.fault),
+                                      pytest.param("dead", marks=pytest.mark.fault)])
 def test_engram_segments_leave_nothing_behind(tmp_path, scenario):
     prefix = f"elastic_ep_engram_test_{os.getpid()}_{scenario}"
     world = 3

@@ -64,6 +64,7 @@ def geometry_worker(rank, world, rdzv, field, cpu_sync):
 @pytest.mark.multigpu(2, shared_ok=True)
 @pytest.mark.parametrize("field,cpu_sync", [("hidden", True), ("hidden", False), ("num_max_tokens_per_rank", True),
                                             ("num_topk", True), ("expert_alignment", False)])
+@pytest.mark.fault
 def test_native_dispatch_refuses_a_rank_with_other_geometry(tmp_path, field, cpu_sync):
     res = run_workers(geometry_worker, 2, field, cpu_sync, tmp_path=tmp_path, timeout=150)
     assert res == ["refused", "refused"]
@@ -79,6 +80,7 @@ def corrupt_worker(rank, world, rdzv, kind):
     import os
 
     from tests.elastic_ep._common import import_elastic_ep, init_ep_group, make_inputs
+    from tests.elastic_ep._workers import calls_until_error
 
     if rank == 0:
         os.environ["ELASTIC_EP_TEST_CORRUPT"] = kind
@@ -87,17 +89,7 @@ def corrupt_worker(rank, world, rdzv, kind):
     E = 8 * world
     buf = ep.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, backend="native",
                            num_cpu_timeout_secs=15, num_gpu_timeout_secs=5, explicitly_destroy=True, window="ipc")
-    inp = make_inputs(rank, T, H, K, E, "bf16", 7, "cuda")
-    got = "no error"
-    try:
-        recv, _, w, handle, _ = buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"],
-                                             num_experts=E)
-        torch.cuda.synchronize()
-        buf.combine(recv, handle, topk_weights=w)
-        torch.cuda.synchronize()
-        buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], num_experts=E)
-    except (ep.CommError, ep.CommTimeoutError) as e:
-        got = f"{type(e).__name__}: {e}"
+    got = calls_until_error(ep, buf, make_inputs(rank, T, H, K, E, "bf16", 7, "cuda"), E)
     buf.destroy()
     torch.cuda.synchronize()  # the context stays usable
     return got
@@ -106,6 +98,7 @@ def corrupt_worker(rank, world, rdzv, kind):
 @pytest.mark.multigpu(2, shared_ok=True)
 @pytest.mark.parametrize("kind,says", [("count", f"rank 0 sent a count of {T + 1} tokens"),
                                        ("source", "a record in rank 0's area names source token")])
+@pytest.mark.fault
 def test_native_dispatch_reports_a_corrupted_peer_word(tmp_path, kind, says):
     zero, one = run_workers(corrupt_worker, 2, kind, tmp_path=tmp_path, timeout=150)
     assert one.startswith("CommError") and "protocol error" in one and says in one, one

@@ -247,6 +247,7 @@ def timeout_worker(rank, world, rdzv, window="auto"):
 
 
 @pytest.mark.multigpu(2)
+@pytest.mark.fault
 def test_native_timeout(tmp_path):
     world = _world()
     res = run_workers(timeout_worker, world, tmp_path=tmp_path, timeout=60)
@@ -255,6 +256,7 @@ def test_native_timeout(tmp_path):
 
 @pytest.mark.multigpu(2, shared_ok=True)  # the CUDA-IPC window needs no NCCL: ranks may share a GPU
 @pytest.mark.parametrize("env", [None, OVERLAP], ids=["sequential", "overlapped"])
+@pytest.mark.fault
 def test_native_timeout_ipc_window(tmp_path, env):
     res = run_workers(timeout_worker, 2, "ipc", tmp_path=tmp_path, timeout=60, env=env)
     assert res[0] == "timeout"
@@ -293,6 +295,7 @@ def late_peer_worker(rank, world, rdzv, window="auto"):
 
 @pytest.mark.multigpu(2, shared_ok=True)
 @pytest.mark.parametrize("env", [None, OVERLAP], ids=["sequential", "overlapped"])
+@pytest.mark.fault
 def test_native_late_peer_times_out_ipc_window(tmp_path, env):
     res = run_workers(late_peer_worker, 2, "ipc", tmp_path=tmp_path, timeout=90, env=env)
     assert res == ["timeout", "timeout"]
@@ -323,6 +326,7 @@ def combine_timeout_worker(rank, world, rdzv, window="auto"):
 
 
 @pytest.mark.multigpu(2, shared_ok=True)
+@pytest.mark.fault
 def test_native_combine_timeout_ipc_window_overlapped(tmp_path):
     res = run_workers(combine_timeout_worker, 2, "ipc", tmp_path=tmp_path, timeout=60, env=OVERLAP)
     assert res == ["timeout", "idle"]
@@ -330,6 +334,7 @@ def test_native_combine_timeout_ipc_window_overlapped(tmp_path):
 
 @pytest.mark.multigpu(3, shared_ok=True)
 @pytest.mark.parametrize("env", [None, OVERLAP], ids=["sequential", "overlapped"])
+@pytest.mark.fault
 def test_native_combine_timeout_ep3_ipc_window(tmp_path, env):
     res = run_workers(combine_timeout_worker, 3, "ipc", tmp_path=tmp_path, timeout=90, env=env)
     assert res == ["timeout", "timeout", "idle"]
@@ -386,11 +391,13 @@ def test_native_ep1_bad_ids_refused(tmp_path):
 
 @pytest.mark.multigpu(2, shared_ok=True)
 @pytest.mark.parametrize("env", [None, OVERLAP], ids=["sequential", "overlapped"])
+@pytest.mark.fault
 def test_native_bad_ids_refused_ipc_window(tmp_path, env):
     assert run_workers(refusal_worker, 2, "ipc", tmp_path=tmp_path, timeout=120, env=env) == ["refused"] * 2
 
 
 @pytest.mark.multigpu(2)
+@pytest.mark.fault
 def test_native_bad_ids_refused(tmp_path):
     world = _world()
     assert run_workers(refusal_worker, world, tmp_path=tmp_path, timeout=120) == ["refused"] * world

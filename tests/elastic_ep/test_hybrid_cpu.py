@@ -175,6 +175,7 @@ def _timeout_worker(rank, world, rdzv, cfg):
     raise AssertionError("a dispatch without its scale-out peer did not time out")
 
 
+@pytest.mark.fault
 def test_hybrid_scaleout_peer_never_answers_times_out(tmp_path):
     got = run_workers(_timeout_worker, 4, {}, tmp_path=tmp_path, timeout=60)
     assert got == ["timeout"] * 3 + ["absent"]

@@ -109,6 +109,7 @@ def _timeout_worker(rank, world, rdzv):
 
 
 @pytest.mark.multigpu(2, shared_ok=True)
+@pytest.mark.fault
 def test_native_hybrid_scaleout_peer_never_signals_times_out(tmp_path):
     assert run_workers(_timeout_worker, 4, tmp_path=tmp_path, timeout=90)[2] == "timeout"
 

@@ -213,6 +213,7 @@ def test_dispatch_oom_after_push_marks_broken_and_restores_stream(streams, monke
 
 
 @pytest.mark.parametrize("cpu_sync", [True, False])
+@pytest.mark.fault
 def test_dispatch_keyboard_interrupt_in_window_marks_broken(streams, cpu_sync):
     compute, comm, current = streams
     rt = FakeRuntime()
@@ -260,6 +261,7 @@ def test_dispatch_refused_keeps_buffer_usable_and_restores_stream(streams):
     b._alive()  # still usable
 
 
+@pytest.mark.fault
 def test_dispatch_cpu_timeout_keeps_runtime_reason(streams):
     compute, comm, current = streams
     rt = FakeRuntime(status=2)
@@ -566,6 +568,7 @@ class DeadPeerRuntime(FakeRuntime):
         return SimpleNamespace(operation="elastic_ep peer watch (a peer process died)", peer=1, expected=4242)
 
 
+@pytest.mark.fault
 def test_a_dead_peer_is_named_with_the_operation_that_waited_for_it(streams):
     compute, comm, current = streams
     rt = DeadPeerRuntime()

@@ -95,10 +95,12 @@ def ops_worker(rank, world, rdzv, what):
 
 @pytest.mark.multigpu(2, shared_ok=True)
 @pytest.mark.parametrize("what", ["agrs_gather", "agrs_session_end", "pp_recv", "pp_send"])
-def test_agrs_pp_survivor_names_a_dead_rank_at_once(tmp_path, what):
+@pytest.mark.fault
+def test_agrs_pp_survivor_names_a_dead_rank_at_once(tmp_path, what, record_property):
     with no_shm_leftovers(f"rank 1 killed during {what}"):
         res = run_workers(ops_worker, 2, what, tmp_path=tmp_path, timeout=120, expect_dead={1})
-    assert res[0] == "noticed"
+    assert res[0][0] == "noticed"
+    record_property("detect_s", res[0][1])
 
 
 # ------------------------------------------------------------------------------------------- low latency
@@ -150,7 +152,9 @@ def ll_worker(rank, world, rdzv, what):
 
 @pytest.mark.multigpu(2, shared_ok=True)
 @pytest.mark.parametrize("what", ["ll_dispatch", "ll_combine"])
-def test_low_latency_survivor_names_a_dead_rank_at_once(tmp_path, what):
+@pytest.mark.fault
+def test_low_latency_survivor_names_a_dead_rank_at_once(tmp_path, what, record_property):
     with no_shm_leftovers(f"rank 1 killed during {what}"):
         res = run_workers(ll_worker, 2, what, tmp_path=tmp_path, timeout=120, expect_dead={1})
-    assert res[0] == "noticed"
+    assert res[0][0] == "noticed"
+    record_property("detect_s", res[0][1])

@@ -141,6 +141,7 @@ def pp_worker(rank, world, rdzv, backend, odd_side, fields=tuple(PP_CASES)):
 
 @pytest.mark.parametrize("odd_side", ["sender", "receiver"])
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.fault
 def test_pp_refuses_a_peer_with_another_tensor(tmp_path, world, odd_side):
     assert run_workers(pp_worker, world, "torch", odd_side, tmp_path=tmp_path, timeout=180) == [len(PP_CASES)] * world
 
@@ -209,6 +210,7 @@ def agrs_worker(rank, world, rdzv, backend, fields=tuple(AGRS_CASES)):
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.fault
 def test_agrs_refuses_ranks_with_other_tensors(tmp_path, world):
     assert run_workers(agrs_worker, world, "torch", tmp_path=tmp_path, timeout=180) == [len(AGRS_CASES)] * world
 
@@ -225,6 +227,7 @@ def _config_worker(rank, world, rdzv):
     return "ok"
 
 
+@pytest.mark.fault
 def test_pp_and_agrs_configurations_must_agree(tmp_path):
     assert run_workers(_config_worker, 2, tmp_path=tmp_path, timeout=120) == ["ok", "ok"]
 

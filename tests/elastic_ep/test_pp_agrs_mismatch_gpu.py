@@ -19,6 +19,7 @@ from tests.elastic_ep import test_pp_agrs_mismatch_cpu as cpu
 
 @pytest.mark.multigpu(2, shared_ok=True)
 @pytest.mark.parametrize("odd_side", ["sender", "receiver"])
+@pytest.mark.fault
 def test_pp_native_refuses_a_peer_with_another_tensor(tmp_path, odd_side):
     res = run_workers(cpu.pp_worker, 2, "native", odd_side, tmp_path=tmp_path, timeout=240)
     assert res == [len(cpu.PP_CASES)] * 2
@@ -26,6 +27,7 @@ def test_pp_native_refuses_a_peer_with_another_tensor(tmp_path, odd_side):
 
 @pytest.mark.multigpu(2, shared_ok=True)
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.fault
 def test_agrs_native_refuses_ranks_with_other_tensors(tmp_path, world):
     res = run_workers(cpu.agrs_worker, world, "native", tmp_path=tmp_path, timeout=240)
     assert res == [len(cpu.AGRS_CASES)] * world

@@ -63,5 +63,6 @@ def _worker_raw_runtime_checks(rank, world_size, rdzv):
 
 
 @pytest.mark.gpu
+@pytest.mark.fault
 def test_lowlevel_raw_runtime_rechecks_what_kernels_index(tmp_path):
     assert run_workers(_worker_raw_runtime_checks, 1, tmp_path=tmp_path, timeout=120) == [7]

@@ -16,6 +16,7 @@ from tests.elastic_ep.test_lowlevel_host_cpu import T, FakeRuntime, dispatch, ll
     (2, (16 << 16) | (2 << 8) | 0, (16 << 16) | (4 << 8) | 0, "num_topk: rank 1 passed 2, rank 0 (this one) 4"),
     (3, (4 << 8) | 1, (1 << 8) | 1, "expert_alignment: rank 1 passed 4, rank 0 (this one) 1"),
 ])
+@pytest.mark.fault
 def test_dispatch_refused_for_a_peers_geometry_names_the_argument(streams, word, theirs, mine, says):
     # CPU sync: notify flags the host words (status 4) and reports the first differing word; the
     # dispatch raises at once, nothing is owed (the push ended the operation), the buffer stays usable.
@@ -31,6 +32,7 @@ def test_dispatch_refused_for_a_peers_geometry_names_the_argument(streams, word,
     b._alive()  # reported once: still usable
 
 
+@pytest.mark.fault
 def test_geometry_refusal_without_cpu_sync_is_raised_by_the_next_call(streams):
     # Without a CPU sync (or cached) the host learns of the refusal from the health word: the next
     # call raises before launching anything, once.
@@ -52,6 +54,7 @@ def test_geometry_refusal_without_cpu_sync_is_raised_by_the_next_call(streams):
     (5, 3 * T + 2, 1, f"a record in rank 1's area names source token {3 * T + 2}, outside that rank's range"),
     (6, 2, 5, "put more rows into local expert 2 than the 5 its count said"),
 ])
+@pytest.mark.fault
 def test_corrupted_peer_word_is_a_protocol_error_and_the_buffer_unusable(streams, what, theirs, mine, says):
     # A corrupted count (notify, CPU sync: at once) or record (epilogue: at the next call) is a
     # CommError naming the peer and the value; the runtime is marked unusable.

@@ -72,5 +72,6 @@ def _timeout_worker(rank, world, rdzv):
 
 
 @pytest.mark.multigpu(2, shared_ok=True)
+@pytest.mark.fault
 def test_nvlink_emulated_scaleout_peer_never_puts(tmp_path):
     assert run_workers(_timeout_worker, 2, tmp_path=tmp_path, timeout=60)[1] == "timeout"

@@ -241,6 +241,7 @@ def split_refusal_worker(rank: int, world: int, rdzv: str) -> str:
     return str(e.value)
 
 
+@pytest.mark.fault
 def test_one_rank_refused_every_rank_raises(tmp_path):
     msgs = run_workers(split_refusal_worker, 2, tmp_path=tmp_path, timeout=120)
     assert "num_nvl_bytes" in msgs[1] and "rank 1" in msgs[0] and "num_nvl_bytes" in msgs[0]

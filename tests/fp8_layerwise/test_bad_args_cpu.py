@@ -321,6 +321,7 @@ def test_file_exchange_object_json_refuses_leaves_the_rounds_in_step(tmp_path):
 
 # Another local user must not be able to plant or read the files of a FileExchange (they carry the
 # shared-memory names): its folder must be this user's and writable by nobody else, and not a link.
+@pytest.mark.fault
 def test_file_exchange_refuses_a_folder_others_can_write(tmp_path):
     d = tmp_path / "shared"
     d.mkdir()
@@ -335,6 +336,7 @@ def test_file_exchange_refuses_a_folder_others_can_write(tmp_path):
         assert ex(["ok"]) == [["ok"]]
 
 
+@pytest.mark.fault
 def test_file_exchange_refuses_a_symbolic_link(tmp_path):
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
@@ -345,6 +347,7 @@ def test_file_exchange_refuses_a_symbolic_link(tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+@pytest.mark.fault
 def test_file_exchange_refuses_a_folder_of_another_user(tmp_path):
     d = tmp_path / "theirs"
     d.mkdir(mode=0o700)
@@ -353,6 +356,7 @@ def test_file_exchange_refuses_a_folder_of_another_user(tmp_path):
         F.FileExchange(d, 0, 1)
 
 
+@pytest.mark.fault
 def test_file_exchange_refuses_a_planted_session_folder(tmp_path):
     """session.json names a session whose folder is a link to someone else's: the joining rank raises
     at once instead of writing its seat there, and rank 0's clean-up does not follow the link."""

@@ -58,6 +58,7 @@ def test_gpu_ktransformers_design_and_default(tmp_path):
 
 @pytest.mark.smoke
 @pytest.mark.multigpu(2, shared_ok=True)  # no NCCL between ranks: they may share a GPU
+@pytest.mark.fault
 def test_gpu_python_writer_error_then_reset(tmp_path):
     res = run_workers(W.writer_error_reset, 2, str(tmp_path), "cuda", tmp_path=tmp_path, timeout=240)
     for r in res:

@@ -95,6 +95,7 @@ def test_leader_alive_needs_a_live_pid_with_the_same_start_time():
 
 
 @pytest.mark.parametrize("same_start", [False, True])
+@pytest.mark.fault
 def test_joining_rank_skips_a_session_whose_leader_pid_was_reused(tmp_path, same_start):
     # session.json names a live process (this one), as a crashed run's leader would if its pid had been
     # reused: only the start time tells them apart. With a different start time rank 1 must not take a
@@ -112,6 +113,7 @@ def test_joining_rank_skips_a_session_whose_leader_pid_was_reused(tmp_path, same
         assert f"left by process {os.getpid()}, which is gone" in str(info.value), info.value
 
 
+@pytest.mark.fault
 def test_new_leader_removes_sessions_whose_leader_pid_was_reused(tmp_path):
     d = tmp_path / "x"
     start = _stat(os.getpid())[2]

@@ -42,7 +42,8 @@ def _forged(ptr, pid, start, boot, pid_ns, beat):
 
 
 @pytest.mark.parametrize("case", ["beating", "stale", "other kernel"])
-def test_a_rank_in_another_pid_namespace_is_judged_by_its_heartbeat(case):
+@pytest.mark.fault
+def test_a_rank_in_another_pid_namespace_is_judged_by_its_heartbeat(case, record_property):
     boot, ns, _, _ = _C.this_process()
     ctl, ptr = _control(2)
     t, keep = _rank0(ptr, 2, 1500 if case != "stale" else 10000)
@@ -68,6 +69,7 @@ def test_a_rank_in_another_pid_namespace_is_judged_by_its_heartbeat(case):
         assert type(exc) is F.PeerDied and exc.peer == 1, exc
         assert "another PID namespace" in exc.message and "no heartbeat" in exc.message, exc.message
         assert dt < 3.0, dt
+        record_property("detect_s", dt)
     else:  # alive (or not judgeable): the wait goes on to its deadline, which names rank 1
         assert type(exc) is F.TransportTimeout and exc.peer == 1, exc
         assert dt >= 1.4, dt
@@ -89,7 +91,8 @@ time.sleep(600)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
-def test_real_rank_in_another_pid_namespace_is_alive_then_dead():
+@pytest.mark.fault
+def test_real_rank_in_another_pid_namespace_is_alive_then_dead(record_property):
     seg = _C.ShmSegment.create("fp8lw_ns_test", 8192)
     try:
         _C.initialize_fp8_layerwise_control(seg.ptr, 8192, 2, 2)
@@ -121,6 +124,7 @@ def test_real_rank_in_another_pid_namespace_is_alive_then_dead():
                 t.close()
             assert type(exc) is F.PeerDied and "another PID namespace" in exc.message, exc
             assert STALE_S - 0.5 <= dt < STALE_S + 2.0, dt
+            record_property("detect_s", dt)
         finally:
             if p.poll() is None:
                 p.kill()

@@ -146,7 +146,8 @@ def _run_against_record(pid, start, timeout_ms):
 
 
 @pytest.mark.parametrize("who", ["self", "child"])
-def test_live_pid_with_another_start_time_is_reported_dead_fast(who):
+@pytest.mark.fault
+def test_live_pid_with_another_start_time_is_reported_dead_fast(who, record_property):
     # The PID-reuse case: rank 1's record names a live process (this one, or a sleeping child) with a
     # start time that is not that process's. Rank 0 must report rank 1 dead at its first liveness check,
     # not wait for it until the timeout.
@@ -163,9 +164,11 @@ def test_live_pid_with_another_start_time_is_reported_dead_fast(who):
     assert exc.code == F.ErrorCode.PEER_DEAD and exc.rank == 1 and exc.peer == 1, exc
     assert f"rank 1 (pid {pid}) died" in exc.message, exc.message
     assert dt < fast_bound(LIVENESS_MS / 1000, DEAD_PEER_TIMEOUT_MS / 1000), dt
+    record_property("detect_s", dt)
 
 
-def test_exited_process_is_reported_dead_fast():
+@pytest.mark.fault
+def test_exited_process_is_reported_dead_fast(record_property):
     # The plain dead case: the record holds the right start time of a process that has exited since.
     p = _sleeper()
     pid, start = p.pid, _start(p.pid)
@@ -173,8 +176,10 @@ def test_exited_process_is_reported_dead_fast():
     exc, dt = _run_against_record(pid, start, DEAD_PEER_TIMEOUT_MS)
     assert type(exc) is F.PeerDied and exc.rank == 1 and exc.peer == 1, exc
     assert dt < fast_bound(LIVENESS_MS / 1000, DEAD_PEER_TIMEOUT_MS / 1000), dt
+    record_property("detect_s", dt)
 
 
+@pytest.mark.fault
 def test_live_pid_with_its_own_start_time_is_waited_for():
     # The control case: the same record with the process's own start time is a live rank 1 that has
     # not joined yet, so rank 0 waits for it until the (short) timeout, which names rank 1.
@@ -196,6 +201,7 @@ def _attach_rank1(ptr, nb=16, experts=4, slots=2):
 
 
 @pytest.mark.parametrize("case", ["pid reused", "exited"])
+@pytest.mark.fault
 def test_a_dead_ranks_record_does_not_block_its_seat(case):
     # A restarted rank 1 takes the seat its dead predecessor left attached: the record names a process
     # that has exited, or (PID reuse) a live unrelated process whose start time is not the recorded one.
@@ -214,6 +220,7 @@ def test_a_dead_ranks_record_does_not_block_its_seat(case):
             _stop(p)
 
 
+@pytest.mark.fault
 def test_a_live_ranks_record_blocks_its_seat():
     # The control case: the record of a live process with its own start time is a rank 1 that is still
     # there, so a second process cannot take its seat.

@@ -47,6 +47,7 @@ def _child(code, *args):
 
 
 # ---- 1. Ctrl-C while a call is blocked in native code ---------------------------------------------
+@pytest.mark.fault
 def test_sigint_interrupts_blocked_join_even_with_infinite_timeout():
     # join() waits for a rank 0 that never comes, with the documented "infinite" timeout: SIGINT must
     # raise KeyboardInterrupt within a fraction of a second and poison the region (code INTERRUPTED).
@@ -99,6 +100,7 @@ t.close()
     assert "rank 1 was interrupted (KeyboardInterrupt) in join()" in msg, msg
 
 
+@pytest.mark.fault
 def test_native_error_mapping_does_not_swallow_a_pending_sigint():
     # The signal lands while the call is blocked and the call then fails on its own (a 40 ms timeout,
     # before the first interrupt check): the exception mapping runs Python code, which must not eat
@@ -130,7 +132,8 @@ print(repr(names), flush=True)
     assert names.count("KeyboardInterrupt") >= 1, names
 
 
-def test_sigint_in_wait_raises_at_once_and_stops_the_peers(tmp_path):
+@pytest.mark.fault
+def test_sigint_in_wait_raises_at_once_and_stops_the_peers(tmp_path, record_property):
     r0, r1 = run_workers(FW.sigint_in_wait, 2, str(tmp_path), tmp_path=tmp_path, timeout=90)
     assert r1["type"] == "KeyboardInterrupt", r1
     assert r1["dt"] < fast_bound(INTERRUPT_CHECK_S, FW.SIGINT_TIMEOUT_MS / 1000), r1  # the hook's period
@@ -139,10 +142,12 @@ def test_sigint_in_wait_raises_at_once_and_stops_the_peers(tmp_path):
     assert r0["type"] == "TransportPoisoned" and r0["code"] == F.ErrorCode.INTERRUPTED and r0["rank"] == 1, r0
     # Rank 0's producer notices the poison within a liveness tick, after the expert it is writing (20 ms).
     assert r0["dt"] < fast_bound(FW.LIVENESS_MS / 1000 + 0.02, FW.SIGINT_TIMEOUT_MS / 1000), r0
+    record_property("detect_s", r0["dt"])  # the peer raising after the interrupt
 
 
 # ---- 6. a writer's KeyboardInterrupt / SystemExit -------------------------------------------------
 @pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
+@pytest.mark.fault
 def test_writer_keyboard_interrupt_and_system_exit_propagate(exc_type):
     with F.Transport(0, 1, 4, [16] * 4, num_slots=2, backend="cpu", exchange=lambda o: [o]) as t:
         def writer(e, slots):
@@ -176,6 +181,7 @@ def test_writer_slot_views_keep_the_segment_mapped(tmp_path):
 
 
 # ---- 3. the exchange must be the TP group ---------------------------------------------------------
+@pytest.mark.fault
 def test_default_world_group_larger_than_tp_group_fails_on_every_rank(tmp_path):
     res = run_workers(W.wrong_exchange_group, 4, str(tmp_path), "world", tmp_path=tmp_path, timeout=120)
     for rank, r in enumerate(res):
@@ -184,11 +190,13 @@ def test_default_world_group_larger_than_tp_group_fails_on_every_rank(tmp_path):
         assert "group=None is WORLD" in r["msg"], (rank, r)
 
 
-def test_exchange_order_must_match_tp_rank(tmp_path):
+@pytest.mark.fault
+def test_exchange_order_must_match_tp_rank(tmp_path, record_property):
     res = run_workers(W.wrong_exchange_group, 2, str(tmp_path), "order", tmp_path=tmp_path, timeout=60)
     for rank, r in enumerate(res):
         assert r["type"] == "ValueError" and r["dt"] < 10, (rank, r)
         assert "entry 0 came from TP rank 1" in r["msg"] and "entry r must come from TP rank r" in r["msg"], (rank, r)
+    record_property("detect_s", max(r["dt"] for r in res))
 
 
 # ---- 4. FileExchange: private files, sessions, cleanup --------------------------------------------
@@ -233,6 +241,7 @@ def test_file_exchange_is_private_and_cleaned_up(tmp_path):
     assert os.listdir(d) == []  # the last round's files, the session and session.json are gone
 
 
+@pytest.mark.fault
 def test_file_exchange_never_reads_an_earlier_runs_files(tmp_path):
     d = tmp_path / "x"
     # An earlier run that crashed after one round (its leader, this process, is alive; seats taken)...
@@ -265,6 +274,7 @@ def test_transport_closes_its_file_exchange(tmp_path):
 
 
 # ---- 5. timeouts name the rank that is missing ----------------------------------------------------
+@pytest.mark.fault
 def test_timeout_names_the_rank_that_never_joined(tmp_path):
     res = run_workers(FW.rank_never_joins_tp3, 3, str(tmp_path), tmp_path=tmp_path, timeout=90)
     for rank, r in enumerate(res):
@@ -272,6 +282,7 @@ def test_timeout_names_the_rank_that_never_joined(tmp_path):
         assert "rank 1 has not joined epoch 1" in r["msg"] and r["peer"] == 1, (rank, r)
 
 
+@pytest.mark.fault
 def test_timeout_names_the_rank_that_did_not_return_from_wait():
     import ctypes
     import mmap
@@ -339,7 +350,8 @@ def test_constructor_rejects_bad_arguments_before_anything_is_shared(kw, name):
     assert shm.created == []  # ... and no segment created
 
 
-def test_bad_argument_on_one_rank_fails_every_rank_at_once(tmp_path):
+@pytest.mark.fault
+def test_bad_argument_on_one_rank_fails_every_rank_at_once(tmp_path, record_property):
     """Rank 1 passes a bad timeout_ms: it raises ValueError naming it, and rank 0, which would wait
     for rank 1 in the first exchange until that exchange's timeout, raises at once too."""
     from tests._dist import run_workers
@@ -348,6 +360,7 @@ def test_bad_argument_on_one_rank_fails_every_rank_at_once(tmp_path):
     res = run_workers(_workers.bad_argument_on_one_rank, 2, str(tmp_path), tmp_path=tmp_path, timeout=60)
     for rank, (name, msg, dt) in enumerate(res):
         assert name == "ValueError" and "timeout_ms" in msg and dt < 10.0, (rank, name, msg, dt)
+    record_property("detect_s", max(dt for _, _, dt in res))
     assert "entry 1 refused its arguments" in res[0][1], res[0]
 
 
@@ -360,6 +373,7 @@ def test_numpy_bools_and_ints_are_accepted():
 
 
 # ---- 8. clear errors for a forgotten or repeated run() -------------------------------------------
+@pytest.mark.fault
 def test_rank0_wait_without_run_names_the_missing_run():
     """A forgotten run() on rank 0: the wait expires (it cannot tell a forgotten run() from a producer
     thread about to start) and says that rank 0 never called run()."""
@@ -398,6 +412,7 @@ def test_rank0_wait_before_a_producer_thread_enters_run():
     assert errs == [] and got == [1, 2, 3], (errs, got)
 
 
+@pytest.mark.fault
 def test_second_run_says_the_layer_was_already_produced():
     with F.Transport(0, 1, 4, [16] * 4, num_slots=2, backend="cpu", exchange=lambda o: [o]) as t:
         with pytest.raises(F.ProtocolError) as info:
@@ -409,6 +424,7 @@ def test_second_run_says_the_layer_was_already_produced():
 
 
 @pytest.mark.parametrize("case", ["badarg", "cuda", "create", "attach", "start"])
+@pytest.mark.fault
 def test_a_rank_failing_its_setup_fails_every_rank_at_once_and_leaves_nothing(tmp_path, case):
     """A rank whose constructor fails (a bad argument; backend="cuda" without a device; creating its
     segments, e.g. a full /dev/shm; mapping its peers' segments; starting the native transport)

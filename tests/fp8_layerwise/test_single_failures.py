@@ -29,6 +29,7 @@ def test_epoch_zero_and_range_errors():
 
 @pytest.mark.parametrize("case", ["reuse", "decrease", "wait_before_join", "layer_mismatch", "count_mismatch",
                                   "double_wait"])
+@pytest.mark.fault
 def test_protocol_violations_poison(case):
     with make(4, [16, 16, 16, 16]) as t:
         with t.layer(5, 0, 4) as layer:
@@ -56,6 +57,7 @@ def test_protocol_violations_poison(case):
 
 
 @pytest.mark.parametrize("k", [0, 3, 7])
+@pytest.mark.fault
 def test_writer_raises_at_expert_k_then_reset(k):
     nb = [256, 32, 128, 16]
     with make(8, nb, 3) as t:
@@ -77,6 +79,7 @@ def test_writer_raises_at_expert_k_then_reset(k):
             assert torch.equal(t.expert_view(0, e), expect(3, e, 0, nb[0]))
 
 
+@pytest.mark.fault
 def test_exception_inside_layer_block_poisons():
     with make(2, [16] * 4) as t:
         with pytest.raises(ZeroDivisionError):
@@ -86,6 +89,7 @@ def test_exception_inside_layer_block_poisons():
         assert exc.code == F.ErrorCode.USER and "ZeroDivisionError" in exc.message
 
 
+@pytest.mark.fault
 def test_close_while_active_and_double_close():
     t = make(4, [16] * 4)
     t.join(1, 0, 4)
@@ -101,6 +105,7 @@ def test_close_while_active_and_double_close():
         t.join(2, 0, 4)
 
 
+@pytest.mark.fault
 def test_close_from_another_thread_unblocks_wait():
     # The main thread is blocked in wait(1) (its producer, in another thread, is parked inside expert 0)
     # when a third thread closes the transport: wait() and run() both raise TransportClosed, promptly.
@@ -148,6 +153,7 @@ def test_close_from_another_thread_unblocks_wait():
     t.close()
 
 
+@pytest.mark.fault
 def test_timeout_resets_on_progress():
     # A writer slower than timeout_ms in total, but faster than it per expert, must succeed. Each expert
     # takes 1/8 of the timeout, leaving a loaded machine 1.75 s of scheduling delay per expert.
@@ -169,6 +175,7 @@ def test_poison_claim_exactly_once():
         assert t.native.last_poison()["error_message"] == "first"
 
 
+@pytest.mark.fault
 def test_claimer_died_while_claimed_is_reported():
     # A process that died between claiming the record and publishing it leaves state CLAIMED:
     # readers must not hang on it, and report the incomplete publication after ~10 ms.
@@ -211,6 +218,7 @@ def test_huge_timeout_and_liveness_mean_infinite(timeout_ms):
             assert torch.equal(t.expert_view(1, e), expect(1, e, 1, 16))
 
 
+@pytest.mark.fault
 def test_join_next_epoch_without_wait_raises_at_once():
     timeout_ms = 20000
     with make(4, [16] * 4, timeout_ms=timeout_ms) as t:
@@ -227,6 +235,7 @@ def test_join_next_epoch_without_wait_raises_at_once():
         assert torch.equal(t.expert_view(3, 3), expect(2, 3, 3, 16))
 
 
+@pytest.mark.fault
 def test_reset_names_the_first_rank_that_left_not_a_rank_that_left_after_it():
     # Rank 2 leaves; rank 0's reset() reports it and rank 0 then closes (what a program does after an
     # unrecoverable error). Rank 1's reset() must still name rank 2, not rank 0.
@@ -243,6 +252,7 @@ def test_reset_names_the_first_rank_that_left_not_a_rank_that_left_after_it():
     assert "reported by rank 0" in seen[1][1], seen
 
 
+@pytest.mark.fault
 def test_close_from_the_writer_while_another_thread_closes_returns_at_once():
     # The main thread closes while the writer is inside expert 0; the writer then closes too. Neither
     # may wait for the other (the main close waits for the writer's call to leave, and the writer's
@@ -287,6 +297,7 @@ def test_close_from_the_writer_while_another_thread_closes_returns_at_once():
     assert res["run_exc"] == "TransportClosed", res
 
 
+@pytest.mark.fault
 def test_reset_while_a_producer_thread_is_inside_the_writer():
     # Rank 0's producer runs in its own thread and is inside expert 0's writer when the region is
     # poisoned and reset() (every rank: here the only one) completes on the main thread. That run()
@@ -419,6 +430,7 @@ def test_poison_message_cut_to_the_record_stays_valid_utf8(pad):
         assert t.native.last_poison()["error_message"] == exc.message
 
 
+@pytest.mark.fault
 def test_a_rank_that_skips_an_epoch_rank_0_opened_fails_at_once():
     # Rank 0 opened epoch 1; rank 1 joins epoch 2 instead. Rank 0 will not open 2 before rank 1
     # returned from wait(1), so rank 1 would wait for the whole timeout: it is a ProtocolError, now.

@@ -50,6 +50,7 @@ def test_initialize_validation(region):
             _C.initialize_fp8_layerwise_control(p, 8192, 2, slots)
 
 
+@pytest.mark.fault
 def test_attach_checks_magic_size_and_tp(region):
     with pytest.raises(ValueError, match="not initialized"):
         _ctor(region.ptr, 8192)
@@ -182,6 +183,7 @@ def test_shard_writer_validation():
         _C.ShardWriter([_C.ShardSpec(1, 16, 16, 1, 16, num_experts=n) for n in (2, 2, 3, 2)], 1)
 
 
+@pytest.mark.fault
 def test_shm_owner_only_unguessable_and_size_checked():
     a = _C.ShmSegment.create("fp8lw_test", 4096)
     b = _C.ShmSegment.create("fp8lw_test", 4096)
@@ -220,6 +222,7 @@ def test_transport_leaves_no_shm_names():
 
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("fail_at", [1, 2, 3, 4])
+@pytest.mark.fault
 def test_setup_failure_cleans_up(rank, fail_at):
     # One rank of TP 2, its peer played by the test's exchange: the exchange fails at its round
     # fail_at (1: before anything exists; 2: the names; 3: "mapped"; 4: "ready"). Every name this rank
@@ -260,6 +263,7 @@ def _low_level(region, rank, nb=NB, n=4, timeout_ms=1000, tp=2):
 
 @pytest.mark.parametrize("rank0_first", [True, False])
 @pytest.mark.parametrize("field", ["expert_nbytes", "num_experts"])
+@pytest.mark.fault
 def test_native_attach_checks_geometry_against_rank_0(region, rank0_first, field):
     # Ranks that disagree with rank 0 would read the slots at other offsets than rank 0 writes them:
     # the second of the two to attach sees it, poisons (PROTOCOL, naming the rank that differs), and
@@ -341,6 +345,7 @@ def test_layer_call_arguments_are_integers_named_by_argument():
 
 
 @pytest.mark.parametrize("slots", [0, 1, 17, 1 << 40])
+@pytest.mark.fault
 def test_native_attach_refuses_a_corrupted_num_slots(region, slots):
     # The header's num_slots (written once by initialize_control) bounds every slot index into the
     # control block's ready[] and ack[] arrays of 16: a corrupted word is refused on attach, by name,

@@ -11,7 +11,8 @@ pytestmark = pytest.mark.skipif(not F.built_with_cuda(), reason="built without C
 
 @pytest.mark.smoke
 @pytest.mark.multigpu(2, shared_ok=True)  # no NCCL between ranks: they may share a GPU
-def test_gpu_sigkill_consumer(tmp_path):
+@pytest.mark.fault
+def test_gpu_sigkill_consumer(tmp_path, record_property):
     try:
         res = run_workers(FW.kill_consumer, 2, str(tmp_path), "cuda", tmp_path=tmp_path, timeout=240,
                           expect_dead={1})
@@ -22,3 +23,4 @@ def test_gpu_sigkill_consumer(tmp_path):
     assert r0["type"] == "PeerDied" and r0["rank"] == 1, r0
     # detected by the liveness check, not by the timeout
     assert r0["t_exc"] - r0["t0"] < fast_bound(FW.LIVENESS_MS / 1000, FW.DEAD_PEER_TIMEOUT_MS / 1000), r0
+    record_property("detect_s", r0["t_exc"] - r0["t0"])

@@ -35,6 +35,7 @@ def test_gather_bytes_round_trips_every_byte_value_and_length(tmp_path):
     assert [len(X.payload("0, 1, large", r)) for r in range(WORLD)] == [0, 1, X.LARGE]
 
 
+@pytest.mark.fault
 def test_gather_bytes_refuses_a_length_over_the_bound_on_every_rank(tmp_path):
     from tests._dist import run_workers
 
@@ -110,6 +111,7 @@ _MALFORMED_CONSTRUCTION = [
 
 
 @pytest.mark.parametrize("record,why", _MALFORMED_CONSTRUCTION, ids=[w[:40] for _, w in _MALFORMED_CONSTRUCTION])
+@pytest.mark.fault
 def test_a_malformed_construction_record_says_what_is_wrong(record, why):
     kind, msg = C.decode_construction(record)
     assert kind == "error" and why in msg and msg.startswith("malformed construction record ("), msg
@@ -121,16 +123,19 @@ def test_a_malformed_construction_record_says_what_is_wrong(record, why):
     (b"\x00", "malformed status record (kind byte 0x00)"),
     (b"E" + b"m" * (C.MESSAGE_BYTES + 1), "malformed status record (an error message of"),
 ], ids=["empty", "ok with a tail", "zero byte", "message too long"])
+@pytest.mark.fault
 def test_a_malformed_status_record_says_what_is_wrong(record, why):
     ok, msg = C.decode_status(record)
     assert not ok and msg.startswith(why), msg
 
 
+@pytest.mark.fault
 def test_a_peer_message_that_is_not_utf8_is_shown_not_fatal():
     assert C.decode_construction(b"E\xff boom") == ("error", "\ufffd boom")
     assert C.decode_status(b"E\xc3") == (False, "\ufffd")
 
 
+@pytest.mark.fault
 def test_decoding_never_raises_on_arbitrary_bytes():
     rng = random.Random(36)
     for i in range(3000):
@@ -147,6 +152,7 @@ def test_decoding_never_raises_on_arbitrary_bytes():
 
 
 # ------------------------------------------------------------------ malformed records in a construction over gloo
+@pytest.mark.fault
 def test_a_malformed_record_fails_the_construction_on_every_rank_naming_the_rank(tmp_path):
     """Rank 1 of 3 sends each of _exchange_workers.MALFORMED instead of its construction record, then
     malformed status records: every rank raises an error naming rank 1 and what is wrong, releases its

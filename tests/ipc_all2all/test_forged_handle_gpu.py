@@ -51,6 +51,7 @@ def forged_worker(rank, world, rdzv):
 
 
 @pytest.mark.multigpu(2, shared_ok=True)
+@pytest.mark.fault
 def test_a_handle_of_a_smaller_allocation_is_refused(tmp_path):
     res = run_workers(forged_worker, 2, tmp_path=tmp_path, timeout=120)
     kind, msg = res[0]

@@ -46,7 +46,8 @@ def test_cuda_graph_replay_with_changing_counts(tmp_path):
 
 
 @MULTI
-def test_skipped_call_times_out_with_a_clear_error(tmp_path):
+@pytest.mark.fault
+def test_skipped_call_times_out_with_a_clear_error(tmp_path, record_property):
     """A rank skips a call: the others raise CommTimeoutError naming operation, rank and peer within the
     deadline; a call they had queued behind the failed one does not run (CommError, not a second
     timeout); the late rank's own call fails at once; a new instance works."""
@@ -59,10 +60,12 @@ def test_skipped_call_times_out_with_a_clear_error(tmp_path):
         assert r["queued_s"] < 5.0, r        # abandoned (CommError, checked by the worker), no hang
     late = res[-1]
     assert late["peer"] in range(world - 1) and late["late_s"] < 1.0, late
+    record_property("detect_s", max(r["elapsed"] for r in res[:-1]))  # the 1 s deadline included
 
 
 @MULTI
-def test_skipped_call_with_different_operation_raises_on_every_rank(tmp_path):
+@pytest.mark.fault
+def test_skipped_call_with_different_operation_raises_on_every_rank(tmp_path, record_property):
     """Rank 1 skips one call of several and carries on, so its gather_heads meets the others'
     send_recv_heads: the handshake signature tells them apart and every rank raises (no garbage, no
     wait for the deadline); the calls before the skipped one were right."""
@@ -75,9 +78,11 @@ def test_skipped_call_with_different_operation_raises_on_every_rank(tmp_path):
         else:
             assert r["peer"] == 1 and "peer 1 is running gather_heads while this rank runs send_recv_heads" \
                 in r["msg"], r
+    record_property("detect_s", max(r["elapsed"] for r in res))
 
 
 @pytest.mark.multigpu(3, shared_ok=True)
+@pytest.mark.fault
 def test_skipped_call_three_ranks(tmp_path):
     """The two skipped-call cases with 3 ranks, where a rank marked failed by one peer is still awaited
     by another: it posts its entry as abandoned, so nobody waits out a deadline for it (the mismatch
@@ -162,6 +167,7 @@ def test_four_ranks_fp8_wire(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.fault
 def test_destroy_racing_calls_in_another_thread(tmp_path):
     """destroy() (which waits for the device without the GIL) while another thread keeps calling: every
     call completes or raises CommError "destroyed", none touches freed memory, the context stays usable.

@@ -195,6 +195,7 @@ def test_group_refusals_before_any_collective(stand_ins):
     b.destroy()
 
 
+@pytest.mark.fault
 def test_ltx_constructor_with_a_group_is_collective(tmp_path):
     """Two gloo processes, each with the CPU stand-in core (tests/ipc_all2all/_cpu_workers.py)."""
     from tests._dist import run_workers
@@ -205,7 +206,8 @@ def test_ltx_constructor_with_a_group_is_collective(tmp_path):
         assert r["core_args"] == (rank, 2, 16 * 256 * 2, 8, 3.0), r
         assert r["watched"] == (2, True, 200), r  # every rank's process id went to the peer watch
         assert r["collective"] and r["group_is"] and r["buffer_size"] == 16 * 256 * 2, r
-        assert r["runtime"] == "Runtime" and r["destroy_barriers"] == 1, r
+        # destroy() is collective: the core waits for every peer's arrival, within destroy()'s deadline
+        assert r["runtime"] == "Runtime" and r["destroy_args"] == [(True, 30.0, True)], r
         name, msg = r["mismatch"]
         # rank 1's own arguments were wrong: its ValueError; rank 0 learns of it and raises CommError
         assert name == ("ValueError" if rank == 1 else "CommError"), r

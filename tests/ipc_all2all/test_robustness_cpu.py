@@ -129,6 +129,7 @@ def test_handle_carries_what_must_match():
     ("own", r"entry 0 is not this rank's own handle"),
     ("buffer", r"rank 1 has a buffer of"),
 ])
+@pytest.mark.fault
 def test_sync_refuses_mismatched_handles_before_opening_anything(case, match):
     hs = _handles(2)
     if case == "capacity":

@@ -16,6 +16,7 @@ GPU_SH = os.path.join(ROOT, "tools", "gpu.sh")
 PKGS = ["fp8_layerwise", "ipc_all2all", "elastic_ep"]
 SMOKE = "smoke and (gpu or multigpu)"
 FULL = "gpu or multigpu"
+FAULTS = "fault and (gpu or multigpu)"
 NVLS_VARS = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
 
 
@@ -96,6 +97,25 @@ def test_full_runs_every_gpu_test_of_the_chosen_packages(tmp_path, args, pkgs):
     assert all(_opt(c, "-m") == FULL for c in plan.tests)
 
 
+def _reports(plan):
+    return [c for c in plan.commands if os.path.join(ROOT, "tools", "fault_report.py") in c]
+
+
+@pytest.mark.parametrize("args,pkgs", [([], PKGS),
+                                       (["package=elastic_ep,ipc_all2all"], ["elastic_ep", "ipc_all2all"])])
+def test_faults_runs_the_fault_marked_gpu_tests_then_counts_them(tmp_path, args, pkgs):
+    out = str(tmp_path / "o")
+    plan = Plan(gpu_sh(out, "faults", *args, "--dry-run", "--", "-x"))
+    assert plan.built() == pkgs and plan.tested() == pkgs and plan.benches == []
+    assert all(_opt(c, "-m") == FAULTS and c[-1] == "-x" for c in plan.tests)
+    # then tools/fault_report.py over the suites' junit files, after the last suite
+    (report,) = _reports(plan)
+    assert plan.commands.index(report) > plan.commands.index(plan.tests[-1])
+    assert report[:3] == ["timeout", "--kill-after=15", "540"]
+    assert report[5:] == [f"{out}/junit_{p}.xml" for p in pkgs] + ["--out", f"{out}/faults.json"]
+    assert _reports(Plan(gpu_sh(out, "full", "--dry-run"))) == []  # only the faults preset reports
+
+
 def test_bench_runs_the_benchmarks_only(tmp_path):
     out = str(tmp_path / "o")
     plan = Plan(gpu_sh(out, "bench", "--dry-run"))
@@ -151,6 +171,8 @@ def test_a_relative_out_dir_is_made_absolute(tmp_path):
     (["o", "--only", "ipc_all2all,x"], "--only: unknown package 'x'"),
     (["o", "package="], "package=: no package named"),
     (["o", "smoke", "full"], "two presets given"),
+    (["faults"], "the first argument is OUT_DIR"),
+    (["o", "faults", "--quick"], "--quick applies to the bench preset only"),
     (["o", "smoke", "--quick"], "--quick applies to the bench preset only"),
     (["o", "--timeout", "soon"], "--timeout: expected whole seconds"),
     (["o", "--no-such-option"], "unknown argument '--no-such-option'"),
@@ -166,7 +188,8 @@ def test_bad_usage_is_refused_with_a_reason(tmp_path, args, message):
 def test_help_describes_the_presets():
     proc = gpu_sh("--help")
     assert proc.returncode == 0
-    for word in ("smoke", "full", "bench", "package=", "--no-build", "--quick", "--timeout", "--dry-run"):
+    for word in ("smoke", "full", "faults", FAULTS, "fault_report.py", "bench", "package=", "--no-build", "--quick",
+                 "--timeout", "--dry-run"):
         assert word in proc.stdout, word
 
 
@@ -194,6 +217,22 @@ def test_the_smoke_marker_selects_gpu_tests_of_every_package():
     # smoke marks GPU tests only: the CPU suites are run by tools/test.sh
     rc, ids = _collect("-m", "smoke and not (gpu or multigpu)", "tests")
     assert rc == 5 and ids == [], ids
+
+
+def test_the_fault_marker_selects_tests_of_every_package_on_either_machine():
+    # The fault-injection suite: its GPU part (gpu.sh faults) and its CPU part (-m "fault and not (gpu or
+    # multigpu)", which CI runs among every CPU test) hold tests of every package.
+    gpu = {"test_survivor_names_a_dead_rank_at_once", "test_native_survivor_names_a_dead_rank_at_once",
+           "test_a_handle_of_a_smaller_allocation_is_refused", "test_gpu_sigkill_consumer"}
+    cpu = {"test_sigkill_consumer_detected_fast", "test_corrupted_peer_word_is_a_protocol_error_and_the_buffer_unusable",
+           "test_a_malformed_record_fails_the_construction_on_every_rank_naming_the_rank",
+           "test_real_rank_in_another_pid_namespace_is_alive_then_dead"}
+    for mark, expected in ((FAULTS, gpu), ("fault and not (gpu or multigpu)", cpu)):
+        rc, ids = _collect("-m", mark, *(f"tests/{p}" for p in PKGS))
+        assert rc == 0, ids
+        for p in PKGS:
+            assert any(i.startswith(f"tests/{p}/") for i in ids), (mark, p)
+        assert expected <= {re.sub(r"\[.*\]$", "", i.split("::")[-1]) for i in ids}, mark
 
 
 # --- tools/env.sh, the one place of the environment settings ------------------------------------------
