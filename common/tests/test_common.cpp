@@ -388,7 +388,8 @@ void timeout_record_tests() {
     EXPECT(e.operation() == "combine recv" && e.rank() == 1 && e.peer() == 0);
     EXPECT(e.expected() == 9 && e.observed() == 4);
     EXPECT(std::string(e.what()).find("3000 ms") != std::string::npos);
-    EXPECT(rec.flag == 0u);
+    EXPECT(rec.flag == 0u && rec.op == 0u && rec.rank == 0 && rec.peer == -1 && rec.expected == 0 &&
+           rec.observed == 0 && rec.waited_ns == 0u && rec.channel == 0u);
   });
 }
 

@@ -72,7 +72,8 @@ def test_native_dispatch_refuses_a_rank_with_other_geometry(tmp_path, field, cpu
 
 def corrupt_worker(rank, world, rdzv, kind):
     """Rank 0 sends rank 1 a corrupted word (ELASTIC_EP_TEST_CORRUPT, read when the buffer is made):
-    a count above num_max_tokens_per_rank, or records naming source tokens outside rank 0's range. Rank 1
+    a count above num_max_tokens_per_rank, or records naming source tokens outside rank 0's range (with
+    "own_row", rank 0's combine corrupts its own slots instead: see the last test). Rank 1
     reports a protocol error naming rank 0 (at once for the count, which notify checks before sizing
     anything; at its next call for the records, which the epilogue checks as it copies) and writes
     nothing where the word points; rank 0 learns of rank 1 through a named timeout or the peer watch
@@ -105,3 +106,15 @@ def test_native_dispatch_reports_a_corrupted_peer_word(tmp_path, kind, says):
     # Rank 0 hears of rank 1 through a named timeout, or (rank 1 exits once it raised) the peer watch.
     assert zero == "no error" or ("CommTimeoutError" in zero and "peer 1" in zero) or \
         ("CommError" in zero and "rank 1's process" in zero and "died" in zero), zero
+
+
+@pytest.mark.multigpu(2, shared_ok=True)
+@pytest.mark.fault
+def test_native_combine_reports_an_own_slot_index_outside_x(tmp_path):
+    """Rank 0's combine leaves row indices past x in its own slots (ELASTIC_EP_TEST_CORRUPT=own_row), as a
+    peer writing into its window could: its reduce reports a protocol error and reads nothing past x (the
+    index is checked before x is read at it); rank 1 ends by a named timeout, the peer watch, or not at all."""
+    zero, one = run_workers(corrupt_worker, 2, "own_row", tmp_path=tmp_path, timeout=150)
+    assert zero.startswith("CommError") and "protocol error" in zero and "outside x's" in zero, zero
+    assert one == "no error" or ("CommTimeoutError" in one and "peer 0" in one) or \
+        ("CommError" in one and "rank 0's process" in one and "died" in one), one

@@ -346,7 +346,7 @@ def test_plan_key_is_every_scalar_argument_and_the_build_sees_nothing_else(strea
 @pytest.mark.parametrize("plan,block,per_call", [
     ("DispatchPlan", "DispatchParams", {"host_tag"}),
     ("EpiloguePlan", "EpilogueParams", {"recv_sf_token_stride", "recv_sf_hidden_stride"}),
-    ("CombinePlan", "CombineParams", set()),
+    ("CombinePlan", "CombineParams", {"num_x_rows"}),
 ])
 def test_plans_are_the_parameter_blocks_scalar_members_by_name(plan, block, per_call):
     from elastic_ep import _native_plans

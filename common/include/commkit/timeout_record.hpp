@@ -38,11 +38,21 @@ static_assert(sizeof(TimeoutRecord) == 64, "TimeoutRecord must stay one cache li
 
 namespace commkit {
 
+// The fields first, the flag last (a release store): while the flag is still set no kernel can claim
+// the record, so one that claims it right after the clear never has its fields zeroed under it (a
+// whole-struct assignment may store the flag first).
 inline void clear_timeout_record(TimeoutRecord* rec) {
-  TimeoutRecord zero{};
-  zero.peer = -1;
-  *rec = zero;
+  volatile TimeoutRecord* r = rec;
+  r->op = 0u;
+  r->rank = 0;
+  r->peer = -1;
+  r->expected = 0;
+  r->observed = 0;
+  r->waited_ns = 0u;
+  r->channel = 0u;
+  for (uint32_t& w : rec->reserved) w = 0u;
   fence_system();
+  st_release(&rec->flag, 0u);
 }
 
 // Throws commkit::TimeoutError if a device deadline expired. op_name maps op codes to names.

@@ -103,6 +103,8 @@ const FieldTable<CombineParams>& fields_of<CombineParams>() {
       EP_FIELD(CombineParams, allow_multiple_reduction),
       EP_FIELD(CombineParams, num_sms),
       EP_FIELD(CombineParams, overlap_push_blocks),
+      EP_FIELD(CombineParams, num_x_rows),
+      EP_FIELD(CombineParams, test_corrupt),
   }};
   return t;
 }

@@ -100,6 +100,7 @@ __device__ __forceinline__ int combine_push_row(const Ctx& cx, const CombinePara
   const int M = K + 2;
   const char* xb = static_cast<const char*>(p.x);
   const auto& tl = g.tl;
+  const uint32_t own_shift = p.test_corrupt == 4 ? uint32_t(p.num_x_rows) : 0u;  // tests only
   const int* meta = p.src_metadata + int64_t(i) * M;
   const int gsrc = meta[0];
   const int s = gsrc / p.num_max_tokens_per_rank, t = gsrc % p.num_max_tokens_per_rank;
@@ -119,7 +120,7 @@ __device__ __forceinline__ int combine_push_row(const Ctx& cx, const CombinePara
     if (!to.own)
       cx.tr.put_warp(peer, dst + tl.x.offset, xb + int64_t(i) * g.row_bytes, g.row_bytes, lane);
     else if (lane == 0)  // own row: the reduce reads it from x; the slot holds its index
-      cx.tr.put_u32(peer, dst + tl.x.offset, uint32_t(i));
+      cx.tr.put_u32(peer, dst + tl.x.offset, uint32_t(i) + own_shift);
     if (lane < K) {
       const float w = p.topk_weights != nullptr ? p.topk_weights[int64_t(i) * K + lane] : 0.f;
       cx.tr.put_u32(peer, dst + tl.topk_weights.offset + 4ull * lane, __float_as_uint(w));
@@ -156,7 +157,7 @@ __device__ __forceinline__ int combine_push_row(const Ctx& cx, const CombinePara
       if (!to.own)
         cx.tr.put_warp(peer, dst + tl.x.offset, xb + int64_t(rk) * g.row_bytes, g.row_bytes, lane);
       else if (lane == k)
-        cx.tr.put_u32(peer, dst + tl.x.offset, uint32_t(rk));
+        cx.tr.put_u32(peer, dst + tl.x.offset, uint32_t(rk) + own_shift);
       if (lane == k) {
         const float w = p.topk_weights != nullptr ? p.topk_weights[rk] : 0.f;
         cx.tr.put_u32(peer, dst + tl.topk_weights.offset + 4ull * k, __float_as_uint(w));
@@ -177,8 +178,8 @@ __device__ __forceinline__ int combine_push_row(const Ctx& cx, const CombinePara
 // scratch: this warp's [64] shared ints: [0, 32) the x row of this rank's own slots (by slot),
 // [32, 64) the slot added at each lane (-1: +0.0).
 template <bool kInFlight>
-__device__ __forceinline__ void combine_reduce_token(const Ctx& cx, const CombineParams& p, const CombineGeom& g,
-                                                     int t, int* scratch) {
+__device__ __forceinline__ void combine_reduce_token(const Ctx& cx, const CommView& c, const CombineParams& p,
+                                                     const CombineGeom& g, int t, int* scratch) {
   const int R = cx.tr.num_ranks, rank = cx.tr.rank, K = p.num_topk, lane = lane_id();
   const int L = p.num_experts / R;
   const auto& tl = g.tl;
@@ -214,8 +215,16 @@ __device__ __forceinline__ void combine_reduce_token(const Ctx& cx, const Combin
   unsigned own_slots = 0;
   if (own_by_index) {
     own_slots = g.per_rank ? (order & (1u << rank)) : (order & __ballot_sync(kFull, owner == rank));
-    if ((own_slots >> lane) & 1u)
-      own_row[lane] = *reinterpret_cast<const volatile int*>(base + uint64_t(lane) * tl.bytes + tl.x.offset);
+    // The window is writable by every peer: an index outside x is reported and x is not read at it
+    // (the slot is then read as the window's bytes, in bounds; the call raises CommError).
+    bool outside = false;
+    if ((own_slots >> lane) & 1u) {
+      const int i = *reinterpret_cast<const volatile int*>(base + uint64_t(lane) * tl.bytes + tl.x.offset);
+      outside = i < 0 || i >= p.num_x_rows;
+      if (outside) report_protocol_once(cx, c, rank, kProtocolOwnRow, uint32_t(i), uint64_t(p.num_x_rows));
+      own_row[lane] = i;
+    }
+    own_slots &= ~__ballot_sync(kFull, outside);
   }
   __syncwarp();
   const int4* b0 = p.bias0 ? reinterpret_cast<const int4*>(static_cast<const char*>(p.bias0) + int64_t(t) * g.row_bytes)
@@ -322,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_reduce_epilogue_impl(Comm
   const CombineGeom g(p, R);
   __shared__ int scratch[kWarps][64];  // [warp]: see combine_reduce_token
   const int gw = blockIdx.x * kWarps + tid / 32, nw = gridDim.x * kWarps;
-  for (int t = gw; t < T; t += nw) combine_reduce_token<false>(cx, p, g, t, scratch[tid / 32]);
+  for (int t = gw; t < T; t += nw) combine_reduce_token<false>(cx, c, p, g, t, scratch[tid / 32]);
   grid_finish(cx, kCtrCombineReduce, [&] {
     count_rail_signals(cx, hd);
     cx.end_epoch(E);
@@ -403,7 +412,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_overlapped_impl(CommView 
                                 rank, r, 10, 100);
       }
       ok = __shfl_sync(kFull, ok ? 1 : 0, 0) != 0;
-      if (ok) combine_reduce_token<true>(cx, p, g, t, scratch[warp]);
+      if (ok) combine_reduce_token<true>(cx, c, p, g, t, scratch[warp]);
     }
   }
   // Whole grid: the last block to finish clears the arrival counters (every row that counts into

@@ -168,6 +168,11 @@ struct CombineParams {
   // others reduce each token chunk as soon as its rows have landed (overlap_fits must hold,
   // 0 < overlap_push_blocks < num_sms, and no event may gate the reduce).
   int overlap_push_blocks;
+  int num_x_rows;              // rows of x: the bound of the row index this rank's own slots hold (a peer
+                               // maps the whole window, so the index is checked before x is read at it)
+  // Tests only (ELASTIC_EP_TEST_CORRUPT=own_row): 4 = this rank's own slots hold their index plus
+  // num_x_rows; the reduce must report a protocol error and read nothing past x.
+  int test_corrupt;
   // Hybrid mode: rows for another domain's origin go to this domain's rail peer of the origin (its
   // stage area), which forwards them over the scale-out transport (no overlapped combine here).
 };

@@ -89,6 +89,7 @@ class CombinePlan(NamedTuple):
     allow_multiple_reduction: bool
     num_sms: int
     overlap_push_blocks: int        # 0: push and reduce as two kernels
+    test_corrupt: int               # ELASTIC_EP_TEST_CORRUPT=own_row (4), else 0
 
 
 def plan_cache(build: Callable[..., Any]) -> Callable[..., Any]:

@@ -382,7 +382,8 @@ class NativeRuntime(NativeWindow):
             params = self._combine_block(a, T, K, wait_event)
             meta, psum = h.backend_recv_src_metadata, h.psum_num_recv_tokens_per_scaleup_rank
             params.set(x=x, topk_weights=w, src_metadata=meta, psum_rank=psum, combined_topk_idx=topk_idx,
-                       combined_x=combined_x, combined_topk_weights=combined_w, bias0=a.bias_0, bias1=a.bias_1)
+                       combined_x=combined_x, combined_topk_weights=combined_w, bias0=a.bias_0, bias1=a.bias_1,
+                       num_x_rows=x.shape[0])
             # The push and the reduce (which ends the operation) are queued by this one call; if it
             # raises, the push may be queued without the reduce.
             stage = EPILOGUE_OWED
@@ -415,5 +416,6 @@ class NativeRuntime(NativeWindow):
         if overlap and not reduce_gated and not self.num_scaleup_ranks:
             push = overlap_push_blocks(OverlapConfig(overlap, push_blocks), self.num_ranks, shape["num_sms"],
                                        shape["num_max_tokens_per_rank"])
-        plan = CombinePlan(**shape, allow_multiple_reduction=self.allow_multiple_reduction, overlap_push_blocks=push)
+        plan = CombinePlan(**shape, allow_multiple_reduction=self.allow_multiple_reduction, overlap_push_blocks=push,
+                           test_corrupt=self._test_corrupt if self._test_corrupt == 4 else 0)
         return _C.CombineParams(**plan._asdict())

@@ -82,6 +82,8 @@ _PROTOCOL_ERRORS = {
         "{mine}; a corrupted message, or a handle changed after low_latency_dispatch returned it)",
     12: "rank {peer}'s low-latency signal is from call {theirs}, this rank is at call {mine}: the ranks' low-latency "
         "calls are out of step (every rank must make the same low-latency calls, each hook called once)",
+    13: "a combine slot of this rank's own row holds row index {theirs}, outside x's {mine} rows (the window was "
+        "written where only this rank writes: a corrupted slot)",
 }
 
 
@@ -391,7 +393,7 @@ class NativeWindow(Runtime):
             return CommError(msg)
         if word in _PROTOCOL_ERRORS:
             what = _PROTOCOL_ERRORS[word].format(peer=peer, theirs=theirs, mine=mine)
-            op = "low-latency call" if word >= 10 else "dispatch"
+            op = "combine" if word == 13 else "low-latency call" if word >= 10 else "dispatch"
             msg = (f"{op} [rank {self.rank_idx}]: protocol error: {what}; nothing was written where it "
                    "points. This buffer is unusable: destroy it on every rank and create a new one")
             self._rt.mark_broken(msg)
