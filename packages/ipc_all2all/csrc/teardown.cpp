@@ -11,6 +11,10 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <system_error>
 #include <thread>
 
 #include "commkit/atomics.hpp"
