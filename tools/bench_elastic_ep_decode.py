@@ -276,7 +276,8 @@ def _plot(rows: list):
             ax.set_xlabel("tokens per rank")
             ax.set_ylabel("us per call")
             ax.set_title(op)
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:  # a run without rows for this op draws no curve
+                ax.legend(fontsize=7)
         save(fig, path)
     return draw
 
