@@ -73,7 +73,7 @@ def test_corrupted_peer_word_is_a_protocol_error_and_the_buffer_unusable(streams
 
 
 def test_geometry_fields_unpack_every_word():
-    from elastic_ep._native_window import geometry_fields
+    from elastic_ep._geometry import geometry_fields
 
     assert geometry_fields(2, (256 << 16) | (8 << 8) | 56, (288 << 16) | (8 << 8) | 56) == (
         ("num_experts", "num_topk", "scale packs per token (mod 256)"), (256, 8, 56), (288, 8, 56))

@@ -34,8 +34,9 @@ combine
     (token, domain).
 
 Every stage is an ``all_to_all_single`` over the whole group with zero counts outside the stage's
-peers (so a refusal of bad expert ids, carried with the first stage's counts, still reaches every
-rank), and every wait is bounded as in direct mode, naming the stage.
+peers (so a refusal of bad expert ids, or of a rank whose geometry words differ, carried with the first
+stage's counts, still reaches every rank, also one that hears from that rank through a forwarder only),
+and every wait is bounded as in direct mode, naming the stage.
 
 Every word a rank takes from a peer is checked before it is used as a rank, mask or token index: the
 source rank, scale-up mask and token of each dispatch row (a forwarder: that they are its sender's,
@@ -59,8 +60,10 @@ __all__ = ["HybridExchange", "ForwardMetadata", "forward_metadata", "as_bytes", 
 
 _EXTRA = 16  # bytes appended to each row in flight: two int64 (see each stage)
 
-# (send rows, per-destination counts, stage name, bad ids or None, num_experts) -> (recv rows, per-source counts)
-AllToAll = Callable[[torch.Tensor, List[int], str, Optional[Tuple[int, int]], int], Tuple[torch.Tensor, List[int]]]
+# (send rows, per-destination counts, stage name, bad ids or None, num_experts, geometry words or None)
+#   -> (recv rows, per-source counts)
+AllToAll = Callable[[torch.Tensor, List[int], str, Optional[Tuple[int, int]], int, Optional[Tuple[int, ...]]],
+                    Tuple[torch.Tensor, List[int]]]
 
 ForwardMetadata = Tuple[torch.Tensor, torch.Tensor]  # (token_metadata_at_forward, channel_linked_list)
 
@@ -192,10 +195,11 @@ class HybridExchange:
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, send: torch.Tensor, send_counts: List[int], tokens: torch.Tensor, num_tokens: int,
-                 num_max_tokens_per_rank: int, bad_ids: Optional[Tuple[int, int]],
-                 num_experts: int) -> Tuple[torch.Tensor, List[int], ForwardMetadata]:
+                 num_max_tokens_per_rank: int, bad_ids: Optional[Tuple[int, int]], num_experts: int,
+                 geometry: Optional[Tuple[int, ...]] = None) -> Tuple[torch.Tensor, List[int], ForwardMetadata]:
         """Delivers direct mode's ``send`` (rows grouped by destination rank, ``send_counts`` each; row
-        ``i`` is token ``tokens[i]`` of this rank's ``num_tokens``) along the two hops.
+        ``i`` is token ``tokens[i]`` of this rank's ``num_tokens``) along the two hops. ``bad_ids`` and
+        ``geometry`` (this call's words) travel with the first stage's counts (the runtime's exchange).
 
         Returns:
             ``(recv, recv_counts, (token_metadata_at_forward, channel_linked_list))``: the rows direct
@@ -203,6 +207,8 @@ class HybridExchange:
 
         Raises:
             CommError: a row this rank received carries a corrupted word (see the module docstring).
+            ValueError: some rank has bad expert ids or other geometry words (every rank raises it, before
+                any row moves).
         """
         d = self.d
         R, S, U, me = d.num_ranks, d.num_scaleout_ranks, d.num_scaleup_ranks, d.rank_idx
@@ -223,7 +229,7 @@ class HybridExchange:
         for s in range(S):
             counts1[s * U + u_me] = int(per_domain[s])
         self.last_scaleout_rows = sum(counts1) - counts1[me]
-        recv1, got1 = self._a2a(rows, counts1, "dispatch scale-out stage", bad_ids, num_experts)
+        recv1, got1 = self._a2a(rows, counts1, "dispatch scale-out stage", bad_ids, num_experts, geometry)
 
         # 2. Forward each relayed row to the ranks of this domain its mask names, in arrival order.
         payload1, src1, mask1 = _split(recv1)
@@ -240,7 +246,7 @@ class HybridExchange:
         per_b = torch.bincount(fi, minlength=U).tolist() if F else [0] * U
         for b in range(U):
             counts2[s_me * U + b] = int(per_b[b])
-        recv2, got2 = self._a2a(recv1[fb], counts2, "dispatch scale-up stage", None, num_experts)
+        recv2, got2 = self._a2a(recv1[fb], counts2, "dispatch scale-up stage", None, num_experts, None)
         if err1 is not None:
             raise err1
         forward = forward_metadata(src1 * M + _token(payload1), mask1, U, fanout)
@@ -260,8 +266,10 @@ class HybridExchange:
         return payload[order], [int(c) for c in recv_counts], forward
 
     # ------------------------------------------------------------------ combine
-    def combine(self, send: torch.Tensor, send_counts: List[int]) -> Tuple[torch.Tensor, List[int]]:
-        """Delivers combine's ``send`` (partial rows grouped by destination rank) along the reverse path.
+    def combine(self, send: torch.Tensor, send_counts: List[int],
+                geometry: Optional[Tuple[int, ...]] = None) -> Tuple[torch.Tensor, List[int]]:
+        """Delivers combine's ``send`` (partial rows grouped by destination rank) along the reverse path;
+        ``geometry`` (this call's words) travels with the first stage's counts.
 
         Returns:
             ``(recv, recv_counts)``: the rows direct mode would receive, grouped by the rank that
@@ -269,6 +277,7 @@ class HybridExchange:
 
         Raises:
             CommError: a row this rank received carries a corrupted word (see the module docstring).
+            ValueError: some rank's geometry words differ (every rank raises it, before any row moves).
         """
         d = self.d
         R, S, U, me = d.num_ranks, d.num_scaleout_ranks, d.num_scaleup_ranks, d.rank_idx
@@ -280,7 +289,7 @@ class HybridExchange:
         order1 = torch.argsort(fwd, stable=True)
         rows1 = torch.cat([send, _i64_cols(dst, torch.full_like(dst, me))], 1)[order1]
         counts1 = torch.bincount(fwd, minlength=R).tolist() if dst.numel() else [0] * R
-        recv1, got1 = self._a2a(rows1, [int(c) for c in counts1], "combine scale-up stage", None, 0)
+        recv1, got1 = self._a2a(rows1, [int(c) for c in counts1], "combine scale-up stage", None, 0, geometry)
         # 2. Across the rail to the destination.
         _, dst1, sender1 = _split(recv1)
         from1 = _sources(got1, dev)
@@ -294,7 +303,7 @@ class HybridExchange:
         order2 = torch.argsort(dst1, stable=True)
         counts2 = torch.bincount(dst1, minlength=R).tolist() if recv1.shape[0] else [0] * R
         self.last_scaleout_rows = sum(counts2) - int(counts2[me])
-        recv2, got2 = self._a2a(recv1[order2], [int(c) for c in counts2], "combine scale-out stage", None, 0)
+        recv2, got2 = self._a2a(recv1[order2], [int(c) for c in counts2], "combine scale-out stage", None, 0, None)
         if err1 is not None:
             raise err1
         payload, dst2, sender = _split(recv2)

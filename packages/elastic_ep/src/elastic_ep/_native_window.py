@@ -24,12 +24,13 @@ from ._checks import c_ints, expert_ids_error
 from ._collective import (agree_on_every_rank, all_ok, gather_bytes, gather_ints, group_device,
                           raise_if_any_rank_failed)
 from ._events import EventHandle
+from ._geometry import geometry_error
 from ._peer_calls import REPORT_FIRST, native_report_error
 from ._nccl import (comm_arg, destroy_nccl_comm, get_logical_domain_size, need_cuda, new_nccl_comm,
                     torch_nccl_comm)
 from ._runtime import Runtime
 
-__all__ = ["NativeWindow", "CommError", "CommTimeoutError", "geometry_fields"]
+__all__ = ["NativeWindow", "CommError", "CommTimeoutError"]
 
 CommError = _C.CommError
 CommTimeoutError = _C.CommTimeoutError
@@ -99,21 +100,6 @@ def ll_geometry_error(word: int, peer: int, theirs: int, mine: int) -> str:
     return ("the ranks made a low-latency call with different arguments (" + "; ".join(diffs) + "); nothing was "
             "copied from that rank. Every rank must pass the same num_max_dispatch_tokens_per_rank, hidden, "
             "num_experts, top-k and use_fp8")
-
-
-def geometry_fields(word: int, theirs: int, mine: int) -> Tuple[Tuple[str, ...], Tuple[int, ...], Tuple[int, ...]]:
-    """The arguments packed into dispatch geometry word ``word`` (csrc/kernels/sizing.hpp kGeometryWords),
-    and their values in two ranks' words: ``(names, theirs, mine)``."""
-    def unpack(v: int) -> Tuple[int, ...]:
-        if word in (0, 1):
-            return (v,)
-        if word == 2:
-            return (v >> 16, (v >> 8) & 0xFF, v & 0xFF)
-        return (v >> 8, v & 1)
-    names = {0: ("num_max_tokens_per_rank",), 1: ("bytes per row of x (hidden x element size)",),
-             2: ("num_experts", "num_topk", "scale packs per token (mod 256)")}.get(
-                 word, ("expert_alignment", "zero_copy"))
-    return names, unpack(int(theirs)), unpack(int(mine))
 
 
 class NativeWindow(Runtime):
@@ -398,13 +384,7 @@ class NativeWindow(Runtime):
                    "points. This buffer is unusable: destroy it on every rank and create a new one")
             self._rt.mark_broken(msg)
             return CommError(msg)
-        diffs = [f"{name}: rank {peer} passed {a}, rank {self.rank_idx} (this one) {b}"
-                 for name, a, b in zip(*geometry_fields(word, theirs, mine)) if a != b]
-        return ValueError("dispatch: the ranks called it with different arguments ("
-                          + "; ".join(diffs or [f"geometry word {word}: {theirs} vs {mine}"])
-                          + "), so every rank refused it: no row moved and the buffer stays usable. Every rank "
-                          "must pass the same num_max_tokens_per_rank, hidden size and dtype of x, num_experts, "
-                          "top-k, scale packs, expert_alignment and zero_copy to each dispatch.")
+        return geometry_error("dispatch", self.rank_idx, peer, word, theirs, mine)
 
     def _cpu_timeout(self, what: str, detail: str, expected: int, observed: int) -> Exception:
         err = CommTimeoutError(f"elastic_ep {what} timed out after {self.num_cpu_timeout_secs} s "

@@ -9,10 +9,11 @@ dispatch
     1. Each token goes once to every rank owning at least one of its top-k experts (expert ``e``
        lives on rank ``e // L``, ``L = num_experts / num_ranks``). Tokens leave in ascending token
        order per destination.
-    2. One ``all_to_all_single`` of the per-destination counts (with each rank's count of expert ids
-       outside ``[-1, E)``: every rank refuses the call when any rank has some), then one of packed
-       byte records ``[x | sf | topk_idx (int64) | topk_weights | token index]`` (every dtype travels
-       as bytes, so FP8 and BF16 work on gloo too).
+    2. One ``all_to_all_single`` of the per-destination counts, each with the sender's count of expert
+       ids outside ``[-1, E)`` and its geometry words (the native runtime's, ``_geometry``): every rank refuses the call when any rank has bad ids or another geometry
+       (``ValueError`` naming the lowest such rank, the argument and both values; no row moves). Then
+       one of packed byte records ``[x | sf | topk_idx (int64) | topk_weights (zeros when None) |
+       token index]`` (every dtype travels as bytes, so FP8 and BF16 work on gloo too).
     3. The receiver keeps the rows grouped by source rank in rank order (the native runtime's
        grouping), translates expert ids to local ids (-1 when not local) and, in expand mode, scatters
        one row per (token, local lane) into the expert's segment; segments start at the
@@ -29,7 +30,9 @@ combine
     an fp32 accumulator starts at ``bias_0 + bias_1`` (fp32) and adds, lane by lane, the partial
     of the rank whose last lane it is (every row at its own lane without multiple reduction in
     expand mode), then rounds to BF16 once. Weights are not multiplied: they are routed back, lane
-    ``k`` taken from the rank that owns expert ``topk_idx[t, k]`` (0 for masked lanes).
+    ``k`` taken from the rank that owns expert ``topk_idx[t, k]`` (0 for masked lanes, and from a rank
+    that passed none). The counts' exchange carries combine's geometry (the bytes per row of ``x``, the
+    handle's ``num_max_tokens_per_rank``, ``num_experts`` and top-k), refused as dispatch's.
 
 hybrid mode
     With more than one logical scale-out domain (``_domains``) the two exchanges above run as the
@@ -57,10 +60,10 @@ from ._events import EventHandle
 from ._domains import Domains
 from ._handle import EPHandle
 from ._hybrid import HybridExchange, as_bytes as _as_bytes, from_bytes as _from_bytes
+from ._geometry import GEOMETRY_WORDS, combine_geometry, dispatch_geometry, geometry_error
 from ._runtime import CombineArgs, DispatchArgs, DispatchResult, Runtime
 
 __all__ = ["TorchRuntime"]
-
 
 class TorchRuntime(Runtime):
     """The torch runtime (see the module docstring).
@@ -143,14 +146,16 @@ class TorchRuntime(Runtime):
 
     # ------------------------------------------------------------------ exchange
     def _all_to_all(self, send: torch.Tensor, send_counts: List[int], stage: str,
-                    bad_ids: Optional[Tuple[int, int]] = None,
-                    num_experts: int = 0) -> Tuple[torch.Tensor, List[int]]:
+                    bad_ids: Optional[Tuple[int, int]] = None, num_experts: int = 0,
+                    geometry: Optional[Tuple[int, ...]] = None) -> Tuple[torch.Tensor, List[int]]:
         """Exchange rows of a uint8 ``[n, B]`` tensor; returns the received rows and per-source counts.
 
-        ``bad_ids``: ``(count, example)`` of this rank's expert ids outside ``[-1, num_experts)``. They
-        travel with the counts, so when any rank has some every rank raises the same ``ValueError``
-        before the rows move (as the native backend's refusal): nobody is left waiting in the second
-        exchange, and the buffer stays usable.
+        ``bad_ids``: ``(count, example)`` of this rank's expert ids outside ``[-1, num_experts)``;
+        ``geometry``: this call's geometry words (``dispatch_geometry`` / ``combine_geometry``; None:
+        not compared, as every rank's call of ``stage`` passes). Both travel with the counts, so when
+        any rank has bad ids or another geometry every rank raises a ``ValueError`` before the rows move
+        (as the native backend's refusal): nobody is left waiting in the second exchange, and the buffer
+        stays usable.
 
         On CPU groups every wait is bounded by ``num_cpu_timeout_secs``: a rank that never joins makes
         this raise ``TimeoutError`` naming the stage and the rank (the group must then be recreated).
@@ -159,12 +164,20 @@ class TorchRuntime(Runtime):
         dev = self.device
         R = self.num_ranks
         nb, example = bad_ids if bad_ids is not None else (0, 0)
-        # [R, 3]: to each destination, (row count, this rank's bad ids, an example of one)
-        counts = torch.tensor([[c, nb, example] for c in send_counts], dtype=torch.int64, device=dev)
+        words = list(geometry) if geometry is not None else [0] * GEOMETRY_WORDS
+        # [R, 3 + W]: to each destination, (row count, this rank's bad ids, an example of one, its geometry)
+        counts = torch.tensor([[c, nb, example, *words] for c in send_counts], dtype=torch.int64, device=dev)
         recv_counts_t = torch.empty_like(counts)
         self._wait(dist.all_to_all_single(recv_counts_t, counts, group=self.group, async_op=True),
                    f"{stage} (exchanging the per-rank counts)", send_counts)
         got = recv_counts_t.cpu().tolist()
+        if geometry is not None:
+            # The lowest rank whose words differ, and its first differing word (the native's choice);
+            # every rank sees every rank's words, so all refuse alike.
+            for r, row in enumerate(got):
+                if row[3:] != words:
+                    w = next(i for i in range(GEOMETRY_WORDS) if row[3 + i] != words[i])
+                    raise geometry_error(stage.split(" ", 1)[0], self.rank_idx, r, w, row[3 + w], words[w])
         recv_counts = [int(row[0]) for row in got]
         refused = [r for r in range(R) if got[r][1] > 0]
         if refused:
@@ -216,8 +229,10 @@ class TorchRuntime(Runtime):
         if sf is not None:
             parts.append(_as_bytes(sf.contiguous()))
         parts.append(_as_bytes(topk_idx.to(torch.int64)))
-        if topk_weights is not None:
-            parts.append(_as_bytes(topk_weights.to(torch.float32)))
+        # Weights travel as zeros when this rank has none: a record's bytes then depend on the geometry
+        # words only, which every rank compares, and a peer that passed some receives these as zeros.
+        parts.append(_as_bytes(topk_weights.to(torch.float32) if topk_weights is not None else
+                               torch.zeros((T, K), dtype=torch.float32, device=dev)))
         parts.append(_as_bytes(token_ids.view(-1, 1)))
         record = torch.cat(parts, dim=1) if T else torch.empty((0, sum(p.shape[1] for p in parts)),
                                                                dtype=torch.uint8, device=dev)
@@ -260,11 +275,12 @@ class TorchRuntime(Runtime):
 
         send, send_counts, sent_tokens, dst_buffer_slot_idx = self._send_records(a, topk_idx, L)
         forward = (None, None)
+        geometry = dispatch_geometry(a)
         if self.hybrid is not None:
             recv, recv_counts, forward = self.hybrid.dispatch(send, send_counts, sent_tokens, T, num_max_tokens_per_rank,
-                                                              bad_ids, num_experts)
+                                                              bad_ids, num_experts, geometry)
         else:
-            recv, recv_counts = self._all_to_all(send, send_counts, "dispatch", bad_ids, num_experts)
+            recv, recv_counts = self._all_to_all(send, send_counts, "dispatch", bad_ids, num_experts, geometry)
         N = recv.shape[0]
 
         # ---- unpack
@@ -276,9 +292,8 @@ class TorchRuntime(Runtime):
             recv_sf_rows = _from_bytes(recv[:, off:off + num_sf_packs * 4], sf.dtype, num_sf_packs)
             off += num_sf_packs * 4
         recv_gidx = _from_bytes(recv[:, off:off + 8 * K], torch.int64, K); off += 8 * K
-        recv_w = None
-        if topk_weights is not None:
-            recv_w = _from_bytes(recv[:, off:off + 4 * K], torch.float32, K); off += 4 * K
+        recv_w = _from_bytes(recv[:, off:off + 4 * K], torch.float32, K) if topk_weights is not None else None
+        off += 4 * K
         recv_tok = _from_bytes(recv[:, off:off + 8], torch.int64, 1).view(-1)
         src_rank = torch.repeat_interleave(torch.arange(R, device=dev, dtype=torch.int64),
                                            torch.tensor(recv_counts, device=dev, dtype=torch.int64))
@@ -416,19 +431,21 @@ class TorchRuntime(Runtime):
                 per_tok = local.sum(dim=1)
                 rec_counts = [int(per_tok[psum[r] - counts[r]:psum[r]].sum()) for r in range(R)]
 
-        parts = [_as_bytes(rows.contiguous()), _as_bytes(torch.stack([rec_tok, slots], 1).to(torch.int64))]
-        if w_vec is not None:
-            parts.append(_as_bytes(w_vec))
+        # Weights as zeros when this rank has none (see dispatch's records).
+        parts = [_as_bytes(rows.contiguous()), _as_bytes(torch.stack([rec_tok, slots], 1).to(torch.int64)),
+                 _as_bytes(w_vec if w_vec is not None else torch.zeros((rows.shape[0], K), dtype=torch.float32,
+                                                                       device=dev))]
         send = torch.cat(parts, 1)
+        geometry = combine_geometry(a)
         if self.hybrid is not None:
-            recv, recv_counts = self.hybrid.combine(send, rec_counts)
+            recv, recv_counts = self.hybrid.combine(send, rec_counts, geometry)
         else:
-            recv, recv_counts = self._all_to_all(send, rec_counts, "combine")
+            recv, recv_counts = self._all_to_all(send, rec_counts, "combine", None, 0, geometry)
         M = recv.shape[0]
         off = 0
         r_rows = _from_bytes(recv[:, :2 * H], torch.bfloat16, H); off = 2 * H
         r_ts = _from_bytes(recv[:, off:off + 16], torch.int64, 2); off += 16
-        r_w = _from_bytes(recv[:, off:off + 4 * K], torch.float32, K) if w_vec is not None else None
+        r_w = _from_bytes(recv[:, off:off + 4 * K], torch.float32, K) if topk_weights is not None else None
         sender = torch.repeat_interleave(torch.arange(R, device=dev), torch.tensor(recv_counts, device=dev))
 
         # DeepEP's summation order (its reference combine): the fp32 accumulator starts from the
