@@ -101,7 +101,7 @@ bool Core::wait_for_device(uint64_t timeout_ns, std::string* failure) {
   std::shared_ptr<DeviceSync> sync;
   try {
     sync = start_device_sync(device_);
-  } catch (const std::system_error&) {  // no thread to spare: wait in place
+  } catch (const std::system_error&) {  // no thread to spare: wait in place, without the deadline
     const cudaError_t e = cudaDeviceSynchronize();
     if (e != cudaSuccess) *failure = commkit::str("cudaDeviceSynchronize failed: ", cudaGetErrorString(e));
     return true;
@@ -180,9 +180,11 @@ void Core::destroy(bool free_buffer, double timeout_seconds, bool collective) {
     if (free_buffer) release_buffer();
     return;
   }
+#if COMMKIT_WITH_CUDA
+  DeviceGuard g(device_);  // before destroyed_: if it throws, nothing was released and destroy() may be called again
+#endif
   destroyed_ = true;
 #if COMMKIT_WITH_CUDA
-  DeviceGuard g(device_);
   const std::string me = commkit::str("destroy() on rank ", rank_, ": ");
   std::string why;
   // Our kernels may still write to peers (and they to us); everything local must finish first.
@@ -202,7 +204,10 @@ void Core::destroy(bool free_buffer, double timeout_seconds, bool collective) {
   if (!why.empty()) log.note(why);
   why.clear();
   std::vector<int> missing;
-  if (collective && opened_ && world_ > 1) missing = wait_for_peers(bound, &why);
+  // A peer that called destroy() with this rank may spend two deadlines in its device wait (one, then its
+  // kernels' waits ended, one more) before it writes its arrival word: waiting only one would fail a
+  // healthy rank whose own device was idle. Two deadlines and a second of slack cover it.
+  if (collective && opened_ && world_ > 1) missing = wait_for_peers(2 * bound + 1000000000ull, &why);
   if (!why.empty()) log.note(why);
   std::vector<void*> peers(world_, nullptr);
   for (int i = 0; i < world_; ++i)

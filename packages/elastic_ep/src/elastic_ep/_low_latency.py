@@ -72,7 +72,8 @@ class LowLatencyHandle(tuple):
     """DeepEP V1's low-latency handle, ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
     num_experts)``, which also carries what the combine needs: ``route`` ([L, R * M] int32, (source rank
     << 8) | top-k lane), ``recv_count``, ``self_pos`` ([M, K] int32: the ``recv_x`` row of each lane of
-    this rank's whose expert is its own, -1 for the others), ``num_topk`` and the ``owner`` buffer."""
+    this rank's whose expert is its own, -1 for the others; native runtime only, the torch runtime's
+    combine does not read it and leaves it -1), ``num_topk`` and the ``owner`` buffer."""
 
     route: torch.Tensor
     recv_count: torch.Tensor

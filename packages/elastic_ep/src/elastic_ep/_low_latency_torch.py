@@ -137,6 +137,7 @@ class TorchLowLatency(LowLatencyPart):
             o.recv_x.view(torch.uint8).view(L, R * M, 2 * H)[lo, pos] = body
         if a.cumulative_stats is not None:
             a.cumulative_stats += per_expert.to(torch.int32)
+        o.self_pos.fill_(-1)  # the native combine's in-place rows; this runtime's combine sends every row
 
     def dispatch(self, a: LlDispatchArgs, o: LlDispatchOut, phases: int) -> None:
         if phases & 1:

@@ -84,7 +84,8 @@ _PROTOCOL_ERRORS = {
     12: "rank {peer}'s low-latency signal is from call {theirs}, this rank is at call {mine}: the ranks' low-latency "
         "calls are out of step (every rank must make the same low-latency calls, each hook called once)",
     13: "a combine slot of this rank's own row holds row index {theirs}, outside x's {mine} rows (the window was "
-        "written where only this rank writes: a corrupted slot)",
+        "written where only this rank writes: a corrupted slot; or a caller of the raw _C runtime left "
+        "CombineParams.num_x_rows unset)",
 }
 
 

@@ -10,8 +10,9 @@ dispatch
        lives on rank ``e // L``, ``L = num_experts / num_ranks``). Tokens leave in ascending token
        order per destination.
     2. One ``all_to_all_single`` of the per-destination counts, each with the sender's count of expert
-       ids outside ``[-1, E)`` and its geometry words (the native runtime's, ``_geometry``): every rank refuses the call when any rank has bad ids or another geometry
-       (``ValueError`` naming the lowest such rank, the argument and both values; no row moves). Then
+       ids outside ``[-1, E)`` and its geometry words (the native runtime's, ``_geometry``): every rank
+       refuses the call when any rank has bad ids or another geometry (``ValueError`` naming the lowest
+       such rank, the argument and both values; no row moves). Then
        one of packed byte records ``[x | sf | topk_idx (int64) | topk_weights (zeros when None) |
        token index]`` (every dtype travels as bytes, so FP8 and BF16 work on gloo too).
     3. The receiver keeps the rows grouped by source rank in rank order (the native runtime's
@@ -64,6 +65,7 @@ from ._geometry import GEOMETRY_WORDS, combine_geometry, dispatch_geometry, geom
 from ._runtime import CombineArgs, DispatchArgs, DispatchResult, Runtime
 
 __all__ = ["TorchRuntime"]
+
 
 class TorchRuntime(Runtime):
     """The torch runtime (see the module docstring).
