@@ -5,10 +5,10 @@
 // Writers of one instance's record:
 //   * its kernels (commkit::report_timeout): claim flag 0 -> 2 by CAS, fill the fields, release-store
 //     flag = 1. One device writer at a time, but the host may look while flag is 2 (half written);
-//   * its peer watch (commkit::PeerWatch, a host thread): checks flag == 0, then plain stores. A kernel
-//     may claim the record between that check and those stores, so the fields can mix two reports.
-//     The watch sets its dead_peer() before it stores anything: once that is set, the host reports the
-//     death from the watch's own state and reads no field of the record.
+//   * its peer watch (commkit::PeerWatch, a host thread): claims it the same way (CAS 0 -> 2, fields,
+//     flag = 1), so a kernel and the watch never mix their fields. The watch sets its dead_peer()
+//     before it claims anything: once that is set, the host reports the death from the watch's own
+//     state and reads no field of the record.
 //   * destroy() (host): flag = kFlagHostAbort when its deadline ends the kernels' waits (no fields).
 // Core::check clears a record it read (a call queued behind the failed one reports too) with
 // clear_failure_record: the fields while the flag still says 1, so no writer can claim it meanwhile,

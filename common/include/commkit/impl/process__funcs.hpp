@@ -124,7 +124,9 @@ inline void PeerWatch::run() {
     for (const auto& [r, id] : watched_) {
       if (process_alive(id.pid, id.start)) continue;
       dead_.store(r, std::memory_order_release);
-      if (ld_acquire(&rec_->flag) == 0u) {  // a device deadline that expired first keeps its report
+      // Claimed as a device wait claims it (flag 0 -> 2, fields, then 1): a kernel whose deadline expires
+      // at the same moment either keeps its report or finds the record taken; the fields never mix two.
+      if (cas(&rec_->flag, 0u, 2u) == 0u) {
         rec_->op = op_;
         rec_->rank = rank_;
         rec_->peer = r;
