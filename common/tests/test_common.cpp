@@ -4,7 +4,9 @@
 // `commkit_common_tests` and by tests/common/test_common_headers.py with g++ directly.
 // Exits 0 when every check passed, 1 otherwise; prints one line per test.
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -22,6 +24,7 @@
 #include "commkit/atomics.hpp"
 #include "commkit/check.hpp"
 #include "commkit/deadline.hpp"
+#include "commkit/device_sync.hpp"
 #include "commkit/ipc_handle.hpp"
 #include "commkit/layout.hpp"
 #include "commkit/process.hpp"
@@ -512,6 +515,74 @@ void teardown_tests() {
   });
 }
 
+// In a forked child: caps the address space below the next thread's stack (set large, so that no stack
+// cached from an exited thread fits), then runs a DetachedCall. 0: fn ran in place, on this thread, and the
+// call was done at once; 1: in place but not so; 2: a thread started anyway; 3: the cap failed.
+int detached_call_without_threads() {
+  pthread_attr_t attr;
+  long pages = 0;
+  FILE* f = std::fopen("/proc/self/statm", "r");
+  const bool read = f != nullptr && std::fscanf(f, "%ld", &pages) == 1 && std::fclose(f) == 0;
+  const rlim_t cap = rlim_t(pages) * rlim_t(::sysconf(_SC_PAGESIZE)) + (64ull << 20);
+  const rlimit lim{cap, cap};
+  if (!read || ::pthread_attr_init(&attr) != 0 || ::pthread_attr_setstacksize(&attr, 256ull << 20) != 0 ||
+      ::pthread_setattr_default_np(&attr) != 0 || ::setrlimit(RLIMIT_AS, &lim) != 0)
+    return 3;
+  std::thread::id ran_on;
+  commkit::DetachedCall<int> call([where = &ran_on] { return *where = std::this_thread::get_id(), 5; });
+  if (!call.in_place()) return 2;
+  return ran_on == std::this_thread::get_id() && call.wait_for(0) && call.result() == 5 ? 0 : 1;
+}
+
+void device_sync_tests() {
+  using std::chrono::milliseconds;
+  using Clock = std::chrono::steady_clock;
+  run("detached call: false at the deadline while fn blocks, true once it returns (also with no deadline)", [] {
+    auto gate = std::make_shared<std::atomic<bool>>(false);
+    commkit::DetachedCall<int> call([gate] {
+      while (!gate->load()) std::this_thread::sleep_for(milliseconds(1));
+      return 7;
+    });
+    const auto t0 = Clock::now();
+    const bool early = call.wait_for(50000000ull) || call.wait_for(0);
+    const auto waited = Clock::now() - t0;
+    std::thread release([gate] { std::this_thread::sleep_for(milliseconds(20)), gate->store(true); });
+    const bool done = call.wait_for(UINT64_MAX);  // "forever" must not overflow into "not at all"
+    release.join();
+    EXPECT(!call.in_place() && !early && waited >= milliseconds(50) && waited < std::chrono::seconds(5));
+    EXPECT(done && call.result() == 7);
+  });
+  run("detached call: fn that returns at once; a caller that gives up leaves the thread to finish", [] {
+    commkit::DetachedCall<int> quick([] { return 3; });
+    EXPECT(quick.wait_for(5000000000ull) && quick.result() == 3 && !quick.in_place());
+    auto gate = std::make_shared<std::atomic<bool>>(false);
+    auto ended = std::make_shared<std::atomic<bool>>(false);
+    {
+      commkit::DetachedCall<int> late([gate, ended] {
+        while (!gate->load()) std::this_thread::sleep_for(milliseconds(1));
+        ended->store(true);
+        return 1;
+      });
+      EXPECT(!late.wait_for(1000000ull));
+    }
+    gate->store(true);
+    for (int i = 0; i < 2000 && !ended->load(); ++i) std::this_thread::sleep_for(milliseconds(1));
+    EXPECT(ended->load());
+  });
+  run("detached call: no thread to spare (std::system_error) runs fn in place, done at once", [] {
+    std::fflush(stdout);
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      int code = 4;  // 4: an exception escaped
+      try { code = detached_call_without_threads(); } catch (...) {}  // the child must _exit, whatever happens
+      ::_exit(code);
+    }
+    int status = 0;
+    EXPECT(pid > 0 && ::waitpid(pid, &status, 0) == pid && WIFEXITED(status));
+    EXPECT(WEXITSTATUS(status) == 0);  // see detached_call_without_threads for the other codes
+  });
+}
+
 }  // namespace
 
 int main() {
@@ -523,6 +594,7 @@ int main() {
   timeout_record_tests();
   process_tests();
   teardown_tests();
+  device_sync_tests();
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

@@ -18,11 +18,9 @@
 //                               `rec` -- the TimeoutRecord in host-mapped memory that every device
 //                               wait and host poll of this rank reads (device_deadline.cuh) -- with
 //                               op, this rank, peer = the dead rank, expected = its pid, so those
-//                               waits leave at once and the host raises naming the dead rank. The
-//                               claim is a check of `flag` then plain stores (a device waiter that
-//                               expires in the same instant may mix its fields in; either way the
-//                               operation ends). dead_peer() is that rank, or -1. The destructor
-//                               stops and joins the thread.
+//                               waits leave at once and the host raises naming the dead rank (the
+//                               claim: claim_timeout_record, commkit/timeout_record.hpp). dead_peer()
+//                               is that rank, or -1. The destructor stops and joins the thread.
 //   Heartbeat(word, period_ms)  a host thread that stores monotonic_ns() into `word` (shared memory)
 //                               now and every period, until destroyed: how a peer that cannot see this
 //                               process's pid (another PID namespace: one container per rank) tells it

@@ -7,7 +7,8 @@
 //   kernel; every other waiter sees `flag != 0` and leaves too (see device_deadline.cuh).
 //   After the stream is synchronised the host calls raise_if_timed_out(record, op_name), which
 //   throws commkit::TimeoutError naming the operation, rank and peer, then clears the record.
-//   No trap(): the CUDA context stays usable.
+//   claim_timeout_record(record, op, rank, peer, expected) is that claim made by the host (a peer
+//   watch, a teardown ending the waits). No trap(): the CUDA context stays usable.
 #pragma once
 
 #include <cstdint>
@@ -53,6 +54,22 @@ inline void clear_timeout_record(TimeoutRecord* rec) {
   for (uint32_t& w : rec->reserved) w = 0u;
   fence_system();
   st_release(&rec->flag, 0u);
+}
+
+// Claims `rec` from the host as a device wait claims it (flag 0 -> 2, the fields, then 1), so that every
+// device wait polling it leaves: a wait that expires at the same moment either keeps its report or finds
+// the record taken, and the fields never mix two. Returns whether this call claimed it.
+inline bool claim_timeout_record(TimeoutRecord* rec, uint32_t op, int rank, int peer, int64_t expected) {
+  if (cas(&rec->flag, 0u, 2u) != 0u) return false;
+  rec->op = op;
+  rec->rank = rank;
+  rec->peer = peer;
+  rec->expected = expected;
+  rec->observed = 0;
+  rec->waited_ns = 0;
+  rec->channel = 0;
+  st_release(&rec->flag, 1u);
+  return true;
 }
 
 // Throws commkit::TimeoutError if a device deadline expired. op_name maps op codes to names.

@@ -8,17 +8,14 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdlib>
-#include <memory>
-#include <mutex>
 #include <string>
-#include <system_error>
 #include <thread>
 
 #include "commkit/atomics.hpp"
 #include "commkit/check.hpp"
+#include "commkit/device_sync.hpp"
 #include "commkit/teardown.hpp"
 
 #if COMMKIT_WITH_CUDA
@@ -41,36 +38,6 @@ std::string seconds(uint64_t ns) { return commkit::str(double(ns) * 1e-9, " s");
 #if COMMKIT_WITH_CUDA
 bool cuda_step(commkit::TeardownLog& log, const char* name, cudaError_t e) {
   return log.step(name, e == cudaSuccess, cudaGetErrorString(e));
-}
-
-// cudaDeviceSynchronize on a helper thread, so that the caller can stop waiting: a kernel that waits
-// forever (timeout_seconds = 0) must not hold destroy() past its deadline. When the caller gives up,
-// the thread stays behind (detached) until the device finishes; it holds nothing of the Core.
-struct DeviceSync {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  cudaError_t err = cudaSuccess;
-};
-
-std::shared_ptr<DeviceSync> start_device_sync(int device) {
-  auto s = std::make_shared<DeviceSync>();
-  std::thread([s, device] {
-    cudaError_t e = cudaSetDevice(device);
-    if (e == cudaSuccess) e = cudaDeviceSynchronize();
-    {
-      const std::lock_guard<std::mutex> g(s->mu);
-      s->done = true;
-      s->err = e;
-    }
-    s->cv.notify_all();
-  }).detach();
-  return s;
-}
-
-bool wait_done(DeviceSync& s, uint64_t ns) {
-  std::unique_lock<std::mutex> g(s.mu);
-  return s.cv.wait_for(g, std::chrono::nanoseconds(ns), [&] { return s.done; });
 }
 
 // Polls `s` until its work finished or `deadline` passed (a copy engine may be held up too).
@@ -98,34 +65,22 @@ bool Core::peer_known_dead(int peer) const {
 
 bool Core::wait_for_device(uint64_t timeout_ns, std::string* failure) {
 #if COMMKIT_WITH_CUDA
-  std::shared_ptr<DeviceSync> sync;
-  try {
-    sync = start_device_sync(device_);
-  } catch (const std::system_error&) {  // no thread to spare: wait in place, without the deadline
-    const cudaError_t e = cudaDeviceSynchronize();
-    if (e != cudaSuccess) *failure = commkit::str("cudaDeviceSynchronize failed: ", cudaGetErrorString(e));
-    return true;
-  }
-  if (!wait_done(*sync, timeout_ns)) {
+  // On a helper thread (commkit/device_sync.hpp): a kernel that waits forever (timeout_seconds = 0)
+  // must not hold destroy() past its deadline.
+  const commkit::DeviceSyncResult r = commkit::synchronize_device(device_, timeout_ns, [this] {
     // This instance's kernels may be waiting without a deadline for a peer that never comes: every
     // wait polls the record's flag, so claiming it ends them. The device gets the deadline once more.
     if (rec_host_ != nullptr && commkit::ld_acquire(&rec_host_->flag) == kFlagClear)
       commkit::st_release(&rec_host_->flag, kFlagHostAbort);
     broken_ = true;
-    if (!wait_done(*sync, timeout_ns)) {
-      *failure = commkit::str("the device did not finish within ", seconds(timeout_ns), ", nor within ",
-                              seconds(timeout_ns), " more after this instance's waits were ended (other work on "
-                              "device ", device_, " still runs, e.g. a kernel waiting for another process)");
-      return false;
-    }
-  }
-  if (sync->err != cudaSuccess)
-    *failure = commkit::str("cudaDeviceSynchronize failed: ", cudaGetErrorString(sync->err));
+  });
+  *failure = r.failure("this instance's");
+  return r.finished;
 #else
   (void)timeout_ns;
   (void)failure;
-#endif
   return true;
+#endif
 }
 
 std::vector<int> Core::wait_for_peers(uint64_t timeout_ns, std::string* failure) {

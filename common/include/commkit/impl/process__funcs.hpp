@@ -124,18 +124,7 @@ inline void PeerWatch::run() {
     for (const auto& [r, id] : watched_) {
       if (process_alive(id.pid, id.start)) continue;
       dead_.store(r, std::memory_order_release);
-      // Claimed as a device wait claims it (flag 0 -> 2, fields, then 1): a kernel whose deadline expires
-      // at the same moment either keeps its report or finds the record taken; the fields never mix two.
-      if (cas(&rec_->flag, 0u, 2u) == 0u) {
-        rec_->op = op_;
-        rec_->rank = rank_;
-        rec_->peer = r;
-        rec_->expected = static_cast<int64_t>(id.pid);
-        rec_->observed = 0;
-        rec_->waited_ns = 0;
-        rec_->channel = 0;
-        st_release(&rec_->flag, 1u);
-      }
+      claim_timeout_record(rec_, op_, rank_, r, static_cast<int64_t>(id.pid));
       return;  // one report; the runtime is unusable from here on
     }
   }

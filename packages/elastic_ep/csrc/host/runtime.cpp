@@ -11,6 +11,7 @@
 
 #include "commkit/atomics.hpp"
 #include "commkit/check.hpp"
+#include "commkit/device_sync.hpp"
 #include "commkit/timeout_record.hpp"
 #include "host/comm.hpp"
 #include "host/trace.hpp"
@@ -193,8 +194,30 @@ Teardown Runtime::quiesce(commkit::TeardownLog& log) {
     return Teardown::kLeak;
   }
   set_device();
-  const cudaError_t synced = cudaDeviceSynchronize();
-  log.step("cudaDeviceSynchronize", synced == cudaSuccess, cudaGetErrorString(synced));
+  // With num_gpu_timeout_secs = 0 a kernel may wait forever for a peer that never comes; teardown may
+  // not: the device gets the destroy barrier's deadline, on a helper thread (commkit/device_sync.hpp).
+  const uint64_t deadline_ns = gpu_timeout_ns_ > 0 ? gpu_timeout_ns_ : kDestroyDeadlineNs;
+  const commkit::DeviceSyncResult synced = commkit::synchronize_device(device_, deadline_ns, [this] {
+    // Every device wait of this rank polls the timeout record: claiming it (as the peer watch does)
+    // ends them; the device then gets the deadline once more. Op 0 and no peer: no operation expired,
+    // and nothing reads the record of a destroyed buffer.
+    commkit::claim_timeout_record(host_workspace_layout().timeout.at<commkit::TimeoutRecord>(host_ws_.get()), 0u,
+                                  rank_, -1, 0);
+    mark_broken("destroy() ended its device waits");
+  });
+  if (!synced.finished) {
+    log.note(synced.failure("this buffer's"));
+    return Teardown::kLeak;
+  }
+  log.step("cudaDeviceSynchronize", synced.error == cudaSuccess, cudaGetErrorString(synced.error));
+  if (synced.timed_out) {
+    // Its operations were ended half way: the peers are out of step, as after a timeout (see above).
+    // Reported: nothing else told the caller that an operation never finished.
+    log.note(commkit::str("an operation of this buffer was still waiting after ", double(deadline_ns) * 1e-9,
+                          " s (e.g. for a peer that never made the same call; num_gpu_timeout_secs=",
+                          gpu_timeout_ns_ / 1000000000ull, "), so destroy() ended its device waits"));
+    return Teardown::kLeak;
+  }
   if (window_->peer_bases() != nullptr && (entered_ || !ipc())) {
     // A device barrier with a deadline before anything is released.
     // * CUDA IPC: nothing makes its teardown collective, so the barrier makes sure no peer still
@@ -208,7 +231,7 @@ Teardown Runtime::quiesce(commkit::TeardownLog& log) {
     // timeout (destroy_nccl_comm / process exit release it). With num_gpu_timeout_secs = 0 (no device
     // deadline) the operations may wait forever, but teardown may not: it gets its own deadline.
     CommView v = view();
-    if (v.timeout_ns == 0) v.timeout_ns = kDestroyDeadlineNs;
+    v.timeout_ns = deadline_ns;
     launch_barrier(v, nullptr);
     const cudaError_t barrier = cudaDeviceSynchronize();
     // Decided on the real result: a test hook only changes what is reported (commkit/teardown.hpp).
