@@ -60,6 +60,10 @@ def _refuse_tensors_and_routing(buf, rank, world, dev, bad):
     bad("FP8 rows need scales", lambda: d(fp8["x"], topk_idx=idx, num_experts=E))
     bad("sf: expected shape", lambda: d((fp8["x"], fp8["sf"][:3]), topk_idx=idx, num_experts=E))
     bad("sf: expected dtype", lambda: d((fp8["x"], fp8["sf"].double()), topk_idx=idx, num_experts=E))
+    # More scale packs than the geometry words compare whole (the ranks' packs must be compared, not a residue).
+    many = torch.ones((16, int(_C.MAX_SF_PACKS) + 1), dtype=torch.float32, device=dev)
+    bad(f"sf: expected 1 to {int(_C.MAX_SF_PACKS)} scale packs", lambda: d((fp8["x"], many), topk_idx=idx,
+                                                                           num_experts=E))
     bad("topk_idx: expected dtype", lambda: d(x, topk_idx=idx.short(), num_experts=E))  # int64 or int32
     bad("topk_idx: expected shape", lambda: d(x, topk_idx=idx[:5], num_experts=E))
     bad("topk_idx: required", lambda: d(x, num_experts=E))
@@ -189,14 +193,14 @@ def refusal_worker(rank, world, rdzv, backend="torch"):
 
 
 def test_dispatch_refuses_bad_inputs_before_launch(tmp_path):
-    assert run_workers(refusal_worker, 2, tmp_path=tmp_path, timeout=120) == [43, 43]
+    assert run_workers(refusal_worker, 2, tmp_path=tmp_path, timeout=120) == [44, 44]
 
 
 @pytest.mark.smoke
 @pytest.mark.gpu
 def test_dispatch_refuses_bad_inputs_native_ep1(tmp_path):
     """The same checks on the native backend (one GPU, EP=1), then a valid dispatch still works."""
-    assert run_workers(refusal_worker, 1, "native", tmp_path=tmp_path, timeout=180) == [46]
+    assert run_workers(refusal_worker, 1, "native", tmp_path=tmp_path, timeout=180) == [47]
 
 
 # ------------------------------------------------------------------ bad ids on one rank

@@ -5,8 +5,9 @@ and the native runtime's Python layer for the forwarder's report (a fake ``_C`` 
   source rank, scale-up mask or token of a dispatch row, the destination or sender of a combine row,
   written by a wrapper around the exchange): every rank that receives such a row raises ``CommError``
   naming the stage, the peer and the word's value; a forwarder that finds one marks the rows it would
-  have relayed, so the ranks after it raise too; every rank's exchanges complete, and the next
-  dispatch and combine are bitwise those of a direct-mode buffer.
+  have relayed, so the ranks after it raise too, naming both the forwarder and the rank whose row it
+  could not relay; every rank's exchanges complete, and the next dispatch and combine are bitwise those
+  of a direct-mode buffer.
 * Native runtime: the forwarder's report of a staged record with a route out of range is a
   ``CommError`` naming the rank and the value, and marks the buffer unusable; ELASTIC_EP_TEST_CORRUPT
   selects the route fault.
@@ -29,7 +30,7 @@ CASES = {
         "dispatch", "dispatch scale-out stage", 1, 0, 3,
         {1: "rank 1 sent this rank to relay a row whose source rank is 3",
          3: "rank 1 sent this rank to relay a row whose source rank is 3",
-         0: "rank 1 relayed a row whose source rank is -1", 2: "rank 3 relayed a row whose source rank is -1"}),
+         0: "rank 1 could not relay a row rank 1 sent it", 2: "rank 3 could not relay a row rank 1 sent it"}),
     "dispatch mask": (
         "dispatch", "dispatch scale-up stage", 2, 1, 0,
         {2: "rank 2 relayed a row whose scale-up mask is 0", 3: "rank 2 relayed a row whose scale-up mask is 0",
@@ -38,12 +39,12 @@ CASES = {
         "dispatch", "dispatch scale-out stage", 0, "token", M + 3,
         {0: f"rank 0 sent this rank to relay a row whose token index is {M + 3}",
          2: f"rank 0 sent this rank to relay a row whose token index is {M + 3}",
-         1: "rank 0 relayed a row whose source rank is -1", 3: "rank 2 relayed a row whose source rank is -1"}),
+         1: "rank 0 could not relay a row rank 0 sent it", 3: "rank 2 could not relay a row rank 0 sent it"}),
     "combine destination": (
         "combine", "combine scale-up stage", 3, 0, 7,
         {2: "rank 3 sent this rank to relay a row whose destination rank is 7",
          3: "rank 3 sent this rank to relay a row whose destination rank is 7",
-         0: "rank 2 relayed a row whose sender rank is -1", 1: "rank 3 relayed a row whose sender rank is -1"}),
+         0: "rank 2 could not relay a row rank 3 sent it", 1: "rank 3 could not relay a row rank 3 sent it"}),
     "combine sender": (
         "combine", "combine scale-out stage", 1, 1, 5,
         {1: "rank 1 relayed a row whose sender rank is 5", 3: "rank 1 relayed a row whose sender rank is 5",

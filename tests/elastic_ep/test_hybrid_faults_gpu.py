@@ -16,6 +16,8 @@ peer's forward kernel (csrc/kernels/hybrid.cuh).
   is written where the word points, that buffer is unusable (its next call says so) and CUDA stays
   usable. A forwarder that finds a corrupted route tells no other rank of its domain that the rows are
   complete: those time out (or see a peer end) instead of returning rows it never relayed.
+* The raw ``_C`` runtime's hybrid epilogue with a parameter block the forward kernel would index past
+  the buffer by is refused before anything launches, naming the member; the buffer stays usable.
 """
 from __future__ import annotations
 
@@ -117,3 +119,56 @@ def test_native_hybrid_reports_a_corrupted_relayed_word(tmp_path, kind, corrupti
     if kind == "route":
         # Rank 3 shares rank 2's domain: it must not return rows rank 2 never relayed.
         assert res[3][0] != "no error", res[3]
+
+
+def raw_epilogue_worker(rank, world, rdzv):
+    """A caller of the raw ``_C`` runtime's hybrid epilogue (the forward kernel first) with a parameter block
+    the forward kernel would index past the buffer or an array by: refused before anything is launched
+    (host/ops_ep.cpp: the shape, the relay area inside the buffer, neither overlapped nor zero-copy), naming
+    the member; the buffer then dispatches and combines bitwise as before. Returns the refusals."""
+    from elastic_ep import _C
+    from tests.elastic_ep._common import bytes_of, import_elastic_ep, init_ep_group, make_inputs
+
+    ep = import_elastic_ep()
+    group = init_ep_group(rank, world, rdzv, "ipc")
+    E = 8 * world
+    buf = _hybrid_buffer(ep, group, num_max_tokens_per_rank=T, num_cpu_timeout_secs=30, num_gpu_timeout_secs=20)
+    inp = make_inputs(rank, T, H, K, E, "bf16", 7, "cuda")
+
+    def good():
+        recv, _, w, handle, _ = buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"],
+                                             num_experts=E)
+        out, cw, _ = buf.combine(recv, handle, topk_weights=w)
+        torch.cuda.synchronize()
+        return [bytes_of(t) for t in (recv, w, out, cw)]
+
+    ref = good()
+    rt = buf.runtime
+    record = int(_C.dispatch_token_bytes(2 * H, 1, 0, K))
+    # Direct mode's receive area fits, hybrid mode's relay area after it does not.
+    past_relay = rt.num_buffer_bytes // (world * record) * 9 // 10
+    base = dict(num_max_tokens_per_rank=T, hidden_bytes=2 * H, num_experts=E, num_topk=K, expert_alignment=1,
+                num_sms=8)
+    bad = [(dict(num_topk=33), "num_topk"), (dict(num_experts=E + 1), "multiple"),
+           (dict(hidden_bytes=2 * H + 8), "multiple of 16"),
+           (dict(num_sf_packs=int(_C.MAX_SF_PACKS) + 1), "num_sf_packs"),
+           (dict(num_max_tokens_per_rank=past_relay), "hybrid mode needs"),
+           (dict(overlap=1), "neither an overlapped nor a zero-copy"), (dict(zero_copy=1), "nor a zero-copy")]
+    refused = 0
+    for change, says in bad:
+        try:
+            rt._rt.dispatch_epilogue(_C.EpilogueParams(**{**base, **change}), rt._comm_raw)
+        except Exception as e:  # noqa: BLE001 - ValueError or CommError, each naming what it refuses
+            assert says in str(e), (change, str(e))
+            refused += 1
+    torch.cuda.synchronize()
+    for a, b in zip(ref, good()):
+        assert torch.equal(a, b), "the dispatch / combine after the refused epilogues differ"
+    buf.destroy()
+    return refused
+
+
+@pytest.mark.multigpu(2, shared_ok=True)
+@pytest.mark.fault
+def test_native_hybrid_raw_epilogue_rechecks_what_the_forward_kernel_indexes(tmp_path):
+    assert run_workers(raw_epilogue_worker, 4, tmp_path=tmp_path, timeout=200) == [7] * 4

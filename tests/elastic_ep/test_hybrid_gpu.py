@@ -9,7 +9,8 @@ window (ranks share one GPU where fewer GPUs are lent).
 * A soak of 500 random cases at 2x2, each against direct mode and the oracle.
 * The forwarders' metadata against an independent derivation from the routing; zero-copy refused.
 * A rank whose scale-out signals never arrive: its rail peer's forwarder times out naming the
-  dispatch's scale-out stage, the rank and the peer, and CUDA stays usable.
+  dispatch's scale-out stage, the rank and the peer, and CUDA stays usable; a rank of the forwarder's
+  domain that waits for the rows it never relays names the forwarder as the peer, and the rows' source.
 * ``barrier()`` in hybrid mode waits for every rank, also those a rank never talks to (neither its
   domain nor a rail peer), and the epoch wrap of the count words holds for the relayed ones.
 """
@@ -98,20 +99,27 @@ def _timeout_worker(rank, world, rdzv):
     call = lambda: buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"],  # noqa: E731
                                 num_experts=8)
     if rank != 2:
+        got = "other"
         try:
             call()
             torch.cuda.synchronize()
-        except TimeoutError:
-            pass  # rank 3 waits for rows rank 2 never relays, and times out too
+            buf.barrier(with_cpu_sync=True)
+        except TimeoutError as e:
+            got = str(e)  # rank 3 waits for rank 0's rows, which rank 2 never relays, and times out too
         time.sleep(12)  # keep this rank's window mapped while rank 2 times out
-        return "other"
+        return got
     return expect_timeout(buf, "dispatch scale-out stage", call, rank=2, peer=0)
 
 
 @pytest.mark.multigpu(2, shared_ok=True)
 @pytest.mark.fault
 def test_native_hybrid_scaleout_peer_never_signals_times_out(tmp_path):
-    assert run_workers(_timeout_worker, 4, tmp_path=tmp_path, timeout=90)[2] == "timeout"
+    res = run_workers(_timeout_worker, 4, tmp_path=tmp_path, timeout=90)
+    assert res[2] == "timeout"
+    # Rank 3 (domain 1, rail 1) gets rank 0's rows from rank 2, its domain's rank on rank 0's rail: its
+    # timeout names rank 2 as the peer that did not deliver, and rank 0 as the rank whose rows they are.
+    assert "dispatch epilogue" in res[3] and "[rank 3, peer 2]" in res[3], res[3]
+    assert "rank 0's, which rank 2 (the peer) relays to this domain" in res[3], res[3]
 
 
 def _barrier_worker(rank, world, rdzv):

@@ -6,10 +6,11 @@ before the fault. Direct mode at 3 ranks (the odd one in the middle) and hybrid 
 one neither in rank 0's domain nor on its rail).
 
 Dispatch: ``num_max_tokens_per_rank``, hidden size, dtype (bytes per row and scale packs), ``num_experts``,
-top-k, scale packs, ``expert_alignment``, ``zero_copy``. Combine: the hidden size of ``x`` and a handle of
-another dispatch (its ``num_max_tokens_per_rank`` or top-k). ``topk_weights`` on some ranks only is no
-mismatch: the call works and the weights of the rank that passed none arrive as zeros. The native
-runtime's side: test_refusals_cpu.py (host) and test_geometry_gpu.py (kernels).
+top-k, scale packs (also 257 against 1), ``expert_alignment``, ``zero_copy``. Combine: the hidden size of
+``x`` and a handle of another dispatch (its ``num_max_tokens_per_rank`` or top-k; one of the same shapes:
+test_torch_handle_cpu.py). ``topk_weights`` on some ranks only is no mismatch: the call works and the
+weights of the rank that passed none arrive as zeros. The native runtime's side: test_refusals_cpu.py
+(host) and test_geometry_gpu.py (kernels).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ DISPATCH = {
     "dtype": ("bytes per row of x (hidden x element size)", 256, 512),  # FP8: scale packs differ too
     "num_experts": ("num_experts", "2E", "E"),
     "num_topk": ("num_topk", 2, K),
-    "scale_packs": ("scale packs per token (mod 256)", 2, 1),
+    "scale_packs": ("scale packs per token", 2, 1),
+    "scale_packs_256": ("scale packs per token", 257, 1),  # equal modulo 256: whole values are compared
     "expert_alignment": ("expert_alignment", 4, 1),
     "zero_copy": ("zero_copy", 1, 0),
 }
@@ -44,8 +46,8 @@ def _dispatch_call(name, odd: bool, x, topk, w, E, stats):
     """``(x, kwargs)`` of a fault case's dispatch on one rank (the odd rank's differs)."""
     kw = dict(topk_idx=topk, topk_weights=w, num_experts=E, num_max_tokens_per_rank=M,
               cumulative_local_expert_recv_stats=stats)
-    if name in ("dtype", "scale_packs") and (odd or name == "scale_packs"):
-        packs = 2 if odd and name == "scale_packs" else 1
+    if name in ("dtype", "scale_packs", "scale_packs_256") and (odd or name.startswith("scale_packs")):
+        packs = DISPATCH[name][1] if odd and name.startswith("scale_packs") else 1
         x = (x.float().to(FP8), torch.full((x.shape[0], packs), 0.5))
     if not odd:
         return x, kw

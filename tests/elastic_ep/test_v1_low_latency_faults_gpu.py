@@ -278,13 +278,13 @@ def corrupt_case(ck: Checks, c: Ctx, kind: str, seed: int):
     elif kind == "count":
         untouched(ck, snap)
         next_call_raises(ck, buf, r, ep.CommError, "low-latency call [rank 1]: protocol error: rank 0 sent a "
-                         f"low-latency count of {c.M + 1} tokens, more than num_max_dispatch_tokens_per_rank={c.M}",
+                         f"low-latency count of {c.M + 1} tokens, outside [0, num_max_dispatch_tokens_per_rank={c.M}]",
                          "nothing was written where it points", "destroy it on every rank")
     else:
         check_bad_record(ck, r, res, l, first)
         bound = c.M if kind == "token" else c.K
         next_call_raises(ck, buf, r, ep.CommError, "low-latency call [rank 1]: protocol error: a low-latency "
-                         f"message or handle row from rank 0 names a token or lane out of range ({BAD[kind](c)}, "
+                         f"message or handle row from rank 0 names a token, lane or rank out of range ({BAD[kind](c)}, "
                          f"bound {bound};", "nothing was written where it points")
     return buf
 

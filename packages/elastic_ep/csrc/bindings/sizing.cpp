@@ -8,6 +8,7 @@
 
 #include "bindings/bindings.hpp"
 #include "commkit/check.hpp"
+#include "kernels/geometry.hpp"
 #include "kernels/launch.hpp"
 #include "kernels/ll_sizing.hpp"
 #include "kernels/sizing.hpp"
@@ -74,6 +75,18 @@ void bind_sizing(py::module_& m) {
   m.attr("MAX_LOCAL_EXPERTS") = kMaxLocalExperts;
   m.attr("MAX_TOPK") = kMaxTopk;
   m.attr("NUM_ALIGNED_SF_PACKS") = kNumAlignedSFPacks;
+  m.attr("MAX_SF_PACKS") = kMaxSfPacks;
+  m.attr("GEOMETRY_WORDS") = kGeometryWords;
+  // The dispatch geometry words of a call (kernels/geometry.hpp), which _geometry.py must reproduce.
+  m.def("dispatch_geometry_words", [](int64_t num_max_tokens_per_rank, int64_t hidden_bytes, int64_t num_experts,
+                                      int64_t num_topk, int64_t num_sf_packs, int64_t expert_alignment,
+                                      bool zero_copy) {
+    std::vector<uint32_t> words;
+    for (int w = 0; w < kGeometryWords; ++w)
+      words.push_back(dispatch_geometry_value(w, num_max_tokens_per_rank, hidden_bytes, num_experts, num_topk,
+                                              num_sf_packs, expert_alignment, zero_copy));
+    return words;
+  });
   m.def("get_elastic_buffer_alignment", [] { return kBufferAlignmentBytes; });
   // Low-latency mode (kernels/ll_sizing.hpp); the Python layer checked the arguments' ranges.
   m.attr("LL_MAX_TOPK") = kLowLatencyMaxTopk;

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "commkit/atomics.hpp"
@@ -39,15 +40,32 @@ const char* op_name(uint32_t op) {
   }
 }
 
+namespace {
+
+// The operation a timeout record names (its op code's low bits) and, for a wait on words or records a
+// rank of this domain relays for another domain's rank (hybrid mode: launch.hpp kOpOriginShift), that
+// rank: the record's peer is the relayer, the rank that did not deliver.
+std::string timeout_operation(const commkit::TimeoutRecord& r) {
+  std::string op = op_name(r.op & ((1u << kOpOriginShift) - 1u));
+  const uint32_t origin = r.op >> kOpOriginShift;
+  if (origin != 0u)
+    op += " [hybrid mode: rank " + std::to_string(origin - 1u) + "'s, which rank " + std::to_string(r.peer) +
+          " (the peer) relays to this domain]";
+  return op;
+}
+
+}  // namespace
+
 void Runtime::check_healthy() {
   CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
   auto* rec = host_workspace_layout().timeout.at<commkit::TimeoutRecord>(host_ws_.get());
   if (commkit::ld_acquire(&rec->flag) == 1u) {
     commkit::TimeoutRecord copy = *rec;
     broken_ = true;
-    broken_reason_ = std::string(op_name(copy.op)) + " timed out earlier";
+    const std::string op = timeout_operation(copy);
+    broken_reason_ = op + " timed out earlier";
     commkit::clear_timeout_record(rec);
-    commkit::detail::raise_timeout(__FILE__, __LINE__, op_name(copy.op), copy.rank, copy.peer, copy.expected,
+    commkit::detail::raise_timeout(__FILE__, __LINE__, op, copy.rank, copy.peer, copy.expected,
                                    copy.observed, " after ", copy.waited_ns / 1000000ull,
                                    " ms without progress (GPU block ", copy.channel,
                                    "); the CUDA context is usable but this buffer's signals are out of step: "
@@ -64,7 +82,7 @@ Runtime::TimeoutInfo Runtime::take_timeout() {
   commkit::TimeoutRecord copy = *rec;
   commkit::clear_timeout_record(rec);
   info.expired = true;
-  info.operation = op_name(copy.op);
+  info.operation = timeout_operation(copy);
   info.rank = copy.rank;
   info.peer = copy.peer;
   info.expected = copy.expected;

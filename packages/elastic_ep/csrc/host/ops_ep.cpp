@@ -10,6 +10,7 @@
 #include "commkit/deadline.hpp"
 #include "commkit/timeout_record.hpp"
 #include "host/runtime.hpp"
+#include "kernels/geometry.hpp"
 #include "kernels/sizing.hpp"
 
 namespace elastic_ep {
@@ -49,6 +50,8 @@ void check_dispatch_shape(const char* op, int num_ranks, int64_t buffer_bytes, i
   CK_CHECK_ARG(hidden_bytes > 0 && hidden_bytes % 16 == 0 && num_sf_packs >= 0, op,
                ": bytes per row must be a positive multiple of 16, got ", hidden_bytes, " (", num_sf_packs,
                " scale packs)");
+  CK_CHECK_ARG(num_sf_packs <= kMaxSfPacks, op, ": num_sf_packs must be at most ", kMaxSfPacks,
+               " (what the ranks' geometry words compare whole), got ", num_sf_packs);
   const int64_t need =
       zero_copy ? 0
                 : buffer_layout_bytes(dispatch_token_layout(hidden_bytes, 1, num_sf_packs, num_topk).bytes, num_ranks,
@@ -204,7 +207,9 @@ std::pair<int64_t, int64_t> Runtime::take_masked_ids() {
 
 void Runtime::dispatch_epilogue(const EpilogueParams& p, int64_t stream, int64_t join_stream) {
   CK_CHECK(!destroyed_, "the elastic buffer was destroyed");
-  CK_CHECK(!hybrid() || !p.overlap, "dispatch epilogue: hybrid mode runs no overlapped epilogue");
+  // The forward kernel relays whole records (hidden bytes included) into the direct-mode layout.
+  CK_CHECK(!hybrid() || (!p.overlap && !p.zero_copy),
+           "dispatch epilogue: hybrid mode runs neither an overlapped nor a zero-copy epilogue");
   if (hybrid()) {
     // The forward kernel indexes the relay area and forward_dense with these values (the raw runtime's
     // caller fills them; the Python layer passes the dispatch's).

@@ -10,6 +10,7 @@
 #include "commkit/atomics.hpp"
 #include "commkit/device_deadline.cuh"
 #include "commkit/timeout_record.hpp"
+#include "geometry.hpp"
 #include "launch.hpp"
 #include "sizing.hpp"
 #include "scaleup.cuh"
@@ -62,6 +63,23 @@ struct HybridDomains {
   // waits for: every rank in direct mode; in hybrid mode its own domain (over NVLink) and its rail
   // peers (over the scale-out transport).
   __device__ bool hears_from(int r) const { return !on || local(r) || r % U == rail; }
+  // The rank of this domain that passes r's notify words and records on to this rank (r in another
+  // domain, on another rail: notify's relayed words, the forward kernel's records), else -1 (r writes
+  // them here itself, or this rank relays them after a wait of its own that names r).
+  __device__ int relayer(int r) const { return on && !local(r) && r % U != rail ? dom * U + r % U : -1; }
+};
+
+// Whom a wait for rank r's words or records names (commkit's TimeoutRecord peer and op): the relayer,
+// with r in the code (launch.hpp kOpOriginShift), when one passes them on; else r.
+struct WaitFor {
+  int peer;
+  uint32_t op;
+  __device__ WaitFor(const HybridDomains& hd, uint32_t base_op, int r) : peer(hd.relayer(r)), op(base_op) {
+    if (peer < 0)
+      peer = r;
+    else
+      op |= uint32_t(r + 1) << kOpOriginShift;
+  }
 };
 
 
@@ -142,16 +160,11 @@ struct NoScaleout {
   __device__ void put_value(int, uint64_t, uint64_t) const {}
 };
 
-// Word w of this rank's dispatch geometry (sizing.hpp kGeometryWords): what must be equal on every
-// rank for the records one rank writes to be where and what its peers read.
+// Word w of this rank's dispatch geometry (geometry.hpp): what must be equal on every rank for the
+// records one rank writes to be where and what its peers read.
 __device__ __forceinline__ uint32_t dispatch_geometry_word(const DispatchParams& p, int w) {
-  switch (w) {
-    case 0: return uint32_t(p.num_max_tokens_per_rank);
-    case 1: return uint32_t(p.hidden_bytes);
-    case 2: return (uint32_t(p.num_experts) << 16) | (uint32_t(p.num_topk) << 8) | (uint32_t(p.num_sf_packs) & 0xffu);
-    default: return (uint32_t(p.expert_alignment < 0xffffff ? p.expert_alignment : 0xffffff) << 8) |
-                    uint32_t(p.zero_copy != 0);
-  }
+  return dispatch_geometry_value(w, p.num_max_tokens_per_rank, p.hidden_bytes, p.num_experts, p.num_topk,
+                                 p.num_sf_packs, p.expert_alignment, p.zero_copy != 0);
 }
 // A refusal or protocol error for the host (HostWorkspaceLayout::geometry): which peer, what, both
 // values; the running total last, so the host reads a complete report.
@@ -194,7 +207,8 @@ __device__ bool check_geometry(const Ctx& cx, const DispatchParams& p, uint64_t 
   for (int i = threadIdx.x; i < cx.tr.num_ranks * kGeometryWords && ok; i += blockDim.x) {
     const int r = i / kGeometryWords, w = i % kGeometryWords;
     const uint64_t* word = cx.local_u64(cx.ws.geometry, i);
-    ok = commkit::wait_tag_ge(word, uint32_t(E), cx.timeout_ns, cx.rec, op, cx.tr.rank, r);
+    const WaitFor from(cx.hd, op, r);  // hybrid mode: relayed words name their relayer too
+    ok = commkit::wait_tag_ge(word, uint32_t(E), cx.timeout_ns, cx.rec, from.op, cx.tr.rank, from.peer);
     if (ok && uint32_t(commkit::ld_relaxed(word)) != dispatch_geometry_word(p, w))
       atomicMin(reinterpret_cast<unsigned*>(mismatch), unsigned(i));  // -1 is the largest: the lowest is named
   }

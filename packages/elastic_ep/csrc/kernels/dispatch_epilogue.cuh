@@ -24,9 +24,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_copy_epilogue_impl(CommV
   if (dispatch_refused(cx, E)) return;
   bool ok = true;
   // Overlapped: no wait here; each chunk of 32 slots is awaited below as it lands.
-  if (tid < R && !p.overlap)
-    ok = commkit::wait_ge(cx.local_u64(cx.ws.dispatch_done, tid), E, cx.timeout_ns, cx.rec, kOpDispatchEpilogue,
-                          rank, tid);
+  // Hybrid mode: another domain's records come from this domain's forwarder on their rail (WaitFor).
+  if (tid < R && !p.overlap) {
+    const WaitFor from(cx.hd, kOpDispatchEpilogue, tid);
+    ok = commkit::wait_ge(cx.local_u64(cx.ws.dispatch_done, tid), E, cx.timeout_ns, cx.rec, from.op, rank, from.peer);
+  }
   if (tid < R) psum[tid] = p.psum_rank[tid];
   if (tid < L) unal[tid] = p.unaligned_expert[tid];
   if (__syncthreads_or(!ok)) return;

@@ -345,12 +345,17 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify(CommView c, Dispa
     notify_outcome(cx, E, failed ? kNotifyFailed : kNotifyOk);
     return;
   }
-  for (int s = tid; s < R && ok; s += kThreads)
-    ok = commkit::wait_tag_ge(cx.local_u64(cx.ws.rank_count, s), uint32_t(E), cx.timeout_ns, cx.rec,
-                              kOpDispatchNotify, rank, s);
-  for (int i = tid; i < R * L && ok; i += kThreads)
-    ok = commkit::wait_tag_ge(cx.local_u64(cx.ws.expert_count, i), uint32_t(E), cx.timeout_ns, cx.rec,
-                              kOpDispatchNotify, rank, i / L);
+  // Hybrid mode: another domain's counts come from this domain's rank on their rail (WaitFor).
+  for (int s = tid; s < R && ok; s += kThreads) {
+    const WaitFor from(cx.hd, kOpDispatchNotify, s);
+    ok = commkit::wait_tag_ge(cx.local_u64(cx.ws.rank_count, s), uint32_t(E), cx.timeout_ns, cx.rec, from.op, rank,
+                              from.peer);
+  }
+  for (int i = tid; i < R * L && ok; i += kThreads) {
+    const WaitFor from(cx.hd, kOpDispatchNotify, i / L);
+    ok = commkit::wait_tag_ge(cx.local_u64(cx.ws.expert_count, i), uint32_t(E), cx.timeout_ns, cx.rec, from.op, rank,
+                              from.peer);
+  }
   for (int i = tid; p.zero_copy && i < rank * R && ok; i += kThreads)
     ok = commkit::wait_tag_ge(cx.local_u64(cx.ws.count_matrix, i), uint32_t(E), cx.timeout_ns, cx.rec,
                               kOpDispatchNotify, rank, i / R);

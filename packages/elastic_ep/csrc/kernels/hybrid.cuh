@@ -120,7 +120,8 @@ __global__ void __launch_bounds__(kThreads, 1) hybrid_dispatch_forward_kernel(
   // The last block: every relayed record is written, so each destination here may read this
   // domain's rows of every rail peer's source. After a protocol error (this kernel's or an earlier
   // one's: the runtime is unusable) only this rank is told: the others here would read slots this
-  // kernel left unwritten, and time out naming the source instead; this rank's host raises the report.
+  // kernel left unwritten, and time out naming this rank as the relayer of the source's records (WaitFor);
+  // this rank's host raises the report.
   grid_finish(cx, kCtrHybridForward, [&] {
     count_rail_signals(cx, hd);
     const bool reported = commkit::ld_relaxed(&cx.counters[kCtrProtocolReported]) != 0u;

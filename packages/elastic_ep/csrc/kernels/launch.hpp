@@ -55,6 +55,10 @@ enum OpCode : uint32_t {
   kOpLowLatencyDispatch = 15,
   kOpLowLatencyCombine = 16,
 };
+// Hybrid mode: a wait for the words or records of a rank in another domain and on another rail, which a
+// rank of this domain passes on (the relayer), records the relayer as the peer (the rank that did not
+// deliver) and the other rank + 1 in the code's bits from kOpOriginShift up; op_name reads the low bits.
+constexpr int kOpOriginShift = 16;
 const char* op_name(uint32_t op);
 
 struct DispatchParams {

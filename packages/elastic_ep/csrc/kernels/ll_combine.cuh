@@ -58,7 +58,11 @@ __device__ __forceinline__ void ll_combine_send(const LlCall& call, const LlComb
     const int route = p.route[pos], t = p.src_info[pos];
     const int src = route >> 8, k = route & 0xff;
     if (src < 0 || src >= R || k >= K || t < 0 || t >= M) {
-      if (lane == 0 && sl == 0) report_protocol_once(cx, call.c, src, kProtocolLlRecord, uint32_t(route), uint32_t(t));
+      // The value out of range and its bound (kProtocolLlRecord), as the dispatch's receive reports them.
+      const bool bad_src = src < 0 || src >= R, bad_lane = !bad_src && k >= K;
+      if (lane == 0 && sl == 0)
+        report_protocol_once(cx, call.c, src, kProtocolLlRecord, uint32_t(bad_src ? src : bad_lane ? k : t),
+                             uint32_t(bad_src ? R : bad_lane ? K : M));
       continue;
     }
     if (call.masked(src) || (in_place && src == cx.tr.rank)) continue;

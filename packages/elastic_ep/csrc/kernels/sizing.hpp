@@ -354,9 +354,7 @@ constexpr uint64_t kRefusedBit = 1ull << 31;
 constexpr uint64_t kGeometryBit = 1ull << 30;
 constexpr uint64_t kCountMask = kGeometryBit - 1ull;
 // Dispatch geometry: every rank sends each peer these words of its call, (epoch << 32) | value, and
-// compares the peers' with its own before any record is read or written (dispatch_geometry_word):
-// [0] num_max_tokens_per_rank, [1] hidden bytes (hidden x element size), [2] (num_experts << 16) |
-// (num_topk << 8) | scale packs (mod 256), [3] (expert_alignment, at most 2^24 - 1) << 8 | zero_copy.
+// compares the peers' with its own before any record is read or written (layout: geometry.hpp).
 constexpr int kGeometryWords = 4;
 // Protocol errors notify and the epilogue report through the same words (HostWorkspaceLayout::geometry):
 // a peer's count above num_max_tokens_per_rank (peer's count, M), a peer's record naming a source token
@@ -490,7 +488,8 @@ struct HostWorkspaceLayout {
   Region geometry;      // u64[4]: [0] running total of refusals reported, [1] (peer << 8) | what of the
                         // last one, [2] the peer's value, [3] this rank's (written before [0] is
                         // raised). What: a geometry word 0..3 (kGeometryWords), or a protocol error
-                        // (kProtocolCount, kProtocolSource, kProtocolPlacement: a corrupted peer word)
+                        // (kProtocol*: a corrupted peer word). A signed value (a token, lane, rank or
+                        // row index, a low-latency count) may be its 32 bits: the host reads it as int32
   uint64_t bytes;
 };
 

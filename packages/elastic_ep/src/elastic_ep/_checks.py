@@ -24,6 +24,7 @@ INT64_MAX = 2 ** 63 - 1
 MAX_TOPK = int(_C.MAX_TOPK)
 MAX_EXPERTS = int(_C.MAX_EXPERTS)
 MAX_LOCAL_EXPERTS = int(_C.MAX_LOCAL_EXPERTS)
+MAX_SF_PACKS = int(_C.MAX_SF_PACKS)  # what the ranks' geometry words compare whole (kernels/geometry.hpp)
 FP8 = torch.float8_e4m3fn
 _C_INT = " (the native runtime takes a C int)"
 _X_DTYPES = (torch.bfloat16, FP8)
@@ -312,8 +313,8 @@ def dispatch_args(buf: Any, x: Any, topk_idx: Any, topk_weights: Any, stats: Any
         if x.dtype != FP8:
             raise ValueError(f"sf: scales are only meaningful with float8_e4m3fn x, got x of {x.dtype}")
         check_tensor("sf", sf, _SF_DTYPES, 2, dev, shape=(T, None), contiguous=False)
-        if sf.shape[1] == 0:
-            raise ValueError(f"sf: expected at least one scale pack per token, got shape {tuple(sf.shape)}")
+        if not 0 < sf.shape[1] <= MAX_SF_PACKS:
+            raise ValueError(f"sf: expected 1 to {MAX_SF_PACKS} scale packs per token, got shape {tuple(sf.shape)}")
     elem = x.element_size()
     if (H * elem) % 16:
         raise ValueError(f"x: a row must be a multiple of 16 bytes, got hidden={H} x {elem} B")

@@ -28,7 +28,10 @@ class EPHandle:
     refused by every later one). Zero-copy dispatches (``dispatch(zero_copy=True)``) keep
     ``direct_base`` (``[R]`` int32: where this rank's rows start at each destination, reused by cached
     zero-copy dispatches) and ``views_serial`` (the buffer's dispatch serial number whose ``recv_x``
-    views the handle's outputs are; 0 when its outputs are plain tensors).
+    views the handle's outputs are; 0 when its outputs are plain tensors). ``dispatch_id``: the serial number
+    of the dispatch that made the handle on its runtime, which every rank counts alike (the torch runtime's;
+    0 on the native one): a combine or cached dispatch whose ranks pass handles of different dispatches is
+    refused on every rank (``_geometry.handle_word``).
     """
 
     do_expand: bool
@@ -53,6 +56,7 @@ class EPHandle:
     buffer_id: int = 0
     direct_base: Optional[torch.Tensor] = None
     views_serial: int = 0
+    dispatch_id: int = 0
 
     @property
     def num_tokens(self) -> int:

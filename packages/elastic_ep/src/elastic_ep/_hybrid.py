@@ -44,8 +44,9 @@ for this rail; a receiver: that the row's source is on its forwarder's rail and 
 the destination and sender of each combine row. A row that fails is placed nowhere and the call raises
 ``CommError`` naming the stage, the rank, the peer and the word; a forwarder that finds one still runs
 the next stage (nobody is left waiting), sending each of that stage's peers a row marked invalid in
-place of what it dropped, so those ranks raise too instead of returning rows with a gap; every
-rank's exchanges of the call complete and the next call starts in step.
+place of what it dropped (its rank word ``_MARK - r``, r the rank whose row it dropped), so those ranks
+raise too instead of returning rows with a gap, naming both the forwarder and that rank; every rank's
+exchanges of the call complete and the next call starts in step.
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ from ._domains import Domains
 __all__ = ["HybridExchange", "ForwardMetadata", "forward_metadata", "as_bytes", "from_bytes"]
 
 _EXTRA = 16  # bytes appended to each row in flight: two int64 (see each stage)
+_MARK = -2   # a marker row's rank word is _MARK - r: r's row could not be relayed (module docstring)
 
 # (send rows, per-destination counts, stage name, bad ids or None, num_experts, geometry words or None)
 #   -> (recv rows, per-source counts)
@@ -129,6 +131,21 @@ def _violation(stage: str, rank: int, peers: torch.Tensor, verb: str,
                                f"{word} is {int(values[i])} (a corrupted word); no row was placed where it points. "
                                "Every rank's exchanges of this call completed: the buffer stays usable")
     return err, bad_rows
+
+
+def _marker_error(stage: str, rank: int, peers: torch.Tensor, words: torch.Tensor,
+                  num_ranks: int) -> Optional[Exception]:
+    """The error of the first marker row (a rank word ``_MARK - r``, ``0 <= r < num_ranks``) among rows
+    received from ``peers``: that peer could not relay a row rank ``r`` sent it; None when none is."""
+    marked = (words <= _MARK) & (words > _MARK - num_ranks)
+    if not bool(marked.any()):
+        return None
+    i = int(torch.nonzero(marked)[0, 0])
+    relayer, origin = int(peers[i]), _MARK - int(words[i])
+    return _C.CommError(f"hybrid {stage} [rank {rank}]: protocol error: rank {relayer} could not relay a row rank "
+                        f"{origin} sent it (that row carried a corrupted word; rank {relayer} raised naming it), so "
+                        "this call's rows here are incomplete and none was placed. Every rank's exchanges of this "
+                        "call completed: the buffer stays usable")
 
 
 def _replace(rows: torch.Tensor, bad: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
@@ -237,8 +254,9 @@ class HybridExchange:
         err1, bad1 = _violation("dispatch scale-out stage", me, from1, "sent this rank to relay", [
             (src1 != from1, "source rank", src1), ((mask1 < 1) | (mask1 > full), "scale-up mask", mask1),
             ((tok1 < 0) | (tok1 >= M), "token index", tok1)])
-        if bad1 is not None:  # every rank here gets a row whose source is -1
-            recv1 = _replace(recv1, bad1, torch.full((1,), -1, device=dev), torch.full((1,), full, device=dev))
+        if bad1 is not None:  # every rank here gets a marker naming the first bad row's sender
+            origin = from1[torch.nonzero(bad1)[0, 0]]
+            recv1 = _replace(recv1, bad1, (_MARK - origin).view(1), torch.full((1,), full, device=dev))
             payload1, src1, mask1 = _split(recv1)
         F = recv1.shape[0]
         _, fi, fb = fanout = _fanout(mask1, U)
@@ -255,6 +273,9 @@ class HybridExchange:
         payload, src, mask2 = _split(recv2)
         tok = _token(payload)
         from2 = _sources(got2, dev)
+        marker = _marker_error("dispatch scale-up stage", me, from2, src, R)
+        if marker is not None:
+            raise marker
         err2, _ = _violation("dispatch scale-up stage", me, from2, "relayed", [
             ((src < 0) | (src >= R) | (src % U != from2 % U), "source rank", src),
             ((mask2 < 1) | (mask2 > full) | ((mask2 >> u_me) & 1 == 0), "scale-up mask", mask2),
@@ -296,9 +317,10 @@ class HybridExchange:
         err1, bad1 = _violation("combine scale-up stage", me, from1, "sent this rank to relay", [
             (sender1 != from1, "sender rank", sender1),
             ((dst1 < 0) | (dst1 >= R) | (dst1 % U != u_me), "destination rank", dst1)])
-        if bad1 is not None:  # every rail peer gets a row whose sender is -1
+        if bad1 is not None:  # every rail peer gets a marker naming the first bad row's sender
             rails = torch.arange(S, device=dev) * U + u_me
-            recv1 = _replace(recv1, bad1, rails, torch.full_like(rails, -1))
+            origin = from1[torch.nonzero(bad1)[0, 0]]
+            recv1 = _replace(recv1, bad1, rails, torch.full_like(rails, _MARK) - origin)
             _, dst1, _ = _split(recv1)
         order2 = torch.argsort(dst1, stable=True)
         counts2 = torch.bincount(dst1, minlength=R).tolist() if recv1.shape[0] else [0] * R
@@ -308,6 +330,9 @@ class HybridExchange:
             raise err1
         payload, dst2, sender = _split(recv2)
         from2 = _sources(got2, dev)
+        marker = _marker_error("combine scale-out stage", me, from2, sender, R)
+        if marker is not None:
+            raise marker
         err2, _ = _violation("combine scale-out stage", me, from2, "relayed", [
             (dst2 != me, "destination rank", dst2),
             ((sender < 0) | (sender >= R) | (sender // U != from2 // U), "sender rank", sender)])

@@ -77,16 +77,31 @@ _PROTOCOL_ERRORS = {
        "[0, {mine}) (a corrupted expert id or slot); it was relayed nowhere and the other ranks of this domain "
        "were not told that rank's rows are complete",
     # Low-latency mode (csrc/kernels/sizing.hpp kProtocolLl*; 8 and 9 are the geometry words, ll_geometry_error).
-    10: "rank {peer} sent a low-latency count of {theirs} tokens, more than num_max_dispatch_tokens_per_rank={mine} "
-        "(a corrupted count word)",
-    11: "a low-latency message or handle row from rank {peer} names a token or lane out of range ({theirs}, bound "
-        "{mine}; a corrupted message, or a handle changed after low_latency_dispatch returned it)",
+    10: "rank {peer} sent a low-latency count of {theirs} tokens, outside [0, num_max_dispatch_tokens_per_rank="
+        "{mine}] (a corrupted count word)",
+    11: "a low-latency message or handle row from rank {peer} names a token, lane or rank out of range ({theirs}, "
+        "bound {mine}; a corrupted message, or a handle changed after low_latency_dispatch returned it)",
     12: "rank {peer}'s low-latency signal is from call {theirs}, this rank is at call {mine}: the ranks' low-latency "
         "calls are out of step (every rank must make the same low-latency calls, each hook called once)",
     13: "a combine slot of this rank's own row holds row index {theirs}, outside x's {mine} rows (the window was "
         "written where only this rank writes: a corrupted slot; or a caller of the raw _C runtime left "
         "CombineParams.num_x_rows unset)",
 }
+# The reports whose first value is a signed int32 a peer wrote (a source token, expert id or slot, count,
+# token or lane, row index): the kernels may store its 32 bits (sizing.hpp HostWorkspaceLayout::geometry).
+_SIGNED_THEIRS = frozenset((5, 7, 10, 11, 13))
+
+
+def _int32(v: int) -> int:
+    """A report value read as the int32 its low 32 bits hold (whether stored zero- or sign-extended)."""
+    return (int(v) + (1 << 31)) % (1 << 32) - (1 << 31)
+
+
+def protocol_error_text(what: int, peer: int, theirs: int, mine: int) -> str:
+    """What a protocol report (``_PROTOCOL_ERRORS``' code ``what``) says, its values as their fields are:
+    a signed one negative where the peer wrote a negative value."""
+    return _PROTOCOL_ERRORS[what].format(peer=peer, theirs=_int32(theirs) if what in _SIGNED_THEIRS else theirs,
+                                         mine=mine)
 
 
 def ll_geometry_error(word: int, peer: int, theirs: int, mine: int) -> str:
@@ -287,7 +302,8 @@ class NativeWindow(Runtime):
         Collective: every rank must call it. Calling it twice raises."""
         if self._destroyed:
             raise RuntimeError("ElasticBuffer.destroy() was already called")
-        torch.cuda.synchronize(self.device)
+        # No torch.cuda.synchronize here: the runtime's destroy() waits for the device with a deadline
+        # (a kernel that waits without one, num_gpu_timeout_secs=0, would hold an unbounded one forever).
         self._destroyed = True
         self._buffer_u8 = None  # zero-copy views of the window dangle from here (documented)
         if self._rt is not None:
@@ -379,7 +395,7 @@ class NativeWindow(Runtime):
             self._rt.mark_broken(msg)
             return CommError(msg)
         if word in _PROTOCOL_ERRORS:
-            what = _PROTOCOL_ERRORS[word].format(peer=peer, theirs=theirs, mine=mine)
+            what = protocol_error_text(word, peer, theirs, mine)
             op = "combine" if word == 13 else "low-latency call" if word >= 10 else "dispatch"
             msg = (f"{op} [rank {self.rank_idx}]: protocol error: {what}; nothing was written where it "
                    "points. This buffer is unusable: destroy it on every rank and create a new one")

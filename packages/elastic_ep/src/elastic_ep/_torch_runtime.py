@@ -12,7 +12,9 @@ dispatch
     2. One ``all_to_all_single`` of the per-destination counts, each with the sender's count of expert
        ids outside ``[-1, E)`` and its geometry words (the native runtime's, ``_geometry``): every rank
        refuses the call when any rank has bad ids or another geometry (``ValueError`` naming the lowest
-       such rank, the argument and both values; no row moves). Then
+       such rank, the argument and both values; no row moves). A cached dispatch sends the serial number
+       of its handle's dispatch too (``_geometry.handle_word``; 0: none), refused alike when the ranks'
+       differ. Then
        one of packed byte records ``[x | sf | topk_idx (int64) | topk_weights (zeros when None) |
        token index]`` (every dtype travels as bytes, so FP8 and BF16 work on gloo too).
     3. The receiver keeps the rows grouped by source rank in rank order (the native runtime's
@@ -33,7 +35,10 @@ combine
     expand mode), then rounds to BF16 once. Weights are not multiplied: they are routed back, lane
     ``k`` taken from the rank that owns expert ``topk_idx[t, k]`` (0 for masked lanes, and from a rank
     that passed none). The counts' exchange carries combine's geometry (the bytes per row of ``x``, the
-    handle's ``num_max_tokens_per_rank``, ``num_experts`` and top-k), refused as dispatch's.
+    handle's ``num_max_tokens_per_rank``, ``num_experts`` and top-k) and the serial number of the handle's
+    dispatch, refused as dispatch's: handles of two dispatches of the same shapes (two micro-batches)
+    would return rows by another routing than the one they came by. Every rank passing the same older
+    handle is fine (a cached handle).
 
 hybrid mode
     With more than one logical scale-out domain (``_domains``) the two exchanges above run as the
@@ -61,10 +66,12 @@ from ._events import EventHandle
 from ._domains import Domains
 from ._handle import EPHandle
 from ._hybrid import HybridExchange, as_bytes as _as_bytes, from_bytes as _from_bytes
-from ._geometry import GEOMETRY_WORDS, combine_geometry, dispatch_geometry, geometry_error
+from ._geometry import GEOMETRY_WORDS, combine_geometry, dispatch_geometry, geometry_error, handle_word
 from ._runtime import CombineArgs, DispatchArgs, DispatchResult, Runtime
 
 __all__ = ["TorchRuntime"]
+
+_WORDS = GEOMETRY_WORDS + 1  # a call's geometry words and its handle word (_geometry.HANDLE_WORD)
 
 
 class TorchRuntime(Runtime):
@@ -89,6 +96,9 @@ class TorchRuntime(Runtime):
         self.allow_multiple_reduction = allow_multiple_reduction
         self.num_cpu_timeout_secs = num_cpu_timeout_secs
         self.buffer_id = buffer_id
+        # Dispatches entered, the same count on every rank (each enters every dispatch): a handle's
+        # dispatch_id, which combine and cached dispatches compare across ranks.
+        self._num_dispatches = 0
         self.destroyed = False
         self._check_ids = not settings.skip_index_check  # bad ids refuse the dispatch unless skipped
         # Test hook: a torch.Generator here makes expand mode place rows inside each expert segment in
@@ -153,9 +163,10 @@ class TorchRuntime(Runtime):
         """Exchange rows of a uint8 ``[n, B]`` tensor; returns the received rows and per-source counts.
 
         ``bad_ids``: ``(count, example)`` of this rank's expert ids outside ``[-1, num_experts)``;
-        ``geometry``: this call's geometry words (``dispatch_geometry`` / ``combine_geometry``; None:
-        not compared, as every rank's call of ``stage`` passes). Both travel with the counts, so when
-        any rank has bad ids or another geometry every rank raises a ``ValueError`` before the rows move
+        ``geometry``: this call's geometry words (``dispatch_geometry`` / ``combine_geometry``) and its
+        handle word (``handle_word``); None: not compared, as every rank's call of ``stage`` passes. Both
+        travel with the counts, so when any rank has bad ids or other words every rank raises a
+        ``ValueError`` before the rows move
         (as the native backend's refusal): nobody is left waiting in the second exchange, and the buffer
         stays usable.
 
@@ -166,8 +177,8 @@ class TorchRuntime(Runtime):
         dev = self.device
         R = self.num_ranks
         nb, example = bad_ids if bad_ids is not None else (0, 0)
-        words = list(geometry) if geometry is not None else [0] * GEOMETRY_WORDS
-        # [R, 3 + W]: to each destination, (row count, this rank's bad ids, an example of one, its geometry)
+        words = list(geometry) if geometry is not None else [0] * _WORDS
+        # [R, 3 + W]: to each destination, (row count, this rank's bad ids, an example of one, its words)
         counts = torch.tensor([[c, nb, example, *words] for c in send_counts], dtype=torch.int64, device=dev)
         recv_counts_t = torch.empty_like(counts)
         self._wait(dist.all_to_all_single(recv_counts_t, counts, group=self.group, async_op=True),
@@ -178,7 +189,7 @@ class TorchRuntime(Runtime):
             # every rank sees every rank's words, so all refuse alike.
             for r, row in enumerate(got):
                 if row[3:] != words:
-                    w = next(i for i in range(GEOMETRY_WORDS) if row[3 + i] != words[i])
+                    w = next(i for i in range(_WORDS) if row[3 + i] != words[i])
                     raise geometry_error(stage.split(" ", 1)[0], self.rank_idx, r, w, row[3 + w], words[w])
         recv_counts = [int(row[0]) for row in got]
         refused = [r for r in range(R) if got[r][1] > 0]
@@ -259,6 +270,7 @@ class TorchRuntime(Runtime):
         R, me = self.num_ranks, self.rank_idx
         h = a.handle
         cached_mode = h is not None
+        self._num_dispatches += 1
         x, sf, topk_weights = a.x, a.sf, a.topk_weights
         topk_idx = a.topk_idx.to(torch.int64)  # DeepEP's 32-bit topk_idx_t too
         T, H, K = a.num_tokens, a.hidden, a.num_topk
@@ -277,7 +289,7 @@ class TorchRuntime(Runtime):
 
         send, send_counts, sent_tokens, dst_buffer_slot_idx = self._send_records(a, topk_idx, L)
         forward = (None, None)
-        geometry = dispatch_geometry(a)
+        geometry = (*dispatch_geometry(a), handle_word(h))
         if self.hybrid is not None:
             recv, recv_counts, forward = self.hybrid.dispatch(send, send_counts, sent_tokens, T, num_max_tokens_per_rank,
                                                               bad_ids, num_experts, geometry)
@@ -366,7 +378,8 @@ class TorchRuntime(Runtime):
                                   recv_src_metadata, dst_buffer_slot_idx, *forward, buffer_id=self.buffer_id,
                                   # No window here: zero-copy outputs are plain tensors; the field only marks
                                   # the handle as zero-copy for cached dispatches (as the native one's).
-                                  direct_base=torch.zeros(R, dtype=torch.int32, device=dev) if a.zero_copy else None)
+                                  direct_base=torch.zeros(R, dtype=torch.int32, device=dev) if a.zero_copy else None,
+                                  dispatch_id=self._num_dispatches)
         if a.previous_event_before_epilogue is not None:
             a.previous_event_before_epilogue.current_stream_wait()
         event = EventHandle() if a.async_with_compute_stream else None
@@ -438,7 +451,7 @@ class TorchRuntime(Runtime):
                  _as_bytes(w_vec if w_vec is not None else torch.zeros((rows.shape[0], K), dtype=torch.float32,
                                                                        device=dev))]
         send = torch.cat(parts, 1)
-        geometry = combine_geometry(a)
+        geometry = (*combine_geometry(a), handle_word(h))
         if self.hybrid is not None:
             recv, recv_counts = self.hybrid.combine(send, rec_counts, geometry)
         else:
