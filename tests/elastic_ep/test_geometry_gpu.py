@@ -72,7 +72,7 @@ def test_native_dispatch_refuses_a_rank_with_other_geometry(tmp_path, field, cpu
 
 def corrupt_worker(rank, world, rdzv, kind):
     """Rank 0 sends rank 1 a corrupted word (ELASTIC_EP_TEST_CORRUPT, read when the buffer is made):
-    a count above num_max_tokens_per_rank, or records naming source tokens outside rank 0's range (with
+    a count above num_max_tokens_per_rank, a row count for one of rank 1's experts above top-k x that, or records naming source tokens outside rank 0's range (with
     "own_row", rank 0's combine corrupts its own slots instead: see the last test). Rank 1
     reports a protocol error naming rank 0 (at once for the count, which notify checks before sizing
     anything; at its next call for the records, which the epilogue checks as it copies) and writes
@@ -98,6 +98,8 @@ def corrupt_worker(rank, world, rdzv, kind):
 
 @pytest.mark.multigpu(2, shared_ok=True)
 @pytest.mark.parametrize("kind,says", [("count", f"rank 0 sent a count of {T + 1} tokens"),
+                                       ("expert_count", f"rank 0 sent a count of {K * T + 1} rows for one of this "
+                                                        "rank's experts"),
                                        ("source", "a record in rank 0's area names source token")])
 @pytest.mark.fault
 def test_native_dispatch_reports_a_corrupted_peer_word(tmp_path, kind, says):

@@ -305,7 +305,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify(CommView c, Dispa
     }
     for (int e = tid; e < p.num_experts; e += kThreads) {
       const int r = e / L, l = e % L;
-      const uint64_t w = tag | uint64_t(expert_cnt[e]);
+      uint64_t w = tag | uint64_t(expert_cnt[e]);
+      if (p.test_corrupt == 5 && r == (rank + 1) % R && r != rank && l == 0)
+        w = tag | (uint64_t(p.num_topk) * uint64_t(p.num_max_tokens_per_rank) + 1ull);
       if (hd.local(r))
         cx.tr.put_u64(r, cx.ws.expert_count.offset + 8ull * (rank * L + l), w);
       else
@@ -373,14 +375,20 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_notify(CommView c, Dispa
   for (int s = tid; s < R; s += kThreads)
     if ((*cx.local_u64(cx.ws.rank_count, s) & kCountMask) > uint64_t(p.num_max_tokens_per_rank))
       atomicCAS(&s_bad_count, -1, s);
+  // R + i: expert count word i (so that the report names the word that is wrong, with its own bound).
   for (int i = tid; i < R * L; i += kThreads)
     if ((*cx.local_u64(cx.ws.expert_count, i) & 0xffffffffull) > uint64_t(K) * uint64_t(p.num_max_tokens_per_rank))
-      atomicCAS(&s_bad_count, -1, i / L);
+      atomicCAS(&s_bad_count, -1, R + i);
   __syncthreads();
   if (s_bad_count >= 0) {
-    const int s = s_bad_count;
-    refuse_dispatch(c, p, E, cx, L, s, kProtocolCount, *cx.local_u64(cx.ws.rank_count, s) & kCountMask,
-                    uint64_t(p.num_max_tokens_per_rank));
+    const int bad = s_bad_count;
+    if (bad < R)
+      refuse_dispatch(c, p, E, cx, L, bad, kProtocolCount, *cx.local_u64(cx.ws.rank_count, bad) & kCountMask,
+                      uint64_t(p.num_max_tokens_per_rank));
+    else
+      refuse_dispatch(c, p, E, cx, L, (bad - R) / L, kProtocolExpertCount,
+                      *cx.local_u64(cx.ws.expert_count, bad - R) & 0xffffffffull,
+                      uint64_t(K) * uint64_t(p.num_max_tokens_per_rank));
     return;
   }
   // Reuse the shared arrays: running[] = tokens from each source, expert_cnt[] = aligned per local expert.

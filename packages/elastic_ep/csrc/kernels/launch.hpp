@@ -117,8 +117,9 @@ struct DispatchParams {
   // num_max_tokens_per_rank + 1 tokens (hybrid mode: relayed when that rank is in another domain);
   // 2 = the records the push writes to peers (hybrid mode: and stages for the rail peers to relay)
   // name a source token outside every rank's range; 3 = hybrid mode: the staged records route every
-  // lane to a slot past num_max_tokens_per_rank. The receivers (the forwarders for 3) must report a
-  // protocol error and write nothing past.
+  // lane to a slot past num_max_tokens_per_rank; 5 = the count word of that rank's first local expert
+  // claims num_topk x num_max_tokens_per_rank + 1 rows. The receivers (the forwarders for 3) must
+  // report a protocol error and write nothing past.
   int test_corrupt;
 };
 

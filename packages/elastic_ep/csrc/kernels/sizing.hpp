@@ -370,6 +370,8 @@ constexpr int kProtocolCount = 4, kProtocolSource = 5, kProtocolPlacement = 6, k
 constexpr int kProtocolLlGeometry = 8, kProtocolLlCount = 10, kProtocolLlRecord = 11, kProtocolLlSeq = 12;
 // The combine's reduce: a slot of this rank's own row holds an index outside x (the index, x's rows).
 constexpr int kProtocolOwnRow = 13;
+// Notify: a peer's row count for one of this rank's experts above K x M (the count, K x M).
+constexpr int kProtocolExpertCount = 14;
 // grid_counter words kGridCounterEpochSlot and the next hold the u64 epoch of the last completed
 // operation (launch.cu; 8-byte aligned: the region is 128-byte aligned and the slot even).
 constexpr int kGridCounterEpochSlot = 8;

@@ -56,10 +56,11 @@ class Settings:
     #: ELASTIC_EP_PEER_WATCH_MS: how often the runtime checks that the peers' processes on this host
     #: still run (a dead one ends this rank's waits at once); 0 turns the watch off.
     peer_watch_ms: int = 200
-    #: ELASTIC_EP_TEST_CORRUPT=count|source|route|own_row: this rank's dispatch sends a peer a corrupted
-    #: count word or corrupted record source ids, or (hybrid mode) stages records for its rail peers with
-    #: routes out of range, or its combine leaves row indices past x in its own slots (fault-injection
-    #: tests; 0 off, 1 count, 2 source, 3 route, 4 own_row).
+    #: ELASTIC_EP_TEST_CORRUPT=count|source|route|own_row|expert_count: this rank's dispatch sends a peer a
+    #: corrupted count word or corrupted record source ids, or (hybrid mode) stages records for its rail
+    #: peers with routes out of range, or its combine leaves row indices past x in its own slots, or it
+    #: sends a peer's expert a corrupted row count (fault-injection tests; 0 off, 1 count, 2 source,
+    #: 3 route, 4 own_row, 5 expert_count).
     test_corrupt: int = 0
     #: ELASTIC_EP_TEST_FAIL_RELEASE=step[,step]: destroy() reports these release steps as failed (they
     #: still run), e.g. cudaIpcCloseMemHandle(peers), cudaFree(window), ncclMemFree; "*": all (tests).
@@ -89,7 +90,7 @@ class Settings:
             test_notify_atomics=_is("ELASTIC_EP_TEST_NOTIFY_ATOMICS", "1"),
             test_drop_scaleout_signals=_is("ELASTIC_EP_TEST_DROP_SCALEOUT_SIGNALS", "1"),
             peer_watch_ms=max(0, _int("ELASTIC_EP_PEER_WATCH_MS", 200)),
-            test_corrupt={"count": 1, "source": 2, "route": 3, "own_row": 4}.get(
+            test_corrupt={"count": 1, "source": 2, "route": 3, "own_row": 4, "expert_count": 5}.get(
                 os.environ.get("ELASTIC_EP_TEST_CORRUPT", ""), 0),
             test_fail_release=os.environ.get("ELASTIC_EP_TEST_FAIL_RELEASE", ""),
             num_scaleup_ranks=num_scaleup_ranks(),

@@ -86,10 +86,12 @@ _PROTOCOL_ERRORS = {
     13: "a combine slot of this rank's own row holds row index {theirs}, outside x's {mine} rows (the window was "
         "written where only this rank writes: a corrupted slot; or a caller of the raw _C runtime left "
         "CombineParams.num_x_rows unset)",
+    14: "rank {peer} sent a count of {theirs} rows for one of this rank's experts, more than num_topk x "
+        "num_max_tokens_per_rank={mine} (a corrupted count word)",
 }
 # The reports whose first value is a signed int32 a peer wrote (a source token, expert id or slot, count,
 # token or lane, row index): the kernels may store its 32 bits (sizing.hpp HostWorkspaceLayout::geometry).
-_SIGNED_THEIRS = frozenset((5, 7, 10, 11, 13))
+_SIGNED_THEIRS = frozenset((5, 7, 10, 11, 13, 14))
 
 
 def _int32(v: int) -> int:
@@ -396,7 +398,7 @@ class NativeWindow(Runtime):
             return CommError(msg)
         if word in _PROTOCOL_ERRORS:
             what = protocol_error_text(word, peer, theirs, mine)
-            op = "combine" if word == 13 else "low-latency call" if word >= 10 else "dispatch"
+            op = {13: "combine", 14: "dispatch"}.get(word, "low-latency call" if word >= 10 else "dispatch")
             msg = (f"{op} [rank {self.rank_idx}]: protocol error: {what}; nothing was written where it "
                    "points. This buffer is unusable: destroy it on every rank and create a new one")
             self._rt.mark_broken(msg)
