@@ -23,9 +23,11 @@
 # A CUDA 13 build loading cu12's libnccl is checked for symbols and version only: each links its CUDA
 # runtime statically, so they load side by side, but running the extension needs a driver for its own
 # CUDA major version whatever the NCCL (the summary says so; a GPU machine checks the rest).
+# NCCL_MATRIX_REQUIRED=1 makes NOT RUN a failure (where an index is expected: a mirror that lacks
+# NVIDIA's packages answers as no index would).
 # Exit status: 0 passed, or NOT RUN because an NCCL wheel could not be downloaded (no package index
 # reachable, said on a "NOT RUN:" line); 1 an index answered without the pinned version, or a build or a
-# check failed; 2 bad settings.
+# check failed, or NOT RUN with NCCL_MATRIX_REQUIRED=1; 2 bad settings.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 log() { echo "[nccl-matrix] $*"; }
@@ -123,6 +125,8 @@ if [ ${#NOT_RUN[@]} -gt 0 ]; then
   for what in "${NOT_RUN[@]}"; do echo "[nccl-matrix] NOT RUN: could not download $what"; done
   log "the matrix needs every NCCL of NCCL_MATRIX: give pip an index, or set NCCL_MATRIX_CACHE to a folder"
   log "where a run with one installed them"
+  # A mirror without NVIDIA's packages reads as no index too: where one is expected, NOT RUN is a failure.
+  if [ "${NCCL_MATRIX_REQUIRED:-0}" = 1 ]; then log "NCCL_MATRIX_REQUIRED=1: failing"; exit 1; fi
   exit $STATUS
 fi
 [ $STATUS = 0 ] || exit 1
@@ -144,7 +148,8 @@ build() {
     tail -30 "$blog" >&2; bad "$spec: build (log: $blog)"; return
   fi
   TIMES[i]="$(( $(date +%s) - t0 )) s$again"
-  so=$(ls "$WORK/ext/$name"/elastic_ep/_C.*.so)
+  so=$(ls "$WORK/ext/$name"/elastic_ep/_C.*.so 2>/dev/null | head -1) || true
+  if [ -z "$so" ]; then bad "$spec: the build installed no elastic_ep/_C.*.so (log: $blog)"; return; fi
   SOS[i]=$so
   log "$spec: built in ${TIMES[i]}"
   # Every NCCL function the build links must be one the floor exports.
@@ -171,7 +176,7 @@ probe() {
   ln -f "${SOS[b]}" "$site/elastic_ep/" 2>/dev/null || cp "${SOS[b]}" "$site/elastic_ep/"
   ln -s "$CACHE/$(safe "${SPECS[l]}")/nvidia" "$site/nvidia"
   [ -n "$pre" ] && env_pre=("LD_PRELOAD=$pre")
-  out=$(cd "$WORK" && env -u LD_LIBRARY_PATH -u LD_PRELOAD -u PYTHONPATH "${env_pre[@]}" "$PY" "$WORK/probe.py" \
+  out=$(cd "$WORK" && env -u LD_LIBRARY_PATH -u LD_PRELOAD -u PYTHONPATH ${env_pre[@]+"${env_pre[@]}"} "$PY" "$WORK/probe.py" \
         "$site/elastic_ep/$(basename "${SOS[b]}")" "$(lib_of "$want")" "${CODES[want]}" 2>&1) || rc=$?
   if [ $rc != 0 ]; then echo "FAILED: $(echo "$out" | tail -1)"; return 1; fi
   local built got abi gin

@@ -5,8 +5,11 @@ on the CUDA-IPC window.
 Rank 0 dispatches (no CPU sync) while rank 1, alive, makes no call: rank 0's kernels wait for rank 1's
 counts without a deadline. Rank 0's destroy() gives the device the destroy barrier's deadline (30 s when
 the buffer has none), then ends this rank's device waits through the timeout record and keeps the window;
-it raises within a few seconds of that deadline (CommError: the operation that never finished, the window
-kept), the buffer marked broken for that reason, and the CUDA context stays usable. Rank 1's own destroy() afterwards returns at once (it entered no operation).
+it raises within a few seconds of that deadline (CommError: the device was still busy, the window kept),
+the buffer marked broken for that reason, and the CUDA context stays usable. Rank 1's own destroy()
+afterwards returns at once: it entered no operation on this CUDA-IPC window, so it runs no destroy
+barrier (a peer that did, or any peer on an NCCL window, waits for that barrier's deadline and raises
+that a peer did not reach destroy()).
 
 ``via="runtime"`` calls the native runtime's destroy() (``_C.Runtime``) first; ``via="buffer"`` calls
 only the Python buffer's ``destroy()``, which bounds the whole call only when nothing in it synchronises
@@ -71,6 +74,6 @@ def test_destroy_is_bounded_without_a_device_deadline(tmp_path, via):
     assert DESTROY_DEADLINE_S - 1.0 < took < DESTROY_DEADLINE_S + 10.0, f"rank 0's destroy() took {took:.1f} s"
     assert broken and "destroy() ended its device waits" in reason, (broken, reason)
     # Nothing else told the caller that the dispatch never finished: destroy() says so, by rank.
-    assert "destroy() on rank 0" in raised and "ended its device waits" in raised and "kept" in raised, raised
+    assert "destroy() on rank 0" in raised and "ended this buffer's device waits" in raised and "kept" in raised, raised
     assert usable, "rank 0's CUDA context is unusable after destroy()"
     assert res[1] < 5.0, f"rank 1's destroy() took {res[1]:.1f} s"

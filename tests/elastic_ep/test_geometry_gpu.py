@@ -72,10 +72,10 @@ def test_native_dispatch_refuses_a_rank_with_other_geometry(tmp_path, field, cpu
 
 def corrupt_worker(rank, world, rdzv, kind):
     """Rank 0 sends rank 1 a corrupted word (ELASTIC_EP_TEST_CORRUPT, read when the buffer is made):
-    a count above num_max_tokens_per_rank, a row count for one of rank 1's experts above top-k x that, or records naming source tokens outside rank 0's range (with
-    "own_row", rank 0's combine corrupts its own slots instead: see the last test). Rank 1
-    reports a protocol error naming rank 0 (at once for the count, which notify checks before sizing
-    anything; at its next call for the records, which the epilogue checks as it copies) and writes
+    a count above num_max_tokens_per_rank, a row count for one of rank 1's experts above top-k x that,
+    or records naming source tokens outside rank 0's range (with "own_row", rank 0's combine corrupts
+    its own slots instead: see the last test). Rank 1 reports a protocol error naming rank 0 (at once
+    for the counts, which notify checks before sizing anything; at its next call for the records, which the epilogue checks as it copies) and writes
     nothing where the word points; rank 0 learns of rank 1 through a named timeout or the peer watch
     (rank 1's process ends after it raised), never a hang."""
     import os

@@ -68,9 +68,9 @@ def test_geometry_refusal_without_cpu_sync_is_raised_by_the_next_call(streams):
     (11, 2 ** 32 - 7, 8, "from rank 1 names a token, lane or rank out of range (-7, bound 8;"),
     (13, 2 ** 32 - 1, 4, "a combine slot of this rank's own row holds row index -1, outside x's 4 rows"),
     # An expert's row count (notify, as the token count: at once) names itself, not the token count.
-    (14, 4 * T + 1, 4 * T, f"rank 1 sent a count of {4 * T + 1} rows for one of this rank's experts, more than "
-                           f"num_topk x num_max_tokens_per_rank={4 * T}"),
-    (14, 2 ** 32 - 1, 4 * T, "rank 1 sent a count of -1 rows for one of this rank's experts"),
+    (14, 4 * T + 1, 4 * T, f"rank 1 sent a count of {4 * T + 1} rows for one of this rank's experts, outside "
+                           f"[0, num_topk x num_max_tokens_per_rank={4 * T}]"),
+    (14, 2 ** 32 - 1, 4 * T, "rank 1 sent a count of -1 rows for one of this rank's experts, outside [0, "),
 ])
 @pytest.mark.fault
 def test_corrupted_peer_word_is_a_protocol_error_and_the_buffer_unusable(streams, what, theirs, mine, says):

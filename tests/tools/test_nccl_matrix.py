@@ -83,6 +83,12 @@ def test_no_package_index_is_not_run_and_passes(tmp_path):
     assert "building" not in out and "FAILED" not in out
 
 
+def test_no_package_index_fails_where_one_is_required(tmp_path):
+    _needs_pip_stage()
+    rc, out = _run(tmp_path, PIP_NO_INDEX="1", PIP_INDEX_URL="file:///nonexistent", NCCL_MATRIX_REQUIRED="1")
+    assert rc == 1 and "NOT RUN: could not download" in out and "NCCL_MATRIX_REQUIRED=1: failing" in out, out
+
+
 def test_unreachable_index_is_not_run_even_when_a_mirror_answers(tmp_path):
     # Offline machine with a local mirror that holds another NCCL: pip sees versions, but not from the index.
     _needs_pip_stage()

@@ -16,13 +16,14 @@
 //   With COMMKIT_WITH_CUDA (the CUDA build):
 //   synchronize_device(device, timeout_ns, on_timeout) -> DeviceSyncResult
 //       cudaSetDevice(device) + cudaDeviceSynchronize() on a DetachedCall (in place: the calling
-//       thread's current device becomes `device`). When timeout_ns passes first, on_timeout() runs once
+//       thread's current device becomes `device`). When timeout_ns passes first, on_timeout() (noexcept,
+//       checked at compile time) runs once
 //       (e.g. end this instance's device waits through its abort flag) and the device gets timeout_ns
 //       once more. DeviceSyncResult: finished (false: the device still runs; the thread stays behind
 //       until it finishes), timed_out (on_timeout ran), error (what the synchronisation returned, when
 //       finished), failure(whose) (why it failed in words, "" when it did not: `whose` names the owner
 //       of the waits on_timeout ended, e.g. "this instance's").
-// Errors: nothing thrown but what on_timeout() and an in-place fn() throw (and std::bad_alloc).
+// Errors: nothing thrown but what an in-place fn() throws (and std::bad_alloc).
 #pragma once
 
 #include <condition_variable>

@@ -67,11 +67,11 @@ bool Core::wait_for_device(uint64_t timeout_ns, std::string* failure) {
 #if COMMKIT_WITH_CUDA
   // On a helper thread (commkit/device_sync.hpp): a kernel that waits forever (timeout_seconds = 0)
   // must not hold destroy() past its deadline.
-  const commkit::DeviceSyncResult r = commkit::synchronize_device(device_, timeout_ns, [this] {
+  const commkit::DeviceSyncResult r = commkit::synchronize_device(device_, timeout_ns, [this]() noexcept {
     // This instance's kernels may be waiting without a deadline for a peer that never comes: every
     // wait polls the record's flag, so claiming it ends them. The device gets the deadline once more.
-    if (rec_host_ != nullptr && commkit::ld_acquire(&rec_host_->flag) == kFlagClear)
-      commkit::st_release(&rec_host_->flag, kFlagHostAbort);
+    // A CAS: a device report that claimed the record meanwhile is kept, not overwritten.
+    if (rec_host_ != nullptr) (void)commkit::cas(&rec_host_->flag, kFlagClear, kFlagHostAbort);
     broken_ = true;
   });
   *failure = r.failure("this instance's");

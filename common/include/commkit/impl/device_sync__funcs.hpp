@@ -61,6 +61,8 @@ inline std::string DeviceSyncResult::failure(const char* whose) const {
 
 template <typename OnTimeout>
 DeviceSyncResult synchronize_device(int device, uint64_t timeout_ns, OnTimeout&& on_timeout) {
+  // A throw from it would skip the caller's handling of a device that still runs (keep, do not free).
+  static_assert(noexcept(on_timeout()), "synchronize_device: on_timeout must be noexcept");
   DetachedCall<cudaError_t> sync([device] {
     const cudaError_t e = cudaSetDevice(device);
     return e == cudaSuccess ? cudaDeviceSynchronize() : e;

@@ -195,15 +195,22 @@ Teardown Runtime::quiesce(commkit::TeardownLog& log) {
   }
   set_device();
   // With num_gpu_timeout_secs = 0 a kernel may wait forever for a peer that never comes; teardown may
-  // not: the device gets the destroy barrier's deadline, on a helper thread (commkit/device_sync.hpp).
-  const uint64_t deadline_ns = gpu_timeout_ns_ > 0 ? gpu_timeout_ns_ : kDestroyDeadlineNs;
-  const commkit::DeviceSyncResult synced = commkit::synchronize_device(device_, deadline_ns, [this] {
+  // not: the device gets a deadline, on a helper thread (commkit/device_sync.hpp). The synchronisation
+  // waits for all work of the device, not only this buffer's, and with a device deadline each of this
+  // buffer's waits may take that long: the bound is then that deadline plus the destroy barrier's.
+  const uint64_t barrier_ns = gpu_timeout_ns_ > 0 ? gpu_timeout_ns_ : kDestroyDeadlineNs;
+  const uint64_t deadline_ns = gpu_timeout_ns_ > 0 ? gpu_timeout_ns_ + kDestroyDeadlineNs : kDestroyDeadlineNs;
+  const commkit::DeviceSyncResult synced = commkit::synchronize_device(device_, deadline_ns, [this]() noexcept {
     // Every device wait of this rank polls the timeout record: claiming it (as the peer watch does)
     // ends them; the device then gets the deadline once more. Op 0 and no peer: no operation expired,
     // and nothing reads the record of a destroyed buffer.
     commkit::claim_timeout_record(host_workspace_layout().timeout.at<commkit::TimeoutRecord>(host_ws_.get()), 0u,
                                   rank_, -1, 0);
-    mark_broken("destroy() ended its device waits");
+    try {
+      mark_broken("destroy() ended its device waits");
+    } catch (...) {  // no memory for the reason: broken all the same
+      broken_ = true;
+    }
   });
   if (!synced.finished) {
     log.note(synced.failure("this buffer's"));
@@ -213,9 +220,9 @@ Teardown Runtime::quiesce(commkit::TeardownLog& log) {
   if (synced.timed_out) {
     // Its operations were ended half way: the peers are out of step, as after a timeout (see above).
     // Reported: nothing else told the caller that an operation never finished.
-    log.note(commkit::str("an operation of this buffer was still waiting after ", double(deadline_ns) * 1e-9,
-                          " s (e.g. for a peer that never made the same call; num_gpu_timeout_secs=",
-                          gpu_timeout_ns_ / 1000000000ull, "), so destroy() ended its device waits"));
+    log.note(commkit::str("the device was still busy after ", double(deadline_ns) * 1e-9, " s (e.g. an operation "
+                          "of this buffer waiting for a peer that never made the same call; num_gpu_timeout_secs=",
+                          gpu_timeout_ns_ / 1000000000ull, "), so destroy() ended this buffer's device waits"));
     return Teardown::kLeak;
   }
   if (window_->peer_bases() != nullptr && (entered_ || !ipc())) {
@@ -231,7 +238,7 @@ Teardown Runtime::quiesce(commkit::TeardownLog& log) {
     // timeout (destroy_nccl_comm / process exit release it). With num_gpu_timeout_secs = 0 (no device
     // deadline) the operations may wait forever, but teardown may not: it gets its own deadline.
     CommView v = view();
-    v.timeout_ns = deadline_ns;
+    v.timeout_ns = barrier_ns;
     launch_barrier(v, nullptr);
     const cudaError_t barrier = cudaDeviceSynchronize();
     // Decided on the real result: a test hook only changes what is reported (commkit/teardown.hpp).

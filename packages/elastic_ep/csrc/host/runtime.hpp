@@ -15,8 +15,9 @@
 // Teardown: destroy() is collective. Once every rank reached it (a device barrier with a deadline;
 // kDestroyDeadlineNs when the buffer has none) the window is released together; after a timeout (or a
 // peer that never arrives) nothing but the events and the stream is freed (Teardown::kLeak): kernels may
-// still spin on the memory. The device gets that deadline to finish this rank's kernels first; past it
-// their waits are ended through the timeout record and the window is kept (kLeak) too. A constructor
+// still spin on the memory. The device gets a deadline to finish first (that barrier's, plus the device
+// deadline when there is one); past it this rank's waits are ended through the timeout record and the
+// window is kept (kLeak) too. A constructor
 // that fails frees what it made (Teardown::kLocal).
 #pragma once
 
@@ -221,7 +222,7 @@ class Runtime {
   // The hybrid view of the window (after the peers' windows are known).
   void make_domain_view();
   // The device synchronised (with a deadline, then this rank's device waits ended and the deadline once
-  // more), then (where a peer may still write here) a barrier of every rank with that deadline: how
+  // more), then (where a peer may still write here) a barrier of every rank with its own deadline: how
   // destroy() may tear down.
   Teardown quiesce(commkit::TeardownLog& log);
   // The one teardown path of the runtime's memory and its window (window.hpp's Teardown); the events

@@ -59,10 +59,11 @@ __device__ __forceinline__ void ll_combine_send(const LlCall& call, const LlComb
     const int src = route >> 8, k = route & 0xff;
     if (src < 0 || src >= R || k >= K || t < 0 || t >= M) {
       // The value out of range and its bound (kProtocolLlRecord), as the dispatch's receive reports them.
+      // A source out of range names no peer: the row is this rank's own handle's, so this rank is named.
       const bool bad_src = src < 0 || src >= R, bad_lane = !bad_src && k >= K;
       if (lane == 0 && sl == 0)
-        report_protocol_once(cx, call.c, src, kProtocolLlRecord, uint32_t(bad_src ? src : bad_lane ? k : t),
-                             uint32_t(bad_src ? R : bad_lane ? K : M));
+        report_protocol_once(cx, call.c, bad_src ? cx.tr.rank : src, kProtocolLlRecord,
+                             uint32_t(bad_src ? src : bad_lane ? k : t), uint32_t(bad_src ? R : bad_lane ? K : M));
       continue;
     }
     if (call.masked(src) || (in_place && src == cx.tr.rank)) continue;

@@ -86,8 +86,8 @@ _PROTOCOL_ERRORS = {
     13: "a combine slot of this rank's own row holds row index {theirs}, outside x's {mine} rows (the window was "
         "written where only this rank writes: a corrupted slot; or a caller of the raw _C runtime left "
         "CombineParams.num_x_rows unset)",
-    14: "rank {peer} sent a count of {theirs} rows for one of this rank's experts, more than num_topk x "
-        "num_max_tokens_per_rank={mine} (a corrupted count word)",
+    14: "rank {peer} sent a count of {theirs} rows for one of this rank's experts, outside [0, num_topk x "
+        "num_max_tokens_per_rank={mine}] (a corrupted count word)",
 }
 # The reports whose first value is a signed int32 a peer wrote (a source token, expert id or slot, count,
 # token or lane, row index): the kernels may store its 32 bits (sizing.hpp HostWorkspaceLayout::geometry).
@@ -301,7 +301,13 @@ class NativeWindow(Runtime):
     # ------------------------------------------------------------------ life and health
     def destroy(self) -> None:
         """Waits for all local work, then frees the window, device communicator and host workspace.
-        Collective: every rank must call it. Calling it twice raises."""
+        Collective: every rank must call it. Calling it twice raises.
+
+        Raises:
+            RuntimeError: called a second time.
+            CommError: a release failed, or the device did not finish this rank's operations within the
+                teardown deadline (its waits were then ended; the window is kept until the process exits).
+        """
         if self._destroyed:
             raise RuntimeError("ElasticBuffer.destroy() was already called")
         # No torch.cuda.synchronize here: the runtime's destroy() waits for the device with a deadline
