@@ -263,3 +263,57 @@ def test_interpreter_exit_without_destroy_is_quiet(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "done", (proc.returncode, proc.stdout, proc.stderr)
     assert proc.stderr.strip() == "", proc.stderr
+
+
+
+def test_the_last_collectives_stay_held_by_the_calling_thread(tmp_path):
+    """The torch runtime keeps the Work objects of its last exchanges (at most 4) until later calls
+    replace them, so their tensors are freed by the calling thread, never by a gloo worker thread: a
+    worker that drops the last reference to a finished collective takes the GIL to free the tensors'
+    Python objects (with plain torch about 1 % of the collectives whose Python references go at once
+    after wait()), which aborts a process exiting at that moment ("terminate called without an active
+    exception", the race behind the test above)."""
+    script = textwrap.dedent(f"""
+        import gc, sys, weakref
+        sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))!r})
+        import torch, torch.distributed as dist
+        from tests.elastic_ep._common import import_elastic_ep, make_inputs
+        ep = import_elastic_ep()
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+        real, works = dist.all_to_all_single, []
+
+        class Watched:  # the Work a collective returns, weakly referenced by the test
+            def __init__(self, work):
+                self.work = work
+
+            def wait(self, *args, **kwargs):
+                return self.work.wait(*args, **kwargs)
+
+        def watched(*args, **kwargs):
+            w = Watched(real(*args, **kwargs))
+            works.append(weakref.ref(w))
+            return w
+
+        dist.all_to_all_single = watched
+        buf = ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank={M}, hidden={H}, num_topk={K},
+                               backend="torch", explicitly_destroy=True)
+        inp = make_inputs(0, {M}, {H}, {K}, {E}, "bf16", 0, "cpu")
+        held = []
+        for _ in range(5):
+            recv_x, _, _, handle, _ = buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], num_experts={E})
+            buf.combine(recv_x, handle)
+            gc.collect()
+            held.append([i for i, w in enumerate(works) if w() is not None])
+        print(len(works), held)
+        buf.destroy()
+        dist.destroy_process_group()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
+    n, _, held = proc.stdout.strip().partition(" ")
+    held = eval(held)  # noqa: S307 - the child's own print of a list of lists of ints
+    # Each dispatch and combine exchanges twice (counts, rows): after each pair of calls the last ones
+    # are held, and no more than the last 4 of all of them.
+    assert int(n) == 4 * 5, n
+    for k, alive in enumerate(held):
+        assert alive == list(range(4 * k, 4 * k + 4)), (k, alive)

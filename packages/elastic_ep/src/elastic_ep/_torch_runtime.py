@@ -54,8 +54,9 @@ native kernels may produce.
 """
 from __future__ import annotations
 
+import collections
 import datetime
-from typing import List, Optional, Tuple
+from typing import Any, Deque, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -105,6 +106,14 @@ class TorchRuntime(Runtime):
         # a random order, as the native kernels' atomics may (exercises the deterministic sort).
         self.shuffle_generator: Optional[torch.Generator] = None
         self._gloo = dist.get_backend(group) == "gloo"
+        # The last collectives' Work objects. A process-group worker thread drops its reference to a
+        # finished collective after wait() returned; when that reference is the last, it frees the
+        # collective's tensors and takes the GIL to free their Python objects, which aborts a process
+        # that is exiting at that moment ("terminate called without an active exception": torch's race
+        # at interpreter shutdown, seen with gloo when a buffer keeps its group alive past
+        # destroy_process_group). Holding the Work here makes this thread free them instead. CPU groups
+        # only (the hold keeps a call's send buffers until the next calls'; they are small there).
+        self._recent_works: Deque[Any] = collections.deque(maxlen=4)
         self._comm_stream = None
         self.device = torch.device("cpu")
         if dist.get_backend(group) == "nccl":
@@ -150,6 +159,7 @@ class TorchRuntime(Runtime):
         if not self._gloo:
             work.wait()
             return
+        self._recent_works.append(work)  # see __init__
         try:
             work.wait(datetime.timedelta(seconds=self.num_cpu_timeout_secs))
         except RuntimeError as e:
@@ -208,6 +218,7 @@ class TorchRuntime(Runtime):
         if self.device.type == "cuda":
             work.wait()
             return
+        self._recent_works.append(work)  # see __init__
         try:
             ok = work.wait(timeout=datetime.timedelta(seconds=self.num_cpu_timeout_secs))
         except Exception as e:  # noqa: BLE001 - gloo reports an expired wait as RuntimeError
