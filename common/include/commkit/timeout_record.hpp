@@ -41,19 +41,32 @@ namespace commkit {
 
 // The fields first, the flag last (a release store): while the flag is still set no kernel can claim
 // the record, so one that claims it right after the clear never has its fields zeroed under it (a
-// whole-struct assignment may store the flag first).
-inline void clear_timeout_record(TimeoutRecord* rec) {
+// whole-struct assignment may store the flag first). `after_store` (tests only) runs after each store.
+template <typename AfterStore>
+inline void clear_timeout_record(TimeoutRecord* rec, AfterStore&& after_store) {
   volatile TimeoutRecord* r = rec;
   r->op = 0u;
+  after_store();
   r->rank = 0;
+  after_store();
   r->peer = -1;
+  after_store();
   r->expected = 0;
+  after_store();
   r->observed = 0;
+  after_store();
   r->waited_ns = 0u;
+  after_store();
   r->channel = 0u;
+  after_store();
   for (uint32_t& w : rec->reserved) w = 0u;
   fence_system();
   st_release(&rec->flag, 0u);
+  after_store();
+}
+
+inline void clear_timeout_record(TimeoutRecord* rec) {
+  clear_timeout_record(rec, [] {});
 }
 
 // Claims `rec` from the host as a device wait claims it (flag 0 -> 2, the fields, then 1), so that every

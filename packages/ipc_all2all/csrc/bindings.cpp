@@ -120,12 +120,14 @@ PYBIND11_MODULE(_C, m) {
       [](uint64_t record_ptr, py::object after_store) {
         CK_CHECK_ARG(record_ptr != 0 && record_ptr % alignof(commkit::TimeoutRecord) == 0,
                      "record_ptr must be a non-null address aligned to ", alignof(commkit::TimeoutRecord));
-        std::function<void()> cb;
-        if (!after_store.is_none()) cb = [&after_store] { after_store(); };
-        ipc_all2all::clear_failure_record(reinterpret_cast<commkit::TimeoutRecord*>(record_ptr), cb);
+        const bool hook = !after_store.is_none();
+        commkit::clear_timeout_record(reinterpret_cast<commkit::TimeoutRecord*>(record_ptr), [&] {
+          if (hook) after_store();
+        });
       },
       py::arg("record_ptr"), py::arg("after_store") = py::none(),
-      "Core::check's clear of a record it read; `after_store` (or None) runs after each of its stores.");
+      "Core::check's clear of a record it read (commkit::clear_timeout_record); `after_store` (or None) runs "
+      "after each of its stores.");
   m.attr("RECORD_FLAG_HOST_ABORT") = ipc_all2all::kFlagHostAbort;
   m.attr("OP_PEER_WATCH") = int(ipc_all2all::kPeerWatch);
   m.attr("DESTROY_TIMEOUT_SECONDS") = ipc_all2all::kDestroyTimeoutSeconds;

@@ -281,7 +281,7 @@ void Core::check() {
   const bool readable = got.state == RecordState::kReady || got.state == RecordState::kMalformed;
   const commkit::TimeoutRecord r = got.rec;
   // Pending: a device thread is still filling the record (microseconds); a later check reads it.
-  if (readable) clear_failure_record(rec_host_);
+  if (readable) commkit::clear_timeout_record(rec_host_);
   if (dead >= 0) {
     // From the watch's own state, not the record: its stores may have mixed with a kernel's report.
     // Once said, it explains every later failure of this instance: later records are dropped.

@@ -116,29 +116,6 @@ std::string plausible(const commkit::TimeoutRecord& r, int world, int rank) {
   return {};
 }
 
-void clear_failure_record(commkit::TimeoutRecord* rec, const std::function<void()>& after_store) {
-  volatile commkit::TimeoutRecord* v = rec;
-  const auto stored = [&] {
-    if (after_store) after_store();
-  };
-  v->op = 0;
-  stored();
-  v->rank = 0;
-  stored();
-  v->peer = -1;
-  stored();
-  v->expected = 0;
-  stored();
-  v->observed = 0;
-  stored();
-  v->waited_ns = 0;
-  stored();
-  v->channel = 0;
-  stored();
-  commkit::st_release(&rec->flag, kFlagClear);
-  stored();
-}
-
 RecordRead read_failure_record(const commkit::TimeoutRecord* rec, int world, int rank, int tries,
                                const std::function<void()>& between) {
   RecordRead out;

@@ -11,7 +11,7 @@
 //     state and reads no field of the record.
 //   * destroy() (host): flag = kFlagHostAbort when its deadline ends the kernels' waits (no fields).
 // Core::check clears a record it read (a call queued behind the failed one reports too) with
-// clear_failure_record: the fields while the flag still says 1, so no writer can claim it meanwhile,
+// commkit::clear_timeout_record: the fields while the flag still says 1, so no writer can claim it meanwhile,
 // then the flag. A whole-struct assignment could store the flag's 0 before the other zeros, and a
 // kernel claiming the record in between would see its fields overwritten by them.
 #pragma once
@@ -50,10 +50,6 @@ struct RecordRead {
 // a concurrent writer. Never throws; never trusts a field: see plausible().
 RecordRead read_failure_record(const commkit::TimeoutRecord* rec, int world, int rank, int tries = 100000,
                                const std::function<void()>& between = {});
-
-// Clears a record read complete (flag kFlagReady): every field, then flag = 0 (release). `after_store`
-// (tests only) runs after each store.
-void clear_failure_record(commkit::TimeoutRecord* rec, const std::function<void()>& after_store = {});
 
 // Empty when `r` could have been written by this rank's kernels or watch; else why not (its rank is
 // not this rank, an unknown operation, a peer outside [0, world) or this rank itself, ...).
