@@ -9,12 +9,18 @@
 //                               cudaGetErrorString) or when the hook names it. Returns true if failed.
 //   log.note(text)              a failure that is not one release (e.g. peers that never arrived).
 //   log.empty(), log.message()  nothing failed / every failure in order, "; "-separated.
+//   cuda_step(log, name, err)   (CUDA builds) log.step for a CUDA call's result, its error string the
+//                               detail.
 // Why: a destroy() that frees five things must free all five even when the first fails, and must
-// not report success when one failed. Host only; no CUDA (callers pass the CUDA result in words).
+// not report success when one failed. Host only; the log itself needs no CUDA.
 #pragma once
 
 #include <string>
 #include <utility>
+
+#if COMMKIT_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 namespace commkit {
 
@@ -48,5 +54,11 @@ class TeardownLog {
 
   std::string hook_, msg_;
 };
+
+#if COMMKIT_WITH_CUDA
+inline bool cuda_step(TeardownLog& log, const std::string& name, cudaError_t e) {
+  return log.step(name, e == cudaSuccess, cudaGetErrorString(e));
+}
+#endif
 
 }  // namespace commkit

@@ -45,9 +45,7 @@ class CudaBackend final : public CopyBackend {
   }
   std::string release() noexcept override {
     released_ = true;
-    const auto step = [this](const char* name, cudaError_t e) {
-      log_.step(name, e == cudaSuccess, cudaGetErrorString(e));
-    };
+    const auto step = [this](const char* name, cudaError_t e) { commkit::cuda_step(log_, name, e); };
     for (int i = 0; i < nstreams_; ++i)
       if (streams_[i]) step("cudaStreamSynchronize", cudaStreamSynchronize(streams_[i]));
     for (auto& e : start_) step("cudaEventDestroy", cudaEventDestroy(std::exchange(e, nullptr)));
@@ -106,8 +104,7 @@ class CudaBackend final : public CopyBackend {
   }
   void free_host(void* p) noexcept override {
     if (p == nullptr) return;
-    const cudaError_t e = cudaFreeHost(p);
-    log_.step("cudaFreeHost(staging)", e == cudaSuccess, cudaGetErrorString(e));
+    commkit::cuda_step(log_, "cudaFreeHost(staging)", cudaFreeHost(p));
     (void)cudaGetLastError();
   }
 

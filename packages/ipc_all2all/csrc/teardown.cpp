@@ -36,9 +36,7 @@ std::string release_hook() {
 std::string seconds(uint64_t ns) { return commkit::str(double(ns) * 1e-9, " s"); }
 
 #if COMMKIT_WITH_CUDA
-bool cuda_step(commkit::TeardownLog& log, const char* name, cudaError_t e) {
-  return log.step(name, e == cudaSuccess, cudaGetErrorString(e));
-}
+using commkit::cuda_step;
 
 // Polls `s` until its work finished or `deadline` passed (a copy engine may be held up too).
 bool wait_stream(cudaStream_t s, std::chrono::steady_clock::time_point deadline, cudaError_t* err) {

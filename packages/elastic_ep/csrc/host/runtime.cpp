@@ -216,7 +216,7 @@ Teardown Runtime::quiesce(commkit::TeardownLog& log) {
     log.note(synced.failure("this buffer's"));
     return Teardown::kLeak;
   }
-  log.step("cudaDeviceSynchronize", synced.error == cudaSuccess, cudaGetErrorString(synced.error));
+  commkit::cuda_step(log, "cudaDeviceSynchronize", synced.error);
   if (synced.timed_out) {
     // Its operations were ended half way: the peers are out of step, as after a timeout (see above).
     // Reported: nothing else told the caller that an operation never finished.
@@ -242,7 +242,7 @@ Teardown Runtime::quiesce(commkit::TeardownLog& log) {
     launch_barrier(v, nullptr);
     const cudaError_t barrier = cudaDeviceSynchronize();
     // Decided on the real result: a test hook only changes what is reported (commkit/teardown.hpp).
-    log.step("destroy barrier", barrier == cudaSuccess, cudaGetErrorString(barrier));
+    commkit::cuda_step(log, "destroy barrier", barrier);
     if (barrier != cudaSuccess) return Teardown::kLeak;
     if (commkit::ld_acquire(&host_workspace_layout().timeout.at<commkit::TimeoutRecord>(host_ws_.get())->flag) == 1u) {
       broken_ = true;
@@ -255,9 +255,7 @@ Teardown Runtime::quiesce(commkit::TeardownLog& log) {
 
 void Runtime::release(Teardown how, commkit::TeardownLog& log) noexcept {
   watch_.reset();  // its thread writes the timeout record in the host workspace
-  const auto step = [&log](const char* name, cudaError_t e) {
-    log.step(name, e == cudaSuccess, cudaGetErrorString(e));
-  };
+  const auto step = [&log](const char* name, cudaError_t e) { commkit::cuda_step(log, name, e); };
   // Events and the stream are local and may go with work pending on them (CUDA frees them once it
   // completes).
   for (CudaEvent* ev : {&event_in_, &event_out_, &notify_done_, &epi_done_}) {

@@ -77,10 +77,7 @@ class Window {
   Window(const WindowShape& shape, bool debug) : shape_(shape), debug_(debug) {}
   // What both backends release alike: the peers' addresses (the device array is this rank's memory).
   void release_peer_bases(Teardown how, commkit::TeardownLog& log) noexcept {
-    if (how != Teardown::kLeak && peer_bases_) {
-      const cudaError_t e = cudaFree(peer_bases_.get());
-      log.step("cudaFree(peer_bases)", e == cudaSuccess, cudaGetErrorString(e));
-    }
+    if (how != Teardown::kLeak && peer_bases_) commkit::cuda_step(log, "cudaFree(peer_bases)", cudaFree(peer_bases_.get()));
     peer_bases_.leak();
     host_peer_bases_.clear();
     base_ = nullptr;

@@ -59,12 +59,8 @@ void IpcWindow::release(Teardown how, commkit::TeardownLog& log) noexcept {
   release_peer_bases(how, log);
   // Nothing makes an IPC teardown collective: the runtime's barrier before kCollective does.
   if (how != Teardown::kLeak) {
-    cudaError_t e = commkit::close_ipc_handles(peers_);
-    log.step("cudaIpcCloseMemHandle(peers)", e == cudaSuccess, cudaGetErrorString(e));
-    if (mem_ != nullptr) {
-      e = cudaFree(mem_);
-      log.step("cudaFree(window)", e == cudaSuccess, cudaGetErrorString(e));
-    }
+    commkit::cuda_step(log, "cudaIpcCloseMemHandle(peers)", commkit::close_ipc_handles(peers_));
+    if (mem_ != nullptr) commkit::cuda_step(log, "cudaFree(window)", cudaFree(mem_));
   }
   peers_.assign(peers_.size(), nullptr);
   mem_ = nullptr;
